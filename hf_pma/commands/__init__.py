@@ -1,0 +1,1 @@
+"""Sub-commands of the ``hf-pma`` CLI (see :mod:`hf_pma.cli`)."""

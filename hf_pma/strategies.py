@@ -1,0 +1,154 @@
+"""Merge weights for N snapshots, oldest first. Pure Python: no torch, no files.
+
+Every function returns a list of N non-negative floats that sums to 1 (up to rounding), so a
+merge ``sum_i w_i * M_i`` never rescales the model.
+
+Strategies (i = 1 is the oldest snapshot, N the newest):
+
+* ``sma``: ``w_i = 1/N`` (the paper's default).
+* ``wma``: ``w_i = i / (1 + 2 + ... + N)``.
+* ``ema``: the recursion ``M^(1) = M_1``, ``M^(i) = a*M_i + (1-a)*M^(i-1)``, hence
+  ``w_1 = (1-a)^(N-1)`` and ``w_i = a(1-a)^(N-i)`` for ``i >= 2``.
+* ``linear-decay``, ``cosine-decay``, ``1-sqrt-decay``: decay emulation after WSM
+  (Tian et al. 2025, arXiv 2507.17634), see :func:`decay_emulation_weights`.
+* explicit weights: any non-negative list, normalized.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+__all__ = [
+    "STRATEGIES",
+    "DECAY_SHAPES",
+    "sma_weights",
+    "wma_weights",
+    "ema_weights",
+    "decay_emulation_weights",
+    "normalize_weights",
+    "merge_weights",
+    "gradient_weights",
+]
+
+
+def _check_count(n: int) -> None:
+    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        raise ValueError(f"the number of snapshots must be a positive integer, got {n!r}")
+
+
+def sma_weights(n: int) -> list[float]:
+    """Simple moving average: every snapshot weighs ``1/n``."""
+    _check_count(n)
+    return [1.0 / n] * n
+
+
+def wma_weights(n: int) -> list[float]:
+    """Weighted moving average: snapshot ``i`` (1 = oldest) weighs ``i / (n(n+1)/2)``."""
+    _check_count(n)
+    total = n * (n + 1) / 2
+    return [i / total for i in range(1, n + 1)]
+
+
+def ema_weights(n: int, alpha: float = 0.2) -> list[float]:
+    """Exponential moving average started from the oldest snapshot.
+
+    ``w_1 = (1-a)^(n-1)``, ``w_i = a (1-a)^(n-i)`` for ``i >= 2``: these sum to exactly 1, unlike
+    the paper's closed form ``a(1-a)^(n-i)`` for every ``i``.
+    """
+    _check_count(n)
+    if not (isinstance(alpha, (int, float)) and 0.0 < alpha <= 1.0):
+        raise ValueError(f"EMA alpha must be in (0, 1], got {alpha!r}")
+    weights = [alpha * (1.0 - alpha) ** (n - i) for i in range(1, n + 1)]
+    weights[0] = (1.0 - alpha) ** (n - 1)
+    return weights
+
+
+# Learning-rate decay shapes f(t) on t in [0, 1], with f(0) = 1 and f(1) = 0.
+DECAY_SHAPES: dict[str, Callable[[float], float]] = {
+    "linear": lambda t: 1.0 - t,
+    "cosine": lambda t: 0.5 * (1.0 + math.cos(math.pi * t)),
+    "1-sqrt": lambda t: 1.0 - math.sqrt(t),
+}
+
+
+def decay_emulation_weights(n: int, shape: str = "linear") -> list[float]:
+    """Merge weights that emulate a learning-rate decay over the window (WSM).
+
+    With constant-LR snapshots ``M_j = M_0 + sum_{k<=j} D_k`` (``D_k`` the update made between
+    snapshot ``k-1`` and ``k``), the merge ``sum_j c_j M_j`` equals ``M_0 + sum_k g_k D_k`` with
+    ``g_k = sum_{j>=k} c_j``: each update is scaled by a factor ``g_k``, exactly what a decayed
+    learning rate does to first order. To emulate a decay ``f`` (``f(0) = 1``, ``f(1) = 0``)
+    over the window we want ``g_k = f((k-1)/n)`` for ``k = 1..n+1``, hence
+
+        c_j = f((j-1)/n) - f(j/n)            for j = 1..n.
+
+    The updates up to the oldest snapshot keep factor 1, the final value 0 is reached just after
+    the newest snapshot, and the ``c_j`` sum to ``f(0) - f(1) = 1``. A linear decay gives
+    uniform weights: SMA.
+    """
+    _check_count(n)
+    if shape not in DECAY_SHAPES:
+        raise ValueError(f"unknown decay shape {shape!r}; choose one of {sorted(DECAY_SHAPES)}")
+    f = DECAY_SHAPES[shape]
+    return normalize_weights([f((j - 1) / n) - f(j / n) for j in range(1, n + 1)])
+
+
+def gradient_weights(merge_weights_: Sequence[float]) -> list[float]:
+    """Per-update scale factors ``g_k = sum_{j>=k} c_j`` implied by merge weights ``c`` (WSM)."""
+    out, running = [], 0.0
+    for c in reversed(list(merge_weights_)):
+        running += c
+        out.append(running)
+    return out[::-1]
+
+
+def normalize_weights(weights: Sequence[float]) -> list[float]:
+    """Scale explicit weights to sum to 1; refuse negative, non-finite or all-zero weights."""
+    values = [float(w) for w in weights]
+    if not values:
+        raise ValueError("weights must not be empty")
+    for i, w in enumerate(values):
+        if not math.isfinite(w):
+            raise ValueError(f"weight {i} is not finite: {weights[i]!r}")
+        if w < 0:
+            raise ValueError(f"weight {i} is negative ({w}); merge weights must be >= 0")
+    total = math.fsum(values)
+    if total <= 0:
+        raise ValueError("all weights are zero; at least one must be positive")
+    return [w / total for w in values]
+
+
+STRATEGIES = ("sma", "wma", "ema", "linear-decay", "cosine-decay", "1-sqrt-decay")
+
+
+def merge_weights(
+    n: int,
+    strategy: str = "sma",
+    alpha: float = 0.2,
+    weights: Sequence[float] | None = None,
+) -> list[float]:
+    """Weights of ``n`` snapshots (oldest first) for a strategy name, or explicit ``weights``.
+
+    Explicit ``weights`` win over ``strategy`` (pass ``strategy="custom"`` or any name) and must
+    have one entry per snapshot.
+    """
+    _check_count(n)
+    if weights is not None:
+        if len(weights) != n:
+            raise ValueError(f"got {len(weights)} weights for {n} snapshots; give one weight per snapshot")
+        return normalize_weights(weights)
+    if strategy == "sma":
+        return sma_weights(n)
+    if strategy == "wma":
+        return wma_weights(n)
+    if strategy == "ema":
+        return ema_weights(n, alpha)
+    if strategy.endswith("-decay") and strategy[: -len("-decay")] in DECAY_SHAPES:
+        return decay_emulation_weights(n, strategy[: -len("-decay")])
+    raise ValueError(f"unknown merge strategy {strategy!r}; choose one of {', '.join(STRATEGIES)} or give weights")
+
+
+def validate_strategy(strategy: str, alpha: float = 0.2) -> None:
+    """Raise ``ValueError`` now for a bad strategy name or alpha (used by argument checks)."""
+    merge_weights(2, strategy, alpha)
