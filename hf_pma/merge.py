@@ -1,0 +1,497 @@
+"""The streaming merge engine: ``M = sum_i w_i * M_i`` over N checkpoints, in bounded memory.
+
+Tensors are processed one at a time, in chunks of at most ``chunk_bytes`` of accumulator, read
+straight from the source files (see :mod:`hf_pma.safetensors_io`) and accumulated in float32
+(or float64); the output is written tensor by tensor into shards planned up front. Peak memory
+is a few chunk buffers, independent of N and of the model size; N tensors are never stacked.
+
+Everything is checked before the first byte is written (names, shapes, dtypes, headers,
+output folder), and the output is built in a temporary folder beside ``output_dir`` that is
+renamed into place only when complete: a failed merge leaves nothing at ``output_dir``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm.auto import tqdm
+from transformers.utils import logging
+
+from . import __version__
+from .safetensors_io import SafetensorsWriter, TensorInfo
+from .snapshots import MERGE_RECORD_NAME, atomic_write_json, fsync_dir, fsync_tree
+from .sources import CheckpointSource, CheckpointTensors, resolve_sources
+from .strategies import merge_weights
+
+logger = logging.get_logger(__name__)
+
+__all__ = [
+    "MergeError",
+    "merge_checkpoints",
+    "merge_state_dict",
+    "parse_dtype",
+    "parse_size",
+    "SUPPORT_FILES",
+]
+
+# Files copied from the newest source so that the merge is a self-contained model folder.
+SUPPORT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "adapter_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+)
+_FLOAT_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "float64": torch.float64,
+    "fp64": torch.float64,
+}
+_DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
+
+
+class MergeError(ValueError):
+    """The sources cannot be merged (mismatched tensors, non-finite values, ...)."""
+
+
+def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """``"bfloat16"`` / ``"bf16"`` / ``torch.bfloat16`` -> ``torch.bfloat16``; ``None`` stays ``None``."""
+    if dtype is None or isinstance(dtype, torch.dtype):
+        if isinstance(dtype, torch.dtype) and not dtype.is_floating_point:
+            raise ValueError(f"dtype must be a floating-point type, got {dtype}")
+        return dtype
+    key = str(dtype).lower().removeprefix("torch.")
+    if key not in _FLOAT_DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose float32, bfloat16 or float16")
+    return _FLOAT_DTYPES[key]
+
+
+def parse_size(size: int | str) -> int:
+    """``"5GB"`` -> 5_000_000_000, ``"2GiB"`` -> 2 * 2**30, ``1000`` -> 1000 (bytes)."""
+    if isinstance(size, int) and not isinstance(size, bool):
+        value = size
+    else:
+        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", str(size), flags=re.IGNORECASE)
+        if not match:
+            raise ValueError(f"cannot parse size {size!r}; use bytes or a value like '5GB' or '500MiB'")
+        number, unit = float(match.group(1)), (match.group(2) or "B").upper()
+        base = 1024 if "I" in unit else 1000
+        value = int(number * base ** "BKMGT".index(unit[0]))
+    if value <= 0:
+        raise ValueError(f"size must be positive, got {size!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class _TensorPlan:
+    """One output tensor: how to read it and what to write."""
+
+    name: str
+    shape: tuple[int, ...]
+    in_dtype: torch.dtype
+    out_dtype: torch.dtype
+
+    @property
+    def averaged(self) -> bool:
+        return self.in_dtype.is_floating_point
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    @property
+    def out_bytes(self) -> int:
+        return self.numel * self.out_dtype.itemsize
+
+
+def _validate(sources: Sequence[CheckpointSource], opened: Sequence[CheckpointTensors]) -> dict[str, TensorInfo]:
+    """Every source must have the same tensor names, shapes and dtypes; returns the first's infos."""
+    reference, ref_infos = sources[0], opened[0].infos
+    if not ref_infos:
+        raise MergeError(f"{reference.path} holds no tensors")
+    for source, tensors in zip(sources[1:], opened[1:]):
+        infos = tensors.infos
+        missing, extra = sorted(set(ref_infos) - set(infos)), sorted(set(infos) - set(ref_infos))
+        if missing or extra:
+            parts = []
+            if missing:
+                parts.append(f"lacks {len(missing)} tensor(s) of {reference.path}: {', '.join(missing[:5])}")
+            if extra:
+                parts.append(f"has {len(extra)} tensor(s) that {reference.path} lacks: {', '.join(extra[:5])}")
+            raise MergeError(f"different tensor names: {source.path} " + "; ".join(parts))
+        for name, ref in ref_infos.items():
+            info = infos[name]
+            if info.shape != ref.shape:
+                raise MergeError(
+                    f"tensor {name!r} has shape {list(info.shape)} in {source.path} but {list(ref.shape)} in {reference.path}"
+                )
+            if info.dtype != ref.dtype:
+                raise MergeError(f"tensor {name!r} is {info.dtype} in {source.path} but {ref.dtype} in {reference.path}")
+    return ref_infos
+
+
+def _plan(infos: dict[str, TensorInfo], dtype: torch.dtype | None) -> list[_TensorPlan]:
+    plans = []
+    for name in sorted(infos):
+        info = infos[name]
+        out = dtype if (dtype is not None and info.dtype.is_floating_point) else info.dtype
+        plans.append(_TensorPlan(name, info.shape, info.dtype, out))
+    return plans
+
+
+def _shard(plans: list[_TensorPlan], max_bytes: int) -> list[list[_TensorPlan]]:
+    """Greedy shards of at most ``max_bytes`` (a larger tensor gets a shard of its own)."""
+    shards: list[list[_TensorPlan]] = [[]]
+    size = 0
+    for plan in plans:
+        if shards[-1] and size + plan.out_bytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(plan)
+        size += plan.out_bytes
+    return shards
+
+
+class _ChunkMerger:
+    """Computes the merged elements of a tensor chunk by chunk, with reusable buffers."""
+
+    def __init__(
+        self,
+        sources: Sequence[CheckpointSource],
+        opened: Sequence[CheckpointTensors],
+        weights: Sequence[float],
+        accumulate_dtype: torch.dtype,
+        chunk_bytes: int,
+    ) -> None:
+        self.sources, self.opened, self.weights = sources, opened, list(weights)
+        self.acc_dtype = accumulate_dtype
+        self.chunk_elems = max(1, chunk_bytes // accumulate_dtype.itemsize)
+        self._read_buf = torch.empty(self.chunk_elems * 8, dtype=torch.uint8)
+        self._cmp_buf = torch.empty(0, dtype=torch.uint8)
+        self._acc = torch.empty(self.chunk_elems, dtype=accumulate_dtype)
+
+    def chunks(self, plan: _TensorPlan) -> Iterator[torch.Tensor]:
+        """Yield the merged tensor's elements in order, as 1-D chunks of ``plan.out_dtype``."""
+        for start in range(0, plan.numel, self.chunk_elems):
+            stop = min(plan.numel, start + self.chunk_elems)
+            if plan.averaged:
+                yield self._average(plan, start, stop)
+            else:
+                yield self._check_equal(plan, start, stop)
+
+    def _average(self, plan: _TensorPlan, start: int, stop: int) -> torch.Tensor:
+        acc = self._acc[: stop - start]
+        for i, (tensors, w) in enumerate(zip(self.opened, self.weights)):
+            x = tensors.read(plan.name, start, stop, self._read_buf)
+            if i == 0:
+                acc.copy_(x)
+                acc.mul_(w)
+            else:
+                acc.add_(x, alpha=w)  # promoted to the accumulator's dtype, no temporary
+        if not bool(torch.isfinite(acc).all()):
+            self._raise_non_finite(plan, start, stop)
+        return acc.to(plan.out_dtype) if plan.out_dtype != acc.dtype else acc
+
+    def _check_equal(self, plan: _TensorPlan, start: int, stop: int) -> torch.Tensor:
+        nbytes = (stop - start) * plan.in_dtype.itemsize
+        if self._cmp_buf.numel() < nbytes:
+            self._cmp_buf = torch.empty(nbytes, dtype=torch.uint8)
+        first = self.opened[0].read(plan.name, start, stop, self._cmp_buf)
+        for source, tensors in zip(self.sources[1:], self.opened[1:]):
+            other = tensors.read(plan.name, start, stop, self._read_buf)
+            if not torch.equal(first, other):
+                raise MergeError(
+                    f"integer/bool tensor {plan.name!r} differs between {self.sources[0].path} and {source.path}; "
+                    f"such tensors (buffers, counters) cannot be averaged and must be equal in every source"
+                )
+        return first
+
+    def _raise_non_finite(self, plan: _TensorPlan, start: int, stop: int) -> None:
+        for source, tensors in zip(self.sources, self.opened):
+            x = tensors.read(plan.name, start, stop, self._read_buf)
+            if not bool(torch.isfinite(x).all()):
+                raise MergeError(f"tensor {plan.name!r} in {source.path} holds non-finite values (NaN or Inf)")
+        raise MergeError(f"the merge of tensor {plan.name!r} overflowed {self.acc_dtype}")
+
+
+def _open_all(sources: Sequence[CheckpointSource]) -> list[CheckpointTensors]:
+    opened: list[CheckpointTensors] = []
+    try:
+        for source in sources:
+            opened.append(source.open())
+    except BaseException:
+        for tensors in opened:
+            tensors.close()
+        raise
+    return opened
+
+
+def _as_sources(sources: Any, last: int | None) -> list[CheckpointSource]:
+    if isinstance(sources, (list, tuple)) and sources and all(isinstance(s, CheckpointSource) for s in sources):
+        sources = list(sources)
+        if last is not None:
+            if len(sources) < last:
+                raise ValueError(f"asked for the last {last} sources but got only {len(sources)}")
+            sources = sources[-last:]
+        return sources
+    return resolve_sources(sources, last=last)
+
+
+def _check_accumulate_dtype(dtype: torch.dtype) -> None:
+    if dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"accumulate_dtype must be torch.float32 or torch.float64, got {dtype}")
+
+
+def merge_state_dict(
+    sources: Sequence[str | os.PathLike[str] | CheckpointSource],
+    strategy: str = "sma",
+    alpha: float = 0.2,
+    weights: Sequence[float] | None = None,
+    dtype: str | torch.dtype | None = None,
+    last: int | None = None,
+    accumulate_dtype: torch.dtype = torch.float32,
+    progress: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Merge checkpoints into an in-memory state dict (one model's worth of memory).
+
+    Same inputs, checks and arithmetic as :func:`merge_checkpoints`, for callers that load the
+    result straight into a model (merged evaluation, PMA-init, loss-spike recovery).
+    """
+    _check_accumulate_dtype(accumulate_dtype)
+    out_dtype = parse_dtype(dtype)
+    srcs = _as_sources(sources, last)
+    coefs = merge_weights(len(srcs), strategy, alpha, weights)
+    opened = _open_all(srcs)
+    try:
+        plans = _plan(_validate(srcs, opened), out_dtype)
+        merger = _ChunkMerger(srcs, opened, coefs, accumulate_dtype, _DEFAULT_CHUNK_BYTES)
+        state: dict[str, torch.Tensor] = {}
+        for plan in tqdm(plans, desc="Merging", unit="tensor", disable=not progress):
+            out = torch.empty(plan.numel, dtype=plan.out_dtype)
+            offset = 0
+            for chunk in merger.chunks(plan):
+                out[offset : offset + chunk.numel()].copy_(chunk)
+                offset += chunk.numel()
+            state[plan.name] = out.reshape(plan.shape)
+        return state
+    finally:
+        for tensors in opened:
+            tensors.close()
+
+
+def _check_output(output_dir: Path, sources: Sequence[CheckpointSource], overwrite: bool) -> None:
+    out = output_dir.resolve()
+    for source in sources:
+        src = source.path.resolve()
+        if out == src or out in src.parents or src in out.parents:
+            raise ValueError(f"output folder {output_dir} overlaps source {source.path}; choose another output folder")
+    if output_dir.exists():
+        if not output_dir.is_dir():
+            raise FileExistsError(f"output path {output_dir} exists and is not a folder")
+        if any(output_dir.iterdir()) and not overwrite:
+            raise FileExistsError(f"output folder {output_dir} is not empty; pass overwrite=True (--overwrite) to replace it")
+    if not output_dir.parent.exists():
+        output_dir.parent.mkdir(parents=True, exist_ok=True)
+    if not os.access(output_dir.parent, os.W_OK):
+        raise PermissionError(f"cannot write to {output_dir.parent}")
+
+
+def _copy_support_files(newest: CheckpointSource, dest: Path, out_dtype: torch.dtype | None) -> None:
+    names = [n for n in SUPPORT_FILES if (newest.path / n).is_file()]
+    names += sorted(p.name for p in newest.path.glob("*.py"))
+    config_name = "adapter_config.json" if newest.is_adapter else "config.json"
+    if config_name not in names:
+        raise FileNotFoundError(f"{newest.path} has no {config_name}; the merged folder would not load without it")
+    for name in names:
+        shutil.copy2(newest.path / name, dest / name)
+    if out_dtype is not None and (dest / "config.json").is_file():
+        config = json.loads((dest / "config.json").read_text())
+        for key in ("dtype", "torch_dtype"):
+            if key in config:
+                config[key] = str(out_dtype).removeprefix("torch.")
+        (dest / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _portable_path(path: Path, output_dir: Path) -> str:
+    """A relative path for the record (never an absolute one: the folder may be published)."""
+    rel = os.path.relpath(path.resolve(), output_dir.resolve())
+    return rel if rel.count("..") <= 2 else path.name
+
+
+def _merge_record(
+    sources: Sequence[CheckpointSource],
+    coefs: Sequence[float],
+    strategy: str,
+    alpha: float,
+    explicit: bool,
+    out_dtype: str,
+    accumulate_dtype: torch.dtype,
+    output_dir: Path,
+) -> dict[str, Any]:
+    entries = []
+    for source, weight in zip(sources, coefs):
+        rec = source.record
+        entries.append(
+            {
+                "name": source.name,
+                "path": _portable_path(source.path, output_dir),
+                "tokens": source.tokens,
+                "step": source.step,
+                "lr": rec.get("lr"),
+                "loss": rec.get("loss"),
+                "phase": rec.get("phase"),
+                "weight": weight,
+            }
+        )
+    interval = next((s.record.get("interval_tokens") for s in sources if s.record.get("interval_tokens")), None)
+    return {
+        "hf_pma_version": __version__,
+        "strategy": "custom" if explicit else strategy,
+        "alpha": alpha if strategy == "ema" and not explicit else None,
+        "weights": list(coefs),
+        "dtype": out_dtype,
+        "accumulate_dtype": str(accumulate_dtype).removeprefix("torch."),
+        "created": time.time(),
+        "interval_tokens": interval,
+        "num_sources": len(sources),
+        "sources": entries,
+    }
+
+
+def _write_shards(
+    tmp: Path,
+    prefix: str,
+    shards: list[list[_TensorPlan]],
+    merger: _ChunkMerger,
+    progress: bool,
+) -> None:
+    names = (
+        [f"{prefix}.safetensors"]
+        if len(shards) == 1
+        else [f"{prefix}-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+    )
+    bar = tqdm(total=sum(len(s) for s in shards), desc="Merging", unit="tensor", disable=not progress)
+    weight_map = {}
+    for filename, shard in zip(names, shards):
+        writer = SafetensorsWriter(tmp / filename, [(p.name, p.out_dtype, p.shape) for p in shard])
+        for plan in shard:
+            for chunk in merger.chunks(plan):
+                writer.write(plan.name, chunk)
+            weight_map[plan.name] = filename
+            bar.update(1)
+        writer.close()
+    bar.close()
+    if len(shards) > 1:
+        total = sum(p.out_bytes for shard in shards for p in shard)
+        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (tmp / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _publish(tmp: Path, output_dir: Path) -> None:
+    """Move the finished folder into place; an old output is removed only after that."""
+    old = None
+    if output_dir.exists():
+        old = output_dir.with_name(f".{output_dir.name}.old-{uuid.uuid4().hex[:8]}")
+        os.replace(output_dir, old)
+    os.replace(tmp, output_dir)
+    fsync_dir(output_dir.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def merge_checkpoints(
+    sources: Sequence[str | os.PathLike[str] | CheckpointSource] | str | os.PathLike[str],
+    output_dir: str | os.PathLike[str],
+    strategy: str = "sma",
+    alpha: float = 0.2,
+    weights: Sequence[float] | None = None,
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    last: int | None = None,
+    overwrite: bool = False,
+    accumulate_dtype: torch.dtype = torch.float32,
+    progress: bool = True,
+    chunk_bytes: int = _DEFAULT_CHUNK_BYTES,
+) -> Path:
+    """Merge checkpoints into a new Hugging Face model folder and return its path.
+
+    Args:
+        sources: model folders, snapshot folders, Trainer ``checkpoint-*`` folders, run folders
+            (a PMA manifest or ``checkpoint-*`` subfolders) or Hub ids; ordered oldest first by
+            tokens or step when known, else kept in the given order.
+        output_dir: the merged folder; created atomically.
+        strategy: ``sma``, ``wma``, ``ema``, ``linear-decay``, ``cosine-decay`` or ``1-sqrt-decay``.
+        alpha: EMA smoothing factor.
+        weights: explicit weights, oldest first (normalized; overrides ``strategy``).
+        dtype: output floating-point dtype; default: each tensor's input dtype.
+        max_shard_size: largest output shard, in bytes or like ``"5GB"``.
+        last: merge only the newest ``last`` sources.
+        overwrite: replace a non-empty ``output_dir``.
+        accumulate_dtype: ``torch.float32`` (default) or ``torch.float64``.
+        progress: show a progress bar over tensors.
+        chunk_bytes: accumulator size; bounds memory for huge tensors.
+    """
+    _check_accumulate_dtype(accumulate_dtype)
+    out_dtype = parse_dtype(dtype)
+    max_bytes = parse_size(max_shard_size)
+    output_dir = Path(output_dir)
+    srcs = _as_sources(sources, last)
+    coefs = merge_weights(len(srcs), strategy, alpha, weights)
+    _check_output(output_dir, srcs, overwrite)
+
+    opened = _open_all(srcs)
+    tmp = output_dir.with_name(f".{output_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
+    try:
+        plans = _plan(_validate(srcs, opened), out_dtype)
+        logger.info(
+            f"Merging {len(srcs)} checkpoints ({srcs[0].name} ... {srcs[-1].name}) with "
+            f"{'explicit weights' if weights is not None else strategy} into {output_dir}"
+        )
+        tmp.mkdir(parents=True)
+        merger = _ChunkMerger(srcs, opened, coefs, accumulate_dtype, chunk_bytes)
+        _write_shards(tmp, srcs[-1].prefix, _shard(plans, max_bytes), merger, progress)
+        _copy_support_files(srcs[-1], tmp, out_dtype)
+        out_dtypes = sorted({str(p.out_dtype).removeprefix("torch.") for p in plans if p.averaged})
+        record = _merge_record(
+            srcs, coefs, strategy, alpha, weights is not None, ",".join(out_dtypes), accumulate_dtype, output_dir
+        )
+        atomic_write_json(tmp / MERGE_RECORD_NAME, record)
+        fsync_tree(tmp)
+        _publish(tmp, output_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        for tensors in opened:
+            tensors.close()
+    logger.info(f"Merged model written to {output_dir}")
+    return output_dir

@@ -1,0 +1,177 @@
+"""The JSON records of a merged folder that the card and the plot read, and their sanitizing.
+
+A merged folder (``<output_dir>/pma/merged``) holds, beside the model:
+
+* ``pma_merge.json``: how it was merged (written by the merge engine; required for a card);
+* ``pma_eval.json``: evaluation results of the last snapshot, the merge, an annealed run;
+* ``pma_training.json``: the Trainer's ``log_history`` and what the run was (tokens, schedule,
+  hardware, time, the reproducing command).
+
+Only ``pma_merge.json`` is required; the others are read when present. Everything that comes
+out of :func:`load_records` is sanitized: no access token and no absolute local path survive,
+so a card or a plot built from it can be published.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from hf_pma.snapshots import MANIFEST_NAME, MERGE_RECORD_NAME, PMA_SUBDIR, read_json
+
+__all__ = [
+    "EVAL_RECORD_NAME",
+    "TRAINING_RECORD_NAME",
+    "PLOT_NAME",
+    "CARD_NAME",
+    "FolderRecords",
+    "load_records",
+    "sanitize_text",
+    "sanitize",
+    "find_secrets",
+]
+
+EVAL_RECORD_NAME = "pma_eval.json"
+TRAINING_RECORD_NAME = "pma_training.json"
+PLOT_NAME = "pma_training.png"
+CARD_NAME = "README.md"
+
+# Hugging Face user/org tokens ("hf_" + 34 characters), old org API tokens, and values given to
+# flags or variables that carry a token.
+_TOKEN_RE = re.compile(r"\b(?:hf_[A-Za-z0-9]{20,}|api_org_[A-Za-z0-9]{20,})\b")
+_TOKEN_ARG_RE = re.compile(
+    r"(?P<key>--?(?:hub[_-]token|token|use[_-]auth[_-]token|api[_-]key)(?:=|\s+)|"
+    r"\b(?:HF_TOKEN|HUGGING_FACE_HUB_TOKEN|HF_API_TOKEN|WANDB_API_KEY)=)"
+    r"(?P<value>[\"']?[^\s\"']+[\"']?)"
+)
+# An absolute POSIX path (/a/b, ~/a) or a Windows path (C:\a, C:/a). The look-behind keeps URLs
+# ("https://host/x") and relative paths ("a/b") intact.
+_POSIX_PATH_RE = re.compile(r"(?<![\w.:/\-~])~?/(?:[\w.@+\-]+/)*[\w.@+\-]+/?")
+_WINDOWS_PATH_RE = re.compile(r"\b[A-Za-z]:[\\/](?:[^\s\\/\"'`|<>]+[\\/])*[^\s\\/\"'`|<>]*")
+
+
+def _shorten_path(path: str) -> str:
+    name = re.split(r"[\\/]", path.rstrip("\\/"))[-1]
+    return f".../{name}" if name else "..."
+
+
+def sanitize_text(text: str) -> str:
+    """``text`` with access tokens replaced by ``***`` and absolute paths cut to ``.../name``."""
+    text = _TOKEN_ARG_RE.sub(lambda m: f"{m.group('key')}***", text)
+    text = _TOKEN_RE.sub("***", text)
+    text = _WINDOWS_PATH_RE.sub(lambda m: _shorten_path(m.group(0)), text)
+    # Single-component paths like "/step" inside prose are left alone: they cannot name a file
+    # on someone's machine, while "/home/user/run" can.
+    return _POSIX_PATH_RE.sub(
+        lambda m: _shorten_path(m.group(0)) if m.group(0).strip("/~").count("/") >= 1 else m.group(0), text
+    )
+
+
+def find_secrets(text: str) -> list[str]:
+    """The access tokens and absolute local paths found in ``text`` (empty when it is clean)."""
+    found = [m.group(0) for m in _TOKEN_RE.finditer(text)]
+    found += [m.group(0) for m in _TOKEN_ARG_RE.finditer(text) if m.group("value").strip("\"'") != "***"]
+    found += [m.group(0) for m in _WINDOWS_PATH_RE.finditer(text)]
+    found += [m.group(0) for m in _POSIX_PATH_RE.finditer(text) if m.group(0).strip("/~").count("/") >= 1]
+    return found
+
+
+def sanitize(obj: Any) -> Any:
+    """A copy of a JSON-like value with every string passed through :func:`sanitize_text`."""
+    if isinstance(obj, str):
+        return sanitize_text(obj)
+    if isinstance(obj, dict):
+        return {sanitize(k) if isinstance(k, str) else k: sanitize(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [sanitize(v) for v in obj]
+    return obj
+
+
+@dataclasses.dataclass
+class FolderRecords:
+    """What a merged folder says about itself. Absent records are ``None``."""
+
+    merge: dict[str, Any] | None = None
+    eval: dict[str, Any] | None = None
+    training: dict[str, Any] | None = None
+    manifest: dict[str, Any] | None = None
+    name: str | None = None
+
+    @property
+    def sources(self) -> list[dict[str, Any]]:
+        """The merged snapshots, oldest first (empty without a merge record)."""
+        return list((self.merge or {}).get("sources") or [])
+
+    @property
+    def log_history(self) -> list[dict[str, Any]]:
+        """The Trainer's ``log_history`` (empty without a training record)."""
+        return list((self.training or {}).get("log_history") or [])
+
+
+def _read_optional(path: Path, required_type: type, required_keys: tuple[str, ...] = ()) -> Any:
+    if not path.is_file():
+        return None
+    data = read_json(path)
+    if not isinstance(data, required_type):
+        raise ValueError(f"{path} should hold a JSON {required_type.__name__}, found {type(data).__name__}")
+    missing = [k for k in required_keys if k not in data]
+    if missing:
+        raise ValueError(f"{path} lacks the key(s) {missing}")
+    return data
+
+
+def _check_merge_record(path: Path, data: dict[str, Any]) -> None:
+    sources = data.get("sources")
+    if not isinstance(sources, list) or not all(isinstance(s, dict) for s in sources):
+        raise ValueError(f"{path}: 'sources' should be a list of objects (one per merged snapshot)")
+
+
+def _find_run_manifest(folder: Path) -> Path | None:
+    # A merged folder made by a run sits at <output_dir>/pma/merged, beside the manifest.
+    for candidate in (folder.parent / MANIFEST_NAME, folder.parent / PMA_SUBDIR / MANIFEST_NAME):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def load_records(folder: str | os.PathLike[str], require_merge: bool = True) -> FolderRecords:
+    """Read (and sanitize) the records of a merged folder.
+
+    Raises ``FileNotFoundError`` when ``folder`` does not exist or, with ``require_merge``,
+    has no ``pma_merge.json``; ``ValueError`` naming the file when a record is malformed.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder} is not a folder")
+    merge_path = folder / MERGE_RECORD_NAME
+    merge = _read_optional(merge_path, dict, ("strategy", "sources"))
+    if merge is None and require_merge:
+        raise FileNotFoundError(
+            f"{folder} has no {MERGE_RECORD_NAME}: it is not a merged folder (make one with merge_checkpoints "
+            "or `hf-pma merge`)"
+        )
+    if merge is not None:
+        _check_merge_record(merge_path, merge)
+    evaluation = _read_optional(folder / EVAL_RECORD_NAME, dict, ("results",))
+    if evaluation is not None and not isinstance(evaluation["results"], dict):
+        raise ValueError(f"{folder / EVAL_RECORD_NAME}: 'results' should map a model label to its results")
+    training = _read_optional(folder / TRAINING_RECORD_NAME, dict)
+    if training is not None and not isinstance(training.get("log_history", []), list):
+        raise ValueError(f"{folder / TRAINING_RECORD_NAME}: 'log_history' should be a list")
+    manifest_path = _find_run_manifest(folder.resolve())
+    manifest = None
+    if manifest_path is not None:
+        try:
+            manifest = _read_optional(manifest_path, dict, ("snapshots",))
+        except ValueError:
+            manifest = None  # the run's manifest only adds context: a bad one is not fatal here
+    return FolderRecords(
+        merge=sanitize(merge),
+        eval=sanitize(evaluation),
+        training=sanitize(training),
+        manifest=sanitize(manifest),
+        name=folder.resolve().name,
+    )

@@ -1,0 +1,292 @@
+"""Turn what a user names (model folders, snapshots, Trainer checkpoints, runs) into checkpoints.
+
+A *source* is one folder of weights with what is known of its place in training (tokens,
+step, snapshot record). :func:`resolve_sources` expands run folders (a PMA manifest, or a
+Trainer output folder with ``checkpoint-*``), orders everything by training progress when
+that is known, and :meth:`CheckpointSource.open` gives tensor-level read access over all of a
+folder's weight files (single-file or sharded safetensors, or ``.bin`` through
+``torch.load(weights_only=True)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers.utils import logging
+
+from .safetensors_io import CheckpointFormatError, SafetensorsReader, TensorInfo
+from .snapshots import SNAPSHOT_RECORD_NAME, find_manifest, manifest_snapshots, read_manifest
+
+logger = logging.get_logger(__name__)
+
+__all__ = ["CheckpointSource", "CheckpointTensors", "resolve_sources", "find_weight_files", "WEIGHT_PREFIXES"]
+
+# "model" for full models, "adapter_model" for PEFT adapters.
+WEIGHT_PREFIXES = ("model", "adapter_model")
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+def find_weight_files(folder: Path) -> tuple[str, list[Path]] | None:
+    """The weight files of a model folder and their prefix, or ``None`` if it holds none.
+
+    Prefers safetensors over ``.bin``; follows a shard index when there is one.
+    """
+    for prefix in WEIGHT_PREFIXES:
+        for suffix in ("safetensors", "bin"):
+            stem = prefix if prefix == "adapter_model" or suffix == "safetensors" else "pytorch_model"
+            index = folder / f"{stem}.{suffix}.index.json"
+            single = folder / f"{stem}.{suffix}"
+            if index.is_file():
+                try:
+                    weight_map = json.loads(index.read_text())["weight_map"]
+                except (ValueError, KeyError, TypeError) as err:
+                    raise CheckpointFormatError(f"{index} is not a valid shard index: {err}") from err
+                files = [folder / name for name in dict.fromkeys(weight_map.values())]
+                missing = [f.name for f in files if not f.is_file()]
+                if missing:
+                    raise CheckpointFormatError(f"{index} lists shard(s) that do not exist: {', '.join(missing)}")
+                return prefix, files
+            if single.is_file():
+                return prefix, [single]
+    return None
+
+
+class _BinReader:
+    """A ``.bin`` state dict loaded with ``torch.load(weights_only=True, mmap=True)``."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as err:  # noqa: BLE001 - any unpickling failure is a bad file
+            raise CheckpointFormatError(f"{path} could not be read as a PyTorch state dict: {err}") from err
+        if not isinstance(state, dict):
+            raise CheckpointFormatError(f"{path} does not hold a state dict (got {type(state).__name__})")
+        self._state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+        self.tensors = {
+            k: TensorInfo(k, v.dtype, tuple(v.shape), 0, v.numel() * v.element_size()) for k, v in self._state.items()
+        }
+
+    def read(self, name: str, start: int = 0, stop: int | None = None, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        return self._state[name].reshape(-1)[start:stop]
+
+    def close(self) -> None:
+        self._state = {}
+
+
+class CheckpointTensors:
+    """Read access to every tensor of one checkpoint folder, across its weight files."""
+
+    def __init__(self, files: Sequence[Path]) -> None:
+        self._readers: list[Any] = []
+        self._owner: dict[str, Any] = {}
+        try:
+            for path in files:
+                reader = SafetensorsReader(path) if path.suffix == ".safetensors" else _BinReader(path)
+                self._readers.append(reader)
+                for name in reader.tensors:
+                    if name in self._owner:
+                        raise CheckpointFormatError(f"tensor {name!r} appears in two shards: {self._owner[name].path} and {path}")
+                    self._owner[name] = reader
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def infos(self) -> dict[str, TensorInfo]:
+        """Name -> dtype, shape and location of every tensor."""
+        return {name: reader.tensors[name] for name, reader in self._owner.items()}
+
+    def read(self, name: str, start: int = 0, stop: int | None = None, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        """Elements ``[start, stop)`` of tensor ``name``, flattened."""
+        return self._owner[name].read(name, start, stop, buffer)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Every tensor, loaded and reshaped (for small models and tests)."""
+        return {n: self.read(n).clone().reshape(i.shape) for n, i in self.infos.items()}
+
+    def close(self) -> None:
+        """Close every file."""
+        for reader in self._readers:
+            reader.close()
+        self._readers = []
+
+    def __enter__(self) -> CheckpointTensors:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclasses.dataclass
+class CheckpointSource:
+    """One folder of weights and what is known about when in training it was taken."""
+
+    path: Path
+    prefix: str
+    files: list[Path]
+    tokens: int | None = None
+    step: int | None = None
+    record: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        """The folder's name."""
+        return self.path.name
+
+    @property
+    def is_adapter(self) -> bool:
+        """True for a PEFT adapter folder (``adapter_model.*``)."""
+        return self.prefix == "adapter_model"
+
+    def open(self) -> CheckpointTensors:
+        """Open the weight files for reading (validates their headers)."""
+        return CheckpointTensors(self.files)
+
+    def num_bytes(self) -> int:
+        """Total size of the weight files."""
+        return sum(f.stat().st_size for f in self.files)
+
+
+def _progress_of(folder: Path) -> tuple[int | None, int | None, dict[str, Any]]:
+    """Tokens and step of a folder from its snapshot record or Trainer state, if any."""
+    record_path = folder / SNAPSHOT_RECORD_NAME
+    if record_path.is_file():
+        try:
+            record = json.loads(record_path.read_text())
+            return record.get("tokens"), record.get("step"), record
+        except ValueError:
+            logger.warning(f"Ignoring unreadable snapshot record {record_path}")
+    state_path = folder / "trainer_state.json"
+    if state_path.is_file():
+        try:
+            state = json.loads(state_path.read_text())
+        except ValueError:
+            return None, None, {}
+        step = state.get("global_step")
+        tokens = state.get("num_input_tokens_seen") or None  # 0 means "not counted"
+        return tokens, step, {}
+    return None, None, {}
+
+
+def _source_from_folder(folder: Path, tokens: int | None = None, step: int | None = None, record=None) -> CheckpointSource:
+    found = find_weight_files(folder)
+    if found is None:
+        raise FileNotFoundError(
+            f"{folder} holds no model weights (looked for model.safetensors, model.safetensors.index.json, "
+            f"pytorch_model.bin, adapter_model.safetensors)"
+        )
+    prefix, files = found
+    if tokens is None and step is None:
+        tokens, step, record = _progress_of(folder)
+    return CheckpointSource(folder, prefix, files, tokens, step, dict(record or {}))
+
+
+def _expand_manifest(manifest: Path) -> list[CheckpointSource]:
+    pma_dir = manifest.parent
+    interval = read_manifest(pma_dir).get("interval_tokens")
+    sources = []
+    for record in manifest_snapshots(pma_dir):
+        if record.extra.get("excluded"):
+            continue
+        folder = pma_dir / record.path
+        if not folder.is_dir():
+            raise FileNotFoundError(f"snapshot {record.path} listed in {manifest} does not exist at {folder}")
+        data = record.to_dict()
+        data["interval_tokens"] = interval
+        sources.append(_source_from_folder(folder, record.tokens, record.step, data))
+    if not sources:
+        raise ValueError(f"the manifest {manifest} lists no snapshots yet")
+    return sources
+
+
+def _expand_checkpoints(folder: Path) -> list[CheckpointSource]:
+    found = [(int(m.group(1)), p) for p in folder.iterdir() if p.is_dir() and (m := _CHECKPOINT_RE.match(p.name))]
+    return [_source_from_folder(p) for _, p in sorted(found)]
+
+
+def _download(repo_id: str) -> Path:
+    """Fetch a Hub model's weights and configuration (for ``hf-pma merge org/model ...``)."""
+    from huggingface_hub import snapshot_download
+
+    logger.info(f"{repo_id} is not a local folder: downloading it from the Hub")
+    return Path(
+        snapshot_download(
+            repo_id,
+            allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"],
+        )
+    )
+
+
+def _expand(item: str | os.PathLike[str]) -> list[CheckpointSource]:
+    path = Path(item)
+    if not path.exists():
+        if isinstance(item, str) and re.fullmatch(r"[\w.-]+/[\w.-]+", item) and not item.startswith(("./", "../")):
+            path = _download(item)
+        else:
+            raise FileNotFoundError(f"source {item} does not exist")
+    if path.is_file():
+        raise ValueError(f"source {path} is a file; give the model folder that holds it")
+    if find_weight_files(path) is not None:
+        return [_source_from_folder(path)]
+    manifest = find_manifest(path)
+    if manifest is not None:
+        return _expand_manifest(manifest)
+    checkpoints = _expand_checkpoints(path)
+    if checkpoints:
+        return checkpoints
+    raise FileNotFoundError(
+        f"{path} holds no model weights, no PMA manifest (manifest.json or pma/manifest.json) "
+        f"and no Trainer checkpoint-* folders"
+    )
+
+
+def order_by_progress(sources: list[CheckpointSource]) -> list[CheckpointSource]:
+    """Sort by tokens when every source knows them, else by step, else keep the given order."""
+    if all(s.tokens is not None for s in sources):
+        return sorted(sources, key=lambda s: (s.tokens, s.step or 0))
+    if all(s.step is not None for s in sources):
+        return sorted(sources, key=lambda s: s.step)
+    if len(sources) > 1:
+        logger.info("Training progress is unknown for some sources: merging them in the order given (oldest first).")
+    return sources
+
+
+def resolve_sources(inputs: Sequence[str | os.PathLike[str]], last: int | None = None) -> list[CheckpointSource]:
+    """Expand and order what the user named, oldest first, and keep the ``last`` N if given.
+
+    ``inputs`` may mix model folders, snapshot folders, Trainer ``checkpoint-*`` folders, run
+    folders holding ``manifest.json`` / ``pma/manifest.json`` or ``checkpoint-*`` subfolders,
+    and Hub model ids.
+    """
+    if isinstance(inputs, (str, os.PathLike)):
+        inputs = [inputs]
+    if not inputs:
+        raise ValueError("no sources given")
+    if last is not None and (not isinstance(last, int) or last < 1):
+        raise ValueError(f"--last must be a positive integer, got {last!r}")
+    sources = [s for item in inputs for s in _expand(item)]
+    seen: dict[Path, CheckpointSource] = {}
+    for s in sources:
+        key = s.path.resolve()
+        if key in seen:
+            raise ValueError(f"source {s.path} is given twice (directly or through a run folder)")
+        seen[key] = s
+    prefixes = {s.prefix for s in sources}
+    if len(prefixes) > 1:
+        raise ValueError("cannot merge full models with PEFT adapters: " + ", ".join(f"{s.path} ({s.prefix})" for s in sources))
+    sources = order_by_progress(sources)
+    if last is not None:
+        if len(sources) < last:
+            raise ValueError(
+                f"asked for the last {last} sources but found only {len(sources)}: " + ", ".join(str(s.path) for s in sources)
+            )
+        sources = sources[-last:]
+    return sources
