@@ -91,7 +91,7 @@ class SafetensorsReader:
         try:
             self.metadata, self.tensors = self._read_header()
         except BaseException:
-            os.close(self._fd)
+            self.close()
             raise
 
     def _fail(self, why: str) -> CheckpointFormatError:
