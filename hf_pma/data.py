@@ -1,0 +1,109 @@
+"""Pre-training data: the embedded default corpus, a local BPE tokenizer, packing into blocks.
+
+The default corpus is the Python standard library's own source, read from the running
+interpreter: real text that every machine with Python has, so ``scripts/pretrain.py`` runs
+with no network. The train / held-out split itself is :func:`hf_pma.corpus.split_documents`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sysconfig
+from collections.abc import Sequence
+from pathlib import Path
+
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+__all__ = ["stdlib_documents", "train_bpe_tokenizer", "pack_documents"]
+
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
+
+
+def stdlib_documents(max_bytes: int = 8_000_000, min_chars: int = 500) -> list[str]:
+    """Source files of the running interpreter's standard library, in a stable order.
+
+    Test suites and vendored packages are skipped (repetitive, and they differ between
+    installations); files are taken in sorted path order until ``max_bytes`` of text.
+    """
+    root = Path(sysconfig.get_paths()["stdlib"])
+    docs, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).parts
+        if any(p in {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3"} for p in rel):
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        if len(text) < min_chars:
+            continue
+        docs.append(text)
+        total += len(text.encode("utf-8"))
+        if total >= max_bytes:
+            break
+    if not docs:
+        raise FileNotFoundError(f"no standard-library source files found under {root}")
+    return docs
+
+
+def _corpus_digest(texts: Sequence[str], vocab_size: int) -> str:
+    digest = hashlib.sha256(str(vocab_size).encode())
+    for text in texts:
+        digest.update(hashlib.sha256(text.encode("utf-8")).digest())
+    return digest.hexdigest()[:16]
+
+
+def train_bpe_tokenizer(texts: Sequence[str], vocab_size: int = 4096, cache_dir: str | os.PathLike[str] | None = None):
+    """Train a byte-level BPE tokenizer on ``texts`` (cached by content in ``cache_dir``).
+
+    Returns a ``PreTrainedTokenizerFast`` with ``<pad>``, ``<s>`` and ``</s>`` special tokens.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    cached = None
+    if cache_dir is not None:
+        cached = Path(cache_dir) / f"bpe-{vocab_size}-{_corpus_digest(texts, vocab_size)}"
+        if (cached / "tokenizer.json").is_file():
+            logger.info(f"Using the cached tokenizer at {cached}")
+            return PreTrainedTokenizerFast.from_pretrained(cached)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    if cached is not None:
+        tmp = cached.with_name(cached.name + f".tmp-{os.getpid()}")
+        tokenizer.save_pretrained(tmp)
+        try:
+            os.replace(tmp, cached)
+        except OSError:  # another process cached it first
+            pass
+    return tokenizer
+
+
+def pack_documents(tokenizer, texts: Sequence[str], block_size: int, add_eos: bool = True) -> list[list[int]]:
+    """Tokenize ``texts``, join them with EOS and cut the stream into ``block_size`` blocks.
+
+    The incomplete last block is dropped, so every block is full and needs no padding.
+    """
+    if block_size < 2:
+        raise ValueError(f"block_size must be at least 2, got {block_size}")
+    ids: list[int] = []
+    eos = [tokenizer.eos_token_id] if add_eos and tokenizer.eos_token_id is not None else []
+    for encoded in tokenizer(list(texts), add_special_tokens=False)["input_ids"]:
+        ids.extend(encoded)
+        ids.extend(eos)
+    n = len(ids) // block_size
+    if n == 0:
+        raise ValueError(f"the corpus has {len(ids)} tokens, fewer than one block of {block_size}")
+    return [ids[i * block_size : (i + 1) * block_size] for i in range(n)]

@@ -1,0 +1,355 @@
+"""``PMATrainer``: a ``Trainer`` that takes PMA snapshots, evaluates their merge, starts from a
+merge (PMA-init), recovers from loss spikes, and writes the final merge.
+
+It composes :class:`hf_pma.PMACallback` for the snapshots themselves, and the merge engine
+for every merge. Merged evaluation swaps the merged weights into the live model for the
+evaluation loop and swaps the live weights back (the live copy is kept on the CPU, so no
+second model lives on the accelerator): ``eval_loss`` and ``eval_pma_loss`` arrive in the same
+log line, in every reporter.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import time
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import Trainer
+from transformers.utils import logging
+
+from .callback import PMACallback
+from .merge import merge_checkpoints, merge_state_dict
+from .snapshots import PMA_SUBDIR, atomic_write_json
+from .sources import resolve_sources
+from .swap import backup_weights, load_weights, restore_weights
+from .training_args import PMATrainingArguments
+
+logger = logging.get_logger(__name__)
+
+__all__ = ["PMATrainer", "PMATrainingArguments", "LossSpikeError"]
+
+TRAINING_RECORD_NAME = "pma_training.json"
+INIT_RECORD_NAME = "pma_init.json"
+
+
+class LossSpikeError(RuntimeError):
+    """The run kept diverging after ``pma_max_recoveries`` recoveries, or had nothing to recover from."""
+
+
+class PMATrainer(Trainer):
+    """``transformers.Trainer`` with Pre-trained Model Averaging built in.
+
+    Takes ``PMATrainingArguments`` (all ``pma_*`` options); everything else is the Trainer's.
+    After ``train()``, ``trainer.pma_merged_dir`` is the merged model's folder (with
+    ``pma_merge_at_end``) and ``trainer.pma_recoveries`` lists the loss-spike recoveries.
+    """
+
+    def __init__(self, model: Any = None, args: PMATrainingArguments | None = None, *pargs: Any, **kwargs: Any) -> None:
+        if args is None:
+            args = PMATrainingArguments(output_dir="trainer_output")
+        if not isinstance(args, PMATrainingArguments):
+            raise TypeError(f"PMATrainer needs PMATrainingArguments, got {type(args).__name__}")
+        self.pma_init_record: dict[str, Any] | None = None
+        if args.pma_init_from:
+            if model is None:
+                raise ValueError("pma_init_from needs a model instance (model_init is not supported with it)")
+            self.pma_init_record = self._pma_init(model, args)
+        self.pma_callback = PMACallback(
+            interval_tokens=args.pma_interval_tokens,
+            phases=args.pma_phases,
+            keep_last=args.pma_keep_last,
+            save_dtype=args.pma_save_dtype,
+            max_shard_size=args.pma_max_shard_size,
+            async_write=args.pma_async_write,
+        )
+        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.pma_callback]
+        super().__init__(model, args, *pargs, **kwargs)
+        self.pma_callback.accelerator = self.accelerator
+        self.pma_merged_dir: Path | None = None
+        # The command that reproduces this run, for the model card (scripts set it).
+        self.pma_command: str | None = None
+        self.pma_recoveries: list[dict[str, Any]] = []
+        self._pma_pending_metrics: dict[str, float] | None = None
+        self._pma_merge_cache: tuple[tuple[str, ...], dict[str, torch.Tensor]] | None = None
+        self._pma_losses: deque[float] = deque(maxlen=args.pma_spike_window)
+        self._pma_last_healthy_step = 0
+        self._pma_train_start = time.time()
+        if self.pma_init_record is not None and self.is_world_process_zero():
+            pma_dir = Path(self.args.output_dir) / PMA_SUBDIR
+            pma_dir.mkdir(parents=True, exist_ok=True)
+            atomic_write_json(pma_dir / INIT_RECORD_NAME, self.pma_init_record)
+
+    # ------------------------------------------------------------------ PMA-init
+
+    @staticmethod
+    def _pma_init(model: torch.nn.Module, args: PMATrainingArguments) -> dict[str, Any]:
+        """Load the merge named by ``pma_init_from`` into ``model``; return what was used."""
+        sources = resolve_sources(args.pma_init_from)
+        if len(args.pma_init_from) == 1 and len(sources) > args.pma_window:
+            sources = sources[-args.pma_window :]  # a run folder: merge its newest pma_window
+        strategy = args.pma_strategy if len(sources) > 1 else "sma"
+        state = merge_state_dict(sources, strategy=strategy, alpha=args.pma_ema_alpha)
+        load_weights(model, state, origin=f"pma_init_from ({', '.join(str(s.path) for s in sources)})")
+        logger.info(
+            f"PMA-init: the model starts from the {strategy} merge of {len(sources)} checkpoint(s): "
+            + ", ".join(s.name for s in sources)
+        )
+        return {
+            "strategy": strategy,
+            "sources": [{"name": s.name, "tokens": s.tokens, "step": s.step} for s in sources],
+            "time": time.time(),
+        }
+
+    # ------------------------------------------------------------------ merged evaluation
+
+    def _pma_barrier(self) -> None:
+        if self.args.world_size > 1:
+            self.accelerator.wait_for_everyone()
+
+    def _pma_snapshot_paths(self) -> list[Path]:
+        """Usable snapshot folders, oldest first, identical on every process."""
+        self.pma_callback.wait()  # the main process lists the write in flight
+        self._pma_barrier()  # the others then read the same manifest
+        return [path for _record, path in self.pma_callback.snapshots()]
+
+    def pma_merged_state_dict(self, last: int | None = None, strategy: str | None = None) -> dict[str, torch.Tensor] | None:
+        """The merge of the newest ``last`` (default ``pma_window``) snapshots, or ``None`` if none yet.
+
+        Every process reads the snapshots from disk (the output folder must be visible to all
+        of them, as Trainer checkpoints are); the result is cached until a snapshot is added.
+        """
+        paths = self._pma_snapshot_paths()[-(last or self.args.pma_window) :]
+        if not paths:
+            return None
+        strategy = strategy or self.args.pma_strategy
+        key = (strategy, *map(str, paths))
+        if self._pma_merge_cache is None or self._pma_merge_cache[0] != key:
+            state = merge_state_dict(paths, strategy=strategy if len(paths) > 1 else "sma", alpha=self.args.pma_ema_alpha)
+            self._pma_merge_cache = (key, state)
+        return self._pma_merge_cache[1]
+
+    def _evaluate_merge(self, eval_dataset: Any, ignore_keys: list[str] | None, prefix: str) -> dict[str, float]:
+        state = self.pma_merged_state_dict()
+        if state is None:
+            return {}
+        num_snapshots = len(self._pma_merge_cache[0]) - 1 if self._pma_merge_cache else 0
+        backup = backup_weights(self.model)
+        try:
+            load_weights(self.model, state)
+            output = self.evaluation_loop(
+                self.get_eval_dataloader(eval_dataset),
+                description="PMA merge evaluation",
+                prediction_loss_only=True if self.compute_metrics is None else None,
+                ignore_keys=ignore_keys,
+                metric_key_prefix=f"{prefix}_pma",
+            )
+        finally:
+            restore_weights(self.model, backup)
+        metrics = dict(output.metrics)
+        metrics[f"{prefix}_pma_num_snapshots"] = num_snapshots
+        return metrics
+
+    def evaluate(
+        self,
+        eval_dataset: Any = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> dict[str, float]:
+        """Evaluate the live model and, with ``pma_eval``, the merge of the last snapshots.
+
+        The merge's metrics carry the prefix ``<metric_key_prefix>_pma_`` and are logged in the
+        same log entry as the live model's.
+        """
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if not self.args.pma_eval or isinstance(dataset, dict):
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)  # dicts recurse per dataset
+        pma_metrics = self._evaluate_merge(eval_dataset, ignore_keys, metric_key_prefix)
+        self._pma_pending_metrics = pma_metrics
+        try:
+            metrics = super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+        finally:
+            self._pma_pending_metrics = None
+        metrics.update(pma_metrics)
+        return metrics
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        """Trainer's ``log``, plus the merged metrics in the evaluation's entry and spike checks."""
+        if self._pma_pending_metrics and any(k.endswith("_loss") or k.endswith("_runtime") for k in logs):
+            logs.update(self._pma_pending_metrics)
+            self._pma_pending_metrics = None
+        super().log(logs, start_time)
+        if self.args.pma_spike_recovery and "loss" in logs and self.model is not None and self.model.training:
+            self._check_for_spike(logs)
+
+    # ------------------------------------------------------------------ loss-spike recovery
+
+    def _is_spike(self, loss: float, grad_norm: float | None) -> bool:
+        if not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm)):
+            return True
+        if len(self._pma_losses) >= min(3, self.args.pma_spike_window):
+            return loss > self.args.pma_spike_factor * statistics.median(self._pma_losses)
+        return False
+
+    def _check_for_spike(self, logs: dict[str, float]) -> None:
+        loss, grad_norm = float(logs["loss"]), logs.get("grad_norm")
+        grad_norm = None if grad_norm is None else float(grad_norm)
+        if not self._is_spike(loss, grad_norm):
+            self._pma_losses.append(loss)
+            self._pma_last_healthy_step = self.state.global_step
+            return
+        self._recover_from_spike(loss, grad_norm)
+
+    def _recover_from_spike(self, loss: float, grad_norm: float | None) -> None:
+        step, args = self.state.global_step, self.args
+        if len(self.pma_recoveries) >= args.pma_max_recoveries:
+            raise LossSpikeError(
+                f"loss spike at step {step} (loss {loss:.4g}, grad norm {grad_norm}) after "
+                f"{len(self.pma_recoveries)} recoveries (pma_max_recoveries={args.pma_max_recoveries}): the run keeps "
+                "diverging; lower the learning rate or restart from a checkpoint"
+            )
+        # Snapshots taken after the last healthy log belong to the spike: never merge them.
+        self.pma_callback.wait()
+        during = [r.tokens for r, _ in self.pma_callback.snapshots() if r.step > self._pma_last_healthy_step]
+        if during and self.is_world_process_zero():
+            self.pma_callback.exclude_snapshots(during, reason=f"loss spike at step {step}")
+        self._pma_barrier()
+        usable = self.pma_callback.snapshots()[-args.pma_recovery_snapshots :]
+        if not usable:
+            raise LossSpikeError(
+                f"loss spike at step {step} (loss {loss:.4g}) but no snapshot was taken before it to recover from; "
+                "take snapshots earlier (smaller pma_interval_tokens, or pma_phases including 'warmup')"
+            )
+        state = merge_state_dict([path for _, path in usable], strategy="sma")
+        load_weights(self.model, state, origin="loss-spike recovery merge")
+        if args.pma_recovery_reset_optimizer and self.optimizer is not None:
+            inner = getattr(self.optimizer, "optimizer", self.optimizer)
+            inner.state.clear()  # Adam moments hold the spike's gradients
+        self._pma_merge_cache = None
+        record = {
+            "step": step,
+            "tokens": int(self.state.num_input_tokens_seen),
+            "loss": loss if math.isfinite(loss) else str(loss),
+            "grad_norm": grad_norm if grad_norm is None or math.isfinite(grad_norm) else str(grad_norm),
+            "snapshots": [r.path for r, _ in usable],
+            "excluded": [int(t) for t in during],
+            "reset_optimizer": bool(args.pma_recovery_reset_optimizer and self.optimizer is not None),
+        }
+        self.pma_recoveries.append(record)
+        if self.is_world_process_zero() and self.pma_callback.writer is not None:
+            self.pma_callback.writer.update_manifest(recoveries=self.pma_recoveries)
+        logger.warning(
+            f"PMA recovery #{len(self.pma_recoveries)} at step {step}: loss {loss:.4g}; weights restored to the SMA of "
+            f"{', '.join(record['snapshots'])}" + (" and optimizer moments reset" if record["reset_optimizer"] else "")
+        )
+        self.log(
+            {
+                "pma_recovery": float(len(self.pma_recoveries)),
+                "pma_recovery_step": float(step),
+                "pma_recovery_spike_loss": loss,
+                "pma_recovery_num_snapshots": float(len(usable)),
+            }
+        )
+
+    # ------------------------------------------------------------------ the end of training
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``, then (with ``pma_merge_at_end``) the final merge and its records."""
+        self._pma_train_start = time.time()
+        output = super().train(*args, **kwargs)
+        if self.args.pma_merge_at_end:
+            self.pma_merged_dir = self.merge_snapshots()
+            if self.pma_merged_dir is not None and self.args.push_to_hub and self.args.pma_push_merged:
+                self.push_merged_to_hub(revision=self.args.pma_push_revision)
+        return output
+
+    def merge_snapshots(self, output_dir: str | Path | None = None, last: int | None = None) -> Path | None:
+        """Merge the newest ``last`` (default ``pma_window``) snapshots into ``output_dir``.
+
+        Default folder: ``<output_dir>/pma/merged`` (replaced if present). Also writes the run's
+        record (``pma_training.json``) beside the weights. Returns the folder, or ``None`` when
+        no snapshot was taken.
+        """
+        paths = self._pma_snapshot_paths()
+        target = Path(output_dir) if output_dir else Path(self.args.output_dir) / PMA_SUBDIR / "merged"
+        if not paths:
+            logger.warning("No PMA snapshot was taken during training: nothing to merge.")
+            return None
+        if self.is_world_process_zero():
+            paths = paths[-(last or self.args.pma_window) :]
+            merge_checkpoints(
+                paths,
+                target,
+                strategy=self.args.pma_strategy if len(paths) > 1 else "sma",
+                alpha=self.args.pma_ema_alpha,
+                overwrite=True,
+                progress=not self.args.disable_tqdm,
+            )
+            atomic_write_json(target / TRAINING_RECORD_NAME, self.pma_training_record())
+            from .card import write_model_card
+
+            write_model_card(target, repo_id=self.args.hub_model_id)
+        self._pma_barrier()
+        return target
+
+    def pma_training_record(self) -> dict[str, Any]:
+        """What the card and the plot need to know about this run (no paths, no tokens)."""
+        args = self.args
+        device = "cpu" if args.use_cpu or not torch.cuda.is_available() else torch.cuda.get_device_name(0)
+        return {
+            "log_history": self.state.log_history,
+            "total_tokens": int(self.state.num_input_tokens_seen),
+            "max_steps": int(self.state.max_steps),
+            "global_step": int(self.state.global_step),
+            "lr_scheduler_type": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
+            "lr_scheduler_kwargs": json.loads(json.dumps(args.lr_scheduler_kwargs or {}, default=str)),
+            "learning_rate": args.learning_rate,
+            "warmup_steps": args.warmup_steps,
+            "hardware": f"{args.world_size} x {device}",
+            "world_size": args.world_size,
+            "train_runtime_s": time.time() - self._pma_train_start,
+            "interval_tokens": self.pma_callback.interval_tokens,
+            "pma_window": args.pma_window,
+            "pma_strategy": args.pma_strategy,
+            "pma_init": self.pma_init_record,
+            "command": self.pma_command,
+            "recoveries": self.pma_recoveries,
+            "pma_evals": [
+                {k: e.get(k) for k in ("step", "num_input_tokens_seen", "eval_loss", "eval_pma_loss")}
+                for e in self.state.log_history
+                if "eval_pma_loss" in e
+            ],
+        }
+
+    def push_merged_to_hub(
+        self,
+        repo_id: str | None = None,
+        revision: str | None = None,
+        private: bool | None = None,
+        commit_message: str | None = None,
+        token: str | None = None,
+    ) -> str | None:
+        """Push the merged folder (with its model card) to the Hub; returns the commit URL.
+
+        ``repo_id`` defaults to ``hub_model_id`` (else the output folder's name, as the Trainer
+        does); ``revision`` to the main branch. Main process only; others return ``None``.
+        """
+        if self.pma_merged_dir is None:
+            raise ValueError("no merged model yet: train with pma_merge_at_end, or call merge_snapshots() first")
+        if not self.is_world_process_zero():
+            return None
+        from .hub import push_folder_to_hub
+
+        repo_id = repo_id or self.args.hub_model_id or Path(self.args.output_dir).resolve().name
+        return push_folder_to_hub(
+            self.pma_merged_dir,
+            repo_id,
+            private=bool(private if private is not None else self.args.hub_private_repo),
+            revision=revision,
+            commit_message=commit_message or "Upload PMA merged model",
+            token=token or self.args.hub_token,
+        )

@@ -1,0 +1,125 @@
+"""``PMATrainingArguments``: ``TrainingArguments`` plus the ``pma_*`` options of :class:`PMATrainer`.
+
+Every option is checked in ``__post_init__``, so a typo fails when the arguments are parsed,
+not hours into a run. They parse with ``HfArgumentParser`` from the command line and from
+YAML/JSON files like any other training argument.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from pathlib import Path
+
+from transformers import TrainingArguments
+
+from .schedule import check_phases
+from .strategies import validate_strategy
+
+__all__ = ["PMATrainingArguments"]
+
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+
+
+@dataclasses.dataclass
+class PMATrainingArguments(TrainingArguments):
+    """Training arguments with PMA snapshots, merged evaluation, PMA-init and spike recovery.
+
+    Snapshots go to ``<output_dir>/pma`` (see :class:`hf_pma.PMACallback`); the final merge to
+    ``<output_dir>/pma/merged``.
+    """
+
+    pma_interval_tokens: int | None = dataclasses.field(
+        default=None,
+        metadata={"help": "Tokens (global, all processes) between snapshots, V. None: chosen from the planned run."},
+    )
+    pma_window: int = dataclasses.field(default=10, metadata={"help": "Snapshots merged, N (the paper's compromise: 10)."})
+    pma_strategy: str = dataclasses.field(
+        default="sma", metadata={"help": "sma, wma, ema, linear-decay, cosine-decay or 1-sqrt-decay."}
+    )
+    pma_ema_alpha: float = dataclasses.field(default=0.2, metadata={"help": "EMA smoothing factor (0, 1]."})
+    pma_phases: list[str] = dataclasses.field(
+        default_factory=lambda: ["stable", "decay"],
+        metadata={"help": "LR phases in which snapshots are taken: warmup, stable, decay."},
+    )
+    pma_keep_last: int | None = dataclasses.field(
+        default=None, metadata={"help": "Keep only the newest K snapshots on disk (K >= pma_window)."}
+    )
+    pma_save_dtype: str | None = dataclasses.field(
+        default=None, metadata={"help": "dtype of snapshot weights (float32, bfloat16, float16); default: the model's."}
+    )
+    pma_max_shard_size: str = dataclasses.field(default="5GB", metadata={"help": "Largest safetensors shard of a snapshot."})
+    pma_async_write: bool = dataclasses.field(default=True, metadata={"help": "Write snapshots in a background thread."})
+    pma_eval: bool = dataclasses.field(
+        default=True, metadata={"help": "Evaluate the merge of the last pma_window snapshots at every evaluation (eval_pma_*)."}
+    )
+    pma_merge_at_end: bool = dataclasses.field(
+        default=True, metadata={"help": "Write the merge of the last pma_window snapshots to <output_dir>/pma/merged."}
+    )
+    pma_init_from: list[str] | None = dataclasses.field(
+        default=None,
+        metadata={"help": "Start from merged weights: a merged folder, a snapshot run folder (its last pma_window are merged) or several folders."},
+    )
+    pma_spike_recovery: bool = dataclasses.field(
+        default=False, metadata={"help": "On a loss spike, restore the SMA of the last snapshots and continue."}
+    )
+    pma_spike_factor: float = dataclasses.field(
+        default=3.0, metadata={"help": "A logged loss above factor x the median of the last pma_spike_window losses is a spike."}
+    )
+    pma_spike_window: int = dataclasses.field(default=20, metadata={"help": "Logged losses in the spike detector's median."})
+    pma_recovery_snapshots: int = dataclasses.field(
+        default=3, metadata={"help": "Snapshots before the spike averaged for recovery (the paper used 3)."}
+    )
+    pma_recovery_reset_optimizer: bool = dataclasses.field(
+        default=True, metadata={"help": "Reset the optimizer's moments on recovery (they hold the spike's gradients)."}
+    )
+    pma_max_recoveries: int = dataclasses.field(
+        default=3, metadata={"help": "Stop with an error after this many recoveries instead of looping."}
+    )
+    pma_push_merged: bool = dataclasses.field(
+        default=True,
+        metadata={"help": "With push_to_hub, also push the merged model (with its card) to the revision 'pma-merged' of hub_model_id."},
+    )
+    pma_push_revision: str = dataclasses.field(
+        default="pma-merged", metadata={"help": "Branch of hub_model_id that receives the merged model."}
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self._check_pma_arguments()
+
+    def _check_pma_arguments(self) -> None:
+        def positive_int(name: str, allow_none: bool = False) -> None:
+            value = getattr(self, name)
+            if value is None and allow_none:
+                return
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        positive_int("pma_interval_tokens", allow_none=True)
+        positive_int("pma_window")
+        positive_int("pma_keep_last", allow_none=True)
+        positive_int("pma_spike_window")
+        positive_int("pma_recovery_snapshots")
+        if not isinstance(self.pma_max_recoveries, int) or self.pma_max_recoveries < 0:
+            raise ValueError(f"pma_max_recoveries must be a non-negative integer, got {self.pma_max_recoveries!r}")
+        validate_strategy(self.pma_strategy, self.pma_ema_alpha)
+        self.pma_phases = list(check_phases(self.pma_phases))
+        if self.pma_keep_last is not None and self.pma_keep_last < self.pma_window:
+            raise ValueError(
+                f"pma_keep_last ({self.pma_keep_last}) is smaller than pma_window ({self.pma_window}): "
+                f"the merge could never use {self.pma_window} snapshots"
+            )
+        if self.pma_spike_recovery and self.pma_keep_last is not None and self.pma_keep_last < self.pma_recovery_snapshots:
+            raise ValueError("pma_keep_last must be at least pma_recovery_snapshots when pma_spike_recovery is on")
+        if not (self.pma_spike_factor > 1.0):
+            raise ValueError(f"pma_spike_factor must be greater than 1, got {self.pma_spike_factor!r}")
+        if self.pma_save_dtype is not None and self.pma_save_dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"pma_save_dtype must be float32, bfloat16 or float16, got {self.pma_save_dtype!r}")
+        if isinstance(self.pma_init_from, (str, os.PathLike)):
+            self.pma_init_from = [str(self.pma_init_from)]
+        for item in self.pma_init_from or []:
+            # Local paths must exist now; a Hub id ("org/name") is fetched when the trainer starts.
+            if not Path(item).exists() and not _HUB_ID.fullmatch(item):
+                raise ValueError(f"pma_init_from: {item} does not exist")
