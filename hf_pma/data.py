@@ -17,7 +17,7 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["stdlib_documents", "train_bpe_tokenizer", "pack_documents"]
+__all__ = ["stdlib_documents", "train_bpe_tokenizer", "pack_dataset"]
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
 
@@ -91,19 +91,28 @@ def train_bpe_tokenizer(texts: Sequence[str], vocab_size: int = 4096, cache_dir:
     return tokenizer
 
 
-def pack_documents(tokenizer, texts: Sequence[str], block_size: int, add_eos: bool = True) -> list[list[int]]:
+def pack_dataset(texts: Sequence[str], tokenizer, block_size: int, add_eos: bool = True):
     """Tokenize ``texts``, join them with EOS and cut the stream into ``block_size`` blocks.
 
-    The incomplete last block is dropped, so every block is full and needs no padding.
+    Returns a ``datasets.Dataset`` with one ``input_ids`` column; the incomplete last block is
+    dropped, so every block is full and needs no padding or attention mask.
     """
+    import datasets
+
     if block_size < 2:
         raise ValueError(f"block_size must be at least 2, got {block_size}")
-    ids: list[int] = []
     eos = [tokenizer.eos_token_id] if add_eos and tokenizer.eos_token_id is not None else []
-    for encoded in tokenizer(list(texts), add_special_tokens=False)["input_ids"]:
-        ids.extend(encoded)
-        ids.extend(eos)
-    n = len(ids) // block_size
-    if n == 0:
-        raise ValueError(f"the corpus has {len(ids)} tokens, fewer than one block of {block_size}")
-    return [ids[i * block_size : (i + 1) * block_size] for i in range(n)]
+
+    def tokenize_and_pack(batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
+        stream: list[int] = []
+        for ids in tokenizer(batch["text"], add_special_tokens=False)["input_ids"]:
+            stream.extend(ids)
+            stream.extend(eos)
+        n = len(stream) // block_size
+        return {"input_ids": [stream[i * block_size : (i + 1) * block_size] for i in range(n)]}
+
+    raw = datasets.Dataset.from_dict({"text": list(texts)})
+    packed = raw.map(tokenize_and_pack, batched=True, batch_size=256, remove_columns=["text"])
+    if len(packed) == 0:
+        raise ValueError(f"the texts hold fewer tokens than one block of {block_size}")
+    return packed

@@ -28,9 +28,12 @@ __all__ = [
     "PLOT_NAME",
     "CARD_NAME",
     "FolderRecords",
+    "label_rank",
     "load_records",
     "sanitize_text",
     "sanitize",
+    "find_tokens",
+    "find_local_paths",
     "find_secrets",
 ]
 
@@ -48,8 +51,8 @@ _TOKEN_ARG_RE = re.compile(
     r"(?P<value>[\"']?[^\s\"']+[\"']?)"
 )
 # An absolute POSIX path (/a/b, ~/a) or a Windows path (C:\a, C:/a). The look-behind keeps URLs
-# ("https://host/x") and relative paths ("a/b") intact.
-_POSIX_PATH_RE = re.compile(r"(?<![\w.:/\-~])~?/(?:[\w.@+\-]+/)*[\w.@+\-]+/?")
+# ("https://host/x"), relative paths ("a/b") and placeholders ("<output_dir>/pma") intact.
+_POSIX_PATH_RE = re.compile(r"(?<![\w.:/\-~<>])~?/(?:[\w.@+\-]+/)*[\w.@+\-]+/?")
 _WINDOWS_PATH_RE = re.compile(r"\b[A-Za-z]:[\\/](?:[^\s\\/\"'`|<>]+[\\/])*[^\s\\/\"'`|<>]*")
 
 
@@ -70,13 +73,24 @@ def sanitize_text(text: str) -> str:
     )
 
 
+def find_tokens(text: str, flag_values: bool = True) -> list[str]:
+    """The access tokens found in ``text``: Hugging Face token shapes, and with ``flag_values``
+    any value given to a token flag or variable (``--hub_token X``, ``HF_TOKEN=X``)."""
+    found = [m.group(0) for m in _TOKEN_RE.finditer(text)]
+    if flag_values:
+        found += [m.group(0) for m in _TOKEN_ARG_RE.finditer(text) if m.group("value").strip("\"'") != "***"]
+    return found
+
+
+def find_local_paths(text: str) -> list[str]:
+    """The absolute local paths (``/a/b``, ``~/a``, ``C:\\a``) found in ``text``."""
+    found = [m.group(0) for m in _WINDOWS_PATH_RE.finditer(text)]
+    return found + [m.group(0) for m in _POSIX_PATH_RE.finditer(text) if m.group(0).strip("/~").count("/") >= 1]
+
+
 def find_secrets(text: str) -> list[str]:
     """The access tokens and absolute local paths found in ``text`` (empty when it is clean)."""
-    found = [m.group(0) for m in _TOKEN_RE.finditer(text)]
-    found += [m.group(0) for m in _TOKEN_ARG_RE.finditer(text) if m.group("value").strip("\"'") != "***"]
-    found += [m.group(0) for m in _WINDOWS_PATH_RE.finditer(text)]
-    found += [m.group(0) for m in _POSIX_PATH_RE.finditer(text) if m.group(0).strip("/~").count("/") >= 1]
-    return found
+    return find_tokens(text) + find_local_paths(text)
 
 
 def sanitize(obj: Any) -> Any:
@@ -90,15 +104,31 @@ def sanitize(obj: Any) -> Any:
     return obj
 
 
+def label_rank(label: str) -> int:
+    """Order of an evaluated model's label: 0 last snapshot / live, 1 the PMA merge, 2 annealed,
+    3 anything else."""
+    low = label.lower()
+    if "last" in low or "live" in low:
+        return 0
+    if "merge" in low or "pma" in low:
+        return 1
+    if "anneal" in low:
+        return 2
+    return 3
+
+
 @dataclasses.dataclass
 class FolderRecords:
-    """What a merged folder says about itself. Absent records are ``None``."""
+    """What a merged folder says about itself. Absent records are ``None``; ``name`` is the
+    folder's name and ``run_name`` the training output folder's name when the merged folder
+    sits in ``<output_dir>/pma/``."""
 
     merge: dict[str, Any] | None = None
     eval: dict[str, Any] | None = None
     training: dict[str, Any] | None = None
     manifest: dict[str, Any] | None = None
     name: str | None = None
+    run_name: str | None = None
 
     @property
     def sources(self) -> list[dict[str, Any]]:
@@ -168,10 +198,13 @@ def load_records(folder: str | os.PathLike[str], require_merge: bool = True) -> 
             manifest = _read_optional(manifest_path, dict, ("snapshots",))
         except ValueError:
             manifest = None  # the run's manifest only adds context: a bad one is not fatal here
+    resolved = folder.resolve()
+    run_name = resolved.parent.parent.name if resolved.parent.name == PMA_SUBDIR else None
     return FolderRecords(
         merge=sanitize(merge),
         eval=sanitize(evaluation),
         training=sanitize(training),
         manifest=sanitize(manifest),
-        name=folder.resolve().name,
+        name=resolved.name,
+        run_name=run_name or None,
     )

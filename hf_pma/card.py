@@ -1,0 +1,538 @@
+"""The model card of a merged folder: records in, ``huggingface_hub.ModelCard`` out.
+
+The card is rendered from the Jinja template ``model_cards/pma_model_card.md`` (shipped as
+``hf_pma.model_cards``) with ``ModelCard.from_template`` and a ``ModelCardData`` whose
+``model-index`` holds the merge's evaluation results. The body says what the model is and how
+it was made: the merge and its snapshots, the training run, the evaluation (last snapshot vs
+merge, and annealed when known), the plot, how to load it, how to reproduce it.
+
+The values shown come from the folder's records (see :mod:`hf_pma.records`), which are
+sanitized when read, and the rendered text is sanitized once more: a card never holds an
+access token or an absolute local path.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib.resources
+import math
+import os
+import posixpath
+import re
+import statistics
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from transformers.utils import logging
+
+from hf_pma import __version__
+from hf_pma.records import (
+    CARD_NAME,
+    PLOT_NAME,
+    FolderRecords,
+    label_rank,
+    load_records,
+    sanitize_text,
+)
+from hf_pma.snapshots import PMA_SUBDIR
+
+if TYPE_CHECKING:
+    from huggingface_hub import EvalResult, ModelCard
+
+logger = logging.get_logger(__name__)
+
+__all__ = [
+    "TEMPLATE_NAME",
+    "PAPER_URL",
+    "template_path",
+    "eval_table",
+    "eval_results_for",
+    "build_model_card",
+    "write_model_card",
+]
+
+TEMPLATE_NAME = "pma_model_card.md"
+PAPER_URL = "https://arxiv.org/abs/2505.12082"
+_MISSING = "–"
+
+_STRATEGY_TEXT = {
+    "sma": "SMA: simple moving average, every snapshot weighs 1/N",
+    "wma": "WMA: weighted moving average, snapshot i of N weighs i / (1 + ... + N)",
+    "ema": "EMA: exponential moving average with alpha = {alpha}",
+    "linear-decay": "linear-decay emulation (WSM, arXiv:2507.17634)",
+    "cosine-decay": "cosine-decay emulation (WSM, arXiv:2507.17634)",
+    "1-sqrt-decay": "1-sqrt-decay emulation (WSM, arXiv:2507.17634)",
+}
+
+
+# ---------------------------------------------------------------- template
+
+
+def template_path(name: str = TEMPLATE_NAME) -> Path:
+    """The installed template ``name`` (package ``hf_pma.model_cards``), or the repository's copy."""
+    try:
+        candidate = importlib.resources.files("hf_pma.model_cards") / name
+        if candidate.is_file():
+            return Path(str(candidate))
+    except (ModuleNotFoundError, TypeError):
+        pass
+    # Running from a source checkout that was never installed.
+    candidate = Path(__file__).resolve().parents[1] / "model_cards" / name
+    if candidate.is_file():
+        return candidate
+    raise FileNotFoundError(
+        f"model card template {name!r} not found in the hf_pma.model_cards package nor in {candidate.parent.name}/: "
+        "reinstall hf-pma"
+    )
+
+
+# ---------------------------------------------------------------- formatting
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _human(n: float) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g}{unit}"
+    return f"{n:g}"
+
+
+def _fmt_tokens(n: Any) -> str:
+    if not _is_number(n):
+        return _MISSING
+    return f"{int(n):,} ({_human(n)})" if n >= 1000 else f"{int(n):,}"
+
+
+def _fmt_int(n: Any) -> str:
+    return f"{int(n):,}" if _is_number(n) else _MISSING
+
+
+def _fmt_float(x: Any, spec: str) -> str:
+    return format(x, spec) if _is_number(x) else _MISSING
+
+
+def _fmt_duration(seconds: Any) -> str:
+    if not _is_number(seconds):
+        return _MISSING
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    minutes, secs = divmod(rest, 60)
+    if hours:
+        return f"{hours} h {minutes:02d} min"
+    if minutes:
+        return f"{minutes} min {secs:02d} s"
+    return f"{secs} s"
+
+
+def _fmt_metric(value: float) -> str:
+    return f"{value:.4f}" if abs(value) < 1000 else f"{value:,.1f}"
+
+
+def _is_hub_id(value: Any) -> bool:
+    """True for a plausible Hub repo id ("org/name" or "name"), not a local file or path."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    if not isinstance(value, str) or not value or value.startswith((".", "~")) or "\\" in value:
+        return False
+    if re.search(r"\.(jsonl?|txt|csv|parquet|arrow|gz|zst)$", value):
+        return False
+    try:
+        validate_repo_id(value)
+    except HFValidationError:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+def merge_label(labels: Sequence[str]) -> str | None:
+    """The label of the PMA merge among evaluated models ("PMA merge", "merged", ...), if any."""
+    for label in labels:
+        if label_rank(label) == 1:
+            return label
+    return None
+
+
+def _split_metric(key: str) -> tuple[str, str | None]:
+    # lm-eval keys carry a filter: "acc,none", "exact_match,strict-match".
+    base, _, filt = key.partition(",")
+    return base, (filt or None)
+
+
+def _metric_display(base: str, filt: str | None) -> str:
+    return base if filt in (None, "none") else f"{base} ({filt})"
+
+
+def _task_metrics(results: dict[str, Any]) -> list[tuple[str, str, float, float | None]]:
+    """(task, metric key, value, stderr) of one model's results, numbers only, stderr paired."""
+    out = []
+    for task, metrics in results.items():
+        if not isinstance(metrics, dict):
+            continue
+        for key, value in metrics.items():
+            base, filt = _split_metric(str(key))
+            if base.endswith("_stderr") or not _is_number(value):
+                continue
+            suffix = f",{filt}" if filt else ""
+            stderr = metrics.get(f"{base}_stderr{suffix}")
+            out.append((str(task), str(key), float(value), float(stderr) if _is_number(stderr) else None))
+    return out
+
+
+def eval_table(eval_record: dict[str, Any] | None) -> tuple[list[str], list[dict[str, Any]]]:
+    """Columns (model labels, last snapshot first, then merge, annealed, others; plus
+    "merge − last" when both are known) and rows ``{"task", "metric", "values"}`` of formatted
+    cells, from a ``pma_eval.json`` record."""
+    results = (eval_record or {}).get("results") or {}
+    labels = sorted((str(k) for k, v in results.items() if isinstance(v, dict)), key=label_rank)
+    cells: dict[tuple[str, str], dict[str, tuple[float, float | None]]] = {}
+    for label in labels:
+        for task, key, value, stderr in _task_metrics(results[label]):
+            cells.setdefault((task, key), {})[label] = (value, stderr)
+    last = next((label for label in labels if label_rank(label) == 0), None)
+    merged = merge_label(labels)
+    columns = list(labels)
+    with_delta = last is not None and merged is not None
+    if with_delta:
+        columns.append("merge − last")
+    rows = []
+    for (task, key), by_label in cells.items():
+        values = []
+        for label in labels:
+            if label not in by_label:
+                values.append(_MISSING)
+                continue
+            value, stderr = by_label[label]
+            values.append(_fmt_metric(value) + (f" ± {stderr:.4f}" if stderr is not None else ""))
+        if with_delta:
+            if last in by_label and merged in by_label:
+                values.append(f"{by_label[merged][0] - by_label[last][0]:+.4f}")
+            else:
+                values.append(_MISSING)
+        rows.append({"task": task, "metric": _metric_display(*_split_metric(key)), "values": values})
+    return columns, rows
+
+
+def eval_results_for(eval_record: dict[str, Any] | None, label: str | None = None) -> list[EvalResult]:
+    """``EvalResult`` entries (for the card's ``model-index``) of the model ``label``, by default
+    the merge."""
+    from huggingface_hub import EvalResult
+
+    results = (eval_record or {}).get("results") or {}
+    label = label if label is not None else merge_label(list(results))
+    if label is None or not isinstance(results.get(label), dict):
+        return []
+    dataset = (eval_record or {}).get("eval_dataset")
+    out = []
+    for task, key, value, _stderr in _task_metrics(results[label]):
+        base, filt = _split_metric(key)
+        if task == "lm":
+            # The held-out language-modelling evaluation: named after its data when known.
+            dataset_type = dataset if _is_hub_id(dataset) else "held-out-text"
+            dataset_name = str(dataset) if dataset else "held-out text"
+        else:
+            dataset_type, dataset_name = task, task
+        out.append(
+            EvalResult(
+                task_type="text-generation",
+                task_name="Text Generation",
+                dataset_type=dataset_type,
+                dataset_name=dataset_name,
+                metric_type=base,
+                metric_name=_metric_display(base, filt),
+                metric_value=round(value, 6),
+            )
+        )
+    return out
+
+
+# ---------------------------------------------------------------- merge and training
+
+
+def _interval_text(merge: dict[str, Any], sources: list[dict[str, Any]]) -> str:
+    interval = merge.get("interval_tokens")
+    if _is_number(interval) and interval > 0:
+        return f"{_fmt_tokens(interval)} tokens"
+    tokens = [s.get("tokens") for s in sources]
+    if len(tokens) < 2 or not all(_is_number(t) for t in tokens):
+        return _MISSING
+    gaps = [b - a for a, b in zip(tokens, tokens[1:])]
+    if len(set(gaps)) == 1:
+        return f"{_fmt_tokens(gaps[0])} tokens"
+    return f"about {_fmt_tokens(statistics.median(gaps))} tokens (median gap; the gaps vary)"
+
+
+def _snapshot_rows(sources: list[dict[str, Any]], weights: list[Any]) -> list[dict[str, str]]:
+    rows = []
+    for i, src in enumerate(sources):
+        weight = src.get("weight", weights[i] if i < len(weights) else None)
+        rows.append(
+            {
+                "name": str(src.get("name") or Path(str(src.get("path") or f"snapshot {i + 1}")).name),
+                "tokens": _fmt_int(src.get("tokens")),
+                "step": _fmt_int(src.get("step")),
+                "lr": _fmt_float(src.get("lr"), ".3g"),
+                "phase": str(src.get("phase") or _MISSING),
+                "loss": _fmt_float(src.get("loss"), ".4f"),
+                "weight": _fmt_float(weight, ".4f"),
+            }
+        )
+    return rows
+
+
+def _snapshot_warnings(sources: list[dict[str, Any]], weights: list[Any]) -> list[str]:
+    warnings = []
+    outside = sorted({str(s["phase"]) for s in sources if s.get("phase") not in (None, "stable")})
+    if outside:
+        count = sum(1 for s in sources if s.get("phase") not in (None, "stable"))
+        warnings.append(
+            f"{count} of the {len(sources)} snapshots were taken outside the constant-LR (stable) phase "
+            f"({', '.join(outside)}); PMA assumes a constant learning rate."
+        )
+    numbers = [w for w in weights if _is_number(w)]
+    if numbers and abs(sum(numbers) - 1.0) > 1e-4:
+        warnings.append(f"the merge weights sum to {sum(numbers):.6f}, not 1: the merged weights are rescaled.")
+    return warnings
+
+
+def _training_view(training: dict[str, Any] | None) -> dict[str, str] | None:
+    if not training:
+        return None
+    schedule = str(training.get("lr_scheduler_type") or _MISSING)
+    kwargs = training.get("lr_scheduler_kwargs") or {}
+    if isinstance(kwargs, dict) and kwargs:
+        schedule += " (" + ", ".join(f"{k}={v}" for k, v in kwargs.items()) + ")"
+    datasets = training.get("datasets") or []
+    if isinstance(datasets, str):
+        datasets = [datasets]
+    return {
+        "tokens": _fmt_tokens(training.get("total_tokens")),
+        "steps": _fmt_int(training.get("max_steps")),
+        "schedule": schedule,
+        "learning_rate": _fmt_float(training.get("learning_rate"), ".3g"),
+        "hardware": str(training.get("hardware") or _MISSING),
+        "world_size": _fmt_int(training.get("world_size")),
+        "runtime": _fmt_duration(training.get("train_runtime_s")),
+        "datasets": ", ".join(str(d) for d in datasets) or _MISSING,
+    }
+
+
+def _merge_code(records: FolderRecords) -> str:
+    """The ``merge_checkpoints`` call that remakes this merge, with the sources' recorded paths
+    (relative to the merged folder) rewritten relative to where the call runs."""
+    from hf_pma.strategies import STRATEGIES
+
+    merge = records.merge or {}
+    # A run's merge lives in <output_dir>/pma/<name>: the call runs from <output_dir>.
+    base = f"{PMA_SUBDIR}/{records.name}" if records.run_name else (records.name or "merged")
+    where = "the training output_dir" if records.run_name else f"the folder that holds {base}"
+    paths = []
+    for src in records.sources:
+        path = str(src.get("path") or src.get("name") or "?")
+        paths.append(posixpath.normpath(posixpath.join(base, path)) if not path.startswith("...") else path)
+    lines = [
+        "from hf_pma import merge_checkpoints",
+        "",
+        f"# run from {where}",
+        "merge_checkpoints(",
+        "    [",
+        *(f'        "{path}",' for path in paths),
+        "    ],",
+        f'    "{base}",',
+    ]
+    strategy = str(merge.get("strategy") or "sma")
+    if strategy in STRATEGIES:
+        lines.append(f'    strategy="{strategy}",')
+        if strategy == "ema" and _is_number(merge.get("alpha")):
+            lines.append(f"    alpha={merge['alpha']},")
+    else:
+        weights = [w for w in merge.get("weights") or [] if _is_number(w)]
+        lines.append("    weights=[" + ", ".join(f"{w:.6g}" for w in weights) + "],")
+    lines.append(")")
+    return "\n".join(lines)
+
+
+def _default_model_name(records: FolderRecords, repo_id: str | None) -> str:
+    if repo_id:
+        return repo_id.split("/")[-1]
+    # "<output_dir>/pma/merged" says more by the run's name than by "merged".
+    if records.run_name and records.name in (None, "merged", "merge"):
+        return f"{records.run_name}-pma-{(records.merge or {}).get('strategy', 'merged')}"
+    return records.name or "pma-merged-model"
+
+
+def _has_tokenizer(folder: Path) -> bool:
+    return any((folder / n).is_file() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+
+def _plot_description(records: FolderRecords) -> str:
+    """One sentence saying what the plot shows (it only draws what the records hold)."""
+    from hf_pma.plot import plot_data
+
+    data = plot_data(records)
+    x = "tokens seen" if data.x_is_tokens else "optimizer steps"
+    parts = []
+    if data.train_loss:
+        parts.append("the training loss (blue)")
+    if data.eval_live or data.eval_merged:
+        parts.append("the evaluation loss of the live model (red) and of the PMA merge (green) at each evaluation")
+    if data.final_evals:
+        labels = [f'"{label}"' for label in sorted(data.final_evals, key=label_rank)]
+        parts.append(f"the final evaluation of {' / '.join(labels)} (stars)")
+    if data.merged_snapshots:
+        parts.append("the merged snapshots (orange lines)")
+    if data.other_snapshots:
+        parts.append("the run's other snapshots (dotted lines)")
+    if data.learning_rate:
+        parts.append("the learning rate (dashed, right axis)")
+    if not parts:
+        return ""
+    listed = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+    return f"Over {x}: {listed}."
+
+
+def _small_run_note(training: dict[str, Any] | None) -> str | None:
+    tokens = (training or {}).get("total_tokens")
+    if _is_number(tokens) and tokens < 1e9:
+        return (
+            f"This model saw only {_human(tokens)} tokens: it demonstrates the method and is not a useful "
+            "language model."
+        )
+    return None
+
+
+# ---------------------------------------------------------------- the card
+
+
+def build_model_card(
+    folder: str | os.PathLike[str],
+    repo_id: str | None = None,
+    *,
+    model_name: str | None = None,
+    license: str | None = None,
+    language: str | list[str] | None = None,
+    template: str | os.PathLike[str] | None = None,
+    records: FolderRecords | None = None,
+) -> ModelCard:
+    """Render the model card of the merged ``folder`` from its records.
+
+    ``repo_id`` is where the model is (or will be) on the Hub: it appears in the loading
+    snippet. ``records`` defaults to :func:`hf_pma.records.load_records` of ``folder``;
+    ``template`` to the packaged ``pma_model_card.md``. Raises ``FileNotFoundError`` when the
+    folder has no ``pma_merge.json``.
+    """
+    from huggingface_hub import ModelCard, ModelCardData
+
+    folder = Path(folder)
+    records = records if records is not None else load_records(folder)
+    if records.merge is None:
+        raise FileNotFoundError(f"{folder} has no pma_merge.json: a PMA card describes a merged folder")
+    merge, sources, training = records.merge, records.sources, records.training or {}
+    weights = list(merge.get("weights") or [])
+    model_name = sanitize_text(model_name or _default_model_name(records, repo_id))
+
+    datasets = training.get("datasets") or []
+    datasets = [datasets] if isinstance(datasets, str) else list(datasets)
+    base_model = training.get("base_model") or merge.get("base_model")
+    base_model = base_model if _is_hub_id(base_model) else None
+    strategy = str(merge.get("strategy") or "custom")
+    eval_results = eval_results_for(records.eval)
+
+    card_data = ModelCardData(
+        library_name="transformers",
+        pipeline_tag="text-generation",
+        license=license,
+        language=language,
+        base_model=base_model,
+        datasets=[d for d in datasets if _is_hub_id(d)] or None,
+        tags=["pma", "model-merging", "checkpoint-averaging", "hf-pma", f"pma-{strategy}"],
+        model_name=model_name,
+        eval_results=eval_results or None,
+    )
+    columns, rows = eval_table(records.eval)
+    created = merge.get("created")
+    tokens = [s.get("tokens") for s in sources if _is_number(s.get("tokens"))]
+    plot_file = PLOT_NAME if (folder / PLOT_NAME).is_file() else None
+    template_vars = {
+        # With eval_results, ModelCardData moves model_name into the model-index: pass it again.
+        "model_name": model_name,
+        "hf_pma_version": __version__,
+        "merge_version": merge.get("hf_pma_version") or _MISSING,
+        "created_text": datetime.datetime.fromtimestamp(created, datetime.timezone.utc).strftime("%Y-%m-%d")
+        if _is_number(created)
+        else None,
+        "base_model": base_model,
+        "n_snapshots": len(sources),
+        "strategy_text": _STRATEGY_TEXT.get(strategy, f"{strategy}: explicit weights").format(
+            alpha=merge.get("alpha")
+        ),
+        "interval_text": _interval_text(merge, sources),
+        "tokens_span_text": f"{_fmt_int(min(tokens))} to {_fmt_int(max(tokens))}" if tokens else _MISSING,
+        "dtype_text": f"{merge.get('dtype') or _MISSING} / {merge.get('accumulate_dtype') or _MISSING}",
+        "snapshot_rows": _snapshot_rows(sources, weights),
+        "snapshot_warnings": _snapshot_warnings(sources, weights),
+        "training": _training_view(records.training),
+        "eval_columns": columns,
+        "eval_rows": rows,
+        "eval_dataset": (records.eval or {}).get("eval_dataset"),
+        "plot_file": plot_file,
+        "plot_description": _plot_description(records) if plot_file else "",
+        "load_id": repo_id or f"./{records.name or 'merged'}",
+        "has_tokenizer": _has_tokenizer(folder),
+        "training_command": training.get("command"),
+        "merge_code": _merge_code(records),
+        "small_model_note": _small_run_note(records.training),
+        "paper_url": PAPER_URL,
+    }
+    path = Path(template) if template is not None else template_path()
+    card = ModelCard.from_template(card_data, template_path=str(path), **template_vars)
+    # Tidy the blank lines that Jinja blocks leave behind, and sanitize the whole text once more.
+    content = re.sub(r"\n{3,}", "\n\n", sanitize_text(card.content)).rstrip() + "\n"
+    return ModelCard(content)
+
+
+def write_model_card(
+    folder: str | os.PathLike[str],
+    repo_id: str | None = None,
+    *,
+    plot: bool = True,
+    **kwargs: Any,
+) -> Path:
+    """(Re)write ``README.md`` (the model card) in the merged ``folder``, and the plot first
+    when ``plot`` and matplotlib is installed; returns the card's path. ``kwargs`` go to
+    :func:`build_model_card`."""
+    folder = Path(folder)
+    records = load_records(folder)
+    if plot:
+        _try_plot(folder, records)
+    card = build_model_card(folder, repo_id, records=records, **kwargs)
+    path = folder / CARD_NAME
+    # Write beside and rename, so a crash never leaves half a card.
+    fd, tmp = tempfile.mkstemp(prefix=f".{CARD_NAME}.", suffix=".tmp", dir=folder)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(str(card))
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    logger.info(f"Wrote the model card {path.name} in {folder.name}")
+    return path
+
+
+def _try_plot(folder: Path, records: FolderRecords) -> Path | None:
+    try:
+        from hf_pma.plot import plot_training
+
+        return plot_training(records, folder / PLOT_NAME)
+    except ImportError as err:
+        logger.warning(f"No training plot in the card: {err}")
+    except ValueError as err:
+        logger.info(f"No training plot in the card: {err}")
+    return None
