@@ -18,6 +18,8 @@ from hf_pma import __version__
 # Sub-command name -> module under hf_pma.commands.
 COMMANDS = {
     "merge": "merge",
+    "eval": "eval",
+    "make-tasks": "make_tasks",
     "card": "card",
     "push": "push",
 }

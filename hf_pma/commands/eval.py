@@ -1,0 +1,125 @@
+"""``hf-pma eval``: evaluate several models side by side (held-out LM metrics and lm-eval tasks)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from err
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``hf-pma eval``."""
+    p = subparsers.add_parser(
+        "eval",
+        help="evaluate models side by side (perplexity, bits-per-byte, lm-eval tasks)",
+        description=(
+            "Evaluate MODELs one at a time (snapshot folders, the merged folder, an annealed run's output, any "
+            "Hub model) on held-out text (--eval-file: loss, perplexity, bits-per-byte) and/or lm-eval tasks "
+            "(--tasks; local YAML tasks with --include-path, e.g. from `hf-pma make-tasks`), then print one "
+            "table (rows: metrics, columns: models) and write the results as JSON. Under `accelerate launch` "
+            "the main process evaluates and the others wait."
+        ),
+    )
+    p.add_argument("models", nargs="+", metavar="MODEL", help="model folder or Hub model id")
+    p.add_argument("--tasks", help="comma-separated lm-eval task, group or tag names (e.g. hellaswag,arc_easy)")
+    p.add_argument(
+        "--include-path", action="append", metavar="DIR", help="folder of local lm-eval YAML tasks (repeatable)"
+    )
+    p.add_argument(
+        "--eval-file",
+        metavar="FILE",
+        help="held-out text: .txt (one document), .jsonl/.json/.csv/.parquet (--text-column), a folder of text "
+        "files, or a dataset name[:config]",
+    )
+    p.add_argument("--text-column", default="text", help="column of the text in --eval-file tables (default: text)")
+    p.add_argument("--eval-split", default="test", help="split of a --eval-file dataset (default: test)")
+    p.add_argument("--tokenizer", help="tokenizer for every model (default: each model folder's own)")
+    p.add_argument("--labels", help="comma-separated column labels, one per model (default: folder names)")
+    p.add_argument("--limit", type=_positive_int, help="at most K examples per task and K held-out documents")
+    p.add_argument("--batch-size", type=_positive_int, default=8, help="batch size (default: 8)")
+    p.add_argument("--block-size", type=_positive_int, help="held-out LM window (default: the model's context)")
+    p.add_argument("--stride", type=_positive_int, help="held-out LM window step (default: block size / 2)")
+    p.add_argument("--num-fewshot", type=int, help="few-shot examples for lm-eval tasks (default: the task's)")
+    p.add_argument(
+        "--bootstrap-iters", type=int, default=100_000, help="lm-eval bootstrap iterations for stderr (default: 100000)"
+    )
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", help="device (default: cuda if available, else cpu)")
+    p.add_argument("-o", "--output", metavar="FILE", help="write the results as JSON here")
+    p.add_argument(
+        "--record",
+        metavar="DIR",
+        help="also write/update pma_eval.json (the record the model card reads) in this folder, e.g. the merge",
+    )
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bars or info logs")
+    p.set_defaults(func=run)
+
+
+def _eval_dataset_name(source: str) -> str:
+    # Recorded in pma_eval.json, which may be published: a file's name, never its local path.
+    path = Path(source)
+    return path.name if path.exists() else source
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``hf-pma eval``."""
+    from transformers.utils import logging
+
+    from ..corpus import load_documents
+    from ..evaluation import evaluate_models, results_table, write_eval_record
+    from ..main_process import is_main_process
+    from ..snapshots import atomic_write_json
+
+    if args.quiet or not getattr(args, "verbose", False):
+        # transformers logs every config and weight file it loads at info level: noise next to
+        # the table (-v shows it).
+        logging.set_verbosity_warning()
+    if not args.tasks and not args.eval_file:
+        raise ValueError("nothing to evaluate: give --tasks and/or --eval-file")
+    labels = [label.strip() for label in args.labels.split(",")] if args.labels else None
+    if args.record and not Path(args.record).is_dir():
+        raise FileNotFoundError(f"--record folder {args.record} does not exist")
+    if args.output and not Path(args.output).absolute().parent.is_dir():
+        raise FileNotFoundError(f"the folder of --output {args.output} does not exist")
+    texts = None
+    if args.eval_file:
+        texts = load_documents(args.eval_file, text_column=args.text_column, split=args.eval_split, limit=args.limit)
+        if not any(texts):
+            raise ValueError(f"--eval-file {args.eval_file} holds no text")
+
+    report = evaluate_models(
+        args.models,
+        labels=labels,
+        tokenizer=args.tokenizer,
+        texts=texts,
+        eval_dataset=_eval_dataset_name(args.eval_file) if args.eval_file else None,
+        tasks=args.tasks,
+        include_path=args.include_path,
+        limit=args.limit,
+        batch_size=args.batch_size,
+        block_size=args.block_size,
+        stride=args.stride,
+        num_fewshot=args.num_fewshot,
+        bootstrap_iters=args.bootstrap_iters,
+        dtype=args.dtype,
+        device=args.device,
+        progress=not args.quiet,
+    )
+    if args.record:
+        write_eval_record(args.record, report["results"], eval_dataset=report["eval_dataset"])
+    if is_main_process():
+        if args.output:
+            atomic_write_json(Path(args.output), report)
+        sys.stdout.write(results_table(report["results"]) + "\n")
+        sys.stdout.flush()
+    return 0

@@ -1,0 +1,228 @@
+"""lm-evaluation-harness over an in-memory model: any task name, local YAML tasks offline.
+
+The model and tokenizer are wrapped in lm-eval's ``HFLM`` (the tokenizer is passed too, or
+``HFLM`` would look for one on the Hub by the model's name) and run through
+``lm_eval.simple_evaluate``. Standard tasks (``hellaswag``, ``arc_easy``, ...) work wherever
+their data is reachable; tasks from ``include_path`` folders (such as those of
+:mod:`hf_pma.tasks`) work offline. Results keep lm-eval's format and flatten to
+``{task: {metric: value, metric_stderr: value}}`` (:func:`flatten_lm_eval_results`).
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import logging as std_logging
+import os
+from collections.abc import Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from transformers.utils import logging
+
+if TYPE_CHECKING:
+    from lm_eval.tasks import TaskManager
+
+logger = logging.get_logger(__name__)
+
+__all__ = ["parse_task_names", "load_task_manager", "run_lm_eval", "flatten_lm_eval_results", "jsonable"]
+
+
+def _import_lm_eval() -> None:
+    try:
+        import lm_eval  # noqa: F401
+    except ImportError as err:  # pragma: no cover - depends on the installation
+        raise ImportError("lm-eval tasks need the `lm_eval` package: pip install 'hf-pma[eval]'") from err
+
+
+def parse_task_names(tasks: str | Sequence[str]) -> list[str]:
+    """Task names from ``"a,b"`` or ``["a", "b,c"]``, in order, without duplicates."""
+    items = [tasks] if isinstance(tasks, str) else list(tasks)
+    names = [name.strip() for item in items for name in str(item).split(",") if name.strip()]
+    return list(dict.fromkeys(names))
+
+
+def _include_paths(include_path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None) -> list[str]:
+    if include_path is None:
+        return []
+    items = [include_path] if isinstance(include_path, (str, os.PathLike)) else list(include_path)
+    paths = []
+    for item in items:
+        path = Path(item)
+        if not path.is_dir():
+            raise FileNotFoundError(f"task folder {path} (include_path) does not exist or is not a folder")
+        paths.append(str(path.absolute()))
+    return paths
+
+
+def _unknown(names: Sequence[str], manager: TaskManager) -> list[str]:
+    known = set(manager.all_tasks)
+    # A path to a task YAML file is also a valid spec for lm-eval.
+    return [n for n in names if n not in known and not (n.endswith((".yaml", ".yml")) and Path(n).is_file())]
+
+
+def load_task_manager(
+    tasks: str | Sequence[str],
+    include_path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
+) -> tuple[list[str], TaskManager]:
+    """The task names and a ``TaskManager`` that knows them all; ``ValueError`` listing the close
+    matches for any unknown name.
+
+    Tasks found in ``include_path`` alone are loaded without indexing lm-eval's thousands of
+    built-in tasks (about 10 s); otherwise the built-in tasks are indexed too.
+    """
+    _import_lm_eval()
+    from lm_eval.tasks import TaskManager
+
+    names = parse_task_names(tasks)
+    if not names:
+        raise ValueError("no task names given")
+    paths = _include_paths(include_path)
+    if paths:
+        local = TaskManager(include_path=paths, include_defaults=False)
+        if not _unknown(names, local):
+            return names, local
+    manager = TaskManager(include_path=paths or None)
+    unknown = _unknown(names, manager)
+    if unknown:
+        hints = []
+        for name in unknown:
+            close = difflib.get_close_matches(name, manager.all_tasks, n=5, cutoff=0.6)
+            hints.append(f"{name!r} (close matches: {', '.join(close)})" if close else f"{name!r} (no close match)")
+        where = f" in lm-eval or {', '.join(paths)}" if paths else " in lm-eval (local YAML tasks need include_path)"
+        raise ValueError(f"unknown task(s){where}: {'; '.join(hints)}")
+    return names, manager
+
+
+@contextmanager
+def _quiet(logger_name: str, level: int = std_logging.ERROR):
+    # HFLM warns "do not launch via accelerate" for any in-memory model; hf-pma handles that
+    # itself (main process only), so the warning would only mislead.
+    target = std_logging.getLogger(logger_name)
+    old = target.level
+    target.setLevel(level)
+    try:
+        yield
+    finally:
+        target.setLevel(old)
+
+
+def run_lm_eval(
+    model: Any,
+    tokenizer: Any,
+    tasks: str | Sequence[str],
+    include_path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
+    limit: int | float | None = None,
+    batch_size: int = 8,
+    num_fewshot: int | None = None,
+    bootstrap_iters: int = 100_000,
+    log_samples: bool = False,
+    task_manager: TaskManager | None = None,
+    max_length: int | None = None,
+    logits_cache: bool = False,
+    **simple_evaluate_kwargs: Any,
+) -> dict[str, Any]:
+    """Run lm-eval ``tasks`` on an in-memory causal LM; lm-eval's results dict.
+
+    ``tasks``: names (``"hellaswag,arc_easy"`` or a list), groups, tags or YAML paths;
+    ``include_path``: folders of local YAML tasks; ``limit``: examples per task (for quick
+    checks: a partial task is not comparable to published numbers). Pass a ``task_manager``
+    from :func:`load_task_manager` to reuse it across models. The model's train/eval mode is
+    restored afterwards. Under several processes this runs on the main process only.
+
+    ``logits_cache`` is off by default: in lm-eval 0.4.13, HFLM's cache shares one forward pass
+    among requests whose ``context + continuation[:-1]`` tokens are equal, and when their
+    continuations differ in length it scores the shorter one on the first positions of the
+    longer one's logits instead of the last, which gives wrong log-likelihoods (seen here when
+    the same text is split at two places, e.g. a next-line and a cloze item on one line).
+    """
+    from .main_process import run_on_main_process
+
+    hflm_kwargs = {"batch_size": batch_size, "max_length": max_length, "logits_cache": logits_cache}
+    if task_manager is None:
+        names, task_manager = load_task_manager(tasks, include_path)
+    else:
+        names = parse_task_names(tasks)
+    if limit is not None and limit <= 0:
+        raise ValueError(f"limit must be positive, got {limit}")
+    return run_on_main_process(
+        _run_lm_eval,
+        model,
+        tokenizer,
+        names,
+        task_manager,
+        dict(
+            limit=limit,
+            batch_size=batch_size,
+            num_fewshot=num_fewshot,
+            bootstrap_iters=bootstrap_iters,
+            log_samples=log_samples,
+            **simple_evaluate_kwargs,
+        ),
+        hflm_kwargs,
+    )
+
+
+def _run_lm_eval(
+    model: Any,
+    tokenizer: Any,
+    names: list[str],
+    task_manager: TaskManager,
+    kwargs: dict[str, Any],
+    hflm_kwargs: dict[str, Any],
+) -> dict[str, Any]:
+    from lm_eval import simple_evaluate
+    from lm_eval.models.huggingface import HFLM
+
+    from .evaluation import unwrap_model
+
+    model = unwrap_model(model)
+    was_training = model.training
+    try:
+        with _quiet("lm_eval.models.huggingface"):
+            lm = HFLM(pretrained=model, tokenizer=tokenizer, **hflm_kwargs)
+        logger.info(f"lm-eval: {', '.join(names)}")
+        results = simple_evaluate(model=lm, tasks=names, task_manager=task_manager, **kwargs)
+    finally:
+        model.train(was_training)
+    if results is None:  # simple_evaluate answers on its rank 0 only
+        raise RuntimeError("lm_eval.simple_evaluate returned no results on the main process")
+    return results
+
+
+def flatten_lm_eval_results(results: dict[str, Any]) -> dict[str, dict[str, float | None]]:
+    """``{task: {metric: value, metric_stderr: value}}`` from lm-eval's results (or its
+    ``"results"`` section).
+
+    lm-eval's keys are ``"<metric>,<filter>"``: the default filter ``none`` is dropped
+    (``"acc,none"`` -> ``"acc"``, ``"acc_stderr,none"`` -> ``"acc_stderr"``), other filters are
+    kept (``"exact_match,strict-match"``). A stderr lm-eval could not compute (``"N/A"``) is
+    ``None``. Non-metric entries (alias, sample counts) are left out.
+    """
+    section = results.get("results", results)
+    flat: dict[str, dict[str, float | None]] = {}
+    for task, metrics in section.items():
+        if not isinstance(metrics, dict):
+            continue
+        row: dict[str, float | None] = {}
+        for key, value in metrics.items():
+            if "," not in str(key) or isinstance(value, bool):
+                continue
+            metric, _, filt = str(key).partition(",")
+            name = metric if filt == "none" else str(key)
+            if isinstance(value, (int, float)):
+                row[name] = float(value)
+            elif metric.endswith("_stderr"):
+                row[name] = None
+        if row:
+            flat[str(task)] = row
+    return flat
+
+
+def jsonable(results: dict[str, Any], keep_samples: bool = False) -> dict[str, Any]:
+    """lm-eval's results as plain JSON values (per-sample logs dropped unless ``keep_samples``)."""
+    from lm_eval.utils import handle_non_serializable
+
+    data = {k: v for k, v in results.items() if keep_samples or k != "samples"}
+    return json.loads(json.dumps(data, default=handle_non_serializable))

@@ -1,0 +1,149 @@
+"""Run a piece of work once, on the main process, while the other processes wait for its result.
+
+Evaluation under ``accelerate launch`` / ``torchrun`` must neither run N times nor hang. hf-pma's
+choice: evaluation runs on the global main process (rank 0) only; the other ranks block until
+it is done and then receive the same result (or the same exception), so a script that calls
+an evaluation function on every rank goes on identically everywhere.
+
+The wait happens on a dedicated gloo group with a long timeout, not on the training group:
+NCCL's default 10-minute timeout would kill the waiting ranks during a long evaluation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import datetime
+import os
+import pickle
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+__all__ = [
+    "DEFAULT_WAIT_TIMEOUT",
+    "distributed_rank_and_size",
+    "is_main_process",
+    "run_locally",
+    "run_on_main_process",
+]
+
+T = TypeVar("T")
+
+# How long the other ranks wait for the main process (a large evaluation can take hours).
+DEFAULT_WAIT_TIMEOUT = datetime.timedelta(hours=24)
+
+# True while the main process is inside run_on_main_process: nested calls then run directly
+# (a collective there would hang, the other ranks are not taking part).
+_INSIDE = contextvars.ContextVar("hf_pma_inside_main_process", default=False)
+_WAIT_GROUPS: dict[int, Any] = {}
+
+
+def distributed_rank_and_size() -> tuple[int, int]:
+    """(global rank, world size); ``(0, 1)`` outside a multi-process launch.
+
+    Under a launcher (``WORLD_SIZE`` > 1) whose script has not set up ``torch.distributed``
+    yet, the default process group is initialized through ``accelerate.PartialState``.
+    """
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1 and dist.is_available():
+        from accelerate import PartialState
+
+        logger.debug("WORLD_SIZE > 1 and no process group yet: initializing it through accelerate")
+        PartialState()
+        if dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def is_main_process() -> bool:
+    """Whether this is the global main process (always true in a single process)."""
+    return distributed_rank_and_size()[0] == 0
+
+
+@contextlib.contextmanager
+def run_locally() -> Iterator[None]:
+    """Inside this block, hf-pma evaluation runs right here, without any collective: for code that
+    only one rank executes (``if trainer.is_world_process_zero(): ...``), where waiting for the
+    other ranks would hang."""
+    token = _INSIDE.set(True)
+    try:
+        yield
+    finally:
+        _INSIDE.reset(token)
+
+
+def _wait_group(timeout: datetime.timedelta) -> Any:
+    import torch.distributed as dist
+
+    key = id(dist.group.WORLD)
+    if key not in _WAIT_GROUPS:
+        # Collective: every rank creates it, in the same order (the first call on every rank).
+        _WAIT_GROUPS[key] = dist.new_group(backend="gloo", timeout=timeout)
+    return _WAIT_GROUPS[key]
+
+
+def _picklable(payload: tuple[str, Any]) -> tuple[str, Any]:
+    # A payload that cannot be pickled would fail on rank 0 only and leave the others waiting:
+    # replace it by a description that can.
+    try:
+        pickle.dumps(payload)
+        return payload
+    except Exception as err:  # noqa: BLE001 - any pickling failure
+        status, value = payload
+        if status == "error":
+            return "error", RuntimeError(f"evaluation failed on the main process: {value!r}")
+        return "error", TypeError(f"the main process's result ({type(value).__name__}) cannot be sent to the other ranks: {err}")
+
+
+def run_on_main_process(
+    fn: Callable[..., T], *args: Any, timeout: datetime.timedelta = DEFAULT_WAIT_TIMEOUT, **kwargs: Any
+) -> T:
+    """``fn(*args, **kwargs)`` on the global main process only; every rank returns its result.
+
+    In a single process this is a plain call. Under several processes every rank must call it
+    (in the same order as its other collectives): rank 0 runs ``fn``, the others wait up to
+    ``timeout`` and receive the result through a broadcast; an exception on rank 0 is raised
+    on every rank. Calls nested inside ``fn``, or inside :func:`run_locally`, run directly:
+    code that runs on one rank only must use :func:`run_locally`, or it waits for ranks that
+    never come.
+    """
+    if _INSIDE.get():
+        return fn(*args, **kwargs)
+    rank, world_size = distributed_rank_and_size()
+    if world_size == 1:
+        token = _INSIDE.set(True)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            _INSIDE.reset(token)
+
+    import torch.distributed as dist
+
+    group = _wait_group(timeout)
+    payload: tuple[str, Any] | None = None
+    error: BaseException | None = None
+    if rank == 0:
+        token = _INSIDE.set(True)
+        try:
+            payload = ("ok", fn(*args, **kwargs))
+        except BaseException as err:  # noqa: BLE001 - re-raised below, after the others are told
+            error = err
+            payload = ("error", err)
+        finally:
+            _INSIDE.reset(token)
+        payload = _picklable(payload)
+    else:
+        logger.info(f"rank {rank}: waiting for the main process to finish evaluating")
+    box = [payload]
+    dist.broadcast_object_list(box, src=0, group=group)
+    status, value = box[0]
+    if status == "error":
+        raise error if error is not None else value
+    return value if rank != 0 else payload[1]

@@ -1,0 +1,184 @@
+"""``hf-pma eval``: side-by-side table and JSON for two models, clear errors, and a 2-process launch."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO_ROOT, make_tiny_model, sample_text, save_model_folder
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from hf_pma.cli import main
+from hf_pma.evaluation import evaluate_language_modeling, load_model_for_eval
+from hf_pma.snapshots import write_manifest
+from hf_pma.tasks import TaskOptions, make_tasks
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory, tiny_tokenizer):
+    """A run folder: a snapshot without a tokenizer (it is found in the run folder), a merged
+    folder with one; and generated tasks with their held-out documents."""
+    root = tmp_path_factory.mktemp("evalcli")
+    run = root / "run"
+    tiny_tokenizer.save_pretrained(run)
+    snapshot = save_model_folder(run / "pma" / "snapshot-100", make_tiny_model(seed=0, initializer_range=0.3))
+    merged = save_model_folder(run / "pma" / "merged", make_tiny_model(seed=1, initializer_range=0.3), tiny_tokenizer)
+    lines = sample_text().splitlines()
+    docs = ["\n".join(lines[i : i + 30]) for i in range(0, len(lines), 30)]
+    tasks = root / "tasks"
+    make_tasks(docs, tasks, eval_fraction=0.3, options=TaskOptions(num_items=12, max_line_chars=60))
+    return {"root": root, "run": run, "snapshot": snapshot, "merged": merged, "tasks": tasks}
+
+
+def test_two_models_side_by_side(setup, capsys):
+    out = setup["root"] / "results.json"
+    args = [
+        "eval",
+        str(setup["snapshot"]),
+        str(setup["merged"]),
+        "--tasks",
+        "pma_tasks",
+        "--include-path",
+        str(setup["tasks"]),
+        "--eval-file",
+        str(setup["tasks"] / "heldout.jsonl"),
+        "--limit",
+        "6",
+        "--batch-size",
+        "4",
+        "--output",
+        str(out),
+        "--record",
+        str(setup["merged"]),
+        "-q",
+    ]
+    assert main(args) == 0
+    table = capsys.readouterr().out.strip().splitlines()
+    assert table[0].split() == ["metric", "snapshot-100", "merged"]
+    rows = {line.split()[0]: line.split()[1:] for line in table[2:]}
+    assert set(rows) == {
+        "lm/loss",
+        "lm/perplexity",
+        "lm/bits_per_byte",
+        "pma_next_line/acc",
+        "pma_next_line/acc_norm",
+        "pma_cloze/acc",
+        "pma_cloze/acc_norm",
+    }
+
+    report = json.loads(out.read_text())
+    assert list(report["results"]) == ["snapshot-100", "merged"]
+    assert report["eval_dataset"] == "heldout.jsonl"
+    texts = [json.loads(line)["text"] for line in (setup["tasks"] / "heldout.jsonl").read_text().splitlines()][:6]
+    for label, folder in (("snapshot-100", setup["snapshot"]), ("merged", setup["merged"])):
+        model = AutoModelForCausalLM.from_pretrained(folder)
+        direct = evaluate_language_modeling(model, AutoTokenizer.from_pretrained(setup["run"]), texts, progress=False)
+        lm = report["results"][label]["lm"]
+        assert lm["perplexity"] == pytest.approx(direct["perplexity"], rel=1e-5)
+        assert report["lm"][label]["tokens"] == direct["tokens"]
+        column = 0 if label == "snapshot-100" else 1
+        assert rows["lm/perplexity"][column] == _cell(lm["perplexity"])
+        acc = report["results"][label]["pma_next_line"]["acc"]
+        assert report["lm_eval"][label]["results"]["pma_next_line"]["acc,none"] == acc
+        assert report["lm_eval"][label]["n-samples"]["pma_next_line"]["effective"] == 6
+    assert report["results"]["snapshot-100"]["lm"] != report["results"]["merged"]["lm"]
+
+    record = json.loads((setup["merged"] / "pma_eval.json").read_text())
+    assert record == {"results": report["results"], "eval_dataset": "heldout.jsonl"}
+
+
+def _cell(value: float) -> str:
+    return f"{value:,.1f}" if value >= 1000 else f"{value:.4f}"
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("empty-folder", "not readable: no config.json and no weights"),
+        ("tokenizer-mismatch", "does not match model"),
+        ("run-folder", "PMA run folder"),
+        ("unknown-task", "'pma_next_lin' (close matches: pma_next_line"),
+        ("nothing", "nothing to evaluate"),
+    ],
+)
+def test_errors_are_clear_and_write_nothing(setup, tmp_path, capsys, case, message):
+    model, extra = str(setup["merged"]), ["--eval-file", str(setup["tasks"] / "heldout.jsonl")]
+    if case == "empty-folder":
+        (tmp_path / "empty").mkdir()
+        model = str(tmp_path / "empty")
+    elif case == "tokenizer-mismatch":
+        model = str(save_model_folder(tmp_path / "small-vocab", make_tiny_model(vocab_size=256)))
+        extra += ["--tokenizer", str(setup["run"])]
+    elif case == "run-folder":
+        (tmp_path / "run" / "pma").mkdir(parents=True)
+        write_manifest(tmp_path / "run" / "pma", [])
+        model = str(tmp_path / "run")
+    elif case == "unknown-task":
+        extra = ["--tasks", "pma_next_lin", "--include-path", str(setup["tasks"])]
+    elif case == "nothing":
+        extra = []
+    out = tmp_path / "out.json"
+    # The good model comes first: the bad one must be caught before anything is evaluated.
+    assert main(["eval", str(setup["snapshot"]), model, *extra, "-o", str(out), "-q"]) == 2
+    err = capsys.readouterr().err
+    assert message in err, err
+    if case in ("empty-folder", "tokenizer-mismatch", "run-folder"):
+        assert Path(model).name in err
+    assert not out.exists()
+
+
+def test_load_model_for_eval_with_a_tokenizer_object(setup, tiny_tokenizer, tmp_path):
+    # The snapshot folder holds no tokenizer: a given tokenizer object is used as it is.
+    model, tok = load_model_for_eval(setup["snapshot"], tokenizer=tiny_tokenizer, device="cpu")
+    assert tok is tiny_tokenizer and not model.training
+    small = save_model_folder(tmp_path / "small-vocab", make_tiny_model(vocab_size=256))
+    with pytest.raises(ValueError, match="512 tokens but the model's embedding has 256 rows"):
+        load_model_for_eval(small, tokenizer=tiny_tokenizer)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.mark.distributed
+def test_two_process_launch_evaluates_once(setup, tmp_path):
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(_free_port()),
+        str(REPO_ROOT / "tests" / "dist" / "eval_launch.py"),
+        str(setup["merged"]),
+        str(setup["tasks"]),
+        str(tmp_path),
+    ]
+    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world_size"] for r in ranks] == [2, 2]
+    assert ranks[0]["forwards"] > 0 and ranks[1]["forwards"] == 0  # ran once, on the main process
+    assert ranks[0]["results"] == ranks[1]["results"]  # and every rank got the result
+    assert set(ranks[0]["results"]) == {"lm", "pma_next_line"}
+    assert [r["error"] for r in ranks] == ["bad input seen by rank 0"] * 2
+    assert ranks[0]["local"]["loss"] == ranks[0]["results"]["lm"]["loss"] and "local" not in ranks[1]
+    assert proc.stdout.count("lm/perplexity") == 1  # the CLI table is printed once
+    cli = json.loads((tmp_path / "cli.json").read_text())
+    assert set(cli["results"]["merged"]) == {"lm", "pma_cloze"}

@@ -1,0 +1,192 @@
+"""Corpus reading and splitting; generated tasks: no leak from training, determinism, right answers."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+from conftest import sample_text
+
+from hf_pma.cli import main
+from hf_pma.corpus import document_id, load_documents, split_documents
+from hf_pma.tasks import TaskOptions, make_tasks
+
+# Lines that every document holds: they are in training whatever the split, so they must never
+# be a choice, though they are long enough to be one.
+BOILERPLATE = [
+    "# Copyright (c) the authors of this shared header, all rights reserved.",
+    "    raise NotImplementedError('this shared line sits in every document')",
+]
+
+
+def corpus(n_lines: int = 30) -> list[str]:
+    lines = sample_text().splitlines()
+    docs = []
+    for start in range(0, len(lines), n_lines):
+        chunk = lines[start : start + n_lines]
+        docs.append("\n".join([BOILERPLATE[0], *chunk[: n_lines // 2], BOILERPLATE[1], *chunk[n_lines // 2 :]]))
+    return docs
+
+
+def _items(folder, name):
+    return [json.loads(line) for line in (folder / f"{name}.jsonl").read_text(encoding="utf-8").splitlines()]
+
+
+# ---------------------------------------------------------------- split
+
+
+def test_split_is_deterministic_disjoint_and_order_free():
+    docs = corpus()
+    docs.append(docs[3])  # a copy: both copies must land on the same side
+    train, heldout = split_documents(docs, eval_fraction=0.2, seed=7)
+    assert (train, heldout) == split_documents(docs, eval_fraction=0.2, seed=7)
+    assert not set(train) & set(heldout)
+    assert set(train) | set(heldout) == set(docs)
+    assert len(heldout) == -(-len(set(docs)) * 2 // 10)  # ceil(0.2 * distinct)
+    # Train keeps both copies of a document, held-out one.
+    assert len(train) + len(heldout) == len(docs) - (docs[3] in heldout)
+    assert train.count(docs[3]) in (0, 2) and heldout.count(docs[3]) in (0, 1)
+    shuffled = docs[:]
+    random.Random(0).shuffle(shuffled)
+    train2, heldout2 = split_documents(shuffled, eval_fraction=0.2, seed=7)
+    assert set(heldout2) == set(heldout) and sorted(train2) == sorted(train)
+    assert set(split_documents(docs, eval_fraction=0.2, seed=8)[1]) != set(heldout)
+
+
+def test_split_rejects_bad_input():
+    with pytest.raises(ValueError, match="eval_fraction"):
+        split_documents(["a", "b"], eval_fraction=1.0)
+    with pytest.raises(ValueError, match="2 distinct"):
+        split_documents(["a", "a"], eval_fraction=0.5)
+    with pytest.raises(ValueError, match="document 1"):
+        split_documents(["a", 2], eval_fraction=0.5)
+
+
+# ---------------------------------------------------------------- tasks
+
+
+@pytest.fixture(scope="module")
+def generated(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gen")
+    docs = corpus()
+    info = make_tasks(docs, root / "a", eval_fraction=0.25, seed=11, options=TaskOptions(num_items=40))
+    return docs, root, info
+
+
+def test_no_choice_line_occurs_in_training_documents(generated):
+    docs, root, info = generated
+    train, heldout = split_documents(docs, eval_fraction=0.25, seed=11)
+    train_lines = {line.strip() for doc in train for line in doc.splitlines()}
+    heldout_lines = {line.strip() for doc in heldout for line in doc.splitlines() if len(line.strip()) >= 16}
+    # The check matters: held-out documents share usable lines with training ones.
+    assert {b.strip() for b in BOILERPLATE} <= train_lines
+    assert len(heldout_lines & train_lines) > len(BOILERPLATE)
+    for name, delimiter in (("pma_next_line", "\n"), ("pma_cloze", "")):
+        items = _items(root / "a", name)
+        assert len(items) == 40
+        for item in items:
+            for choice in item["choices"]:
+                line = (item["context"] + delimiter + choice).split("\n")[-1].strip()
+                assert line not in train_lines, (name, item["id"], line)
+    assert [document_id(d) for d in heldout] == info["heldout_ids"]
+    written = [json.loads(line)["text"] for line in (root / "a" / "heldout.jsonl").read_text().splitlines()]
+    assert written == heldout and not set(written) & set(train)
+
+
+def test_items_hold_the_true_continuation(generated):
+    docs, root, _ = generated
+    _, heldout = split_documents(docs, eval_fraction=0.25, seed=11)
+    used = set()
+    for name, delimiter in (("pma_next_line", "\n"), ("pma_cloze", "")):
+        for item in _items(root / "a", name):
+            lines = heldout[item["doc"]].splitlines()
+            i = item["line"]
+            truth = "\n".join(lines[i - 3 : i]).rstrip() if name == "pma_next_line" else "\n".join(lines[i - 3 : i])
+            truth += "\n" + lines[i].rstrip()
+            assert item["context"] + delimiter + item["choices"][item["label"]] == truth
+            assert len(item["choices"]) == 4 == len({c.strip() for c in item["choices"]})
+            assert (item["doc"], i) not in used  # one item per line over both tasks
+            used.add((item["doc"], i))
+    labels = [item["label"] for item in _items(root / "a", "pma_next_line")]
+    assert len(set(labels)) == 4  # the answer's position varies
+
+
+def test_same_seed_same_output_other_seed_other_output(generated):
+    docs, root, _ = generated
+    make_tasks(docs, root / "b", eval_fraction=0.25, seed=11, options=TaskOptions(num_items=40))
+    make_tasks(docs, root / "c", eval_fraction=0.25, seed=12, options=TaskOptions(num_items=40))
+    for name in ("pma_next_line.jsonl", "pma_cloze.jsonl", "heldout.jsonl", "tasks_info.json"):
+        assert (root / "a" / name).read_bytes() == (root / "b" / name).read_bytes(), name
+    for name in ("pma_next_line.yaml", "pma_cloze.yaml"):
+        text_a = (root / "a" / name).read_text().replace(str(root / "a"), "DIR")
+        assert text_a == (root / "b" / name).read_text().replace(str(root / "b"), "DIR")
+        assert str(root / "a" / name.replace(".yaml", ".jsonl")) in (root / "a" / name).read_text()
+    assert (root / "a" / "pma_next_line.jsonl").read_bytes() != (root / "c" / "pma_next_line.jsonl").read_bytes()
+
+
+def test_bad_requests_leave_nothing_behind(generated, tmp_path):
+    docs, root, _ = generated
+    before = sorted(p.name for p in (root / "a").iterdir())
+    with pytest.raises(FileExistsError, match="not empty"):
+        make_tasks(docs, root / "a", seed=1)
+    assert sorted(p.name for p in (root / "a").iterdir()) == before
+    with pytest.raises(ValueError, match="unknown task kind"):
+        make_tasks(docs, tmp_path / "x", kinds=["next_line", "riddle"])
+    with pytest.raises(ValueError, match="no usable item"):
+        make_tasks(docs, tmp_path / "y", options=TaskOptions(min_line_chars=190, max_line_chars=200))
+    assert list(tmp_path.iterdir()) == []  # no output folder, no temporary folder
+
+
+def test_make_tasks_cli(tmp_path, capsys):
+    source = tmp_path / "corpus"
+    source.mkdir()
+    for i, doc in enumerate(corpus()):
+        (source / f"doc{i:03d}.py").write_text(doc)
+    (source / "blob.bin").write_bytes(b"\x00\x01binary")
+    (source / ".hidden.txt").write_text("hidden")
+    out = tmp_path / "tasks"
+    args = ["make-tasks", str(source), "-o", str(out), "--eval-fraction", "0.3", "--num-items", "10", "--write-train"]
+    assert main(args) == 0
+    assert "pma_next_line: 10 items" in capsys.readouterr().out
+    docs = load_documents(source)
+    assert len(docs) == len(corpus())
+    train = [json.loads(line)["text"] for line in (out / "train.jsonl").read_text().splitlines()]
+    heldout = [json.loads(line)["text"] for line in (out / "heldout.jsonl").read_text().splitlines()]
+    assert (train, heldout) == split_documents(docs, eval_fraction=0.3, seed=0)
+    assert main(args) == 2
+    assert "not empty" in capsys.readouterr().err
+    assert main([*args[:2], "-o", str(tmp_path / "z"), "--kinds", "riddle"]) == 2
+    assert "riddle" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- reading documents
+
+
+def test_load_documents_from_files(tmp_path):
+    (tmp_path / "a.jsonl").write_text(json.dumps({"text": "one", "id": 1}) + "\n\n" + json.dumps({"text": "two"}) + "\n")
+    (tmp_path / "b.csv").write_text('text,n\n"three, with comma",1\n')
+    (tmp_path / "c.txt").write_text("four\nlines")
+    (tmp_path / "d.json").write_text(json.dumps([{"body": "five"}]))
+    assert load_documents([tmp_path / "a.jsonl", tmp_path / "b.csv", tmp_path / "c.txt"]) == [
+        "one",
+        "two",
+        "three, with comma",
+        "four\nlines",
+    ]
+    assert load_documents(tmp_path / "d.json", text_column="body") == ["five"]
+    assert load_documents(tmp_path / "a.jsonl", limit=1) == ["one"]
+    with pytest.raises(ValueError, match=r"d\.json.*'text'.*body"):
+        load_documents(tmp_path / "d.json")
+    import datasets
+
+    datasets.Dataset.from_dict({"text": ["six", "seven"]}).to_parquet(str(tmp_path / "e.parquet"))
+    assert load_documents(tmp_path / "e.parquet") == ["six", "seven"]
+    datasets.DatasetDict({"test": datasets.Dataset.from_dict({"body": ["eight"]})}).save_to_disk(str(tmp_path / "saved"))
+    assert load_documents(tmp_path / "saved", text_column="body", split="test") == ["eight"]
+    with pytest.raises(ValueError, match="no split 'train'"):
+        load_documents(tmp_path / "saved", text_column="body")
+    with pytest.raises(FileNotFoundError, match="missing.txt"):
+        load_documents(tmp_path / "missing.txt")
+    with pytest.raises(FileNotFoundError, match="data/missing.jsonl"):
+        load_documents("data/missing.jsonl")
