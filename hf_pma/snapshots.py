@@ -41,6 +41,17 @@ __all__ = [
     "manifest_snapshots",
     "find_manifest",
     "remove_tree",
+    "TMP_PREFIX",
+    "DELETING_PREFIX",
+    "EXCLUDED_KEY",
+    "is_excluded",
+    "snapshot_path",
+    "included_snapshots",
+    "add_snapshot",
+    "exclude_snapshots",
+    "drop_snapshots_after",
+    "clean_incomplete",
+    "orphan_snapshots",
 ]
 
 MANIFEST_NAME = "manifest.json"
@@ -50,6 +61,13 @@ PMA_SUBDIR = "pma"
 FORMAT_VERSION = 1
 
 PHASES = ("warmup", "stable", "decay")
+
+# Leftovers of an interrupted write or delete: never listed, removed when a run (re)starts.
+TMP_PREFIX = ".tmp-"
+DELETING_PREFIX = ".deleting-"
+# A record whose ``extra[EXCLUDED_KEY]`` is true stays on disk but is left out of merges
+# (for example a snapshot taken during a loss spike).
+EXCLUDED_KEY = "excluded"
 
 
 @dataclasses.dataclass
@@ -122,6 +140,7 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.fchmod(fd, 0o644)  # mkstemp makes it private; a manifest is read by other tools and users
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             json.dump(obj, fh, indent=2, sort_keys=False)
             fh.write("\n")
@@ -189,7 +208,128 @@ def remove_tree(path: str | os.PathLike[str]) -> None:
     path = Path(path)
     if not path.exists():
         return
-    doomed = path.with_name(f".deleting-{path.name}-{os.getpid()}")
+    doomed = path.with_name(f"{DELETING_PREFIX}{path.name}-{os.getpid()}")
     os.replace(path, doomed)
     fsync_dir(path.parent)
     shutil.rmtree(doomed, ignore_errors=True)
+
+
+def is_excluded(record: SnapshotRecord) -> bool:
+    """Whether a record was marked as excluded from merges (see :func:`exclude_snapshots`)."""
+    return bool(record.extra.get(EXCLUDED_KEY, False))
+
+
+def snapshot_path(pma_dir: str | os.PathLike[str], record: SnapshotRecord) -> Path:
+    """The absolute folder of a snapshot listed in the manifest of ``pma_dir``."""
+    return (Path(pma_dir) / record.path).resolve()
+
+
+def included_snapshots(pma_dir: str | os.PathLike[str]) -> list[SnapshotRecord]:
+    """The records of ``pma_dir`` that are not excluded, oldest first: what a merge should use."""
+    return [r for r in manifest_snapshots(pma_dir) if not is_excluded(r)]
+
+
+def _sorted(records: Iterable[SnapshotRecord]) -> list[SnapshotRecord]:
+    return sorted(records, key=lambda r: (r.tokens, r.step))
+
+
+def add_snapshot(
+    pma_dir: str | os.PathLike[str],
+    record: SnapshotRecord,
+    keep_last: int | None = None,
+    **fields: Any,
+) -> list[SnapshotRecord]:
+    """List a complete snapshot in the manifest; with ``keep_last``, delete the oldest beyond it.
+
+    The snapshot folder must already be durable (renamed into place). A record with the same
+    path replaces the old one. Older snapshots are deleted only after the manifest that no
+    longer lists them is durable, so a crash leaves at worst an unlisted folder. Returns the
+    records that were deleted.
+    """
+    records = [r for r in manifest_snapshots(pma_dir) if r.path != record.path]
+    records = _sorted([*records, record])
+    doomed: list[SnapshotRecord] = []
+    if keep_last is not None and len(records) > keep_last:
+        doomed, records = records[: len(records) - keep_last], records[len(records) - keep_last :]
+    write_manifest(pma_dir, records, **fields)
+    for old in doomed:
+        remove_tree(Path(pma_dir) / old.path)
+    return doomed
+
+
+def exclude_snapshots(
+    pma_dir: str | os.PathLike[str], tokens: Iterable[int], reason: str = "excluded"
+) -> list[SnapshotRecord]:
+    """Mark the snapshots taken at ``tokens`` as excluded from merges (they stay on disk).
+
+    Raises ``ValueError`` naming the token counts that the manifest does not list.
+    """
+    wanted = {int(t) for t in tokens}
+    records = manifest_snapshots(pma_dir)
+    missing = wanted - {r.tokens for r in records}
+    if missing:
+        raise ValueError(f"{Path(pma_dir) / MANIFEST_NAME} lists no snapshot at tokens {sorted(missing)}")
+    changed = []
+    for record in records:
+        if record.tokens in wanted:
+            record.extra = {**record.extra, EXCLUDED_KEY: True, "excluded_reason": reason}
+            changed.append(record)
+    write_manifest(pma_dir, records)
+    return changed
+
+
+def drop_snapshots_after(pma_dir: str | os.PathLike[str], tokens: int) -> list[SnapshotRecord]:
+    """Remove the snapshots with more than ``tokens`` tokens from the manifest, then from disk.
+
+    Used when a run resumes from a checkpoint taken before them: the resumed run will take
+    them again, so the manifest ends as the one of an uninterrupted run.
+    """
+    records = manifest_snapshots(pma_dir)
+    keep = [r for r in records if r.tokens <= tokens]
+    dropped = [r for r in records if r.tokens > tokens]
+    if dropped:
+        write_manifest(pma_dir, keep)
+        for record in dropped:
+            remove_tree(Path(pma_dir) / record.path)
+    return dropped
+
+
+def clean_incomplete(pma_dir: str | os.PathLike[str]) -> list[Path]:
+    """Delete leftovers of interrupted writes and deletes (``.tmp-*``, ``.deleting-*``, and
+    the temporary file of an interrupted manifest replacement)."""
+    removed = []
+    pma_dir = Path(pma_dir)
+    if not pma_dir.is_dir():
+        return removed
+    for child in sorted(pma_dir.iterdir()):
+        interrupted_json = child.name.startswith(f".{MANIFEST_NAME}.") and child.name.endswith(".tmp")
+        if child.name.startswith((TMP_PREFIX, DELETING_PREFIX)) or interrupted_json:
+            if child.is_dir():
+                shutil.rmtree(child, ignore_errors=True)
+            else:
+                child.unlink(missing_ok=True)
+            removed.append(child)
+    return removed
+
+
+def orphan_snapshots(pma_dir: str | os.PathLike[str]) -> list[tuple[Path, SnapshotRecord | None]]:
+    """Snapshot folders in ``pma_dir`` that the manifest does not list, with their record.
+
+    A folder only gets its final ``snapshot-<tokens>`` name once complete, so an orphan is
+    either a snapshot whose manifest update was interrupted (record readable) or a folder
+    left by something else (record ``None``).
+    """
+    pma_dir = Path(pma_dir)
+    listed = {r.path for r in manifest_snapshots(pma_dir)}
+    orphans: list[tuple[Path, SnapshotRecord | None]] = []
+    for child in sorted(pma_dir.glob("snapshot-*")):
+        if not child.is_dir() or child.name in listed:
+            continue
+        record = None
+        try:
+            record = SnapshotRecord.from_dict(read_json(child / SNAPSHOT_RECORD_NAME))
+            record.path = child.name
+        except (OSError, ValueError, TypeError):
+            record = None
+        orphans.append((child, record))
+    return orphans

@@ -23,6 +23,7 @@ from transformers import Trainer
 from transformers.utils import logging
 
 from .callback import PMACallback
+from .logs import enable_logging
 from .merge import merge_checkpoints, merge_state_dict
 from .snapshots import PMA_SUBDIR, atomic_write_json
 from .sources import resolve_sources
@@ -69,6 +70,7 @@ class PMATrainer(Trainer):
         )
         kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.pma_callback]
         super().__init__(model, args, *pargs, **kwargs)
+        enable_logging()  # hf-pma's records at the verbosity the Trainer just set for transformers
         self.pma_callback.accelerator = self.accelerator
         self.pma_merged_dir: Path | None = None
         # The command that reproduces this run, for the model card (scripts set it).

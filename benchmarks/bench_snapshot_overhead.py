@@ -1,0 +1,240 @@
+"""What do PMA snapshots cost a training run? The same CPU training without the callback, with
+PMACallback (async and sync writes), and with Trainer's own ``save_steps`` at the same interval.
+
+    python benchmarks/bench_snapshot_overhead.py                 # 21M-parameter Llama, 120 steps
+    python benchmarks/bench_snapshot_overhead.py --steps 200 --seq 128 --repeats 3
+
+Each configuration trains the same model from the same seed on the same batches; the
+configurations are interleaved over ``--repeats`` rounds and the fastest round is reported.
+Two kinds of numbers:
+
+* wall time of ``trainer.train()``: what a user waits, but on a machine shared with other
+  work it mostly measures the neighbours;
+* the time the *training thread* is blocked by snapshots: in PMACallback's events (gather,
+  copy to CPU, waits for the writer) or in Trainer's ``_save_checkpoint``; plus the CPU time
+  of the background writer thread. These depend little on the load; ``blocked share`` is the
+  blocked time over the training time of the run without snapshots.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, PrinterCallback, Trainer, TrainingArguments
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hf_pma.callback import PMACallback  # noqa: E402
+from hf_pma.snapshot_writer import SnapshotWriter  # noqa: E402
+
+CONFIGS = ("no snapshots", "PMACallback async", "PMACallback sync", "Trainer save_steps", "Trainer save_steps (model only)")
+DEFAULT_CONFIGS = CONFIGS[:4]
+
+# Seconds of CPU time spent by SnapshotWriter.write (the background thread in async mode).
+WRITER_CPU = [0.0]
+
+
+def _timed_write(write):
+    @functools.wraps(write)
+    def timed(self, job):
+        start = time.thread_time()
+        try:
+            return write(self, job)
+        finally:
+            WRITER_CPU[0] += time.thread_time() - start
+
+    return timed
+
+
+SnapshotWriter.write = _timed_write(SnapshotWriter.write)
+
+
+class Tokens(torch.utils.data.Dataset):
+    def __init__(self, n: int, seq: int, vocab: int) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(0, vocab, (n, seq), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.ids[i], "labels": self.ids[i]}
+
+
+def make_model(args: argparse.Namespace) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=args.vocab,
+        hidden_size=args.hidden,
+        intermediate_size=args.hidden * 11 // 4,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=args.hidden // 64,
+        max_position_embeddings=args.seq,
+        tie_word_embeddings=True,
+    )
+    return LlamaForCausalLM(config)
+
+
+class TimedPMACallback(PMACallback):
+    """PMACallback that adds up the time the training thread spends in its events."""
+
+    blocked_s = 0.0
+
+
+def _timed_event(name: str):
+    event = getattr(PMACallback, name)
+
+    @functools.wraps(event)
+    def timed(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return event(self, *args, **kwargs)
+        finally:
+            self.blocked_s += time.perf_counter() - start
+
+    return timed
+
+
+for _event in ("on_step_begin", "on_optimizer_step", "on_step_end", "on_log", "on_epoch_end", "on_save", "on_train_end"):
+    setattr(TimedPMACallback, _event, _timed_event(_event))
+
+
+class TimedTrainer(Trainer):
+    """Trainer that adds up the time spent writing its checkpoints."""
+
+    blocked_s = 0.0
+
+    def _save_checkpoint(self, *args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return super()._save_checkpoint(*args, **kwargs)
+        finally:
+            self.blocked_s += time.perf_counter() - start
+
+
+def run(config: str, args: argparse.Namespace, workdir: Path) -> dict[str, float]:
+    """Train once; returns seconds of wall time, blocked time and writer-thread CPU time."""
+    out = workdir / "run"
+    shutil.rmtree(out, ignore_errors=True)
+    save = config.startswith("Trainer")
+    training_args = TrainingArguments(
+        output_dir=str(out),
+        max_steps=args.steps,
+        per_device_train_batch_size=args.batch,
+        learning_rate=3e-4,
+        lr_scheduler_type="constant",
+        logging_steps=10,
+        save_strategy="steps" if save else "no",
+        save_steps=args.interval_steps,
+        save_only_model="model only" in config,
+        report_to=[],
+        use_cpu=True,
+        disable_tqdm=True,
+        include_num_input_tokens_seen="all",
+        seed=0,
+    )
+    callback = None
+    if config.startswith("PMACallback"):
+        interval = args.interval_steps * args.batch * args.seq
+        callback = TimedPMACallback(interval_tokens=interval, async_write="async" in config)
+    trainer = TimedTrainer(
+        model=make_model(args),
+        args=training_args,
+        train_dataset=Tokens(args.steps * args.batch, args.seq, args.vocab),
+        callbacks=[callback] if callback else [],
+    )
+    trainer.remove_callback(PrinterCallback)  # keep stdout for the table
+    WRITER_CPU[0] = 0.0
+    start = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - start
+    if callback is not None:
+        assert len(callback.snapshots()) == args.steps // args.interval_steps, callback.snapshots()
+    shutil.rmtree(out, ignore_errors=True)
+    blocked = callback.blocked_s if callback is not None else trainer.blocked_s
+    return {"wall": wall, "blocked": blocked, "writer_cpu": WRITER_CPU[0]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # Not a multiple of the interval: the last snapshot is not at the very end (where the
+    # run would wait for its write), as in a long run where that wait happens once.
+    parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--interval-steps", type=int, default=50, help="one snapshot / checkpoint every N steps")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=32)
+    parser.add_argument("--vocab", type=int, default=16384)
+    parser.add_argument("--hidden", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads (default 1: the second core stays free for the writer, as the CPU of a GPU run)",
+    )
+    parser.add_argument("--configs", nargs="*", default=list(DEFAULT_CONFIGS), choices=CONFIGS)
+    parser.add_argument("--workdir", type=Path, default=None, help="where snapshots go (default: a temporary folder)")
+    args = parser.parse_args()
+
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    torch.set_num_threads(args.threads)
+    params = sum(p.numel() for p in make_model(args).parameters())
+    workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-pma-"))
+    results: dict[str, list[dict[str, float]]] = {c: [] for c in args.configs}
+    run("no snapshots", argparse.Namespace(**{**vars(args), "steps": 5}), workdir)  # warm-up, not timed
+    loads = []
+    for _ in range(args.repeats):
+        for config in args.configs:
+            result = run(config, args, workdir)
+            loads.append(os.getloadavg()[0])
+            results[config].append(result)
+            print(f"  {config:<32} " + "  ".join(f"{k} {v:7.2f}s" for k, v in result.items()), file=sys.stderr, flush=True)
+
+    snapshots = args.steps // args.interval_steps
+    best = {c: min(r["wall"] for r in rs) for c, rs in results.items()}
+    base = best.get("no snapshots")
+    print(
+        f"\n{params / 1e6:.1f}M-parameter Llama (fp32, {params * 4 / 2**20:.0f} MiB of weights), {args.steps} steps of "
+        f"{args.batch}x{args.seq} tokens, one snapshot/checkpoint every {args.interval_steps} steps ({snapshots} in all), "
+        f"best of {args.repeats} round(s)"
+    )
+    print(
+        f"CPU: {platform.processor() or platform.machine()}, {os.cpu_count()} cores shared with other jobs "
+        f"(1-min load average {min(loads):.1f}-{max(loads):.1f}), torch {torch.__version__}, {args.threads} thread(s)\n"
+    )
+    print(
+        "| configuration | wall time (s) | wall overhead | training thread blocked per snapshot (s) "
+        "| blocked share | writer thread CPU per snapshot (s) |"
+    )
+    print("|---|---:|---:|---:|---:|---:|")
+    for config, runs in results.items():
+        blocked = statistics.median(r["blocked"] for r in runs) / snapshots
+        writer = statistics.median(r["writer_cpu"] for r in runs) / snapshots
+        wall_overhead = f"{100 * (best[config] - base) / base:+.1f}%" if base and config != "no snapshots" else "-"
+        share = f"{100 * blocked * snapshots / base:.1f}%" if base and config != "no snapshots" else "-"
+        print(
+            f"| {config} | {best[config]:.1f} | {wall_overhead} | "
+            f"{blocked:.2f} | {share} | {writer:.2f} |"
+            if config != "no snapshots"
+            else f"| {config} | {best[config]:.1f} | - | - | - | - |"
+        )
+    if args.workdir is None:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""When a snapshot is due: token intervals, the phase of the learning-rate schedule, and the
+automatic choice of the interval. Pure Python: no torch, no files, no Trainer.
+
+* Tokens are the global count over all processes. A snapshot is due at the end of the first
+  optimizer step at which the count reaches the next multiple of the interval V
+  (:func:`crossed_boundary`).
+* The phase (``warmup``, ``stable``, ``decay``) is read from learning-rate *values*, never from
+  a scheduler's class, so any schedule works (:class:`PhaseTracker`).
+* With no interval given, :func:`choose_interval` picks V so that the stable phase holds a few
+  windows of N snapshots (N = 10, the paper's compromise).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+__all__ = [
+    "PHASES",
+    "DEFAULT_RTOL",
+    "SNAPSHOTS_PER_WINDOW",
+    "WINDOWS_PER_STABLE_PHASE",
+    "MAX_AUTO_INTERVAL_TOKENS",
+    "crossed_boundary",
+    "next_boundary",
+    "lr_phase",
+    "PhaseTracker",
+    "planned_phases",
+    "IntervalChoice",
+    "choose_interval",
+    "check_phases",
+]
+
+PHASES = ("warmup", "stable", "decay")
+
+# Relative tolerance when comparing learning rates: schedules compute equal LRs exactly
+# (base_lr * 1.0), so the tolerance only absorbs float noise, not a slow warmup.
+DEFAULT_RTOL = 1e-6
+
+# Auto interval: the stable phase should hold WINDOWS_PER_STABLE_PHASE windows of
+# SNAPSHOTS_PER_WINDOW snapshots, so a merge of the last N is available early and often.
+SNAPSHOTS_PER_WINDOW = 10
+WINDOWS_PER_STABLE_PHASE = 4
+# The largest V in the paper (MoE 10B/100B) is about 80B tokens; never go above it.
+MAX_AUTO_INTERVAL_TOKENS = 80 * 10**9
+
+
+def check_phases(phases: str | Iterable[str]) -> tuple[str, ...]:
+    """Validate a selection of phases; a single string is one phase."""
+    if isinstance(phases, str):
+        phases = (phases,)
+    try:
+        selected = tuple(phases)
+    except TypeError:
+        raise ValueError(f"phases must be a sequence of {PHASES}, got {phases!r}") from None
+    bad = [p for p in selected if p not in PHASES]
+    if bad or not selected:
+        raise ValueError(f"phases must be a non-empty selection of {PHASES}, got {selected!r}")
+    return tuple(dict.fromkeys(selected))
+
+
+def crossed_boundary(previous_tokens: int, tokens: int, interval: int) -> int | None:
+    """The multiple of ``interval`` reached by going from ``previous_tokens`` to ``tokens``.
+
+    Returns the largest multiple of ``interval`` in ``(previous_tokens, tokens]``, or ``None``
+    when the step crossed none. A step that crosses several multiples (an interval smaller than
+    a step) yields one snapshot, at the largest.
+    """
+    if interval < 1:
+        raise ValueError(f"interval must be a positive number of tokens, got {interval!r}")
+    if tokens // interval > previous_tokens // interval:
+        return (tokens // interval) * interval
+    return None
+
+
+def next_boundary(tokens: int, interval: int) -> int:
+    """The first multiple of ``interval`` strictly above ``tokens``."""
+    if interval < 1:
+        raise ValueError(f"interval must be a positive number of tokens, got {interval!r}")
+    return (tokens // interval + 1) * interval
+
+
+def lr_phase(
+    lr: float,
+    peak_lr: float,
+    previous_lr: float | None,
+    peak_reached: bool,
+    rtol: float = DEFAULT_RTOL,
+) -> str:
+    """The phase of one optimizer step from the learning rate it used.
+
+    * At the peak (``lr >= peak_lr`` up to ``rtol``): ``stable``.
+    * Below the peak after the peak was reached: ``decay`` (annealing, step-downs, the
+      minimum LR after a decay).
+    * Below the peak before it was ever reached: ``warmup`` while the LR rises (or nothing
+      is known yet), ``stable`` while it stays constant (a schedule that never reaches
+      ``peak_lr``), ``decay`` when it falls.
+    """
+    if not (math.isfinite(lr) and math.isfinite(peak_lr)) or peak_lr <= 0:
+        raise ValueError(f"learning rates must be finite and the peak positive, got lr={lr!r}, peak={peak_lr!r}")
+    if lr >= peak_lr * (1.0 - rtol):
+        return "stable"
+    if peak_reached:
+        return "decay"
+    if previous_lr is None:
+        return "warmup"
+    if abs(lr - previous_lr) <= rtol * max(abs(lr), abs(previous_lr)):
+        return "stable"
+    return "warmup" if lr > previous_lr else "decay"
+
+
+class PhaseTracker:
+    """Follows the learning rate step by step and names the phase of each step.
+
+    Feed it the LR of every optimizer step (:meth:`update`); it remembers the previous LR and
+    whether the peak was reached, which is all :func:`lr_phase` needs. Its :meth:`state` is
+    JSON so a resumed run continues where it was.
+    """
+
+    def __init__(self, peak_lr: float, rtol: float = DEFAULT_RTOL) -> None:
+        if not (isinstance(peak_lr, (int, float)) and math.isfinite(peak_lr) and peak_lr > 0):
+            raise ValueError(f"peak_lr must be a positive finite number, got {peak_lr!r}")
+        self.peak_lr = float(peak_lr)
+        self.rtol = rtol
+        self.previous_lr: float | None = None
+        self.peak_reached = False
+        self.phase: str | None = None
+
+    def update(self, lr: float) -> str:
+        """Record the LR of one optimizer step and return that step's phase."""
+        phase = lr_phase(lr, self.peak_lr, self.previous_lr, self.peak_reached, self.rtol)
+        if phase == "stable" and lr >= self.peak_lr * (1.0 - self.rtol):
+            self.peak_reached = True
+        self.previous_lr = float(lr)
+        self.phase = phase
+        return phase
+
+    def state(self) -> dict[str, Any]:
+        """JSON-ready state (for checkpoints)."""
+        return {"peak_lr": self.peak_lr, "previous_lr": self.previous_lr, "peak_reached": self.peak_reached}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Continue from :meth:`state` of an earlier run (the peak is kept from the live schedule)."""
+        self.previous_lr = state.get("previous_lr")
+        self.peak_reached = bool(state.get("peak_reached", False))
+
+
+def planned_phases(lrs: Sequence[float], peak_lr: float, rtol: float = DEFAULT_RTOL) -> list[str]:
+    """The phase of each planned step, given the LR of every step of the schedule."""
+    tracker = PhaseTracker(peak_lr, rtol)
+    return [tracker.update(lr) for lr in lrs]
+
+
+@dataclasses.dataclass(frozen=True)
+class IntervalChoice:
+    """The automatically chosen interval and what it was derived from (recorded in the manifest)."""
+
+    interval_tokens: int
+    tokens_per_step: int
+    planned_steps: int
+    stable_steps: int
+    snapshots_per_window: int
+    windows: int
+    reason: str
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return dataclasses.asdict(self)
+
+
+def choose_interval(
+    tokens_per_step: int,
+    planned_steps: int,
+    stable_steps: int,
+    *,
+    snapshots_per_window: int = SNAPSHOTS_PER_WINDOW,
+    windows: int = WINDOWS_PER_STABLE_PHASE,
+    max_interval_tokens: int = MAX_AUTO_INTERVAL_TOKENS,
+) -> IntervalChoice:
+    """Choose V so that the stable phase holds ``windows`` windows of ``snapshots_per_window``.
+
+    ``stable_steps`` is the planned length of the stable phase in optimizer steps; when the
+    schedule has none (cosine, linear), pass the steps in which snapshots are taken instead.
+    V is a whole number of steps' worth of tokens (so snapshots land on the same steps of a
+    run with a fixed batch), at least one step (the floor) and at most
+    ``max_interval_tokens`` (the ceiling, the paper's largest V).
+    """
+    for name, value in (("tokens_per_step", tokens_per_step), ("planned_steps", planned_steps)):
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if not isinstance(stable_steps, int) or stable_steps < 0:
+        raise ValueError(f"stable_steps must be a non-negative integer, got {stable_steps!r}")
+    span = stable_steps if stable_steps > 0 else planned_steps
+    target_snapshots = snapshots_per_window * windows
+    steps_between = max(1, span // target_snapshots)
+    interval = steps_between * tokens_per_step
+    reason = f"{span} steps / {target_snapshots} snapshots"
+    if span < target_snapshots:
+        reason = f"floor: one snapshot per step ({span} steps < {target_snapshots} snapshots)"
+    if interval > max_interval_tokens:
+        interval = max(tokens_per_step, (max_interval_tokens // tokens_per_step) * tokens_per_step)
+        reason = f"ceiling: {max_interval_tokens:,} tokens"
+    return IntervalChoice(
+        interval_tokens=int(interval),
+        tokens_per_step=tokens_per_step,
+        planned_steps=planned_steps,
+        stable_steps=stable_steps,
+        snapshots_per_window=snapshots_per_window,
+        windows=windows,
+        reason=reason,
+    )

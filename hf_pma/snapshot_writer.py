@@ -1,0 +1,711 @@
+"""Gather the full weights of a (possibly sharded) model and write them as snapshot folders.
+
+Three pieces, usable without the callback (the PMATrainer and scripts reuse them):
+
+* :func:`gather_full_state_dict`: a full CPU copy of the weights on the main process, from a
+  plain, DDP, FSDP1/FSDP2 or DeepSpeed ZeRO-3 model. Every rank must call it (sharded models
+  gather collectively); other ranks get ``None``.
+* :func:`prepare_snapshot` + :func:`write_snapshot`: a plain HF model folder (config,
+  generation config, safetensors shards, tokenizer, ``pma.json``) written to a temporary
+  folder, fsynced and renamed into place.
+* :class:`SnapshotWriter`: writes snapshots off the training thread (at most one in flight),
+  lists them in the manifest atomically, applies ``keep_last``, and re-raises a failed write
+  in the training thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import itertools
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers.utils import logging
+
+from hf_pma.snapshots import (
+    MANIFEST_NAME,
+    SNAPSHOT_RECORD_NAME,
+    TMP_PREFIX,
+    SnapshotRecord,
+    add_snapshot,
+    atomic_write_json,
+    clean_incomplete,
+    drop_snapshots_after,
+    exclude_snapshots,
+    fsync_dir,
+    fsync_tree,
+    is_excluded,
+    manifest_snapshots,
+    orphan_snapshots,
+    read_manifest,
+    remove_tree,
+    snapshot_path,
+    write_manifest,
+)
+
+logger = logging.get_logger(__name__)
+
+__all__ = [
+    "SnapshotWriteError",
+    "parse_dtype",
+    "parse_shard_size",
+    "unwrap_model",
+    "sharding_kind",
+    "gather_full_state_dict",
+    "SnapshotJob",
+    "strip_for_save",
+    "model_metadata",
+    "prepare_snapshot",
+    "write_safetensors",
+    "write_model_folder",
+    "write_folder_atomically",
+    "write_snapshot",
+    "BackgroundWorker",
+    "SnapshotWriter",
+]
+
+
+class SnapshotWriteError(RuntimeError):
+    """A snapshot (or online average) could not be written; raised in the training thread."""
+
+
+_DTYPE_NAMES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float64": torch.float64,
+}
+
+
+def parse_dtype(dtype: torch.dtype | str | None, name: str = "dtype") -> torch.dtype | None:
+    """A floating torch dtype from a dtype or its name (``"bf16"``, ``"float32"``...); ``None`` passes."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        key = dtype.removeprefix("torch.").lower()
+        if key not in _DTYPE_NAMES:
+            raise ValueError(f"{name}={dtype!r} is not a floating dtype; use one of {sorted(_DTYPE_NAMES)}")
+        return _DTYPE_NAMES[key]
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    raise ValueError(f"{name} must be a floating torch dtype or its name, got {dtype!r}")
+
+
+def parse_shard_size(size: int | str, name: str = "max_shard_size") -> int:
+    """Bytes from ``5GB``-style sizes or an int; a clear error naming the argument otherwise."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    if isinstance(size, bool):
+        raise ValueError(f"{name} must be a size like '5GB' or a number of bytes, got {size!r}")
+    if isinstance(size, int):
+        value = size
+    else:
+        try:
+            value = parse_size_to_int(str(size))
+        except ValueError as err:
+            raise ValueError(f"{name}={size!r} is not a size like '5GB' or '500MB'") from err
+    if value <= 0:
+        raise ValueError(f"{name} must be positive, got {size!r}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Gathering
+# ---------------------------------------------------------------------------------------------
+
+
+def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
+    """The model inside DDP / DataParallel / DeepSpeed / ``torch.compile`` wrappers.
+
+    FSDP2 modules are the model itself (``fully_shard`` works in place); for FSDP1 this is the
+    wrapped module, which carries the config (its parameters stay sharded: gather with
+    :func:`gather_full_state_dict`, never ``state_dict()`` of the result).
+    """
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel, FullyShardedDataParallel)
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        if hasattr(model, "_orig_mod"):  # torch.compile
+            model = model._orig_mod
+        elif isinstance(model, wrappers):
+            model = model.module
+        elif type(model).__name__ in ("DeepSpeedEngine", "PipelineEngine") and hasattr(model, "module"):
+            model = model.module
+    return model
+
+
+def sharding_kind(model: torch.nn.Module) -> str | None:
+    """``"fsdp"`` (FSDP1 or FSDP2), ``"zero3"`` (DeepSpeed ZeRO-3) or ``None`` (full weights here)."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    # Wrappers (DDP, DeepSpeed engine) are modules too: their modules() include the model's.
+    for module in model.modules():
+        if isinstance(module, (FSDPModule, FullyShardedDataParallel)):
+            return "fsdp"
+    for param in itertools.islice(model.parameters(), 64):
+        if hasattr(param, "ds_id"):
+            return "zero3"
+        if type(param.data).__name__ == "DTensor":
+            return "fsdp"
+    return None
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, any other tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _storage_ptr(tensor: torch.Tensor) -> int | None:
+    """Address of a tensor's memory (a DTensor's local shard), ``None`` when it has none."""
+    try:
+        return _local(tensor).untyped_storage().data_ptr()
+    except RuntimeError:
+        return None
+
+
+def _is_main_process() -> bool:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank() == 0
+    return True
+
+
+def _copy_to_cpu(
+    state_dict: dict[str, torch.Tensor],
+    dtype: torch.dtype | None,
+    buffers: dict[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Copy tensors to CPU memory (casting floats to ``dtype``), keeping aliases shared.
+
+    Tied weights stay one tensor under two names so that ``remove_tied_weights_from_state_dict``
+    recognises them. ``buffers`` (an earlier result nobody uses any more) are reused where
+    name, shape and dtype match: no page faults, no new pinned memory. Device tensors go
+    through pinned memory without blocking, then one sync.
+    """
+    buffers = buffers or {}
+    used: set[int] = set()
+    copies: dict[tuple, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    on_device = False
+    for name, tensor in state_dict.items():
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        tensor = tensor.detach()
+        key = (
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tuple(tensor.stride()),
+            tensor.dtype,
+            tensor.device,
+        )
+        if key not in copies:
+            target = dtype if (dtype is not None and tensor.is_floating_point()) else tensor.dtype
+            pinned = tensor.device.type == "cuda"
+            on_device = on_device or tensor.device.type != "cpu"
+            buffer = buffers.get(name)
+            if (
+                buffer is None
+                or id(buffer) in used
+                or buffer.shape != tensor.shape
+                or buffer.dtype != target
+                or (pinned and not buffer.is_pinned())
+            ):
+                buffer = torch.empty(tensor.shape, dtype=target, device="cpu", pin_memory=pinned)
+            used.add(id(buffer))
+            copies[key] = buffer.copy_(tensor, non_blocking=pinned)
+        out[name] = copies[key]
+    if on_device and torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return out
+
+
+def _gather_zero3(model: torch.nn.Module, is_main: bool, dtype: torch.dtype | None) -> dict[str, torch.Tensor] | None:
+    """Full weights of a ZeRO-3 model on CPU, gathering one module's own parameters at a time."""
+    import deepspeed  # only reached when parameters carry DeepSpeed's ``ds_id``
+
+    out: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        params = list(module.parameters(recurse=False))
+        with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+            if is_main:
+                for name, tensor in itertools.chain(
+                    module.named_parameters(recurse=False), module.named_buffers(recurse=False)
+                ):
+                    full = f"{prefix}.{name}" if prefix else name
+                    target = dtype if (dtype is not None and tensor.is_floating_point()) else tensor.dtype
+                    out[full] = tensor.detach().to("cpu", target, copy=True)
+    return out if is_main else None
+
+
+def gather_full_state_dict(
+    model: torch.nn.Module,
+    accelerator: Any | None = None,
+    dtype: torch.dtype | str | None = None,
+    is_main_process: bool | None = None,
+    buffers: dict[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor] | None:
+    """A full copy of the model's weights on CPU in the main process; ``None`` elsewhere.
+
+    Every process must call it: FSDP1/FSDP2 gather with
+    ``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` (no offload when the
+    parameters already live on CPU) and DeepSpeed ZeRO-3 with ``GatheredParameters``, both
+    collectives. Unsharded models (single process, DDP) are copied
+    by the main process alone, the others return at once. The tensors are fresh copies: later
+    optimizer steps do not change them. ``dtype`` casts floating tensors (``save_dtype``).
+    With ``accelerator`` given and a DeepSpeed engine as ``model``, ``accelerator.get_state_dict``
+    gathers instead. ``buffers``: an earlier result that is no longer in use, whose tensors are
+    overwritten instead of allocating new memory (unsharded models).
+    """
+    dtype = parse_dtype(dtype, "dtype")
+    if is_main_process is None:
+        is_main_process = accelerator.is_main_process if accelerator is not None else _is_main_process()
+    if accelerator is not None and type(model).__name__ == "DeepSpeedEngine":
+        state_dict = accelerator.get_state_dict(model)
+        return _copy_to_cpu(state_dict, dtype) if is_main_process else None
+    kind = sharding_kind(model)
+    if kind == "fsdp":
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        # Offload to CPU gathers on rank 0 only; with parameters already on CPU it is skipped
+        # (FSDP1's offload breaks on CPU tensors) and every rank briefly holds the full copy.
+        on_device = any(_local(p).device.type != "cpu" for p in model.parameters())
+        options = StateDictOptions(full_state_dict=True, cpu_offload=on_device)
+        state_dict = get_model_state_dict(model, options=options)
+        if not is_main_process:
+            return None
+        # cpu_offload gives fresh CPU tensors, except for anything already unsharded on CPU:
+        # copy those so the snapshot cannot alias live parameters.
+        live = {_storage_ptr(t) for t in itertools.chain(model.parameters(), model.buffers())}
+        out = {}
+        for name, tensor in state_dict.items():
+            if _storage_ptr(tensor) in live:
+                tensor = tensor.clone()
+            if dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(dtype)
+            out[name] = tensor
+        return out
+    if kind == "zero3":
+        return _gather_zero3(unwrap_model(model), is_main_process, dtype)
+    if not is_main_process:
+        return None
+    return _copy_to_cpu(unwrap_model(model).state_dict(), dtype, buffers)
+
+
+# ---------------------------------------------------------------------------------------------
+# Snapshot folders
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class SnapshotJob:
+    """Everything the writer needs, detached from the live model (safe to write from a thread)."""
+
+    record: SnapshotRecord
+    state_dict: dict[str, torch.Tensor]
+    config: Any | None = None
+    generation_config: Any | None = None
+    processing_class: Any | None = None
+
+    @property
+    def name(self) -> str:
+        """The snapshot's folder name."""
+        return self.record.path
+
+
+def _float_dtype(state_dict: dict[str, torch.Tensor]) -> torch.dtype | None:
+    for tensor in state_dict.values():
+        if tensor.is_floating_point():
+            return tensor.dtype
+    return None
+
+
+def strip_for_save(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What ``save_pretrained`` stores of a state dict: tied duplicates removed, load-time weight
+    conversions reverted, no two names sharing memory (safetensors forbids it)."""
+    module = unwrap_model(model)
+    state_dict = dict(state_dict)
+    try:
+        from transformers import PreTrainedModel
+        from transformers.core_model_loading import revert_weight_conversion
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+        if isinstance(module, PreTrainedModel):
+            state_dict = remove_tied_weights_from_state_dict(state_dict, module)
+            state_dict = revert_weight_conversion(module, state_dict)
+    except ImportError:  # other transformers versions: keep every key
+        pass
+    seen: set[int] = set()
+    for name, tensor in list(state_dict.items()):
+        ptr = tensor.untyped_storage().data_ptr()
+        if ptr in seen and tensor.numel() > 0:
+            state_dict[name] = tensor.clone()
+        seen.add(ptr)
+    return state_dict
+
+
+def model_metadata(model: torch.nn.Module, dtype: torch.dtype | None) -> tuple[Any | None, Any | None]:
+    """Private copies of the model's config (``dtype`` and ``architectures`` set as
+    ``save_pretrained`` sets them) and generation config (``None`` when it cannot generate)."""
+    module = unwrap_model(model)
+    config = getattr(module, "config", None)
+    if config is not None:
+        config = copy.deepcopy(config)
+        if dtype is not None:
+            config.dtype = str(dtype).removeprefix("torch.")
+        config.architectures = [type(module).__name__.removeprefix("FSDP")]
+    generation_config = None
+    can_generate = getattr(module, "can_generate", None)
+    if callable(can_generate) and can_generate() and getattr(module, "generation_config", None) is not None:
+        generation_config = copy.deepcopy(module.generation_config)
+    return config, generation_config
+
+
+def prepare_snapshot(
+    model: torch.nn.Module,
+    state_dict: dict[str, torch.Tensor],
+    record: SnapshotRecord,
+    processing_class: Any | None = None,
+) -> SnapshotJob:
+    """Turn a gathered state dict into a job the writer can write without the live model.
+
+    Runs in the training thread (it reads the model): :func:`strip_for_save` on the weights,
+    :func:`model_metadata` for the configs, ``record.dtype`` filled in.
+    """
+    state_dict = strip_for_save(model, state_dict)
+    dtype = _float_dtype(state_dict)
+    config, generation_config = model_metadata(model, dtype)
+    if record.dtype is None and dtype is not None:
+        record.dtype = str(dtype).removeprefix("torch.")
+    return SnapshotJob(record, state_dict, config, generation_config, processing_class)
+
+
+_WRITE_CHUNK = 64 * 2**20
+
+
+def write_safetensors(
+    path: str | os.PathLike[str], tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None
+) -> int:
+    """Write (and fsync) a safetensors file; returns its size in bytes.
+
+    The same format as ``safetensors.torch.save_file``, written in chunks through ``write()``
+    calls that release the GIL, so a background write does not stall the training thread
+    (``save_file`` serializes the whole file while holding it).
+    """
+    from hf_pma.safetensors_io import SAFETENSORS_FROM_DTYPE, SafetensorsWriter
+
+    for name, tensor in tensors.items():
+        if tensor.dtype not in SAFETENSORS_FROM_DTYPE:
+            raise ValueError(f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store")
+    plan = [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
+    writer = SafetensorsWriter(path, plan, metadata=metadata or {"format": "pt"})
+    try:
+        for name, tensor in tensors.items():
+            flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+            step = max(1, _WRITE_CHUNK // max(1, flat.element_size()))
+            for start in range(0, flat.numel(), step):
+                writer.write(name, flat[start : start + step])
+    except BaseException:
+        with contextlib.suppress(Exception):  # the write error is the one to report
+            writer.close()
+        raise
+    writer.close()
+    return os.path.getsize(path)
+
+
+def write_model_folder(
+    folder: str | os.PathLike[str],
+    state_dict: dict[str, torch.Tensor],
+    config: Any | None = None,
+    generation_config: Any | None = None,
+    processing_class: Any | None = None,
+    max_shard_size: int | str = "5GB",
+    json_files: dict[str, Any] | None = None,
+) -> int:
+    """Write a plain HF model folder (no atomicity; see :func:`write_folder_atomically`).
+
+    Weights are sharded as ``save_pretrained`` does (``model.safetensors`` or
+    ``model-0000x-of-0000y.safetensors`` + ``model.safetensors.index.json``). ``json_files``
+    maps extra file names to JSON content (``pma.json``...). Returns the bytes of weights.
+    """
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    if config is not None:
+        config.save_pretrained(folder)
+    if generation_config is not None:
+        generation_config.save_pretrained(folder)
+    if processing_class is not None:
+        processing_class.save_pretrained(folder)
+    split = split_torch_state_dict_into_shards(
+        state_dict, filename_pattern="model{suffix}.safetensors", max_shard_size=parse_shard_size(max_shard_size)
+    )
+    num_bytes = 0
+    for filename, names in split.filename_to_tensors.items():
+        shard = {name: state_dict[name] for name in names}
+        num_bytes += write_safetensors(folder / filename, shard, metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {
+            "metadata": {
+                "total_size": split.metadata.get("total_size"),
+                "total_parameters": sum(t.numel() for t in state_dict.values()),
+            },
+            "weight_map": split.tensor_to_filename,
+        }
+        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    for name, content in (json_files or {}).items():
+        (folder / name).write_text(json.dumps(content, indent=2) + "\n")
+    return num_bytes
+
+
+_tmp_counter = itertools.count()
+
+
+def write_folder_atomically(final_dir: str | os.PathLike[str], write: Callable[[Path], Any]) -> Path:
+    """Run ``write(tmp)`` on a temporary folder beside ``final_dir``, fsync it, rename it into place.
+
+    ``final_dir`` either does not exist or is complete: a crash leaves at most a ``.tmp-*``
+    folder, never a half-written ``final_dir``. An existing ``final_dir`` is replaced.
+    """
+    final_dir = Path(final_dir)
+    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final_dir.with_name(f"{TMP_PREFIX}{final_dir.name}-{os.getpid()}-{next(_tmp_counter)}")
+    try:
+        tmp.mkdir()
+        write(tmp)
+        fsync_tree(tmp)
+        if final_dir.exists():
+            remove_tree(final_dir)
+        os.replace(tmp, final_dir)
+    except BaseException:
+        remove_tree(tmp)
+        raise
+    fsync_dir(final_dir.parent)
+    return final_dir
+
+
+def write_snapshot(job: SnapshotJob, pma_dir: str | os.PathLike[str], max_shard_size: int | str = "5GB") -> SnapshotRecord:
+    """Write ``job`` as ``<pma_dir>/<job.name>/`` durably; the manifest is not touched.
+
+    The folder holds config.json, generation_config.json (when the model generates),
+    safetensors weights, the tokenizer/processor files, and ``pma.json`` (the record).
+    Returns the record with ``num_bytes`` filled in.
+    """
+    record = job.record
+
+    def write(tmp: Path) -> None:
+        record.num_bytes = write_model_folder(
+            tmp, job.state_dict, job.config, job.generation_config, job.processing_class, max_shard_size
+        )
+        atomic_write_json(tmp / SNAPSHOT_RECORD_NAME, record.to_dict())
+
+    write_folder_atomically(Path(pma_dir) / job.name, write)
+    return record
+
+
+# ---------------------------------------------------------------------------------------------
+# Off-thread writing
+# ---------------------------------------------------------------------------------------------
+
+
+class BackgroundWorker:
+    """Runs one task at a time off the training thread; a failure is re-raised by the next call.
+
+    ``submit`` first waits for the task in flight (so at most one is), logging how long it
+    waited. With ``enabled=False`` tasks run in the calling thread.
+    """
+
+    def __init__(self, enabled: bool = True, name: str = "hf-pma-writer") -> None:
+        self.enabled = enabled
+        self.name = name
+        self._thread: threading.Thread | None = None
+        self._label: str | None = None
+        self._error: tuple[str, BaseException] | None = None
+        self.total_wait_s = 0.0
+        self.tasks_done = 0
+
+    @property
+    def busy(self) -> bool:
+        """Whether a task is running."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def _run(self, task: Callable[[], Any], label: str) -> None:
+        try:
+            task()
+            self.tasks_done += 1
+        except BaseException as err:  # handed to the training thread
+            self._error = (label, err)
+
+    def raise_if_failed(self) -> None:
+        """Raise :class:`SnapshotWriteError` for a task that failed since the last call."""
+        if self._error is not None:
+            label, err = self._error
+            self._error = None
+            raise SnapshotWriteError(f"hf-pma: writing {label} failed: {type(err).__name__}: {err}") from err
+
+    def wait(self, reason: str | None = None, warn: bool = True) -> float:
+        """Wait for the task in flight, then raise its failure if it failed; returns seconds waited.
+
+        With a ``reason``, a wait that happened is logged (a warning unless ``warn=False``):
+        a snapshot that waits for the previous one means the interval is shorter than a write.
+        """
+        waited = 0.0
+        if self._thread is not None:
+            if self._thread.is_alive():
+                start = time.perf_counter()
+                self._thread.join()
+                waited = time.perf_counter() - start
+                self.total_wait_s += waited
+                if reason:
+                    log = logger.warning if warn else logger.info
+                    log(f"hf-pma: {reason} waited {waited:.2f}s for {self._label} to finish writing")
+            self._thread = None
+        self.raise_if_failed()
+        return waited
+
+    def submit(self, task: Callable[[], Any], label: str) -> None:
+        """Run ``task`` in the background (after the previous one finished)."""
+        self.wait(reason=label)
+        if not self.enabled:
+            try:
+                task()
+                self.tasks_done += 1
+            except Exception as err:
+                raise SnapshotWriteError(f"hf-pma: writing {label} failed: {type(err).__name__}: {err}") from err
+            return
+        self._label = label
+        # Not a daemon: an interpreter that exits normally still finishes the write in flight.
+        self._thread = threading.Thread(target=self._run, args=(task, label), name=self.name)
+        self._thread.start()
+
+
+class SnapshotWriter:
+    """Writes snapshots into ``pma_dir`` and keeps its manifest, on the main process only.
+
+    ``submit(job)`` returns at once (``async_write=True``) and writes in a background thread;
+    the manifest lists a snapshot only once its folder is durable, and ``keep_last`` deletes
+    the oldest only after that. All manifest changes (snapshots, exclusions, resume
+    truncation) go through this object's lock.
+    """
+
+    def __init__(
+        self,
+        pma_dir: str | os.PathLike[str],
+        *,
+        async_write: bool = True,
+        keep_last: int | None = None,
+        max_shard_size: int | str = "5GB",
+    ) -> None:
+        if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
+            raise ValueError(f"keep_last must be a positive integer or None, got {keep_last!r}")
+        parse_shard_size(max_shard_size)
+        self.pma_dir = Path(pma_dir)
+        self.keep_last = keep_last
+        self.max_shard_size = max_shard_size
+        self.worker = BackgroundWorker(enabled=async_write)
+        self.lock = threading.RLock()
+        self.written: list[SnapshotRecord] = []
+
+    # -- the folder and its manifest ----------------------------------------------------------
+
+    def open(self, **manifest_fields: Any) -> dict[str, Any]:
+        """Create the folder, remove leftovers of interrupted writes, write the manifest fields.
+
+        Fails at once, naming the folder, when it cannot be written. Returns the manifest.
+        """
+        try:
+            self.pma_dir.mkdir(parents=True, exist_ok=True)
+            with self.lock:
+                for leftover in clean_incomplete(self.pma_dir):
+                    logger.info(f"hf-pma: removed the leftover of an interrupted write: {leftover}")
+                records = manifest_snapshots(self.pma_dir)
+                return write_manifest(self.pma_dir, records, **manifest_fields)
+        except OSError as err:
+            raise PermissionError(f"hf-pma: cannot write snapshots to {self.pma_dir}: {err}") from err
+
+    def manifest(self) -> dict[str, Any]:
+        """The manifest on disk (after the write in flight, if any, was listed)."""
+        with self.lock:
+            return read_manifest(self.pma_dir)
+
+    def update_manifest(self, **fields: Any) -> None:
+        """Set top-level manifest fields (for example the chosen interval)."""
+        with self.lock:
+            write_manifest(self.pma_dir, manifest_snapshots(self.pma_dir), **fields)
+
+    def snapshots(self, include_excluded: bool = False) -> list[tuple[SnapshotRecord, Path]]:
+        """Completed snapshots listed in the manifest, oldest first, with absolute folders."""
+        with self.lock:
+            records = manifest_snapshots(self.pma_dir)
+        return [(r, snapshot_path(self.pma_dir, r)) for r in records if include_excluded or not is_excluded(r)]
+
+    def exclude(self, tokens: Iterable[int], reason: str = "excluded") -> list[SnapshotRecord]:
+        """Mark listed snapshots as excluded from merges (waits for the write in flight first)."""
+        self.wait()
+        with self.lock:
+            return exclude_snapshots(self.pma_dir, tokens, reason)
+
+    def truncate(self, tokens: int) -> tuple[list[SnapshotRecord], list[SnapshotRecord]]:
+        """Make the folder match a run resumed at ``tokens``: returns (dropped, adopted).
+
+        Listed snapshots past ``tokens`` are dropped (manifest first, then disk). Complete but
+        unlisted snapshot folders (a crash between rename and manifest update) are listed again
+        when at or before ``tokens``, deleted otherwise.
+        """
+        self.wait()
+        with self.lock:
+            dropped = drop_snapshots_after(self.pma_dir, tokens)
+            adopted: list[SnapshotRecord] = []
+            for folder, record in orphan_snapshots(self.pma_dir):
+                if record is not None and record.tokens <= tokens:
+                    add_snapshot(self.pma_dir, record)
+                    adopted.append(record)
+                elif record is not None:
+                    remove_tree(folder)
+                    dropped.append(record)
+        return dropped, adopted
+
+    # -- writing --------------------------------------------------------------------------------
+
+    def write(self, job: SnapshotJob) -> SnapshotRecord:
+        """Write one snapshot in the calling thread: durable folder, then the manifest entry."""
+        record = write_snapshot(job, self.pma_dir, self.max_shard_size)
+        with self.lock:
+            deleted = add_snapshot(self.pma_dir, record, keep_last=self.keep_last)
+        for old in deleted:
+            logger.info(f"hf-pma: deleted {old.path} (keep_last={self.keep_last})")
+        self.written.append(record)
+        logger.info(f"hf-pma: snapshot {record.path} written ({(record.num_bytes or 0) / 2**20:.1f} MiB)")
+        return record
+
+    def submit(self, job: SnapshotJob) -> None:
+        """Write ``job`` in the background (or now, with ``async_write=False``)."""
+        self.worker.submit(lambda: self.write(job), label=f"{self.pma_dir / job.name}")
+
+    def wait(self) -> None:
+        """Wait until the write in flight is listed; raise its failure if it failed."""
+        self.worker.wait()
+
+    def raise_if_failed(self) -> None:
+        """Raise the failure of a background write, if one failed."""
+        self.worker.raise_if_failed()
+
+    @property
+    def manifest_path(self) -> Path:
+        """Path of the manifest."""
+        return self.pma_dir / MANIFEST_NAME

@@ -1,0 +1,111 @@
+"""PMACallback and the gather path in real multi-process runs (gloo on CPU).
+
+* 2-process DDP under ``torchrun`` and under ``accelerate launch``: the same token boundaries
+  as a single process with the same global batch, exactly one writer, snapshot weights equal
+  to the model's weights at that step.
+* FSDP2 (``fully_shard``) and FSDP1 under ``torchrun``: the gathered state dict equals the
+  unsharded model. The Trainer cannot run FSDP on CPU (it does not shard with ``use_cpu``), so
+  the gather + write path the callback uses is tested directly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+DIST_DIR = Path(__file__).resolve().parent / "dist"
+sys.path.insert(0, str(DIST_DIR))
+
+pytestmark = pytest.mark.distributed
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(command: list[str], out: Path, **extra_env: str) -> list[dict]:
+    """Run a 2-process launch; return the per-rank reports, rank 0 first."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **extra_env}
+    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, f"{' '.join(command)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    reports = [json.loads(p.read_text()) for p in sorted(out.glob("result-rank*.json"))]
+    assert [r["rank"] for r in reports] == [0, 1], reports
+    return reports
+
+
+def torchrun(script: str, out: Path, *args: str) -> list[dict]:
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port", str(free_port())]
+    return launch([*command, str(DIST_DIR / script), "--out", str(out), *args], out)
+
+
+@pytest.fixture(scope="module")
+def single_process_reference(tmp_path_factory) -> dict:
+    """The same training in this process: one process, 2 micro-batches of 2 = the global batch of 2x2."""
+    import train_ddp
+
+    out = tmp_path_factory.mktemp("single")
+    return train_ddp.main(out, per_device=2, grad_accum=2, expect_world_size=1)
+
+
+def check_ddp_reports(reports: list[dict], reference: dict, out: Path) -> None:
+    rank0, rank1 = reports
+    assert rank0["world_size"] == rank1["world_size"] == 2
+    # The global token count: identical on both ranks and to the single process.
+    assert rank0["token_count"] == "non_padding"
+    assert rank0["tokens_by_step"] == rank1["tokens_by_step"] == reference["tokens_by_step"]
+    assert rank0["snapshots"] == reference["snapshots"] and len(rank0["snapshots"]) >= 4
+    # Exactly one writer: rank 0 wrote every snapshot, rank 1 none.
+    assert rank0["has_writer"] and not rank1["has_writer"] and rank1["written"] == []
+    assert rank0["written"] == [f"snapshot-{tokens}" for tokens, _, _ in rank0["snapshots"]]
+    assert rank0["folders"] == ["manifest.json", *sorted(rank0["written"])]
+    assert sorted(p.name for p in (out / "pma").iterdir()) == rank0["folders"]
+    # Each snapshot holds exactly the weights the model had after that step.
+    assert rank0["max_diff"] == 0.0
+
+
+def test_ddp_torchrun(tmp_path, single_process_reference):
+    reports = torchrun("train_ddp.py", tmp_path)
+    check_ddp_reports(reports, single_process_reference, tmp_path)
+
+
+def test_ddp_accelerate_launch(tmp_path, single_process_reference):
+    command = [
+        shutil.which("accelerate") or "accelerate",
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--main_process_port",
+        str(free_port()),
+        str(DIST_DIR / "train_ddp.py"),
+        "--out",
+        str(tmp_path),
+    ]
+    # --cpu starts one process here; ACCELERATE_USE_CPU with --multi_gpu starts two on gloo.
+    reports = launch(command, tmp_path, ACCELERATE_USE_CPU="1")
+    check_ddp_reports(reports, single_process_reference, tmp_path)
+
+
+def test_fsdp_gather_equals_unsharded_model(tmp_path):
+    reports = torchrun("fsdp_gather.py", tmp_path)
+    for kind in ("fsdp2", "fsdp1"):
+        rank0, rank1 = (r[kind] for r in reports)
+        assert "error" not in rank0 and "error" not in rank1, (rank0, rank1)
+        assert rank0["kind"] == rank1["kind"] == "fsdp"
+        assert rank1["none_off_main"] and rank1["none_off_main_after_training"]
+        assert rank0["initial_max_diff"] == 0.0
+        assert rank0["changed_by_training"] and rank0["trained_max_diff"] < 1e-6
+        assert rank0["copy_unchanged_by_later_step"]
+        assert rank0["snapshot_max_diff"] == 0.0 and rank0["architectures"] == ["LlamaForCausalLM"]
+        # Only rank 0 wrote.
+        assert sorted(p.name for p in (tmp_path / kind).iterdir()) == ["manifest.json", "snapshot-100"]

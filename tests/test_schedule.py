@@ -1,0 +1,159 @@
+"""hf_pma.schedule: token boundaries, the LR phase of real schedules, the automatic interval."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from transformers import get_scheduler
+
+from hf_pma.schedule import (
+    MAX_AUTO_INTERVAL_TOKENS,
+    PhaseTracker,
+    check_phases,
+    choose_interval,
+    crossed_boundary,
+    lr_phase,
+    next_boundary,
+    planned_phases,
+)
+
+
+def schedule_lrs(name: str, steps: int, lr: float = 1e-3, **kwargs) -> list[float]:
+    """The LR each optimizer step uses under a real transformers / torch scheduler."""
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
+    if name == "step":
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=kwargs["step_size"], gamma=0.1)
+    elif name == "half":
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5)
+    elif name == "cosine_restarts":
+        scheduler = torch.optim.lr_scheduler.CosineAnnealingWarmRestarts(optimizer, T_0=kwargs["T_0"])
+    else:
+        scheduler = get_scheduler(name, optimizer, num_training_steps=steps, **kwargs)
+    lrs = []
+    for _ in range(steps):
+        lrs.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    return lrs
+
+
+def runs(phases: list[str]) -> list[tuple[str, int]]:
+    """Run-length encoding: [("warmup", 3), ("stable", 10), ...]."""
+    out: list[tuple[str, int]] = []
+    for phase in phases:
+        if out and out[-1][0] == phase:
+            out[-1] = (phase, out[-1][1] + 1)
+        else:
+            out.append((phase, 1))
+    return out
+
+
+def test_crossed_boundary_first_step_reaching_each_multiple():
+    assert crossed_boundary(0, 99, 100) is None
+    assert crossed_boundary(0, 100, 100) == 100  # reaching exactly counts
+    assert crossed_boundary(99, 150, 100) == 100
+    assert crossed_boundary(100, 199, 100) is None
+    assert crossed_boundary(150, 420, 100) == 400  # several multiples in one step: one snapshot, the last
+    tokens = [0, 70, 140, 210, 280, 350, 420]
+    due = [t for prev, t in zip(tokens, tokens[1:]) if crossed_boundary(prev, t, 100)]
+    assert due == [140, 210, 350, 420]  # the first step at or past 100, 200, 300, 400
+    assert next_boundary(0, 100) == 100 and next_boundary(100, 100) == 200 and next_boundary(199, 100) == 200
+
+
+def test_crossed_boundary_rejects_bad_interval():
+    with pytest.raises(ValueError, match="interval"):
+        crossed_boundary(0, 10, 0)
+    with pytest.raises(ValueError, match="interval"):
+        next_boundary(0, -5)
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, expected",
+    [
+        ("constant", {}, [("stable", 40)]),
+        ("constant_with_warmup", {"num_warmup_steps": 5}, [("warmup", 5), ("stable", 35)]),
+        (
+            "warmup_stable_decay",
+            {"num_warmup_steps": 4, "scheduler_specific_kwargs": {"num_decay_steps": 10}},
+            # the first of the 10 decay steps still uses the peak LR (decay progress 0)
+            [("warmup", 4), ("stable", 27), ("decay", 9)],
+        ),
+        # cosine / linear: at the peak for one step only, then decaying.
+        ("cosine", {"num_warmup_steps": 5}, [("warmup", 5), ("stable", 1), ("decay", 34)]),
+        ("linear", {"num_warmup_steps": 0}, [("stable", 1), ("decay", 39)]),
+        # Step-downs: constant at a lower LR after the peak is still past the peak.
+        ("step", {"step_size": 15}, [("stable", 15), ("decay", 25)]),
+        # A schedule that never reaches the optimizer's LR but is constant.
+        ("half", {}, [("warmup", 1), ("stable", 39)]),
+        # Warm restarts jump back to the peak.
+        ("cosine_restarts", {"T_0": 20}, [("stable", 1), ("decay", 19), ("stable", 1), ("decay", 19)]),
+    ],
+)
+def test_phases_of_real_schedules(name, kwargs, expected):
+    lrs = schedule_lrs(name, 40, **kwargs)
+    assert runs(planned_phases(lrs, peak_lr=1e-3)) == expected
+
+
+def test_phase_tracker_resumes_from_state():
+    lrs = schedule_lrs("warmup_stable_decay", 40, num_warmup_steps=4, scheduler_specific_kwargs={"num_decay_steps": 10})
+    full = planned_phases(lrs, 1e-3)
+    first = PhaseTracker(1e-3)
+    for lr in lrs[:33]:
+        first.update(lr)
+    resumed = PhaseTracker(1e-3)
+    resumed.load_state(first.state())
+    assert [resumed.update(lr) for lr in lrs[33:]] == full[33:]
+    # Without the state, the first decay step after a restart would look like warmup.
+    assert PhaseTracker(1e-3).update(lrs[35]) == "warmup"
+
+
+def test_lr_phase_validates():
+    with pytest.raises(ValueError, match="peak"):
+        lr_phase(1e-3, 0.0, None, False)
+    with pytest.raises(ValueError, match="finite"):
+        lr_phase(float("nan"), 1e-3, None, False)
+    with pytest.raises(ValueError, match="peak_lr"):
+        PhaseTracker(-1.0)
+
+
+def test_choose_interval_fills_the_stable_phase_with_windows():
+    # 10k steps, 8k stable: 40 snapshots in the stable phase -> every 200 steps.
+    choice = choose_interval(tokens_per_step=2**20, planned_steps=10_000, stable_steps=8_000)
+    assert choice.interval_tokens == 200 * 2**20
+    assert 8_000 * 2**20 // choice.interval_tokens == choice.windows * choice.snapshots_per_window
+    assert choice.interval_tokens % choice.tokens_per_step == 0
+    # No stable phase: the caller passes the steps where snapshots are taken.
+    assert choose_interval(1000, 400, 0).interval_tokens == 10 * 1000
+
+
+def test_choose_interval_floor_and_ceiling():
+    floor = choose_interval(tokens_per_step=512, planned_steps=30, stable_steps=20)
+    assert floor.interval_tokens == 512 and "floor" in floor.reason
+    huge = choose_interval(tokens_per_step=10**7, planned_steps=10**7, stable_steps=10**7)
+    assert huge.interval_tokens <= MAX_AUTO_INTERVAL_TOKENS and "ceiling" in huge.reason
+    assert huge.interval_tokens % 10**7 == 0
+    # A step larger than the ceiling: one step is the least possible.
+    assert choose_interval(10**11, 100, 100).interval_tokens == 10**11
+
+
+@pytest.mark.parametrize("bad", [{"tokens_per_step": 0}, {"planned_steps": -1}, {"stable_steps": -2}, {"tokens_per_step": True}])
+def test_choose_interval_rejects_bad_input(bad):
+    kwargs = {"tokens_per_step": 100, "planned_steps": 100, "stable_steps": 50, **bad}
+    with pytest.raises(ValueError, match=next(iter(bad))):
+        choose_interval(**kwargs)
+
+
+def test_check_phases():
+    assert check_phases("stable") == ("stable",)
+    assert check_phases(["decay", "stable", "decay"]) == ("decay", "stable")
+    for bad in ([], ["annealing"], 3):
+        with pytest.raises(ValueError, match="phases"):
+            check_phases(bad)
+
+
+def test_schedule_module_does_not_import_torch():
+    code = "import sys, hf_pma.schedule; assert 'torch' not in sys.modules, 'torch imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
