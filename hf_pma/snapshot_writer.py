@@ -50,6 +50,7 @@ from hf_pma.snapshots import (
     snapshot_path,
     write_manifest,
 )
+from hf_pma.swap import is_peft_model
 
 logger = logging.get_logger(__name__)
 
@@ -320,6 +321,8 @@ class SnapshotJob:
     config: Any | None = None
     generation_config: Any | None = None
     processing_class: Any | None = None
+    # "model" (model.safetensors, config.json) or "adapter_model" (PEFT adapter weights).
+    weights_prefix: str = "model"
 
     @property
     def name(self) -> str:
@@ -386,12 +389,21 @@ def prepare_snapshot(
     Runs in the training thread (it reads the model): :func:`strip_for_save` on the weights,
     :func:`model_metadata` for the configs, ``record.dtype`` filled in.
     """
-    state_dict = strip_for_save(model, state_dict)
+    module = unwrap_model(model)
+    if is_peft_model(module):
+        # Adapter weights only, saved as PEFT saves them (loads with PeftModel.from_pretrained).
+        from peft import get_peft_model_state_dict
+
+        state_dict = get_peft_model_state_dict(module, state_dict=state_dict)
+        config, generation_config, prefix = module.peft_config[module.active_adapter], None, "adapter_model"
+    else:
+        state_dict = strip_for_save(model, state_dict)
+        config, generation_config = model_metadata(model, _float_dtype(state_dict))
+        prefix = "model"
     dtype = _float_dtype(state_dict)
-    config, generation_config = model_metadata(model, dtype)
     if record.dtype is None and dtype is not None:
         record.dtype = str(dtype).removeprefix("torch.")
-    return SnapshotJob(record, state_dict, config, generation_config, processing_class)
+    return SnapshotJob(record, state_dict, config, generation_config, processing_class, prefix)
 
 
 _WRITE_CHUNK = 64 * 2**20
@@ -435,6 +447,7 @@ def write_model_folder(
     processing_class: Any | None = None,
     max_shard_size: int | str = "5GB",
     json_files: dict[str, Any] | None = None,
+    weights_prefix: str = "model",
 ) -> int:
     """Write a plain HF model folder (no atomicity; see :func:`write_folder_atomically`).
 
@@ -453,7 +466,9 @@ def write_model_folder(
     if processing_class is not None:
         processing_class.save_pretrained(folder)
     split = split_torch_state_dict_into_shards(
-        state_dict, filename_pattern="model{suffix}.safetensors", max_shard_size=parse_shard_size(max_shard_size)
+        state_dict,
+        filename_pattern=weights_prefix + "{suffix}.safetensors",
+        max_shard_size=parse_shard_size(max_shard_size),
     )
     num_bytes = 0
     for filename, names in split.filename_to_tensors.items():
@@ -467,7 +482,7 @@ def write_model_folder(
             },
             "weight_map": split.tensor_to_filename,
         }
-        (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        (folder / f"{weights_prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
     for name, content in (json_files or {}).items():
         (folder / name).write_text(json.dumps(content, indent=2) + "\n")
     return num_bytes
@@ -510,7 +525,13 @@ def write_snapshot(job: SnapshotJob, pma_dir: str | os.PathLike[str], max_shard_
 
     def write(tmp: Path) -> None:
         record.num_bytes = write_model_folder(
-            tmp, job.state_dict, job.config, job.generation_config, job.processing_class, max_shard_size
+            tmp,
+            job.state_dict,
+            job.config,
+            job.generation_config,
+            job.processing_class,
+            max_shard_size,
+            weights_prefix=job.weights_prefix,
         )
         atomic_write_json(tmp / SNAPSHOT_RECORD_NAME, record.to_dict())
 

@@ -60,7 +60,7 @@ class PMATrainer(Trainer):
             if model is None:
                 raise ValueError("pma_init_from needs a model instance (model_init is not supported with it)")
             self.pma_init_record = self._pma_init(model, args)
-        self.pma_callback = PMACallback(
+        callback = PMACallback(
             interval_tokens=args.pma_interval_tokens,
             phases=args.pma_phases,
             keep_last=args.pma_keep_last,
@@ -68,7 +68,7 @@ class PMATrainer(Trainer):
             max_shard_size=args.pma_max_shard_size,
             async_write=args.pma_async_write,
         )
-        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), self.pma_callback]
+        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), callback]
         super().__init__(model, args, *pargs, **kwargs)
         enable_logging()  # hf-pma's records at the verbosity the Trainer just set for transformers
         self.pma_callback.accelerator = self.accelerator
@@ -85,6 +85,15 @@ class PMATrainer(Trainer):
             pma_dir = Path(self.args.output_dir) / PMA_SUBDIR
             pma_dir.mkdir(parents=True, exist_ok=True)
             atomic_write_json(pma_dir / INIT_RECORD_NAME, self.pma_init_record)
+
+    @property
+    def pma_callback(self) -> PMACallback:
+        """The live ``PMACallback`` (looked up: resuming with ``restore_callback_states_from_checkpoint``
+        replaces the instance)."""
+        for callback in self.callback_handler.callbacks:
+            if isinstance(callback, PMACallback):
+                return callback
+        raise RuntimeError("the PMACallback was removed from this PMATrainer")
 
     # ------------------------------------------------------------------ PMA-init
 
