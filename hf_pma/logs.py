@@ -21,14 +21,14 @@ _HANDLER_NAME = "hf_pma_default_handler"
 def enable_logging(level: int | None = None) -> None:
     """Send ``hf_pma`` log records to stderr at ``level`` (default: transformers' verbosity).
 
-    Adds one handler, once; a handler the user attached to ``hf_pma`` is left alone.
+    Adds one handler, once, unless handlers are already configured (on ``hf_pma`` or the root
+    logger); records still propagate, so ``logging`` setups and test captures see them.
     """
     logger = logging.getLogger("hf_pma")
     logger.setLevel(hf_logging.get_verbosity() if level is None else level)
-    if logger.handlers:
-        return
+    if logger.handlers or logging.getLogger().handlers:
+        return  # the user configured logging: records propagate to their handlers
     handler = logging.StreamHandler(sys.stderr)
     handler.set_name(_HANDLER_NAME)
     handler.setFormatter(logging.Formatter("[%(levelname)s|%(name)s] %(asctime)s >> %(message)s", "%H:%M:%S"))
     logger.addHandler(handler)
-    logger.propagate = False
