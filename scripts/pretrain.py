@@ -199,7 +199,8 @@ def final_evaluation(trainer: PMATrainer, tokenizer, heldout: list[str], train_d
     out = Path(trainer.args.output_dir)
     snapshots = trainer.pma_callback.snapshots()
     # With a WSD schedule the final live model is the annealed one: the comparison PMA is about.
-    annealed = "decay" in str(trainer.args.lr_scheduler_type) or "cosine" in str(trainer.args.lr_scheduler_type)
+    schedule = str(getattr(trainer.args.lr_scheduler_type, "value", trainer.args.lr_scheduler_type))
+    annealed = schedule not in ("constant", "constant_with_warmup")
     final_label = "annealed" if annealed else "final model"
     models = {"last snapshot": snapshots[-1][1], "PMA merge": trainer.pma_merged_dir, final_label: out / "final"}
     tasks, include = data.eval_tasks, None

@@ -1,0 +1,141 @@
+"""scripts/pretrain.py end to end, through the real script: one process with a push to a local
+Hub stand-in, and two processes under ``accelerate launch`` (gloo on CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO_ROOT
+from huggingface_hub import ModelCard
+from hub_server import HubServer
+
+SCRIPT = REPO_ROOT / "scripts" / "pretrain.py"
+
+# The embedded default run, shortened: same code path, a few seconds of training.
+SHORT = [
+    str(REPO_ROOT / "scripts" / "configs" / "tiny.yaml"),
+    "--max_steps", "24",
+    "--warmup_steps", "2",
+    "--lr_scheduler_kwargs", '{"num_decay_steps": 6}',
+    "--default_corpus_bytes", "600000",
+    "--eval_fraction", "0.25",
+    "--vocab_size", "512",
+    "--block_size", "64",
+    "--per_device_train_batch_size", "4",
+    "--per_device_eval_batch_size", "8",
+    "--pma_interval_tokens", "512",
+    "--pma_window", "4",
+    "--eval_steps", "8",
+    "--logging_steps", "4",
+    "--task_items", "16",
+    "--max_eval_texts", "4",
+    "--max_eval_blocks", "8",
+    "--dataloader_num_workers", "0",
+]
+
+
+def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    env.update(extra)
+    return env
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture()
+def hub():
+    with HubServer() as server:
+        yield server
+
+
+def test_default_run_shortened_with_card_plot_and_push(tmp_path, hub):
+    out = tmp_path / "run"
+    token = next(iter(hub.tokens))
+    env = _env(tmp_path, HF_ENDPOINT=hub.url, HF_TOKEN=token)
+    env.pop("HF_HUB_OFFLINE", None)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), *SHORT, "--output_dir", str(out), "--push_to_hub", "--hub_model_id", "tester/tiny-pma"],
+        capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    merged = out / "pma" / "merged"
+
+    # the summary names every output and prints the live-vs-merged table
+    assert str(merged) in result.stdout and "PMA merge" in result.stdout and "annealed" in result.stdout
+    manifest = json.loads((out / "pma" / "manifest.json").read_text())
+    assert manifest["snapshots"] and all(s["phase"] == "stable" for s in manifest["snapshots"])
+    record = json.loads((merged / "pma_merge.json").read_text())
+    assert record["num_sources"] == 4
+    assert [s["tokens"] for s in record["sources"]] == [s["tokens"] for s in manifest["snapshots"]][-4:]
+
+    # training record, evaluation record, plot and card
+    training = json.loads((merged / "pma_training.json").read_text())
+    assert training["pma_evals"] and training["datasets"] == ["local:python-stdlib"]
+    assert training["command"].startswith("accelerate launch scripts/pretrain.py tiny.yaml")
+    evaluation = json.loads((merged / "pma_eval.json").read_text())["results"]
+    assert set(evaluation) == {"last snapshot", "PMA merge", "annealed"}
+    assert {"lm", "pma_next_line", "pma_cloze"} <= set(evaluation["PMA merge"])
+    assert 0 < evaluation["PMA merge"]["lm"]["bits_per_byte"] < 10
+    png = (merged / "pma_training.png").read_bytes()
+    assert png.startswith(b"\x89PNG") and len(png) > 10_000
+    card_text = (merged / "README.md").read_text()
+    assert str(tmp_path) not in card_text and token not in card_text
+    assert "pma_training.png" in card_text and "snapshot-" in card_text
+
+    # the merged model went to the branch pma-merged of the repo, with the card and its results
+    pushed = hub.files("tester/tiny-pma", "pma-merged")
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "pma_merge.json", "README.md"):
+        assert pushed[name] == (merged / name).read_bytes(), name
+    card = ModelCard(pushed["README.md"].decode())
+    assert card.data.eval_results and card.data.library_name == "transformers"
+    assert {r.metric_type for r in card.data.eval_results} >= {"loss", "bits_per_byte", "acc"}
+    assert "pma" in card.data.tags
+    # without --push_live_model the Trainer pushes nothing of its own to main
+    assert "model.safetensors" not in hub.files("tester/tiny-pma", "main")
+
+
+def test_bad_arguments_fail_before_training(tmp_path):
+    env = _env(tmp_path)
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), *SHORT, "--output_dir", str(tmp_path / "o"), "--pma_strategy", "median"],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert result.returncode != 0 and "unknown merge strategy 'median'" in result.stderr
+    assert not (tmp_path / "o" / "pma").exists()
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("output_dir: x\nlearning_rat: 0.1\n")
+    result = subprocess.run([sys.executable, str(SCRIPT), str(bad_yaml)], capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode != 0 and "unknown argument(s) learning_rat" in result.stderr
+
+
+def test_two_processes_with_accelerate_launch(tmp_path):
+    out = tmp_path / "run2"
+    env = _env(tmp_path, ACCELERATE_USE_CPU="1")
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+        "--main_process_port", str(_free_port()), "--num_machines", "1", "--mixed_precision", "no",
+        "--dynamo_backend", "no", str(SCRIPT), *SHORT, "--output_dir", str(out),
+        "--per_device_train_batch_size", "2", "--make_tasks", "false",
+    ]
+    result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert result.stdout.count("Done.") == 1  # the summary is printed once, by the main process
+    training = json.loads((out / "pma" / "merged" / "pma_training.json").read_text())
+    assert training["world_size"] == 2
+    # same global batch (2 processes x 2 = 4 blocks of 64 tokens) as the single-process run
+    assert training["total_tokens"] == 24 * 4 * 64
+    manifest = json.loads((out / "pma" / "manifest.json").read_text())
+    assert [s["tokens"] for s in manifest["snapshots"]] == sorted({s["tokens"] for s in manifest["snapshots"]})
+    assert all(s["tokens"] % 512 == 0 for s in manifest["snapshots"])
+    evaluation = json.loads((out / "pma" / "merged" / "pma_eval.json").read_text())["results"]
+    assert set(evaluation) == {"last snapshot", "PMA merge", "annealed"}
