@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 from conftest import REPO_ROOT
-from huggingface_hub import ModelCard
 from hub_server import HubServer
+from huggingface_hub import ModelCard
 
 SCRIPT = REPO_ROOT / "scripts" / "pretrain.py"
 
