@@ -5,6 +5,11 @@ straight from the source files (see :mod:`hf_pma.safetensors_io`) and accumulate
 (or float64); the output is written tensor by tensor into shards planned up front. Peak memory
 is a few chunk buffers, independent of N and of the model size; N tensors are never stacked.
 
+Speed: the merge is memory-bound, so chunks are small enough (4 MiB) to stay in the CPU cache
+between the read and the accumulation, torch runs them on the calling thread only (a
+multi-threaded op on a few MiB costs more in thread hand-offs than it saves, a lot more on
+shared cores), and the finite check is one reduction over the merged chunk.
+
 Everything is checked before the first byte is written (names, shapes, dtypes, headers,
 output folder), and the output is built in a temporary folder beside ``output_dir`` that is
 renamed into place only when complete: a failed merge leaves nothing at ``output_dir``.
@@ -12,6 +17,7 @@ renamed into place only when complete: a failed merge leaves nothing at ``output
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -73,7 +79,8 @@ _FLOAT_DTYPES = {
     "float64": torch.float64,
     "fp64": torch.float64,
 }
-_DEFAULT_CHUNK_BYTES = 64 * 1024 * 1024
+# Accumulator chunk: a chunk read from a source is still in the CPU cache when it is added.
+_DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 
 
 class MergeError(ValueError):
@@ -198,6 +205,7 @@ class _ChunkMerger:
         self._read_buf = torch.empty(self.chunk_elems * 8, dtype=torch.uint8)
         self._cmp_buf = torch.empty(0, dtype=torch.uint8)
         self._acc = torch.empty(self.chunk_elems, dtype=accumulate_dtype)
+        self._out: dict[torch.dtype, torch.Tensor] = {}
 
     def chunks(self, plan: _TensorPlan) -> Iterator[torch.Tensor]:
         """Yield the merged tensor's elements in order, as 1-D chunks of ``plan.out_dtype``."""
@@ -217,9 +225,19 @@ class _ChunkMerger:
                 acc.mul_(w)
             else:
                 acc.add_(x, alpha=w)  # promoted to the accumulator's dtype, no temporary
-        if not bool(torch.isfinite(acc).all()):
+        # NaN and Inf propagate into the sum: one cheap reduction instead of an isfinite mask;
+        # only a non-finite sum (or an overflowing one) pays for the exact check.
+        if not bool(torch.isfinite(acc.sum())) and not bool(torch.isfinite(acc).all()):
             self._raise_non_finite(plan, start, stop)
-        return acc.to(plan.out_dtype) if plan.out_dtype != acc.dtype else acc
+        if plan.out_dtype == acc.dtype:
+            return acc
+        out = self._out_buffer(plan.out_dtype)[: stop - start]
+        return out.copy_(acc)  # the same rounding as acc.to(dtype), into a reused buffer
+
+    def _out_buffer(self, dtype: torch.dtype) -> torch.Tensor:
+        if dtype not in self._out:
+            self._out[dtype] = torch.empty(self.chunk_elems, dtype=dtype)
+        return self._out[dtype]
 
     def _check_equal(self, plan: _TensorPlan, start: int, stop: int) -> torch.Tensor:
         nbytes = (stop - start) * plan.in_dtype.itemsize
@@ -241,6 +259,24 @@ class _ChunkMerger:
             if not bool(torch.isfinite(x).all()):
                 raise MergeError(f"tensor {plan.name!r} in {source.path} holds non-finite values (NaN or Inf)")
         raise MergeError(f"the merge of tensor {plan.name!r} overflowed {self.acc_dtype}")
+
+
+@contextlib.contextmanager
+def _single_threaded() -> Iterator[None]:
+    """Run torch ops on the calling thread only, then restore the thread count.
+
+    A chunk is a few MiB of memory-bound work: splitting it across OpenMP threads costs more in
+    hand-offs than it gains, and on busy shared cores each op can wait a scheduler slice for a
+    descheduled worker (measured: a 160M-parameter merge of 8 checkpoints took 10.6 s instead of
+    2.3 s on 2 busy cores). With the OpenMP backend, threads already running keep their own
+    setting, so a merge in a background thread leaves the training thread alone.
+    """
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _open_all(sources: Sequence[CheckpointSource]) -> list[CheckpointTensors]:
@@ -295,13 +331,14 @@ def merge_state_dict(
         plans = _plan(_validate(srcs, opened), out_dtype)
         merger = _ChunkMerger(srcs, opened, coefs, accumulate_dtype, _DEFAULT_CHUNK_BYTES)
         state: dict[str, torch.Tensor] = {}
-        for plan in tqdm(plans, desc="Merging", unit="tensor", disable=not progress):
-            out = torch.empty(plan.numel, dtype=plan.out_dtype)
-            offset = 0
-            for chunk in merger.chunks(plan):
-                out[offset : offset + chunk.numel()].copy_(chunk)
-                offset += chunk.numel()
-            state[plan.name] = out.reshape(plan.shape)
+        with _single_threaded():
+            for plan in tqdm(plans, desc="Merging", unit="tensor", disable=not progress):
+                out = torch.empty(plan.numel, dtype=plan.out_dtype)
+                offset = 0
+                for chunk in merger.chunks(plan):
+                    out[offset : offset + chunk.numel()].copy_(chunk)
+                    offset += chunk.numel()
+                state[plan.name] = out.reshape(plan.shape)
         return state
     finally:
         for tensors in opened:
@@ -478,7 +515,8 @@ def merge_checkpoints(
         )
         tmp.mkdir(parents=True)
         merger = _ChunkMerger(srcs, opened, coefs, accumulate_dtype, chunk_bytes)
-        _write_shards(tmp, srcs[-1].prefix, _shard(plans, max_bytes), merger, progress)
+        with _single_threaded():
+            _write_shards(tmp, srcs[-1].prefix, _shard(plans, max_bytes), merger, progress)
         _copy_support_files(srcs[-1], tmp, out_dtype)
         out_dtypes = sorted({str(p.out_dtype).removeprefix("torch.") for p in plans if p.averaged})
         record = _merge_record(

@@ -132,6 +132,8 @@ def test_two_processes_with_accelerate_launch(tmp_path):
     assert result.stdout.count("Done.") == 1  # the summary is printed once, by the main process
     training = json.loads((out / "pma" / "merged" / "pma_training.json").read_text())
     assert training["world_size"] == 2
+    # PMATrainer's merged evaluation ran under DDP, beside the live evaluation
+    assert training["pma_evals"] and all(e["eval_pma_loss"] > 0 for e in training["pma_evals"])
     # same global batch (2 processes x 2 = 4 blocks of 64 tokens) as the single-process run
     assert training["total_tokens"] == 24 * 4 * 64
     manifest = json.loads((out / "pma" / "manifest.json").read_text())
