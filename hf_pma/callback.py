@@ -30,6 +30,7 @@ from transformers.utils import logging
 
 from hf_pma import __version__
 from hf_pma.online import ONLINE_KINDS, OnlineAverage
+from hf_pma.parsing import parse_dtype, parse_size
 from hf_pma.schedule import (
     PhaseTracker,
     check_phases,
@@ -43,8 +44,6 @@ from hf_pma.snapshot_writer import (
     SnapshotWriter,
     gather_full_state_dict,
     model_metadata,
-    parse_dtype,
-    parse_shard_size,
     prepare_snapshot,
     strip_for_save,
     write_folder_atomically,
@@ -168,7 +167,7 @@ class PMACallback(TrainerCallback, ExportableState):
         self.phases = check_phases(phases)
         self.keep_last = _positive_int_or_none(keep_last, "keep_last")
         self.save_dtype = parse_dtype(save_dtype, "save_dtype")
-        parse_shard_size(max_shard_size)
+        parse_size(max_shard_size, "max_shard_size")
         self.max_shard_size = max_shard_size
         if not isinstance(async_write, bool):
             raise ValueError(f"async_write must be True or False, got {async_write!r}")

@@ -21,7 +21,6 @@ import contextlib
 import dataclasses
 import json
 import os
-import re
 import shutil
 import time
 import uuid
@@ -34,6 +33,7 @@ from tqdm.auto import tqdm
 from transformers.utils import logging
 
 from . import __version__
+from .parsing import parse_dtype, parse_size
 from .safetensors_io import SafetensorsWriter, TensorInfo
 from .snapshots import MERGE_RECORD_NAME, atomic_write_json, fsync_dir, fsync_tree
 from .sources import CheckpointSource, CheckpointTensors, resolve_sources
@@ -69,50 +69,12 @@ SUPPORT_FILES = (
     "preprocessor_config.json",
     "processor_config.json",
 )
-_FLOAT_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "float64": torch.float64,
-    "fp64": torch.float64,
-}
 # Accumulator chunk: a chunk read from a source is still in the CPU cache when it is added.
 _DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 
 
 class MergeError(ValueError):
     """The sources cannot be merged (mismatched tensors, non-finite values, ...)."""
-
-
-def parse_dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
-    """``"bfloat16"`` / ``"bf16"`` / ``torch.bfloat16`` -> ``torch.bfloat16``; ``None`` stays ``None``."""
-    if dtype is None or isinstance(dtype, torch.dtype):
-        if isinstance(dtype, torch.dtype) and not dtype.is_floating_point:
-            raise ValueError(f"dtype must be a floating-point type, got {dtype}")
-        return dtype
-    key = str(dtype).lower().removeprefix("torch.")
-    if key not in _FLOAT_DTYPES:
-        raise ValueError(f"unknown dtype {dtype!r}; choose float32, bfloat16 or float16")
-    return _FLOAT_DTYPES[key]
-
-
-def parse_size(size: int | str) -> int:
-    """``"5GB"`` -> 5_000_000_000, ``"2GiB"`` -> 2 * 2**30, ``1000`` -> 1000 (bytes)."""
-    if isinstance(size, int) and not isinstance(size, bool):
-        value = size
-    else:
-        match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", str(size), flags=re.IGNORECASE)
-        if not match:
-            raise ValueError(f"cannot parse size {size!r}; use bytes or a value like '5GB' or '500MiB'")
-        number, unit = float(match.group(1)), (match.group(2) or "B").upper()
-        base = 1024 if "I" in unit else 1000
-        value = int(number * base ** "BKMGT".index(unit[0]))
-    if value <= 0:
-        raise ValueError(f"size must be positive, got {size!r}")
-    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -499,7 +461,7 @@ def merge_checkpoints(
     """
     _check_accumulate_dtype(accumulate_dtype)
     out_dtype = parse_dtype(dtype)
-    max_bytes = parse_size(max_shard_size)
+    max_bytes = parse_size(max_shard_size, "max_shard_size")
     output_dir = Path(output_dir)
     srcs = _as_sources(sources, last)
     coefs = merge_weights(len(srcs), strategy, alpha, weights)

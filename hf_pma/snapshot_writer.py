@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
+from hf_pma.parsing import parse_dtype, parse_size
 from hf_pma.snapshots import (
     MANIFEST_NAME,
     SNAPSHOT_RECORD_NAME,
@@ -56,8 +57,6 @@ logger = logging.get_logger(__name__)
 
 __all__ = [
     "SnapshotWriteError",
-    "parse_dtype",
-    "parse_shard_size",
     "unwrap_model",
     "sharding_kind",
     "gather_full_state_dict",
@@ -76,51 +75,6 @@ __all__ = [
 
 class SnapshotWriteError(RuntimeError):
     """A snapshot (or online average) could not be written; raised in the training thread."""
-
-
-_DTYPE_NAMES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "float64": torch.float64,
-}
-
-
-def parse_dtype(dtype: torch.dtype | str | None, name: str = "dtype") -> torch.dtype | None:
-    """A floating torch dtype from a dtype or its name (``"bf16"``, ``"float32"``...); ``None`` passes."""
-    if dtype is None:
-        return None
-    if isinstance(dtype, str):
-        key = dtype.removeprefix("torch.").lower()
-        if key not in _DTYPE_NAMES:
-            raise ValueError(f"{name}={dtype!r} is not a floating dtype; use one of {sorted(_DTYPE_NAMES)}")
-        return _DTYPE_NAMES[key]
-    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
-        return dtype
-    raise ValueError(f"{name} must be a floating torch dtype or its name, got {dtype!r}")
-
-
-def parse_shard_size(size: int | str, name: str = "max_shard_size") -> int:
-    """Bytes from ``5GB``-style sizes or an int; a clear error naming the argument otherwise."""
-    from huggingface_hub.serialization._base import parse_size_to_int
-
-    if isinstance(size, bool):
-        raise ValueError(f"{name} must be a size like '5GB' or a number of bytes, got {size!r}")
-    if isinstance(size, int):
-        value = size
-    else:
-        try:
-            value = parse_size_to_int(str(size))
-        except ValueError as err:
-            raise ValueError(f"{name}={size!r} is not a size like '5GB' or '500MB'") from err
-    if value <= 0:
-        raise ValueError(f"{name} must be positive, got {size!r}")
-    return value
 
 
 # ---------------------------------------------------------------------------------------------
@@ -468,7 +422,7 @@ def write_model_folder(
     split = split_torch_state_dict_into_shards(
         state_dict,
         filename_pattern=weights_prefix + "{suffix}.safetensors",
-        max_shard_size=parse_shard_size(max_shard_size),
+        max_shard_size=parse_size(max_shard_size),
     )
     num_bytes = 0
     for filename, names in split.filename_to_tensors.items():
@@ -634,7 +588,7 @@ class SnapshotWriter:
     ) -> None:
         if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
             raise ValueError(f"keep_last must be a positive integer or None, got {keep_last!r}")
-        parse_shard_size(max_shard_size)
+        parse_size(max_shard_size)
         self.pma_dir = Path(pma_dir)
         self.keep_last = keep_last
         self.max_shard_size = max_shard_size

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
@@ -101,6 +102,10 @@ class DataArguments:
     task_items: int = dataclasses.field(default=150, metadata={"help": "Items per generated task."})
     eval_tasks: str | None = dataclasses.field(
         default=None, metadata={"help": "Extra lm-eval task names for the final evaluation (e.g. hellaswag,arc_easy)."}
+    )
+    overwrite_output_dir: bool = dataclasses.field(
+        default=False,
+        metadata={"help": "Delete an earlier run's snapshots and merge in output_dir first (never when resuming)."},
     )
     push_live_model: bool = dataclasses.field(
         default=False, metadata={"help": "With --push_to_hub, also let the Trainer push the live model (main branch)."}
@@ -231,11 +236,16 @@ def main(argv: list[str] | None = None) -> int:
     """Run the whole job; returns the exit code."""
     argv = sys.argv[1:] if argv is None else argv
     model_args, data, args = parse_arguments(argv)
-    logging.set_verbosity_info()
+    # hf-pma's own progress at INFO; transformers' at WARNING (it logs every config it saves).
+    logging.set_verbosity_warning()
     logging.enable_explicit_format()
-    enable_logging()
+    enable_logging(logging.INFO)
     set_seed(args.seed)
 
+    pma_dir = Path(args.output_dir) / "pma"
+    if data.overwrite_output_dir and not args.resume_from_checkpoint and is_main_process() and pma_dir.exists():
+        logger.warning(f"--overwrite_output_dir: deleting the earlier run's {pma_dir}")
+        shutil.rmtree(pma_dir)
     docs, corpus_name = read_documents(data)
     train_docs, heldout = split_documents(docs, eval_fraction=data.eval_fraction, seed=args.seed)
     cache_dir = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hf_pma" / "tokenizers"

@@ -13,7 +13,8 @@ from conftest import make_tiny_model, save_model_folder
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from hf_pma.merge import MergeError, merge_checkpoints, merge_state_dict, parse_size
+from hf_pma.merge import MergeError, merge_checkpoints, merge_state_dict
+from hf_pma.parsing import parse_size
 from hf_pma.safetensors_io import CheckpointFormatError
 from hf_pma.snapshots import SnapshotRecord, write_manifest
 from hf_pma.strategies import STRATEGIES, merge_weights
@@ -324,7 +325,7 @@ def test_same_source_twice_and_bad_arguments(tmp_path):
         merge_checkpoints([srcs[0], srcs[0]], tmp_path / "o", progress=False)
     with pytest.raises(ValueError, match="unknown dtype 'int8'"):
         merge_checkpoints(srcs, tmp_path / "o", dtype="int8", progress=False)
-    with pytest.raises(ValueError, match="cannot parse size"):
+    with pytest.raises(ValueError, match="cannot parse max_shard_size .five gigs."):
         merge_checkpoints(srcs, tmp_path / "o", max_shard_size="five gigs", progress=False)
     with pytest.raises(ValueError, match="accumulate_dtype"):
         merge_checkpoints(srcs, tmp_path / "o", accumulate_dtype=torch.float16, progress=False)
