@@ -22,6 +22,8 @@ COMMANDS = {
     "make-tasks": "make_tasks",
     "card": "card",
     "push": "push",
+    "sweep": "sweep",
+    "inspect": "inspect",
 }
 
 
@@ -45,9 +47,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from transformers.utils import logging as hf_logging
 
-    hf_logging.set_verbosity(logging.DEBUG if args.verbose else logging.INFO)
+    from hf_pma.logs import enable_logging
+
+    level = logging.DEBUG if args.verbose else logging.INFO
+    hf_logging.set_verbosity(level)
     hf_logging.enable_default_handler()
     hf_logging.enable_explicit_format()
+    enable_logging(level)
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, FileExistsError, PermissionError) as err:

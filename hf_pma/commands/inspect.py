@@ -1,0 +1,134 @@
+"""``hf-pma inspect``: a run's snapshots, and the geometry of its merge window."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from ..strategies import STRATEGIES
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from err
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``hf-pma inspect``."""
+    p = subparsers.add_parser(
+        "inspect",
+        help="list a run's snapshots and diagnose its merge window",
+        description=(
+            "Print a table of the run's snapshots (tokens, step, learning rate, phase, loss, size), then the "
+            "diagnostics of the merge window (the newest --window snapshots, every --every-th): the cosine "
+            "similarity of each snapshot's deviation from the window mean, each snapshot's distance to the "
+            "merge, and the same numbers for the window ending at each snapshot over training. Weights are "
+            "read tensor by tensor in chunks (bounded memory). Writes a PNG and, with --output, JSON."
+        ),
+    )
+    p.add_argument("run", metavar="RUN", help="run folder (pma/manifest.json or checkpoint-* folders)")
+    p.add_argument("--window", type=_positive_int, default=10, help="snapshots in the merge window, N (default: 10)")
+    p.add_argument("--every", type=_positive_int, default=1, help="take every k-th snapshot (default: 1)")
+    p.add_argument("--strategy", choices=STRATEGIES, default="sma", help="merge weights (default: sma)")
+    p.add_argument("--alpha", type=float, default=0.2, help="EMA smoothing factor (default: 0.2)")
+    p.add_argument("--last", type=_positive_int, help="read only the newest K snapshots (default: all, for the series)")
+    p.add_argument("--reference", metavar="MODEL", help="a model folder standing for the optimum, e.g. the annealed model")
+    p.add_argument("--plot", default="inspect.png", metavar="FILE", help="PNG of the diagnostics (default: inspect.png)")
+    p.add_argument("-o", "--output", metavar="FILE", help="write the table and diagnostics as JSON here")
+    p.add_argument("--no-diagnostics", action="store_true", help="only list the snapshots (reads no weights)")
+    p.add_argument("--chunk-mb", type=_positive_int, default=64, help="memory for the Gram matrix chunks (default: 64)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or info logs")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``hf-pma inspect``."""
+    import logging as std_logging
+
+    from transformers.utils import logging
+
+    from ..diagnostics import (
+        compute_gram,
+        diagnostics_table,
+        plot_diagnostics,
+        snapshot_rows,
+        snapshot_table,
+        strategy_weights,
+        training_series,
+        window_diagnostics,
+        window_indices,
+    )
+    from ..logs import enable_logging
+    from ..snapshots import atomic_write_json
+    from ..sources import resolve_sources
+
+    if not getattr(args, "verbose", False):
+        logging.set_verbosity_warning()  # transformers' loading messages: noise next to the tables (-v shows them)
+    if args.quiet:
+        enable_logging(std_logging.WARNING)
+        logging.disable_progress_bar()
+    log = logging.get_logger("hf_pma.inspect")
+    weights_fn = strategy_weights(args.strategy, args.alpha)
+    for flag, path in (("--plot", args.plot), ("--output", args.output)):
+        if path and not Path(path).absolute().parent.is_dir():
+            raise FileNotFoundError(f"the folder of {flag} {path} does not exist")
+    if args.reference and not Path(args.reference).is_dir():
+        raise FileNotFoundError(f"--reference {args.reference} is not a folder")
+
+    rows = snapshot_rows(args.run)
+    sys.stdout.write(snapshot_table(rows) + "\n")
+    report = {"snapshots": rows}
+    if not args.no_diagnostics:
+        sources = resolve_sources([args.run], last=None)
+        if args.last:
+            sources = sources[-args.last :]
+        if len(sources) < 2:
+            raise ValueError(f"{args.run} has {len(sources)} usable snapshot(s): the diagnostics need at least 2")
+        count = len(sources)
+        window = args.window
+        if window_indices(count, window, args.every) is None:
+            window = (count - 1) // args.every + 1
+            log.warning(f"only {count} snapshots: the window shrinks from {args.window} to {window}")
+        reference = None
+        if args.reference:
+            sources = sources + resolve_sources([args.reference])
+            reference = count
+        gram = compute_gram(sources, chunk_bytes=args.chunk_mb * 1024 * 1024, progress=not args.quiet)
+        indices = window_indices(count, window, args.every)
+        diag = window_diagnostics(gram.gram, indices, weights_fn(len(indices)), reference)
+        series = training_series(gram.gram, window, args.every, weights_fn, count=count, reference=reference)
+        ends = [d.indices[-1] for d in series]
+        use_tokens = all(gram.tokens[i] is not None for i in ends)
+        xs = [gram.tokens[i] if use_tokens else (gram.steps[i] or i) for i in ends]
+        sys.stdout.write(f"\nWindow: {len(indices)} snapshots, every {args.every}, {args.strategy} weights "
+                         f"({gram.numel:,} weights in {gram.num_tensors} tensors)\n")
+        sys.stdout.write(diagnostics_table(gram.names, diag) + "\n")
+        if len(series) > 1:
+            sys.stdout.write("\nOver training (window ending at each snapshot):\n")
+            header = f"{'window end':<24}{'mean cos':>10}{'straight':>10}{'spread':>12}{'merge shift':>13}"
+            header += f"{'|M - ref|':>12}{'|new - ref|':>13}" if reference is not None else ""
+            lines = [header]
+            for i, d in zip(ends, series):
+                line = f"{gram.names[i]:<24}{d.mean_cosine:>+10.3f}{d.straightness:>10.3f}{d.spread:>12.4g}{d.merge_shift:>13.4g}"
+                if d.reference is not None:
+                    line += f"{d.reference['merge_to_reference']:>12.4g}{d.reference['newest_to_reference']:>13.4g}"
+                lines.append(line)
+            sys.stdout.write("\n".join(lines) + "\n")
+        if args.plot:
+            title = f"{Path(args.run).name}: {args.strategy} window of {len(indices)} (every {args.every})"
+            plot_diagnostics(args.plot, gram.names, diag, series, xs, "tokens" if use_tokens else "step", title)
+            sys.stdout.write(f"\nplot: {args.plot}\n")
+        report.update(
+            window=diag.to_dict() | {"names": [gram.names[i] for i in indices], "strategy": args.strategy, "every": args.every},
+            series=[d.to_dict() | {"end": gram.names[i], "x": x} for d, i, x in zip(series, ends, xs)],
+            gram=gram.to_dict(),
+        )
+    if args.output:
+        atomic_write_json(Path(args.output), report)
+    return 0

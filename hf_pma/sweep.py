@@ -1,0 +1,504 @@
+"""Sweep the merge of a run's snapshots over N (window), V (every k-th snapshot) and strategy.
+
+For each combination ``(N, k, strategy)`` the merge uses the newest snapshot and the N-1 taken
+every ``k``-th one before it (counting back: ``k = 2`` on snapshots taken every V tokens
+emulates a run that snapshotted every 2V), weighted by the strategy.
+
+Bounded memory, work reused where it is cheap:
+
+* the model is loaded once (from the newest snapshot) and every merge is swapped into it with
+  :func:`hf_pma.swap.load_weights`: one model plus one merged state dict in memory;
+* each merge is built in memory with :func:`hf_pma.merge.merge_state_dict`, which streams its
+  sources chunk by chunk;
+* combinations that select the same snapshots with the same weights (e.g. any strategy with
+  N = 1, or N = 1 for every k) are evaluated once; the others point to it (``duplicate_of``);
+* the lm-eval task manager is built once and the held-out texts are read once.
+
+:func:`plan_sweep` is the pure part (which snapshots, which weights); :func:`run_sweep`
+evaluates; :func:`sweep_table`, :func:`plot_sweep` and :func:`write_best` present the result.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers.utils import logging
+
+from .sources import CheckpointSource, resolve_sources
+from .strategies import merge_weights
+
+logger = logging.get_logger(__name__)
+
+__all__ = [
+    "DEFAULT_WINDOWS",
+    "DEFAULT_EVERY",
+    "DEFAULT_STRATEGIES",
+    "BASELINE_LABEL",
+    "Combination",
+    "plan_sweep",
+    "parse_metric",
+    "lower_is_better",
+    "SweepEvaluator",
+    "run_sweep",
+    "sweep_table",
+    "plot_sweep",
+    "write_best",
+]
+
+DEFAULT_WINDOWS = (3, 6, 10, 15)
+DEFAULT_EVERY = (1, 2, 4)
+DEFAULT_STRATEGIES = ("sma", "wma", "ema")
+BASELINE_LABEL = "last snapshot"
+# Metrics for which a smaller value is better; everything else (accuracies...) is "higher is better".
+_LOWER_IS_BETTER = ("loss", "perplexity", "bits_per_byte", "bpb", "error")
+
+
+@dataclasses.dataclass(frozen=True)
+class Combination:
+    """One merge of a sweep: ``window`` snapshots taken every ``every``-th, merged by ``strategy``.
+
+    ``indices`` are positions in the run's snapshot list (oldest first), ``weights`` the merge
+    weights in the same order (they sum to 1).
+    """
+
+    window: int
+    every: int
+    strategy: str
+    indices: tuple[int, ...]
+    weights: tuple[float, ...]
+
+    @property
+    def label(self) -> str:
+        """``"sma N=10 k=2"``."""
+        return f"{self.strategy} N={self.window} k={self.every}"
+
+    def key(self) -> tuple[tuple[int, float], ...]:
+        """What the merge computes: equal keys, equal models (zero weights dropped, rounding ignored)."""
+        return tuple((i, round(w, 12)) for i, w in zip(self.indices, self.weights) if w > 0)
+
+
+def _positive_ints(values: Sequence[int], what: str) -> list[int]:
+    out = []
+    for v in values:
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"{what} must be positive integers, got {v!r}")
+        out.append(v)
+    if not out:
+        raise ValueError(f"give at least one {what} value")
+    return list(dict.fromkeys(out))
+
+
+def plan_sweep(
+    count: int,
+    windows: Sequence[int] = DEFAULT_WINDOWS,
+    every: Sequence[int] = DEFAULT_EVERY,
+    strategies: Sequence[str] = DEFAULT_STRATEGIES,
+    alpha: float = 0.2,
+) -> tuple[list[Combination], list[dict[str, Any]]]:
+    """The combinations that ``count`` snapshots allow, and those they do not (with the reason).
+
+    Pure: no files, no torch. Raises ``ValueError`` for a bad window, stride, strategy or alpha.
+    """
+    windows = _positive_ints(windows, "window")
+    every = _positive_ints(every, "every")
+    strategies = list(dict.fromkeys(strategies))
+    if not strategies:
+        raise ValueError("give at least one strategy")
+    for strategy in strategies:
+        merge_weights(2, strategy, alpha)  # ValueError naming a bad strategy or alpha
+    if count < 1:
+        raise ValueError("the run has no snapshot")
+    combos, skipped = [], []
+    for strategy in strategies:
+        for k in every:
+            for n in windows:
+                first = count - 1 - k * (n - 1)
+                if first < 0:
+                    skipped.append(
+                        {"window": n, "every": k, "strategy": strategy,
+                         "reason": f"needs {k * (n - 1) + 1} snapshots, the run has {count}"}
+                    )
+                    continue
+                indices = tuple(range(first, count, k))
+                weights = tuple(merge_weights(n, strategy if n > 1 else "sma", alpha))
+                combos.append(Combination(n, k, strategy, indices, weights))
+    return combos, skipped
+
+
+def parse_metric(metric: str) -> tuple[str, str]:
+    """``"lm/loss"`` -> ``("lm", "loss")``; the task is everything before the last ``/``."""
+    task, sep, name = str(metric).rpartition("/")
+    if not sep or not task or not name:
+        raise ValueError(f"metric {metric!r} must look like TASK/METRIC, e.g. lm/loss or pma_next_line/acc")
+    return task, name
+
+
+def lower_is_better(metric: str) -> bool:
+    """Whether a smaller value of ``metric`` (``task/name``) is better: losses, perplexities, bits per byte."""
+    name = parse_metric(metric)[1].lower()
+    return any(word in name for word in _LOWER_IS_BETTER)
+
+
+def _metric_value(results: Mapping[str, Mapping[str, Any]], metric: str) -> float | None:
+    task, name = parse_metric(metric)
+    value = (results.get(task) or {}).get(name)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _default_metric(results: Mapping[str, Mapping[str, Any]]) -> str:
+    if "lm" in results and "loss" in results["lm"]:
+        return "lm/loss"
+    for task, metrics in results.items():
+        for name in ("acc", "acc_norm", "exact_match"):
+            if name in metrics:
+                return f"{task}/{name}"
+    for task, metrics in results.items():
+        for name in metrics:
+            if not name.endswith("_stderr"):
+                return f"{task}/{name}"
+    raise ValueError("the evaluation returned no metric")
+
+
+class SweepEvaluator:
+    """Evaluates merges of checkpoints in one live model: load once, swap weights, evaluate.
+
+    Args:
+        skeleton: a model folder to load the architecture (and default tokenizer) from,
+            typically the newest snapshot.
+        texts: held-out texts (loss, perplexity, bits per byte) and/or ``tasks`` (lm-eval names,
+            with ``include_path`` for local YAML tasks).
+        Other arguments: as :func:`hf_pma.evaluation.evaluate_model` (``bootstrap_iters`` is
+            1000 here: it only affects the stderr of non-mean lm-eval metrics, not the ranking).
+    """
+
+    def __init__(
+        self,
+        skeleton: str | os.PathLike[str],
+        texts: Sequence[str] | None = None,
+        tasks: str | Sequence[str] | None = None,
+        include_path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
+        tokenizer: str | os.PathLike[str] | None = None,
+        limit: int | None = None,
+        batch_size: int = 8,
+        block_size: int | None = None,
+        stride: int | None = None,
+        num_fewshot: int | None = None,
+        bootstrap_iters: int = 1000,
+        device: str | torch.device | None = None,
+        progress: bool = False,
+    ) -> None:
+        from .evaluation import load_model_for_eval
+
+        if not texts and not tasks:
+            raise ValueError("nothing to evaluate: give held-out texts and/or tasks")
+        self.texts = list(texts) if texts else None
+        self.tasks, self.task_manager = None, None
+        if tasks:
+            from .harness import load_task_manager
+
+            self.tasks, self.task_manager = load_task_manager(tasks, include_path)  # checks the names now
+        self.model, self.tokenizer = load_model_for_eval(skeleton, tokenizer, dtype="auto", device=device)
+        self.options = dict(
+            limit=limit, batch_size=batch_size, block_size=block_size, stride=stride, num_fewshot=num_fewshot,
+            bootstrap_iters=bootstrap_iters, progress=progress,
+        )
+        self.evaluations = 0
+
+    def evaluate_state(self, state: Mapping[str, torch.Tensor], origin: str = "merged weights") -> dict[str, Any]:
+        """Load ``state`` into the model and evaluate it; flat results ``{task: {metric: value}}``."""
+        from .evaluation import evaluate_model
+        from .swap import load_weights
+
+        load_weights(self.model, state, origin=origin)
+        out = evaluate_model(
+            self.model, self.tokenizer, texts=self.texts, tasks=self.tasks, task_manager=self.task_manager,
+            **self.options,
+        )
+        self.evaluations += 1
+        return out["results"]
+
+    def evaluate_merge(
+        self,
+        sources: Sequence[str | os.PathLike[str] | CheckpointSource],
+        weights: Sequence[float] | None = None,
+        strategy: str = "sma",
+        alpha: float = 0.2,
+    ) -> dict[str, Any]:
+        """Merge ``sources`` in memory (explicit ``weights`` or ``strategy``) and evaluate the merge."""
+        from .merge import merge_state_dict
+
+        state = merge_state_dict(list(sources), strategy=strategy, alpha=alpha, weights=weights)
+        names = ", ".join(Path(getattr(s, "path", s)).name for s in sources)
+        return self.evaluate_state(state, origin=f"merge of {names}")
+
+
+def _source_list(run: Any) -> list[CheckpointSource]:
+    if isinstance(run, (list, tuple)):
+        if run and all(isinstance(s, CheckpointSource) for s in run):
+            return list(run)
+        return resolve_sources(list(run))
+    return resolve_sources([run])
+
+
+def run_sweep(
+    run: str | os.PathLike[str] | Sequence[str | os.PathLike[str] | CheckpointSource],
+    windows: Sequence[int] = DEFAULT_WINDOWS,
+    every: Sequence[int] = DEFAULT_EVERY,
+    strategies: Sequence[str] = DEFAULT_STRATEGIES,
+    alpha: float = 0.2,
+    texts: Sequence[str] | None = None,
+    tasks: str | Sequence[str] | None = None,
+    include_path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
+    metric: str | None = None,
+    higher_is_better: bool | None = None,
+    tokenizer: str | os.PathLike[str] | None = None,
+    limit: int | None = None,
+    batch_size: int = 8,
+    block_size: int | None = None,
+    stride: int | None = None,
+    num_fewshot: int | None = None,
+    bootstrap_iters: int = 1000,
+    device: str | torch.device | None = None,
+    eval_dataset: str | None = None,
+    progress: bool = True,
+) -> dict[str, Any]:
+    """Evaluate the merges of a run's snapshots for every ``(window, every, strategy)``.
+
+    ``run`` is a run folder (PMA manifest or Trainer ``checkpoint-*`` folders) or a list of
+    checkpoints (ordered by training progress, as :func:`hf_pma.sources.resolve_sources` does).
+    The newest snapshot alone is evaluated first as the baseline (``"last snapshot"``).
+    ``metric`` (``task/name``, default ``lm/loss`` with texts, else the first task's accuracy)
+    picks the best merge; ``higher_is_better`` defaults from its name.
+
+    Returns a JSON-ready report: ``snapshots``, ``baseline``, ``combinations`` (each with its
+    snapshots, weights, results, ``delta`` on the metric against the baseline, and
+    ``duplicate_of`` when it repeats an earlier combination's merge), ``skipped``, ``metric``,
+    ``higher_is_better`` and ``best`` (a combination's label).
+    """
+    from tqdm.auto import tqdm
+
+    sources = _source_list(run)
+    combos, skipped = plan_sweep(len(sources), windows, every, strategies, alpha)
+    if metric is not None:
+        parse_metric(metric)
+    for s in skipped:
+        logger.info(f"skipping {s['strategy']} N={s['window']} k={s['every']}: {s['reason']}")
+    if not combos:
+        raise ValueError(
+            f"no combination fits the run's {len(sources)} snapshot(s): use smaller --window or --every values"
+        )
+    evaluator = SweepEvaluator(
+        sources[-1].path, texts=texts, tasks=tasks, include_path=include_path, tokenizer=tokenizer, limit=limit,
+        batch_size=batch_size, block_size=block_size, stride=stride, num_fewshot=num_fewshot,
+        bootstrap_iters=bootstrap_iters, device=device,
+    )
+    unique = {c.key() for c in combos}
+    logger.info(
+        f"Sweep over {len(sources)} snapshots: {len(combos)} combinations, {len(unique)} distinct merges "
+        f"(+ the last snapshot alone)"
+    )
+    baseline = evaluator.evaluate_merge([sources[-1]], weights=[1.0])
+    metric = metric or _default_metric(baseline)
+    if _metric_value(baseline, metric) is None:
+        available = [f"{t}/{m}" for t, ms in baseline.items() for m in ms if not m.endswith("_stderr")]
+        raise ValueError(f"metric {metric!r} is not among the results: {', '.join(available)}")
+    higher = (not lower_is_better(metric)) if higher_is_better is None else bool(higher_is_better)
+    base_value = _metric_value(baseline, metric)
+
+    done: dict[tuple, tuple[str, dict[str, Any]]] = {((len(sources) - 1, 1.0),): (BASELINE_LABEL, baseline)}
+    entries = []
+    for combo in tqdm(combos, desc="Sweep", unit="merge", disable=not progress):
+        key = combo.key()
+        duplicate_of = None
+        if key in done:
+            duplicate_of, results = done[key]
+        else:
+            results = evaluator.evaluate_merge([sources[i] for i in combo.indices], weights=list(combo.weights))
+            done[key] = (combo.label, results)
+        value = _metric_value(results, metric)
+        entries.append(
+            {
+                "label": combo.label,
+                "window": combo.window,
+                "every": combo.every,
+                "strategy": combo.strategy,
+                "alpha": alpha if combo.strategy == "ema" else None,
+                "snapshots": [sources[i].name for i in combo.indices],
+                "tokens": [sources[i].tokens for i in combo.indices],
+                "weights": list(combo.weights),
+                "results": results,
+                "value": value,
+                "delta": None if value is None or base_value is None else value - base_value,
+                "duplicate_of": duplicate_of,
+            }
+        )
+        logger.info(f"{combo.label}: {metric} = {_fmt(value)}" + (f" (same merge as {duplicate_of})" if duplicate_of else ""))
+
+    scored = [e for e in entries if e["value"] is not None and math.isfinite(e["value"])]
+    best = (max if higher else min)(scored, key=lambda e: e["value"]) if scored else None
+    if best is not None and base_value is not None and not (best["value"] > base_value if higher else best["value"] < base_value):
+        logger.warning(f"no merge beats the last snapshot on {metric} ({base_value:.5g})")
+    return {
+        "run": str(run) if isinstance(run, (str, os.PathLike)) else None,
+        "snapshots": [{"name": s.name, "tokens": s.tokens, "step": s.step, "path": str(s.path)} for s in sources],
+        "interval_tokens": next((s.record.get("interval_tokens") for s in sources if s.record.get("interval_tokens")), None),
+        "metric": metric,
+        "higher_is_better": higher,
+        "eval_dataset": eval_dataset,
+        "tasks": evaluator.tasks,
+        "baseline": {"label": BASELINE_LABEL, "snapshot": sources[-1].name, "results": baseline, "value": base_value},
+        "combinations": entries,
+        "skipped": skipped,
+        "evaluations": evaluator.evaluations,
+        "best": best["label"] if best else None,
+    }
+
+
+# ---------------------------------------------------------------- presentation
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        return f"{value:.4f}"
+    return str(value)
+
+
+def _metric_columns(report: Mapping[str, Any]) -> list[str]:
+    columns = []
+    for entry in [report["baseline"], *report["combinations"]]:
+        for task, metrics in entry["results"].items():
+            for name in metrics:
+                if not name.endswith("_stderr") and f"{task}/{name}" not in columns:
+                    columns.append(f"{task}/{name}")
+    # The ranking metric first; perplexity repeats the loss.
+    columns = [c for c in columns if c != "lm/perplexity"]
+    columns.sort(key=lambda c: c != report["metric"])
+    return columns
+
+
+def sweep_table(report: Mapping[str, Any]) -> str:
+    """A plain-text table: one row per combination (the baseline first), one column per metric,
+    with the change of the ranking metric against the last snapshot; ``*`` marks the best."""
+    columns = _metric_columns(report)
+    header = ["merge", "snapshots", *columns, f"Δ {report['metric']}", "note"]
+    rows = [[BASELINE_LABEL, report["baseline"]["snapshot"],
+             *(_fmt(_metric_value(report["baseline"]["results"], c)) for c in columns), "", ""]]
+    for e in report["combinations"]:
+        span = e["snapshots"][0] if len(e["snapshots"]) == 1 else f"{e['snapshots'][0]}..{e['snapshots'][-1]}"
+        note = ("best " if e["label"] == report["best"] else "") + (f"= {e['duplicate_of']}" if e["duplicate_of"] else "")
+        delta = "-" if e["delta"] is None else f"{e['delta']:+.4f}"
+        rows.append([("* " if e["label"] == report["best"] else "  ") + e["label"], span,
+                     *(_fmt(_metric_value(e["results"], c)) for c in columns), delta, note.strip()])
+    rows[0][0] = "  " + rows[0][0]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if i < 2 or i == len(cells) - 1 else c.rjust(w)
+                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
+
+    direction = "higher" if report["higher_is_better"] else "lower"
+    footer = f"{report['metric']}: {direction} is better; best: {report['best']}"
+    return "\n".join([line(header), "  ".join("-" * w for w in widths), *(line(r) for r in rows), footer])
+
+
+def plot_sweep(report: Mapping[str, Any], output_path: str | os.PathLike[str], dpi: int = 110) -> Path:
+    """A heatmap per strategy: rows ``every`` (k), columns window (N), cells the ranking metric's
+    change against the last snapshot (green: better); empty cells did not fit the run."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    entries = report["combinations"]
+    strategies = list(dict.fromkeys(e["strategy"] for e in entries + report["skipped"]))
+    windows = sorted({e["window"] for e in entries + report["skipped"]})
+    everies = sorted({e["every"] for e in entries + report["skipped"]})
+    sign = 1.0 if report["higher_is_better"] else -1.0
+    deltas = [sign * e["delta"] for e in entries if e["delta"] is not None and math.isfinite(e["delta"])]
+    span = max([abs(d) for d in deltas] + [1e-12])
+
+    fig = Figure(
+        figsize=(1.5 + 1.1 * len(windows) * len(strategies) + 1.0, 1.6 + 0.8 * len(everies)), dpi=dpi, layout="constrained"
+    )
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(strategies), squeeze=False)[0]
+    image = None
+    for ax, strategy in zip(axes, strategies):
+        grid = torch.full((len(everies), len(windows)), float("nan"))
+        for e in entries:
+            if e["strategy"] == strategy and e["delta"] is not None:
+                r, c = everies.index(e["every"]), windows.index(e["window"])
+                grid[r, c] = sign * e["delta"]
+                text = f"{e['value']:.3f}\n({e['delta']:+.3f})"
+                weight = "bold" if e["label"] == report["best"] else "normal"
+                ax.text(c, r, text, ha="center", va="center", fontsize=7, fontweight=weight)
+        for e in report["skipped"]:
+            if e["strategy"] == strategy:
+                r, c = everies.index(e["every"]), windows.index(e["window"])
+                ax.text(c, r, "too few\nsnapshots", ha="center", va="center", fontsize=6, color="0.5")
+        image = ax.imshow(grid.numpy(), cmap="RdYlGn", vmin=-span, vmax=span, aspect="auto")
+        ax.set_xticks(range(len(windows)), [str(n) for n in windows])
+        ax.set_yticks(range(len(everies)), [str(k) for k in everies])
+        ax.set_xlabel("window N")
+        ax.set_ylabel("every k-th snapshot")
+        ax.set_title(strategy)
+    if image is not None:
+        fig.colorbar(image, ax=list(axes), fraction=0.03, label="better than the last snapshot by")
+    base = report["baseline"]["value"]
+    fig.suptitle(f"{report['metric']} of merges (last snapshot: {_fmt(base)})", fontsize=10)
+    output_path = Path(output_path)
+    output_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = output_path.with_name(f".{output_path.name}.tmp")
+    fig.savefig(tmp, format="png")
+    os.replace(tmp, output_path)
+    return output_path
+
+
+def write_best(
+    report: Mapping[str, Any],
+    output_dir: str | os.PathLike[str],
+    label: str | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Write the merge ``label`` (default: the report's best) as a model folder, streaming, with
+    ``pma_merge.json`` (plus the sweep's choice) and ``pma_eval.json`` (its results next to the
+    last snapshot's)."""
+    from .evaluation import write_eval_record
+    from .merge import merge_checkpoints
+    from .snapshots import MERGE_RECORD_NAME, atomic_write_json, read_json
+
+    label = label or report.get("best")
+    entry = next((e for e in report["combinations"] if e["label"] == label), None)
+    if entry is None:
+        raise ValueError(f"no combination {label!r} in the sweep report")
+    by_name = {s["name"]: s["path"] for s in report["snapshots"]}
+    paths = [by_name[name] for name in entry["snapshots"]]
+    strategy = entry["strategy"] if len(paths) > 1 else "sma"
+    out = merge_checkpoints(
+        paths, output_dir, strategy=strategy, alpha=entry["alpha"] or 0.2, overwrite=overwrite, progress=progress
+    )
+    record = read_json(out / MERGE_RECORD_NAME)
+    interval = report.get("interval_tokens")
+    record["interval_tokens"] = interval * entry["every"] if interval else record.get("interval_tokens")
+    record["sweep"] = {
+        "window": entry["window"], "every": entry["every"], "strategy": entry["strategy"],
+        "metric": report["metric"], "value": entry["value"], "baseline_value": report["baseline"]["value"],
+    }
+    atomic_write_json(out / MERGE_RECORD_NAME, record)
+    write_eval_record(
+        out,
+        {"last snapshot": report["baseline"]["results"], "PMA merge": entry["results"]},
+        eval_dataset=report.get("eval_dataset"),
+        update=False,
+    )
+    logger.info(f"Wrote the merge {label} to {out}")
+    return out

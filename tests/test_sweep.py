@@ -1,0 +1,156 @@
+"""``hf-pma sweep``: the plan, numbers equal to separately merged and evaluated models, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from conftest import sample_text
+from snapshot_runs import INTERVAL, noise_deviation, write_run
+
+from hf_pma.evaluation import evaluate_models, read_eval_record
+from hf_pma.merge import merge_checkpoints
+from hf_pma.sources import resolve_sources
+from hf_pma.strategies import merge_weights
+from hf_pma.sweep import lower_is_better, plan_sweep, run_sweep
+
+
+def _texts() -> list[str]:
+    text = sample_text(12_000)
+    return [text[i : i + 3000] for i in range(0, 12_000, 3000)]
+
+
+def test_plan_sweep_selects_every_kth_snapshot_from_the_newest():
+    combos, skipped = plan_sweep(7, windows=[1, 3, 4], every=[1, 2, 3], strategies=["sma", "ema"], alpha=0.5)
+    by = {(c.strategy, c.window, c.every): c for c in combos}
+    assert by[("sma", 3, 1)].indices == (4, 5, 6)
+    assert by[("sma", 3, 2)].indices == (2, 4, 6)
+    assert by[("ema", 3, 3)].indices == (0, 3, 6)
+    assert by[("ema", 4, 2)].indices == (0, 2, 4, 6)
+    assert by[("ema", 3, 3)].weights == tuple(merge_weights(3, "ema", 0.5))
+    assert by[("sma", 1, 3)].indices == (6,) and by[("sma", 1, 3)].weights == (1.0,)
+    # 4 snapshots every 3rd need 10: skipped, for both strategies, with the reason.
+    assert {(s["strategy"], s["window"], s["every"]) for s in skipped} == {("sma", 4, 3), ("ema", 4, 3)}
+    assert "needs 10 snapshots, the run has 7" in skipped[0]["reason"]
+    # N = 1 is the same model whatever the stride and strategy: one key.
+    assert len({c.key() for c in combos if c.window == 1}) == 1
+    assert len({c.key() for c in combos}) == len(combos) - 5
+    with pytest.raises(ValueError, match="unknown merge strategy 'median'"):
+        plan_sweep(7, strategies=["median"])
+    with pytest.raises(ValueError, match="window must be positive"):
+        plan_sweep(7, windows=[0, 3])
+    assert lower_is_better("lm/loss") and lower_is_better("lm/bits_per_byte") and not lower_is_better("pma_cloze/acc")
+
+
+def test_sweep_numbers_equal_separately_merged_and_evaluated_models(tmp_path, tiny_tokenizer):
+    run, _ = write_run(tmp_path / "run", 5, noise_deviation(0.03), tokenizer=tiny_tokenizer)
+    texts = _texts()
+    report = run_sweep(run, windows=[1, 2, 3], every=[1, 2], strategies=["sma", "ema"], alpha=0.4, texts=texts,
+                       block_size=64, batch_size=4, progress=False)
+    combos = report["combinations"]
+    assert len(combos) == 12 and not report["skipped"]
+    # Distinct merges: N=1 (= the baseline, never re-evaluated), N=2 and N=3 for k=1,2 and both strategies.
+    assert report["evaluations"] == 1 + 8
+    assert all(c["duplicate_of"] == "last snapshot" for c in combos if c["window"] == 1)
+    sources = resolve_sources([run])
+    checked = [c for c in combos if c["window"] > 1 and c["strategy"] == "ema" or c["label"] == "sma N=3 k=2"]
+    folders, labels = [str(sources[-1].path)], ["last"]
+    for c in checked:
+        picked = [s for s in sources if s.name in c["snapshots"]]
+        out = merge_checkpoints(picked, tmp_path / c["label"].replace(" ", "_"), strategy=c["strategy"], alpha=0.4,
+                                progress=False)
+        assert json.loads((out / "pma_merge.json").read_text())["weights"] == pytest.approx(c["weights"], rel=1e-12)
+        folders.append(str(out))
+        labels.append(c["label"])
+    separate = evaluate_models(folders, labels=labels, tokenizer=run, texts=texts, block_size=64, batch_size=4,
+                               progress=False)
+    assert separate["results"]["last"]["lm"] == pytest.approx(report["baseline"]["results"]["lm"], rel=1e-6)
+    for c in checked:
+        assert c["results"]["lm"] == pytest.approx(separate["results"][c["label"]]["lm"], rel=1e-6), c["label"]
+    assert report["metric"] == "lm/loss" and report["higher_is_better"] is False
+    best = min(combos, key=lambda c: c["value"])
+    assert report["best"] == best["label"] and best["delta"] == pytest.approx(best["value"] - report["baseline"]["value"])
+
+
+def test_sweep_errors_are_clear(tmp_path, tiny_tokenizer):
+    run, _ = write_run(tmp_path / "run", 3, noise_deviation(), tokenizer=tiny_tokenizer)
+    with pytest.raises(ValueError, match="no combination fits the run's 3 snapshot"):
+        run_sweep(run, windows=[4], every=[1], texts=["x = 1\n" * 50], progress=False)
+    with pytest.raises(ValueError, match="nothing to evaluate"):
+        run_sweep(run, windows=[2], every=[1], progress=False)
+    with pytest.raises(ValueError, match="metric 'lm/accuracy' is not among the results: lm/loss"):
+        run_sweep(run, windows=[2], every=[1], texts=["x = 1\n" * 50], metric="lm/accuracy", block_size=32,
+                  progress=False)
+
+
+def _hf_pma(*args, cwd=None):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    exe = os.path.join(os.path.dirname(sys.executable), "hf-pma")
+    return subprocess.run([exe, *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
+
+
+def test_sweep_cli_with_tasks_writes_table_json_heatmap_and_best(tmp_path, tiny_tokenizer):
+    from hf_pma.tasks import TaskOptions, make_tasks_from_split
+
+    run, _ = write_run(tmp_path / "run", 4, noise_deviation(0.03), tokenizer=tiny_tokenizer)
+    docs = _texts()
+    make_tasks_from_split(docs[:2], docs[2:], tmp_path / "tasks",
+                          options=TaskOptions(num_items=12, min_line_chars=8), kinds=["next_line"])
+    (tmp_path / "heldout.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs[2:]))
+    best_dir = tmp_path / "best"
+    out = _hf_pma(
+        "sweep", run, "--window", "1,3", "--every", "1,2", "--strategy", "sma,wma",
+        "--eval-file", tmp_path / "heldout.jsonl", "--tasks", "pma_next_line", "--include-path", tmp_path / "tasks",
+        "--metric", "pma_next_line/acc", "--block-size", "64", "--batch-size", "4",
+        "-o", tmp_path / "sweep.json", "--best", best_dir, "-q",
+    )
+    assert out.returncode == 0, out.stderr
+    report = json.loads((tmp_path / "sweep.json").read_text())
+    assert report["metric"] == "pma_next_line/acc" and report["higher_is_better"] is True
+    # N=3 every 2nd needs 5 snapshots; N=1 is the last snapshot: 2 merges evaluated besides it.
+    assert {(s["strategy"], s["window"], s["every"]) for s in report["skipped"]} == {("sma", 3, 2), ("wma", 3, 2)}
+    assert report["evaluations"] == 3
+    assert (tmp_path / "sweep.png").stat().st_size > 5_000
+    lines = out.stdout.splitlines()
+    assert lines[0].split()[:3] == ["merge", "snapshots", "pma_next_line/acc"]
+    assert any(line.startswith("* ") for line in lines) and "higher is better" in out.stdout
+    # The best merge on disk: its record says how it was chosen, and evaluated on its own it
+    # gives the sweep's numbers.
+    best = next(c for c in report["combinations"] if c["label"] == report["best"])
+    merge_record = json.loads((best_dir / "pma_merge.json").read_text())
+    assert [s["name"] for s in merge_record["sources"]] == best["snapshots"]
+    assert merge_record["sweep"]["every"] == best["every"] and merge_record["interval_tokens"] == INTERVAL * best["every"]
+    assert read_eval_record(best_dir)["results"]["PMA merge"] == best["results"]
+    again = evaluate_models([best_dir], labels=["best"], tokenizer=run, texts=docs[2:], tasks="pma_next_line",
+                            include_path=tmp_path / "tasks", block_size=64, batch_size=4, progress=False)
+    assert again["results"]["best"]["pma_next_line"]["acc"] == best["results"]["pma_next_line"]["acc"]
+    assert again["results"]["best"]["lm"]["loss"] == pytest.approx(best["results"]["lm"]["loss"], rel=1e-6)
+
+
+
+def test_sweep_cli_rejects_bad_input_before_evaluating(tmp_path, tiny_tokenizer, capsys):
+    from hf_pma.cli import main
+
+    run, _ = write_run(tmp_path / "run", 2, noise_deviation(), tokenizer=tiny_tokenizer)
+    (tmp_path / "best").mkdir()
+    (tmp_path / "best" / "x").write_text("taken")
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text(sample_text(2000))
+    out = str(tmp_path / "s.json")
+    assert main(["sweep", str(run), "--eval-file", str(heldout), "--best", str(tmp_path / "best"), "-o", out]) == 2
+    assert "best is not empty" in capsys.readouterr().err and not os.path.exists(out)
+    assert main(["sweep", str(run), "-o", out]) == 2
+    assert "give --eval-file and/or --tasks" in capsys.readouterr().err
+    assert main(["sweep", str(run), "--eval-file", str(heldout), "--metric", "loss", "-o", out]) == 2
+    assert "must look like TASK/METRIC" in capsys.readouterr().err
+    assert main(["sweep", str(run), "--eval-file", str(heldout), "-o", str(tmp_path / "no" / "s.json")]) == 2
+    assert "the folder of --output" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["sweep", str(run), "--window", "0,3", "--eval-file", str(heldout)])
+    assert "--window" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["sweep", str(run), "--strategy", "sma,median", "--eval-file", str(heldout)])
+    assert "unknown strategy 'median'" in capsys.readouterr().err
