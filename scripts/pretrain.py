@@ -43,6 +43,7 @@ from hf_pma.data import pack_dataset, stdlib_documents, train_bpe_tokenizer
 from hf_pma.evaluation import evaluate_models, results_table, write_eval_record
 from hf_pma.logs import enable_logging
 from hf_pma.main_process import is_main_process, run_on_main_process
+from hf_pma.snapshots import atomic_write_json
 from hf_pma.tasks import TaskOptions, make_tasks_from_split
 
 logger = logging.get_logger("hf_pma.pretrain")
@@ -242,6 +243,11 @@ def main(argv: list[str] | None = None) -> int:
     enable_logging(logging.INFO)
     set_seed(args.seed)
 
+    if args.push_to_hub:  # a missing token or a bad repo id fails now, not after training
+        from hf_pma.hub import check_repo_id, resolve_token
+
+        check_repo_id(args.hub_model_id or Path(args.output_dir).resolve().name)
+        resolve_token(args.hub_token)
     pma_dir = Path(args.output_dir) / "pma"
     if data.overwrite_output_dir and not args.resume_from_checkpoint and is_main_process() and pma_dir.exists():
         logger.warning(f"--overwrite_output_dir: deleting the earlier run's {pma_dir}")
@@ -290,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         record = json.loads(training_record.read_text())
         record["datasets"] = [corpus_name]
         record["base_model"] = model_args.model_name_or_path
-        training_record.write_text(json.dumps(record, indent=2))
+        atomic_write_json(training_record, record)
         card = write_model_card(trainer.pma_merged_dir, repo_id=args.hub_model_id)
         if push_merged:
             url = trainer.push_merged_to_hub(repo_id=args.hub_model_id, revision=args.pma_push_revision)

@@ -112,6 +112,12 @@ def test_bad_arguments_fail_before_training(tmp_path):
     )
     assert result.returncode != 0 and "unknown merge strategy 'median'" in result.stderr
     assert not (tmp_path / "o" / "pma").exists()
+    no_token = subprocess.run(
+        [sys.executable, str(SCRIPT), *SHORT, "--output_dir", str(tmp_path / "o"), "--push_to_hub", "--hub_model_id", "a/b"],
+        capture_output=True, text=True, env={**env, "HF_TOKEN": "", "HF_HOME": str(tmp_path / "empty_home")}, timeout=120,
+    )
+    assert no_token.returncode != 0 and "no Hugging Face token found" in no_token.stderr
+    assert not (tmp_path / "o" / "pma").exists()
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text("output_dir: x\nlearning_rat: 0.1\n")
     result = subprocess.run([sys.executable, str(SCRIPT), str(bad_yaml)], capture_output=True, text=True, env=env, timeout=120)
