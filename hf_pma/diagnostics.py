@@ -48,7 +48,7 @@ from tqdm.auto import tqdm
 from transformers.utils import logging
 
 from .snapshots import find_manifest, is_excluded, manifest_snapshots
-from .sources import CheckpointSource, CheckpointTensors, find_weight_files, resolve_sources
+from .sources import CheckpointSource, CheckpointTensors, find_weight_files, open_all, resolve_sources
 from .strategies import merge_weights
 
 logger = logging.get_logger(__name__)
@@ -106,18 +106,6 @@ class GramMatrix:
         }
 
 
-def _open_all(sources: Sequence[CheckpointSource]) -> list[CheckpointTensors]:
-    opened: list[CheckpointTensors] = []
-    try:
-        for source in sources:
-            opened.append(source.open())
-    except BaseException:
-        for tensors in opened:
-            tensors.close()
-        raise
-    return opened
-
-
 def _float_tensors(sources: Sequence[CheckpointSource], opened: Sequence[CheckpointTensors]) -> list[tuple[str, int]]:
     """(name, numel) of the floating-point tensors, after checking every checkpoint has them alike."""
     ref = opened[0].infos
@@ -157,7 +145,7 @@ def compute_gram(
         raise ValueError(f"diagnostics need at least 2 checkpoints, got {len(srcs)}")
     k = len(srcs)
     chunk = max(1, int(chunk_bytes) // (8 * k))
-    opened = _open_all(srcs)
+    opened = open_all(srcs)
     try:
         tensors = _float_tensors(srcs, opened)
         if not tensors:

@@ -36,7 +36,7 @@ from . import __version__
 from .parsing import parse_dtype, parse_size
 from .safetensors_io import SafetensorsWriter, TensorInfo
 from .snapshots import MERGE_RECORD_NAME, atomic_write_json, fsync_dir, fsync_tree
-from .sources import CheckpointSource, CheckpointTensors, resolve_sources
+from .sources import CheckpointSource, CheckpointTensors, open_all, resolve_sources
 from .strategies import merge_weights
 
 logger = logging.get_logger(__name__)
@@ -241,18 +241,6 @@ def _single_threaded() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _open_all(sources: Sequence[CheckpointSource]) -> list[CheckpointTensors]:
-    opened: list[CheckpointTensors] = []
-    try:
-        for source in sources:
-            opened.append(source.open())
-    except BaseException:
-        for tensors in opened:
-            tensors.close()
-        raise
-    return opened
-
-
 def _as_sources(sources: Any, last: int | None) -> list[CheckpointSource]:
     if isinstance(sources, (list, tuple)) and sources and all(isinstance(s, CheckpointSource) for s in sources):
         sources = list(sources)
@@ -288,7 +276,7 @@ def merge_state_dict(
     out_dtype = parse_dtype(dtype)
     srcs = _as_sources(sources, last)
     coefs = merge_weights(len(srcs), strategy, alpha, weights)
-    opened = _open_all(srcs)
+    opened = open_all(srcs)
     try:
         plans = _plan(_validate(srcs, opened), out_dtype)
         merger = _ChunkMerger(srcs, opened, coefs, accumulate_dtype, _DEFAULT_CHUNK_BYTES)
@@ -467,7 +455,7 @@ def merge_checkpoints(
     coefs = merge_weights(len(srcs), strategy, alpha, weights)
     _check_output(output_dir, srcs, overwrite)
 
-    opened = _open_all(srcs)
+    opened = open_all(srcs)
     tmp = output_dir.with_name(f".{output_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
         plans = _plan(_validate(srcs, opened), out_dtype)

@@ -26,7 +26,7 @@ from .snapshots import SNAPSHOT_RECORD_NAME, find_manifest, manifest_snapshots, 
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["CheckpointSource", "CheckpointTensors", "resolve_sources", "find_weight_files", "WEIGHT_PREFIXES"]
+__all__ = ["CheckpointSource", "CheckpointTensors", "resolve_sources", "open_all", "find_weight_files", "WEIGHT_PREFIXES"]
 
 # "model" for full models, "adapter_model" for PEFT adapters.
 WEIGHT_PREFIXES = ("model", "adapter_model")
@@ -174,6 +174,19 @@ def _progress_of(folder: Path) -> tuple[int | None, int | None, dict[str, Any]]:
         tokens = state.get("num_input_tokens_seen") or None  # 0 means "not counted"
         return tokens, step, {}
     return None, None, {}
+
+
+def open_all(sources: Sequence[CheckpointSource]) -> list[CheckpointTensors]:
+    """Open every source (headers validated); on a failure, close the ones already opened."""
+    opened: list[CheckpointTensors] = []
+    try:
+        for source in sources:
+            opened.append(source.open())
+    except BaseException:
+        for tensors in opened:
+            tensors.close()
+        raise
+    return opened
 
 
 def _source_from_folder(folder: Path, tokens: int | None = None, step: int | None = None, record=None) -> CheckpointSource:

@@ -6,15 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from err
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+from . import positive_int
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -45,10 +37,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-split", default="test", help="split of a --eval-file dataset (default: test)")
     p.add_argument("--tokenizer", help="tokenizer for every model (default: each model folder's own)")
     p.add_argument("--labels", help="comma-separated column labels, one per model (default: folder names)")
-    p.add_argument("--limit", type=_positive_int, help="at most K examples per task and K held-out documents")
-    p.add_argument("--batch-size", type=_positive_int, default=8, help="batch size (default: 8)")
-    p.add_argument("--block-size", type=_positive_int, help="held-out LM window (default: the model's context)")
-    p.add_argument("--stride", type=_positive_int, help="held-out LM window step (default: block size / 2)")
+    p.add_argument("--limit", type=positive_int, help="at most K examples per task and K held-out documents")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="batch size (default: 8)")
+    p.add_argument("--block-size", type=positive_int, help="held-out LM window (default: the model's context)")
+    p.add_argument("--stride", type=positive_int, help="held-out LM window step (default: block size / 2)")
     p.add_argument("--num-fewshot", type=int, help="few-shot examples for lm-eval tasks (default: the task's)")
     p.add_argument(
         "--bootstrap-iters", type=int, default=100_000, help="lm-eval bootstrap iterations for stderr (default: 100000)"

@@ -7,16 +7,7 @@ import sys
 from pathlib import Path
 
 from ..strategies import STRATEGIES
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from err
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+from . import positive_int
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -33,16 +24,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("run", metavar="RUN", help="run folder (pma/manifest.json or checkpoint-* folders)")
-    p.add_argument("--window", type=_positive_int, default=10, help="snapshots in the merge window, N (default: 10)")
-    p.add_argument("--every", type=_positive_int, default=1, help="take every k-th snapshot (default: 1)")
+    p.add_argument("--window", type=positive_int, default=10, help="snapshots in the merge window, N (default: 10)")
+    p.add_argument("--every", type=positive_int, default=1, help="take every k-th snapshot (default: 1)")
     p.add_argument("--strategy", choices=STRATEGIES, default="sma", help="merge weights (default: sma)")
     p.add_argument("--alpha", type=float, default=0.2, help="EMA smoothing factor (default: 0.2)")
-    p.add_argument("--last", type=_positive_int, help="read only the newest K snapshots (default: all, for the series)")
+    p.add_argument("--last", type=positive_int, help="read only the newest K snapshots (default: all, for the series)")
     p.add_argument("--reference", metavar="MODEL", help="a model folder standing for the optimum, e.g. the annealed model")
     p.add_argument("--plot", default="inspect.png", metavar="FILE", help="PNG of the diagnostics (default: inspect.png)")
     p.add_argument("-o", "--output", metavar="FILE", help="write the table and diagnostics as JSON here")
     p.add_argument("--no-diagnostics", action="store_true", help="only list the snapshots (reads no weights)")
-    p.add_argument("--chunk-mb", type=_positive_int, default=64, help="memory for the Gram matrix chunks (default: 64)")
+    p.add_argument("--chunk-mb", type=positive_int, default=64, help="memory for the Gram matrix chunks (default: 64)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or info logs")
     p.set_defaults(func=run)
 

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from ..strategies import STRATEGIES
+from . import positive_int
 
 
 def _int_list(text: str) -> list[int]:
@@ -25,16 +26,6 @@ def _strategy_list(text: str) -> list[str]:
     if not values or unknown:
         raise argparse.ArgumentTypeError(f"unknown strategy {', '.join(unknown) or text!r}; choose from {', '.join(STRATEGIES)}")
     return values
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from err
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -66,10 +57,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     direction.add_argument("--higher-is-better", dest="higher_is_better", action="store_true", default=None)
     direction.add_argument("--lower-is-better", dest="higher_is_better", action="store_false")
     p.add_argument("--tokenizer", help="tokenizer (default: the newest snapshot's, or its run folder's)")
-    p.add_argument("--limit", type=_positive_int, help="at most K examples per task and K held-out documents")
-    p.add_argument("--batch-size", type=_positive_int, default=8, help="batch size (default: 8)")
-    p.add_argument("--block-size", type=_positive_int, help="held-out LM window (default: the model's context)")
-    p.add_argument("--stride", type=_positive_int, help="held-out LM window step (default: block size / 2)")
+    p.add_argument("--limit", type=positive_int, help="at most K examples per task and K held-out documents")
+    p.add_argument("--batch-size", type=positive_int, default=8, help="batch size (default: 8)")
+    p.add_argument("--block-size", type=positive_int, help="held-out LM window (default: the model's context)")
+    p.add_argument("--stride", type=positive_int, help="held-out LM window step (default: block size / 2)")
     p.add_argument("--num-fewshot", type=int, help="few-shot examples for lm-eval tasks")
     p.add_argument("--device", help="device (default: cuda if available, else cpu)")
     p.add_argument("-o", "--output", default="sweep.json", metavar="FILE", help="results as JSON (default: sweep.json)")
