@@ -20,6 +20,7 @@ for path in (str(REPO_ROOT), str(TESTS_DIR)):
         sys.path.insert(0, path)
 
 from conftest import make_tiny_model  # noqa: E402,F401  (re-exported for the scripts)
+from trainer_utils import quiet_args  # noqa: E402
 
 
 class TokenDataset(torch.utils.data.Dataset):
@@ -51,23 +52,12 @@ def pad_collate(features: list[dict]) -> dict:
 
 
 def make_args(output_dir: str | Path, **overrides) -> TrainingArguments:
-    """Small, quiet CPU training arguments; ``overrides`` win."""
-    kwargs = dict(
-        output_dir=str(output_dir),
-        max_steps=12,
-        per_device_train_batch_size=4,
-        learning_rate=1e-3,
-        lr_scheduler_type="constant",
-        logging_steps=1,
-        save_strategy="no",
-        report_to=[],
-        use_cpu=True,
-        disable_tqdm=True,
-        seed=0,
-        dataloader_num_workers=0,
-    )
+    """Small, quiet CPU training arguments (``trainer_utils.quiet_args``); ``overrides`` win."""
+    kwargs = quiet_args(max_steps=12, learning_rate=1e-3)
+    kwargs.pop("per_device_eval_batch_size")
+    kwargs.pop("data_seed")
     kwargs.update(overrides)
-    return TrainingArguments(**kwargs)
+    return TrainingArguments(output_dir=str(output_dir), **kwargs)
 
 
 class WeightRecorder(TrainerCallback):
