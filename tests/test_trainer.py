@@ -211,3 +211,31 @@ def test_merge_losses_are_finite(setup, tmp_path):
     trainer.train()
     (last_eval,) = [e for e in trainer.state.log_history if "eval_pma_loss" in e]
     assert math.isfinite(last_eval["eval_pma_loss"])
+
+
+def test_push_to_hub_sends_the_merge_to_its_branch_beside_the_trainers_push(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO_ROOT
+    from hub_server import HubServer
+    from huggingface_hub import ModelCard
+
+    with HubServer() as hub:
+        env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_TOKEN": next(iter(hub.tokens)), "OMP_NUM_THREADS": "1",
+               "HF_HUB_OFFLINE": "0"}
+        out = tmp_path / "out"
+        result = subprocess.run(
+            [sys.executable, str(REPO_ROOT / "tests" / "dist" / "push_trainer.py"), str(out), "tester/pma-run"],
+            capture_output=True, text=True, env=env, timeout=300,
+        )
+        assert result.returncode == 0, result.stderr[-3000:]
+        merged = out / "pma" / "merged"
+        on_branch = hub.files("tester/pma-run", "pma-merged")
+        for name in ("model.safetensors", "pma_merge.json", "README.md", "tokenizer.json"):
+            assert on_branch[name] == (merged / name).read_bytes(), name
+        card = ModelCard(on_branch["README.md"].decode())
+        assert "pma" in card.data.tags and "tester/pma-run" in card.text
+        on_main = hub.files("tester/pma-run", "main")
+        assert "model.safetensors" in on_main and on_main["model.safetensors"] != on_branch["model.safetensors"]
