@@ -13,11 +13,14 @@ import re
 from pathlib import Path
 
 from transformers import TrainingArguments
+from transformers.utils import logging
 
 from .schedule import check_phases
 from .strategies import validate_strategy
 
 __all__ = ["PMATrainingArguments"]
+
+logger = logging.get_logger(__name__)
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
@@ -113,6 +116,11 @@ class PMATrainingArguments(TrainingArguments):
             )
         if self.pma_spike_recovery and self.pma_keep_last is not None and self.pma_keep_last < self.pma_recovery_snapshots:
             raise ValueError("pma_keep_last must be at least pma_recovery_snapshots when pma_spike_recovery is on")
+        if self.pma_spike_recovery and self.logging_nan_inf_filter:
+            logger.warning(
+                "pma_spike_recovery with logging_nan_inf_filter=True: the Trainer hides NaN/Inf losses from the "
+                "logs, so such spikes are caught only through the grad norm; set logging_nan_inf_filter=False"
+            )
         if not (self.pma_spike_factor > 1.0):
             raise ValueError(f"pma_spike_factor must be greater than 1, got {self.pma_spike_factor!r}")
         if self.pma_save_dtype is not None and self.pma_save_dtype not in ("float32", "bfloat16", "float16"):
