@@ -145,14 +145,18 @@ def plot_data(records: FolderRecords) -> PlotData:
     others = [x_of(s, "tokens") for s in (records.manifest or {}).get("snapshots") or []]
     other_x = sorted({x for x in others if x is not None} - set(merged_x))
 
-    # The final evaluation (pma_eval.json) sits at the newest merged snapshot.
+    # The final evaluation (pma_eval.json): the last snapshot and the merge sit at the newest merged
+    # snapshot; an annealed (or other) model at the end of training, when the run's end is known.
     finals = {}
     results = (records.eval or {}).get("results") or {}
+    training = records.training or {}
+    end_x = x_of({"tokens": training.get("total_tokens"), "step": training.get("global_step")}, "tokens")
     if merged_x:
         for label, by_task in results.items():
             loss = _num(((by_task or {}).get("lm") or {}).get("loss")) if isinstance(by_task, dict) else None
             if loss is not None:
-                finals[str(label)] = (max(merged_x), loss)
+                x = end_x if label_rank(str(label)) >= 2 and end_x is not None else max(merged_x)
+                finals[str(label)] = (x, loss)
 
     merge = records.merge or {}
     title = records.run_name or records.name or "PMA run"

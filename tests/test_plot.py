@@ -47,6 +47,8 @@ def test_plot_data_in_tokens(merged):
     assert data.other_snapshots == [s * TOKENS_PER_STEP for s in SNAPSHOT_STEPS if s not in MERGED_STEPS]
     assert set(data.final_evals) == {"last snapshot", "PMA merge", "annealed"}
     assert data.final_evals["PMA merge"] == (MERGED_STEPS[-1] * TOKENS_PER_STEP, 4.0523)
+    # the annealed model is placed at the end of the run, not at the merge's position
+    assert data.final_evals["annealed"] == (200 * TOKENS_PER_STEP, 4.0481)
     assert data.learning_rate[-1] == (200 * TOKENS_PER_STEP, 0.003)
 
 
