@@ -77,7 +77,8 @@ class PMATrainer(Trainer):
         self.pma_command: str | None = None
         self.pma_recoveries: list[dict[str, Any]] = []
         self._pma_pending_metrics: dict[str, float] | None = None
-        self._pma_merge_cache: tuple[tuple[str, ...], dict[str, torch.Tensor]] | None = None
+        # ((strategy, snapshot paths), merged state dict) of the last merge, reused until a snapshot lands
+        self._pma_merge_cache: tuple[tuple[str, tuple[str, ...]], dict[str, torch.Tensor]] | None = None
         self._pma_losses: deque[float] = deque(maxlen=args.pma_spike_window)
         self._pma_last_healthy_step = 0
         self._pma_train_start = time.time()
@@ -138,7 +139,7 @@ class PMATrainer(Trainer):
         if not paths:
             return None
         strategy = strategy or self.args.pma_strategy
-        key = (strategy, *map(str, paths))
+        key = (strategy, tuple(map(str, paths)))
         if self._pma_merge_cache is None or self._pma_merge_cache[0] != key:
             state = merge_state_dict(paths, strategy=strategy if len(paths) > 1 else "sma", alpha=self.args.pma_ema_alpha)
             self._pma_merge_cache = (key, state)
@@ -148,7 +149,7 @@ class PMATrainer(Trainer):
         state = self.pma_merged_state_dict()
         if state is None:
             return {}
-        num_snapshots = len(self._pma_merge_cache[0]) - 1 if self._pma_merge_cache else 0
+        (_strategy, paths), _state = self._pma_merge_cache  # what pma_merged_state_dict just merged
         backup = backup_weights(self.model)
         try:
             load_weights(self.model, state)
@@ -162,7 +163,7 @@ class PMATrainer(Trainer):
         finally:
             restore_weights(self.model, backup)
         metrics = dict(output.metrics)
-        metrics[f"{prefix}_pma_num_snapshots"] = num_snapshots
+        metrics[f"{prefix}_pma_num_snapshots"] = len(paths)
         return metrics
 
     def evaluate(
