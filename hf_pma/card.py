@@ -20,7 +20,6 @@ import os
 import posixpath
 import re
 import statistics
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -36,7 +35,7 @@ from hf_pma.records import (
     load_records,
     sanitize_text,
 )
-from hf_pma.snapshots import PMA_SUBDIR
+from hf_pma.snapshots import PMA_SUBDIR, atomic_write_text
 
 if TYPE_CHECKING:
     from huggingface_hub import EvalResult, ModelCard
@@ -513,15 +512,7 @@ def write_model_card(
         _try_plot(folder, records)
     card = build_model_card(folder, repo_id, records=records, **kwargs)
     path = folder / CARD_NAME
-    # Write beside and rename, so a crash never leaves half a card.
-    fd, tmp = tempfile.mkstemp(prefix=f".{CARD_NAME}.", suffix=".tmp", dir=folder)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(str(card))
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(path, str(card))  # a crash never leaves half a card
     logger.info(f"Wrote the model card {path.name} in {folder.name}")
     return path
 

@@ -32,6 +32,7 @@ __all__ = [
     "FORMAT_VERSION",
     "SnapshotRecord",
     "snapshot_dirname",
+    "atomic_write_text",
     "atomic_write_json",
     "fsync_tree",
     "fsync_dir",
@@ -135,15 +136,14 @@ def fsync_tree(path: str | os.PathLike[str]) -> None:
         fsync_dir(root)
 
 
-def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
-    """Write JSON to ``path`` atomically: a temporary file beside it, fsync, rename, fsync dir."""
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write text to ``path`` atomically: a temporary file beside it, fsync, rename, fsync dir."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, 0o644)  # mkstemp makes it private; a manifest is read by other tools and users
+        os.fchmod(fd, 0o644)  # mkstemp makes it private; manifests and cards are read by other tools and users
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(obj, fh, indent=2, sort_keys=False)
-            fh.write("\n")
+            fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -151,6 +151,11 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
+    """Write JSON to ``path`` atomically (see :func:`atomic_write_text`)."""
+    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
 def read_json(path: str | os.PathLike[str]) -> Any:
