@@ -4,7 +4,7 @@ Makes N sharded fp32 checkpoints of a ~160M-parameter Llama (about 650 MB each: 
 init, then small seeded perturbations) in a scratch folder, then for each N in ``--sizes``
 runs every method in its own subprocess, so that its wall time and peak RSS are its own:
 
-- ``hf-pma``: :func:`hf_pma.merge.merge_checkpoints` (SMA), what ``hf-pma merge`` runs;
+- ``hf-pma``: :func:`hf_pma.merging.engine.merge_checkpoints` (SMA), what ``hf-pma merge`` runs;
 - ``naive``: load every state dict (``safetensors.torch.load_file``), average, save;
 - ``mergekit``: the ``mergekit-yaml`` CLI with a ``linear`` config, run under the Python of
   the venv given by ``--mergekit-bin`` (skipped when it is not there). Install it apart:
@@ -87,7 +87,7 @@ def _worker_make(args: argparse.Namespace) -> None:
 
 
 def _worker_hf_pma(args: argparse.Namespace) -> dict:
-    from hf_pma.merge import merge_checkpoints
+    from hf_pma.merging.engine import merge_checkpoints
 
     start = time.perf_counter()
     merge_checkpoints(args.inputs, args.out, strategy="sma", progress=False)

@@ -14,8 +14,8 @@ script does the same with a small Llama on the Python standard library's source:
    PMA merges of the constant branch (every strategy, window N and stride k at the last point;
    SMA for each N at the earlier ones) and the annealed branches (partially annealed before the
    last point, as in the paper), on held-out documents (loss, bits per byte) and on
-   multiple-choice tasks generated from them (next line, cloze; ``hf_pma.tasks``). Merges are
-   evaluated with :class:`hf_pma.sweep.SweepEvaluator` (one model, merges swapped in).
+   multiple-choice tasks generated from them (next line, cloze; ``hf_pma.evaluation.generated_tasks``). Merges are
+   evaluated with :class:`hf_pma.analysis.sweep.SweepEvaluator` (one model, merges swapped in).
 4. **Loss spike**: from the fork, a constant-LR run whose LR is multiplied by
    ``--spike-lr-mult`` for ``--spike-steps`` steps, with and without ``PMATrainer``'s
    ``pma_spike_recovery`` (restore the SMA of the 3 snapshots before the spike, reset Adam).
@@ -120,8 +120,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def prepare_data(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
-    from hf_pma.corpus import split_documents
-    from hf_pma.data import pack_dataset, stdlib_documents, train_bpe_tokenizer
+    from hf_pma.evaluation.corpus import split_documents
+    from hf_pma.training.pretrain_data import pack_dataset, stdlib_documents, train_bpe_tokenizer
 
     docs = stdlib_documents(max_bytes=args.corpus_bytes)
     train_docs, heldout = split_documents(docs, eval_fraction=args.eval_fraction, seed=args.seed)
@@ -133,7 +133,7 @@ def prepare_data(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
     texts = [doc[:per_doc] for doc in heldout]
     tasks_dir = None
     if args.task_items:
-        from hf_pma.tasks import TaskOptions, make_tasks_from_split
+        from hf_pma.evaluation.generated_tasks import TaskOptions, make_tasks_from_split
 
         tasks_dir = scratch / "tasks"
         make_tasks_from_split(train_docs, heldout, tasks_dir, seed=args.seed, options=TaskOptions(num_items=args.task_items),
@@ -267,7 +267,7 @@ def lr_burst(start: int, steps: int, factor: float) -> Any:
 def train_spike(args: argparse.Namespace, data: dict[str, Any], scratch: Path, checkpoint: Path, recovery: bool) -> dict[str, Any]:
     """From the fork: constant LR with a burst of too-high LR, with or without PMA spike recovery."""
     from hf_pma import PMATrainer, PMATrainingArguments
-    from hf_pma.trainer import LossSpikeError
+    from hf_pma.training.trainer import LossSpikeError
 
     out = scratch / ("spike-recovery" if recovery else "spike-no-recovery")
     targs = training_arguments(
@@ -293,7 +293,7 @@ def train_spike(args: argparse.Namespace, data: dict[str, Any], scratch: Path, c
 
 
 def snapshot_sources(run_dir: Path) -> list[Any]:
-    from hf_pma.sources import resolve_sources
+    from hf_pma.merging.sources import resolve_sources
 
     return resolve_sources([run_dir])
 
@@ -312,7 +312,7 @@ class Evaluations:
     """Evaluates (merges of) checkpoints once each, with and without tasks."""
 
     def __init__(self, args: argparse.Namespace, data: dict[str, Any], skeleton: Path) -> None:
-        from hf_pma.sweep import SweepEvaluator
+        from hf_pma.analysis.sweep import SweepEvaluator
 
         _quiet_lm_eval_env_info()
         common = dict(texts=data["texts"], block_size=args.block, batch_size=args.eval_batch, progress=False)
@@ -347,7 +347,7 @@ def _flat(results: dict[str, Any]) -> dict[str, float]:
 
 def evaluate_points(args: argparse.Namespace, evals: Evaluations, constant: list[Any], annealed: dict[str, list[Any]],
                     spikes: dict[str, list[Any]]) -> list[dict[str, Any]]:
-    from hf_pma.sweep import plan_sweep
+    from hf_pma.analysis.sweep import plan_sweep
 
     points = []
     step_of = {s.step: s for s in constant}

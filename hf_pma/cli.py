@@ -47,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from transformers.utils import logging as hf_logging
 
-    from hf_pma.logs import enable_logging
+    from hf_pma.utils.logs import enable_logging
 
     level = logging.DEBUG if args.verbose else logging.INFO
     hf_logging.set_verbosity(level)

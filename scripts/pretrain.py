@@ -38,13 +38,13 @@ from transformers import (
 from transformers.utils import logging
 
 from hf_pma import PMATrainer, PMATrainingArguments
-from hf_pma.corpus import load_documents, split_documents
-from hf_pma.data import pack_dataset, stdlib_documents, train_bpe_tokenizer
-from hf_pma.evaluation import evaluate_models, results_table, write_eval_record
-from hf_pma.logs import enable_logging
-from hf_pma.main_process import is_main_process, run_on_main_process
-from hf_pma.snapshots import atomic_write_json
-from hf_pma.tasks import TaskOptions, make_tasks_from_split
+from hf_pma.evaluation.corpus import load_documents, split_documents
+from hf_pma.evaluation.evaluator import evaluate_models, results_table, write_eval_record
+from hf_pma.evaluation.generated_tasks import TaskOptions, make_tasks_from_split
+from hf_pma.training.pretrain_data import pack_dataset, stdlib_documents, train_bpe_tokenizer
+from hf_pma.utils.distributed import is_main_process, run_on_main_process
+from hf_pma.utils.fs import atomic_write_json
+from hf_pma.utils.logs import enable_logging
 
 logger = logging.get_logger("hf_pma.pretrain")
 
@@ -244,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     set_seed(args.seed)
 
     if args.push_to_hub:  # a missing token or a bad repo id fails now, not after training
-        from hf_pma.hub import check_repo_id, resolve_token
+        from hf_pma.publishing.hub import check_repo_id, resolve_token
 
         check_repo_id(args.hub_model_id or Path(args.output_dir).resolve().name)
         resolve_token(args.hub_token)
@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     results = final_evaluation(trainer, tokenizer, heldout, train_docs, data)
     write_eval_record(trainer.pma_merged_dir, results["results"], eval_dataset=results.get("eval_dataset"))
     if is_main_process():
-        from hf_pma.card import write_model_card
+        from hf_pma.publishing.card import write_model_card
 
         training_record = trainer.pma_merged_dir / "pma_training.json"
         record = json.loads(training_record.read_text())

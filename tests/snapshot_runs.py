@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from conftest import make_tiny_model, save_model_folder
 
-from hf_pma.snapshots import PMA_SUBDIR, SnapshotRecord, write_manifest
+from hf_pma.core.manifest import PMA_SUBDIR, SnapshotRecord, write_manifest
 
 INTERVAL = 1000
 

@@ -26,23 +26,18 @@ from pma_common import (  # noqa: E402
     pad_collate,
 )
 
-from hf_pma.callback import ONLINE_STATE_NAME, PMACallback  # noqa: E402
-from hf_pma.online import OnlineAverage  # noqa: E402
-from hf_pma.snapshot_writer import (  # noqa: E402
+from hf_pma.core.manifest import MERGE_RECORD_NAME, SnapshotRecord, included_snapshots, manifest_snapshots
+from hf_pma.core.strategies import ema_weights  # noqa: E402
+from hf_pma.snapshots.callback import ONLINE_STATE_NAME, PMACallback  # noqa: E402
+from hf_pma.snapshots.online import OnlineAverage  # noqa: E402
+from hf_pma.snapshots.writer import (
     SnapshotWriteError,
     gather_full_state_dict,
     prepare_snapshot,
     write_safetensors,
     write_snapshot,
 )
-from hf_pma.snapshots import (  # noqa: E402
-    MERGE_RECORD_NAME,
-    SnapshotRecord,
-    included_snapshots,
-    manifest_snapshots,
-    read_json,
-)
-from hf_pma.strategies import ema_weights  # noqa: E402
+from hf_pma.utils.fs import read_json
 
 SEQ = 16
 BATCH = 4
@@ -452,7 +447,7 @@ def test_background_worker_one_task_in_flight_waits_logged_failures_raised(caplo
     import logging
     import threading
 
-    from hf_pma.snapshot_writer import BackgroundWorker
+    from hf_pma.snapshots.writer import BackgroundWorker
 
     worker = BackgroundWorker()
     events: list[str] = []

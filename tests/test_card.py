@@ -15,9 +15,9 @@ from pma_records import (
     write_merged_folder,
 )
 
-from hf_pma.card import build_model_card, eval_table, template_path, write_model_card
 from hf_pma.cli import main
-from hf_pma.records import find_secrets, sanitize_text
+from hf_pma.publishing.card import build_model_card, eval_table, template_path, write_model_card
+from hf_pma.publishing.records import find_secrets, sanitize_text
 
 
 @pytest.fixture()
@@ -209,7 +209,7 @@ def test_card_of_a_real_merge(tmp_path, tiny_tokenizer):
     """The merge engine's own pma_merge.json feeds the card (the two were written apart)."""
     from conftest import make_tiny_model, save_model_folder
 
-    from hf_pma.merge import merge_checkpoints
+    from hf_pma.merging.engine import merge_checkpoints
 
     pma = tmp_path / "run" / "pma"
     snapshots = []

@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from snapshot_runs import INTERVAL, noise_deviation, write_run
 
-from hf_pma.diagnostics import (
+from hf_pma.analysis.diagnostics import (
     centered_gram,
     compute_gram,
     cosine_matrix,
@@ -23,8 +23,8 @@ from hf_pma.diagnostics import (
     window_diagnostics,
     window_indices,
 )
-from hf_pma.sources import resolve_sources
-from hf_pma.strategies import merge_weights
+from hf_pma.core.strategies import merge_weights
+from hf_pma.merging.sources import resolve_sources
 
 
 def _gram(points: torch.Tensor) -> torch.Tensor:

@@ -9,16 +9,16 @@ import pytest
 import torch
 from conftest import make_tiny_model, sample_text
 
-from hf_pma.evaluation import (
+from hf_pma.evaluation.evaluator import (
     evaluate_language_modeling,
     plan_windows,
     read_eval_record,
     results_table,
     write_eval_record,
 )
-from hf_pma.harness import flatten_lm_eval_results, load_task_manager, run_lm_eval
-from hf_pma.metrics import load_metric, metric_path
-from hf_pma.tasks import TaskOptions, make_tasks
+from hf_pma.evaluation.generated_tasks import TaskOptions, make_tasks
+from hf_pma.evaluation.harness import flatten_lm_eval_results, load_task_manager, run_lm_eval
+from hf_pma.evaluation.metrics import load_metric, metric_path
 
 TEXTS = [
     "def add(a, b):\n    return a + b\n",
@@ -222,7 +222,7 @@ def test_local_tasks_resolve_without_indexing_builtin_tasks(task_dir):
 
 
 def test_eval_record_round_trip_update_and_card(tmp_path):
-    from hf_pma.card import eval_table
+    from hf_pma.publishing.card import eval_table
 
     merged = {"lm": {"loss": 3.0, "perplexity": 20.09, "bits_per_byte": 1.1}, "pma_next_line": {"acc": 0.5, "acc_stderr": 0.1}}
     last = {"lm": {"loss": 3.2, "perplexity": 24.5, "bits_per_byte": 1.2}, "pma_next_line": {"acc": 0.4, "acc_stderr": 0.1}}

@@ -50,14 +50,14 @@ def test_wheel_holds_templates_and_entry_point(installed):
         entry_points = next(zf.read(n).decode() for n in names if n.endswith(".dist-info/entry_points.txt"))
     assert "hf_pma/model_cards/pma_model_card.md" in names
     assert "hf_pma/model_cards/__init__.py" in names
-    assert {"hf_pma/card.py", "hf_pma/hub.py", "hf_pma/plot.py", "hf_pma/cli.py"} <= names
+    assert {"hf_pma/publishing/card.py", "hf_pma/publishing/hub.py", "hf_pma/publishing/plot.py", "hf_pma/cli.py"} <= names
     assert "hf-pma = hf_pma.cli:main" in entry_points
 
 
 def test_installed_copy_imports_and_renders_a_card(installed, tmp_path):
     _, target = installed
     probe = (
-        "import hf_pma, hf_pma.card as card; "
+        "import hf_pma, hf_pma.publishing.card as card; "
         "print(hf_pma.__file__); print(card.template_path())"
     )
     out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=_env(target), capture_output=True, text=True, timeout=120)

@@ -13,11 +13,11 @@ from conftest import make_tiny_model, save_model_folder
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
-from hf_pma.merge import MergeError, merge_checkpoints, merge_state_dict
-from hf_pma.parsing import parse_size
-from hf_pma.safetensors_io import CheckpointFormatError
-from hf_pma.snapshots import SnapshotRecord, write_manifest
-from hf_pma.strategies import STRATEGIES, merge_weights
+from hf_pma.core.manifest import SnapshotRecord, write_manifest
+from hf_pma.core.strategies import STRATEGIES, merge_weights
+from hf_pma.merging.engine import MergeError, merge_checkpoints, merge_state_dict
+from hf_pma.merging.safetensors_io import CheckpointFormatError
+from hf_pma.utils.parsing import parse_size
 
 
 def _model_states(n, dtype=torch.float32):

@@ -12,7 +12,7 @@ from conftest import make_tiny_model, save_model_folder
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from hf_pma.strategies import merge_weights
+from hf_pma.core.strategies import merge_weights
 
 
 def _hf_pma(*args, cwd=None):

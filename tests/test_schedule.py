@@ -1,4 +1,4 @@
-"""hf_pma.schedule: token boundaries, the LR phase of real schedules, the automatic interval."""
+"""hf_pma.core.schedule: token boundaries, the LR phase of real schedules, the automatic interval."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from transformers import get_scheduler
 
-from hf_pma.schedule import (
+from hf_pma.core.schedule import (
     MAX_AUTO_INTERVAL_TOKENS,
     PhaseTracker,
     check_phases,
@@ -155,5 +155,5 @@ def test_check_phases():
 
 
 def test_schedule_module_does_not_import_torch():
-    code = "import sys, hf_pma.schedule; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, hf_pma.core.schedule; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)

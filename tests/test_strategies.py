@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from hf_pma.strategies import (
+from hf_pma.core.strategies import (
     DECAY_SHAPES,
     STRATEGIES,
     decay_emulation_weights,

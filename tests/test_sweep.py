@@ -11,11 +11,11 @@ import pytest
 from conftest import sample_text
 from snapshot_runs import INTERVAL, noise_deviation, write_run
 
-from hf_pma.evaluation import evaluate_models, read_eval_record
-from hf_pma.merge import merge_checkpoints
-from hf_pma.sources import resolve_sources
-from hf_pma.strategies import merge_weights
-from hf_pma.sweep import lower_is_better, plan_sweep, run_sweep
+from hf_pma.analysis.sweep import lower_is_better, plan_sweep, run_sweep
+from hf_pma.core.strategies import merge_weights
+from hf_pma.evaluation.evaluator import evaluate_models, read_eval_record
+from hf_pma.merging.engine import merge_checkpoints
+from hf_pma.merging.sources import resolve_sources
 
 
 def _texts() -> list[str]:
@@ -93,7 +93,7 @@ def _hf_pma(*args, cwd=None):
 
 
 def test_sweep_cli_with_tasks_writes_table_json_heatmap_and_best(tmp_path, tiny_tokenizer):
-    from hf_pma.tasks import TaskOptions, make_tasks_from_split
+    from hf_pma.evaluation.generated_tasks import TaskOptions, make_tasks_from_split
 
     run, _ = write_run(tmp_path / "run", 4, noise_deviation(0.03), tokenizer=tiny_tokenizer)
     docs = _texts()

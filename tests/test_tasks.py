@@ -9,8 +9,8 @@ import pytest
 from conftest import sample_text
 
 from hf_pma.cli import main
-from hf_pma.corpus import document_id, load_documents, split_documents
-from hf_pma.tasks import TaskOptions, make_tasks
+from hf_pma.evaluation.corpus import document_id, load_documents, split_documents
+from hf_pma.evaluation.generated_tasks import TaskOptions, make_tasks
 
 # Lines that every document holds: they are in training whatever the split, so they must never
 # be a choice, though they are long enough to be one.

@@ -12,8 +12,8 @@ from trainer_utils import lm_setup, quiet_args
 from transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, TrainerCallback, TrainingArguments
 
 from hf_pma import PMATrainer, PMATrainingArguments
-from hf_pma.merge import merge_checkpoints, merge_state_dict
-from hf_pma.trainer import LossSpikeError
+from hf_pma.merging.engine import merge_checkpoints, merge_state_dict
+from hf_pma.training.trainer import LossSpikeError
 
 
 @pytest.fixture(scope="module")

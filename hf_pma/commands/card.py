@@ -29,8 +29,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     """Write the card; print its path."""
-    from hf_pma.card import write_model_card
-    from hf_pma.hub import check_repo_id
+    from hf_pma.publishing.card import write_model_card
+    from hf_pma.publishing.hub import check_repo_id
 
     if args.repo_id is not None:
         check_repo_id(args.repo_id)

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from . import positive_int
+from hf_pma.commands import positive_int
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -67,10 +67,10 @@ def run(args: argparse.Namespace) -> int:
     """Run ``hf-pma eval``."""
     from transformers.utils import logging
 
-    from ..corpus import load_documents
-    from ..evaluation import evaluate_models, results_table, write_eval_record
-    from ..main_process import is_main_process
-    from ..snapshots import atomic_write_json
+    from hf_pma.evaluation.corpus import load_documents
+    from hf_pma.evaluation.evaluator import evaluate_models, results_table, write_eval_record
+    from hf_pma.utils.distributed import is_main_process
+    from hf_pma.utils.fs import atomic_write_json
 
     if args.quiet or not getattr(args, "verbose", False):
         # transformers logs every config and weight file it loads at info level: noise next to

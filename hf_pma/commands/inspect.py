@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..strategies import STRATEGIES
-from . import positive_int
+from hf_pma.commands import positive_int
+from hf_pma.core.strategies import STRATEGIES
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
 
     from transformers.utils import logging
 
-    from ..diagnostics import (
+    from hf_pma.analysis.diagnostics import (
         compute_gram,
         diagnostics_table,
         plot_diagnostics,
@@ -55,9 +55,9 @@ def run(args: argparse.Namespace) -> int:
         window_diagnostics,
         window_indices,
     )
-    from ..logs import enable_logging
-    from ..snapshots import atomic_write_json
-    from ..sources import resolve_sources
+    from hf_pma.merging.sources import resolve_sources
+    from hf_pma.utils.fs import atomic_write_json
+    from hf_pma.utils.logs import enable_logging
 
     if not getattr(args, "verbose", False):
         logging.set_verbosity_warning()  # transformers' loading messages: noise next to the tables (-v shows them)

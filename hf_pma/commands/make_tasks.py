@@ -8,7 +8,7 @@ import sys
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``hf-pma make-tasks``."""
-    from ..tasks import TASK_KINDS, TaskOptions
+    from hf_pma.evaluation.generated_tasks import TASK_KINDS, TaskOptions
 
     defaults = TaskOptions()
     p = subparsers.add_parser(
@@ -16,7 +16,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="generate small-run benchmarks (next line, cloze) from held-out documents",
         description=(
             "Split the documents of INPUTs into train / held-out (deterministic for --seed, the same split as "
-            "hf_pma.corpus.split_documents), generate lm-eval multiple-choice tasks from the held-out documents "
+            "hf_pma.evaluation.corpus.split_documents), generate lm-eval multiple-choice tasks from the held-out documents "
             "only (no choice line occurs in a training document), and write them as YAML + JSONL into OUTPUT, "
             "with heldout.jsonl (for `hf-pma eval --eval-file`) and tasks_info.json. Run them with "
             "`hf-pma eval MODEL --include-path OUTPUT --tasks <prefix>_tasks`."
@@ -53,8 +53,13 @@ def run(args: argparse.Namespace) -> int:
     """Run ``hf-pma make-tasks``."""
     from transformers.utils import logging
 
-    from ..corpus import load_documents
-    from ..tasks import TaskOptions, check_output_folder, check_task_settings, make_tasks
+    from hf_pma.evaluation.corpus import load_documents
+    from hf_pma.evaluation.generated_tasks import (
+        TaskOptions,
+        check_output_folder,
+        check_task_settings,
+        make_tasks,
+    )
 
     if args.quiet:
         logging.set_verbosity_warning()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..strategies import STRATEGIES
+from hf_pma.core.strategies import STRATEGIES
 
 
 def _weights(text: str) -> list[float]:
@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers.utils import logging
 
-    from ..merge import merge_checkpoints
+    from hf_pma.merging.engine import merge_checkpoints
 
     if args.quiet:
         logging.set_verbosity_warning()

@@ -28,7 +28,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     """Push the folder; print the commit URL."""
-    from hf_pma.hub import push_folder_to_hub
+    from hf_pma.publishing.hub import push_folder_to_hub
 
     url = push_folder_to_hub(
         args.folder,

@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from ..strategies import STRATEGIES
-from . import positive_int
+from hf_pma.commands import positive_int
+from hf_pma.core.strategies import STRATEGIES
 
 
 def _int_list(text: str) -> list[int]:
@@ -78,12 +78,12 @@ def run(args: argparse.Namespace) -> int:
 
     from transformers.utils import logging
 
-    from ..corpus import load_documents
-    from ..logs import enable_logging
-    from ..snapshots import atomic_write_json
-    from ..strategies import merge_weights
-    from ..sweep import parse_metric, plot_sweep, run_sweep, sweep_table, write_best
-    from ..tasks import check_output_folder
+    from hf_pma.analysis.sweep import parse_metric, plot_sweep, run_sweep, sweep_table, write_best
+    from hf_pma.core.strategies import merge_weights
+    from hf_pma.evaluation.corpus import load_documents
+    from hf_pma.evaluation.generated_tasks import check_output_folder
+    from hf_pma.utils.fs import atomic_write_json
+    from hf_pma.utils.logs import enable_logging
 
     if not getattr(args, "verbose", False):
         logging.set_verbosity_warning()  # transformers' loading messages: noise next to the tables (-v shows them)

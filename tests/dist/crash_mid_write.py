@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from pma_common import TokenDataset, make_args, make_tiny_model, pad_collate  # noqa: E402
 from transformers import Trainer  # noqa: E402
 
-from hf_pma.callback import PMACallback  # noqa: E402
+from hf_pma.snapshots.callback import PMACallback  # noqa: E402
 
 SEQ_LEN = 16
 BATCH = 4
@@ -48,7 +48,7 @@ def make_trainer(out: Path, callbacks: list) -> tuple[Trainer, PMACallback]:
 
 def die_mid_write() -> None:
     """Make the writer thread kill the process after writing half of a tensor of the N-th file."""
-    from hf_pma import safetensors_io
+    from hf_pma.merging import safetensors_io
 
     original = safetensors_io.SafetensorsWriter.write
     files: list[Path] = []

@@ -16,8 +16,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_pma.cli import main
-from hf_pma.evaluation import evaluate_language_modeling, evaluate_model
-from hf_pma.main_process import distributed_rank_and_size, run_locally, run_on_main_process
+from hf_pma.evaluation.evaluator import evaluate_language_modeling, evaluate_model
+from hf_pma.utils.distributed import distributed_rank_and_size, run_locally, run_on_main_process
 
 torch.set_num_threads(1)
 

@@ -28,7 +28,7 @@ from pma_common import (  # noqa: E402
 )
 from transformers import Trainer  # noqa: E402
 
-from hf_pma.callback import PMACallback  # noqa: E402
+from hf_pma.snapshots.callback import PMACallback  # noqa: E402
 
 INTERVAL_TOKENS = 150
 MAX_STEPS = 10

@@ -20,13 +20,16 @@ import re
 from pathlib import Path
 from typing import Any
 
-from hf_pma.snapshots import MANIFEST_NAME, MERGE_RECORD_NAME, PMA_SUBDIR, read_json
+from hf_pma.core.manifest import (
+    EVAL_RECORD_NAME,
+    MANIFEST_NAME,
+    MERGE_RECORD_NAME,
+    PMA_SUBDIR,
+    TRAINING_RECORD_NAME,
+)
+from hf_pma.utils.fs import read_json
 
 __all__ = [
-    "EVAL_RECORD_NAME",
-    "TRAINING_RECORD_NAME",
-    "PLOT_NAME",
-    "CARD_NAME",
     "FolderRecords",
     "label_rank",
     "load_records",
@@ -37,10 +40,6 @@ __all__ = [
     "find_secrets",
 ]
 
-EVAL_RECORD_NAME = "pma_eval.json"
-TRAINING_RECORD_NAME = "pma_training.json"
-PLOT_NAME = "pma_training.png"
-CARD_NAME = "README.md"
 
 # Hugging Face user/org tokens ("hf_" + 34 characters), old org API tokens, and values given to
 # flags or variables that carry a token.

@@ -6,7 +6,7 @@ The card is rendered from the Jinja template ``model_cards/pma_model_card.md`` (
 it was made: the merge and its snapshots, the training run, the evaluation (last snapshot vs
 merge, and annealed when known), the plot, how to load it, how to reproduce it.
 
-The values shown come from the folder's records (see :mod:`hf_pma.records`), which are
+The values shown come from the folder's records (see :mod:`hf_pma.publishing.records`), which are
 sanitized when read, and the rendered text is sanitized once more: a card never holds an
 access token or an absolute local path.
 """
@@ -27,15 +27,9 @@ from typing import TYPE_CHECKING, Any
 from transformers.utils import logging
 
 from hf_pma import __version__
-from hf_pma.records import (
-    CARD_NAME,
-    PLOT_NAME,
-    FolderRecords,
-    label_rank,
-    load_records,
-    sanitize_text,
-)
-from hf_pma.snapshots import PMA_SUBDIR, atomic_write_text
+from hf_pma.core.manifest import CARD_NAME, PLOT_NAME, PMA_SUBDIR
+from hf_pma.publishing.records import FolderRecords, label_rank, load_records, sanitize_text
+from hf_pma.utils.fs import atomic_write_text
 
 if TYPE_CHECKING:
     from huggingface_hub import EvalResult, ModelCard
@@ -325,7 +319,7 @@ def _training_view(training: dict[str, Any] | None) -> dict[str, str] | None:
 def _merge_code(records: FolderRecords) -> str:
     """The ``merge_checkpoints`` call that remakes this merge, with the sources' recorded paths
     (relative to the merged folder) rewritten relative to where the call runs."""
-    from hf_pma.strategies import STRATEGIES
+    from hf_pma.core.strategies import STRATEGIES
 
     merge = records.merge or {}
     # A run's merge lives in <output_dir>/pma/<name>: the call runs from <output_dir>.
@@ -372,7 +366,7 @@ def _has_tokenizer(folder: Path) -> bool:
 
 def _plot_description(records: FolderRecords) -> str:
     """One sentence saying what the plot shows (it only draws what the records hold)."""
-    from hf_pma.plot import plot_data
+    from hf_pma.publishing.plot import plot_data
 
     data = plot_data(records)
     x = "tokens seen" if data.x_is_tokens else "optimizer steps"
@@ -422,7 +416,7 @@ def build_model_card(
     """Render the model card of the merged ``folder`` from its records.
 
     ``repo_id`` is where the model is (or will be) on the Hub: it appears in the loading
-    snippet. ``records`` defaults to :func:`hf_pma.records.load_records` of ``folder``;
+    snippet. ``records`` defaults to :func:`hf_pma.publishing.records.load_records` of ``folder``;
     ``template`` to the packaged ``pma_model_card.md``. Raises ``FileNotFoundError`` when the
     folder has no ``pma_merge.json``.
     """
@@ -519,7 +513,7 @@ def write_model_card(
 
 def _try_plot(folder: Path, records: FolderRecords) -> Path | None:
     try:
-        from hf_pma.plot import plot_training
+        from hf_pma.publishing.plot import plot_training
 
         return plot_training(records, folder / PLOT_NAME)
     except ImportError as err:

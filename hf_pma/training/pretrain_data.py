@@ -2,7 +2,7 @@
 
 The default corpus is the Python standard library's own source, read from the running
 interpreter: real text that every machine with Python has, so ``scripts/pretrain.py`` runs
-with no network. The train / held-out split itself is :func:`hf_pma.corpus.split_documents`.
+with no network. The train / held-out split itself is :func:`hf_pma.evaluation.corpus.split_documents`.
 """
 
 from __future__ import annotations

@@ -22,19 +22,19 @@ import torch
 from transformers import Trainer
 from transformers.utils import logging
 
-from .callback import PMACallback
-from .logs import enable_logging
-from .merge import merge_checkpoints, merge_state_dict
-from .snapshots import PMA_SUBDIR, atomic_write_json
-from .sources import resolve_sources
-from .swap import backup_weights, load_weights, restore_weights
-from .training_args import PMATrainingArguments
+from hf_pma.core.manifest import PMA_SUBDIR, TRAINING_RECORD_NAME
+from hf_pma.merging.engine import merge_checkpoints, merge_state_dict
+from hf_pma.merging.sources import resolve_sources
+from hf_pma.merging.swap import backup_weights, load_weights, restore_weights
+from hf_pma.snapshots.callback import PMACallback
+from hf_pma.training.arguments import PMATrainingArguments
+from hf_pma.utils.fs import atomic_write_json
+from hf_pma.utils.logs import enable_logging
 
 logger = logging.get_logger(__name__)
 
 __all__ = ["PMATrainer", "PMATrainingArguments", "LossSpikeError"]
 
-TRAINING_RECORD_NAME = "pma_training.json"
 INIT_RECORD_NAME = "pma_init.json"
 
 
@@ -302,7 +302,7 @@ class PMATrainer(Trainer):
                 progress=not self.args.disable_tqdm,
             )
             atomic_write_json(target / TRAINING_RECORD_NAME, self.pma_training_record())
-            from .card import write_model_card
+            from hf_pma.publishing.card import write_model_card
 
             write_model_card(target, repo_id=self.args.hub_model_id)
         self._pma_barrier()
@@ -354,7 +354,7 @@ class PMATrainer(Trainer):
             raise ValueError("no merged model yet: train with pma_merge_at_end, or call merge_snapshots() first")
         if not self.is_world_process_zero():
             return None
-        from .hub import push_folder_to_hub
+        from hf_pma.publishing.hub import push_folder_to_hub
 
         repo_id = repo_id or self.args.hub_model_id or Path(self.args.output_dir).resolve().name
         return push_folder_to_hub(

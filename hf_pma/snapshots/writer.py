@@ -30,28 +30,24 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from hf_pma.parsing import parse_dtype, parse_size
-from hf_pma.snapshots import (
+from hf_pma.core.manifest import (
     MANIFEST_NAME,
     SNAPSHOT_RECORD_NAME,
-    TMP_PREFIX,
     SnapshotRecord,
     add_snapshot,
-    atomic_write_json,
     clean_incomplete,
     drop_snapshots_after,
     exclude_snapshots,
-    fsync_dir,
-    fsync_tree,
     is_excluded,
     manifest_snapshots,
     orphan_snapshots,
     read_manifest,
-    remove_tree,
     snapshot_path,
     write_manifest,
 )
-from hf_pma.swap import is_peft_model
+from hf_pma.utils.distributed import is_peft_model
+from hf_pma.utils.fs import TMP_PREFIX, atomic_write_json, fsync_dir, fsync_tree, remove_tree
+from hf_pma.utils.parsing import parse_dtype, parse_size
 
 logger = logging.get_logger(__name__)
 
@@ -372,7 +368,7 @@ def write_safetensors(
     calls that release the GIL, so a background write does not stall the training thread
     (``save_file`` serializes the whole file while holding it).
     """
-    from hf_pma.safetensors_io import SAFETENSORS_FROM_DTYPE, SafetensorsWriter
+    from hf_pma.merging.safetensors_io import SAFETENSORS_FROM_DTYPE, SafetensorsWriter
 
     for name, tensor in tensors.items():
         if tensor.dtype not in SAFETENSORS_FROM_DTYPE:

@@ -15,8 +15,8 @@ from pathlib import Path
 from transformers import TrainingArguments
 from transformers.utils import logging
 
-from .schedule import check_phases
-from .strategies import validate_strategy
+from hf_pma.core.schedule import check_phases
+from hf_pma.core.strategies import validate_strategy
 
 __all__ = ["PMATrainingArguments"]
 

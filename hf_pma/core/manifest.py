@@ -1,6 +1,6 @@
-"""The on-disk contract of a PMA run: snapshot records, the manifest, atomic file operations.
+"""The on-disk contract of a PMA run: snapshot records, the manifest, the names of record files.
 
-Layout (see ``shared/DESIGN.md``)::
+Layout::
 
     <output_dir>/pma/manifest.json          {"format_version": 1, "snapshots": [record, ...], ...}
     <output_dir>/pma/snapshot-<tokens>/     a plain HF model folder + pma.json (its record)
@@ -15,14 +15,14 @@ manifest's folder so a run can be moved or uploaded.
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from hf_pma.utils.fs import DELETING_PREFIX, TMP_PREFIX, atomic_write_json, read_json, remove_tree
 
 __all__ = [
     "MANIFEST_NAME",
@@ -30,20 +30,16 @@ __all__ = [
     "MERGE_RECORD_NAME",
     "PMA_SUBDIR",
     "FORMAT_VERSION",
+    "EVAL_RECORD_NAME",
+    "TRAINING_RECORD_NAME",
+    "PLOT_NAME",
+    "CARD_NAME",
     "SnapshotRecord",
     "snapshot_dirname",
-    "atomic_write_text",
-    "atomic_write_json",
-    "fsync_tree",
-    "fsync_dir",
-    "read_json",
     "read_manifest",
     "write_manifest",
     "manifest_snapshots",
     "find_manifest",
-    "remove_tree",
-    "TMP_PREFIX",
-    "DELETING_PREFIX",
     "EXCLUDED_KEY",
     "is_excluded",
     "snapshot_path",
@@ -60,12 +56,14 @@ SNAPSHOT_RECORD_NAME = "pma.json"
 MERGE_RECORD_NAME = "pma_merge.json"
 PMA_SUBDIR = "pma"
 FORMAT_VERSION = 1
+# Records beside a merged model (read by the card and the plot).
+EVAL_RECORD_NAME = "pma_eval.json"
+TRAINING_RECORD_NAME = "pma_training.json"
+PLOT_NAME = "pma_training.png"
+CARD_NAME = "README.md"
 
 PHASES = ("warmup", "stable", "decay")
 
-# Leftovers of an interrupted write or delete: never listed, removed when a run (re)starts.
-TMP_PREFIX = ".tmp-"
-DELETING_PREFIX = ".deleting-"
 # A record whose ``extra[EXCLUDED_KEY]`` is true stays on disk but is left out of merges
 # (for example a snapshot taken during a loss spike).
 EXCLUDED_KEY = "excluded"
@@ -113,61 +111,6 @@ def snapshot_dirname(tokens: int) -> str:
     return f"snapshot-{int(tokens)}"
 
 
-def fsync_dir(path: str | os.PathLike[str]) -> None:
-    """fsync a directory so that renames inside it are durable (no-op where unsupported)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def fsync_tree(path: str | os.PathLike[str]) -> None:
-    """fsync every file and folder under ``path`` (before it is renamed into place)."""
-    for root, _dirs, files in os.walk(path):
-        for name in files:
-            with open(os.path.join(root, name), "rb") as fh:
-                os.fsync(fh.fileno())
-        fsync_dir(root)
-
-
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    """Write text to ``path`` atomically: a temporary file beside it, fsync, rename, fsync dir."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp makes it private; manifests and cards are read by other tools and users
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(path.parent)
-
-
-def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
-    """Write JSON to ``path`` atomically (see :func:`atomic_write_text`)."""
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
-
-
-def read_json(path: str | os.PathLike[str]) -> Any:
-    """Read a JSON file, with an error that names the file when it is not valid JSON."""
-    path = Path(path)
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON: {err}") from err
-
-
 def find_manifest(path: str | os.PathLike[str]) -> Path | None:
     """The manifest of a run: ``path/manifest.json`` or ``path/pma/manifest.json``, if any."""
     path = Path(path)
@@ -206,17 +149,6 @@ def write_manifest(
     data["snapshots"] = [s.to_dict() if isinstance(s, SnapshotRecord) else dict(s) for s in snapshots]
     atomic_write_json(Path(pma_dir) / MANIFEST_NAME, data)
     return data
-
-
-def remove_tree(path: str | os.PathLike[str]) -> None:
-    """Delete a folder by renaming it aside first, so a crash never leaves half a snapshot."""
-    path = Path(path)
-    if not path.exists():
-        return
-    doomed = path.with_name(f"{DELETING_PREFIX}{path.name}-{os.getpid()}")
-    os.replace(path, doomed)
-    fsync_dir(path.parent)
-    shutil.rmtree(doomed, ignore_errors=True)
 
 
 def is_excluded(record: SnapshotRecord) -> bool:

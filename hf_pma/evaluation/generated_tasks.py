@@ -12,7 +12,7 @@ or ``lm_eval --include_path``, offline):
   drawn from other held-out documents.
 
 No answer can leak from training: items come from the held-out part of
-:func:`hf_pma.corpus.split_documents`, and every line a choice makes (the true one and the
+:func:`hf_pma.evaluation.corpus.split_documents`, and every line a choice makes (the true one and the
 distractors) is checked against every line of the training documents; an item with any choice
 line seen in training is dropped. Output is identical for the same documents and seed.
 """
@@ -33,9 +33,9 @@ from typing import Any
 import yaml
 from transformers.utils import logging
 
-from . import __version__
-from .corpus import document_id, split_documents
-from .snapshots import atomic_write_json, fsync_dir, fsync_tree, remove_tree
+from hf_pma import __version__
+from hf_pma.evaluation.corpus import document_id, split_documents
+from hf_pma.utils.fs import atomic_write_json, fsync_dir, fsync_tree, remove_tree
 
 logger = logging.get_logger(__name__)
 
@@ -212,7 +212,7 @@ def cloze_items(
     word + the rest of that line. Lines in ``seen_in_train`` are never used; the lines that
     distractor words make are checked against ``train_documents`` and items with one seen there
     are dropped. ``exclude`` holds ``(doc, line)`` positions not to use (those of next-line items:
-    the same text split at two places trips lm-eval's logits cache, see :mod:`hf_pma.harness`)."""
+    the same text split at two places trips lm-eval's logits cache, see :mod:`hf_pma.evaluation.harness`)."""
     doc_lines = [doc.splitlines() for doc in heldout]
     k = options.context_lines
     words = list(
@@ -419,9 +419,9 @@ def make_tasks_from_split(
     ``write_train``, and ``tasks_info.json`` (returned; ``info`` is added to it). The folder
     appears complete or not at all. Raises ``ValueError`` when a kind yields no item, and
     ``FileExistsError`` for a non-empty ``output_dir`` without ``overwrite``. Under several
-    processes this runs on the main process only (see :mod:`hf_pma.main_process`).
+    processes this runs on the main process only (see :mod:`hf_pma.utils.distributed`).
     """
-    from .main_process import run_on_main_process
+    from hf_pma.utils.distributed import run_on_main_process
 
     return run_on_main_process(
         _write_tasks,
@@ -450,7 +450,7 @@ def make_tasks(
     write_train: bool = False,
     overwrite: bool = False,
 ) -> dict[str, Any]:
-    """Split ``documents`` with :func:`~hf_pma.corpus.split_documents` (``eval_fraction``,
+    """Split ``documents`` with :func:`~hf_pma.evaluation.corpus.split_documents` (``eval_fraction``,
     ``seed``) and write tasks from the held-out part; see :func:`make_tasks_from_split`.
 
     Train on the same split (``split_documents(documents, eval_fraction, seed)[0]``, or the

@@ -18,15 +18,9 @@ from pathlib import Path
 
 from transformers.utils import logging
 
-from hf_pma.records import (
-    CARD_NAME,
-    EVAL_RECORD_NAME,
-    TRAINING_RECORD_NAME,
-    find_local_paths,
-    find_tokens,
-    load_records,
-)
-from hf_pma.snapshots import MERGE_RECORD_NAME, read_json
+from hf_pma.core.manifest import CARD_NAME, EVAL_RECORD_NAME, MERGE_RECORD_NAME, TRAINING_RECORD_NAME
+from hf_pma.publishing.records import find_local_paths, find_tokens, load_records
+from hf_pma.utils.fs import read_json
 
 logger = logging.get_logger(__name__)
 
@@ -200,7 +194,7 @@ def push_folder_to_hub(
         # A bare name lands in the token owner's namespace: the card must show the full id.
         full_id = repo_url.repo_id or repo_id
         if needs_card:
-            from hf_pma.card import write_model_card
+            from hf_pma.publishing.card import write_model_card
 
             write_model_card(folder, repo_id=full_id)
         if revision is not None and not revision.startswith("refs/pr/"):

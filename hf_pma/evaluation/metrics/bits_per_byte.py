@@ -1,6 +1,6 @@
 """Language-modelling metrics from per-document sums: loss, perplexity, bits-per-byte.
 
-An `evaluate` module shipped with hf-pma; load it with ``hf_pma.metrics.load_metric("bits_per_byte")``
+An `evaluate` module shipped with hf-pma; load it with ``hf_pma.evaluation.metrics.load_metric("bits_per_byte")``
 (or ``evaluate.load(<path to this file>)``), never by name from the Hub.
 """
 
@@ -29,7 +29,7 @@ Args:
 Returns:
     loss (`float`), perplexity (`float`), bits_per_byte (`float`), tokens (`int`), bytes (`int`).
 Examples:
-    >>> metric = hf_pma.metrics.load_metric("bits_per_byte")
+    >>> metric = hf_pma.evaluation.metrics.load_metric("bits_per_byte")
     >>> metric.compute(nll=[6.931471805599453], tokens=[5], bytes=[10])["bits_per_byte"]
     1.0
 """

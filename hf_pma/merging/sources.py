@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from .safetensors_io import CheckpointFormatError, SafetensorsReader, TensorInfo
-from .snapshots import SNAPSHOT_RECORD_NAME, find_manifest, manifest_snapshots, read_manifest
+from hf_pma.core.manifest import SNAPSHOT_RECORD_NAME, find_manifest, manifest_snapshots, read_manifest
+from hf_pma.merging.safetensors_io import CheckpointFormatError, SafetensorsReader, TensorInfo
 
 logger = logging.get_logger(__name__)
 

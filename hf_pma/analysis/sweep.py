@@ -7,8 +7,8 @@ emulates a run that snapshotted every 2V), weighted by the strategy.
 Bounded memory, work reused where it is cheap:
 
 * the model is loaded once (from the newest snapshot) and every merge is swapped into it with
-  :func:`hf_pma.swap.load_weights`: one model plus one merged state dict in memory;
-* each merge is built in memory with :func:`hf_pma.merge.merge_state_dict`, which streams its
+  :func:`hf_pma.merging.swap.load_weights`: one model plus one merged state dict in memory;
+* each merge is built in memory with :func:`hf_pma.merging.engine.merge_state_dict`, which streams its
   sources chunk by chunk;
 * combinations that select the same snapshots with the same weights (e.g. any strategy with
   N = 1, or N = 1 for every k) are evaluated once; the others point to it (``duplicate_of``);
@@ -30,8 +30,8 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from .sources import CheckpointSource, resolve_sources
-from .strategies import merge_weights
+from hf_pma.core.strategies import merge_weights
+from hf_pma.merging.sources import CheckpointSource, resolve_sources
 
 logger = logging.get_logger(__name__)
 
@@ -173,7 +173,7 @@ class SweepEvaluator:
             typically the newest snapshot.
         texts: held-out texts (loss, perplexity, bits per byte) and/or ``tasks`` (lm-eval names,
             with ``include_path`` for local YAML tasks).
-        Other arguments: as :func:`hf_pma.evaluation.evaluate_model` (``bootstrap_iters`` is
+        Other arguments: as :func:`hf_pma.evaluation.evaluator.evaluate_model` (``bootstrap_iters`` is
             1000 here: it only affects the stderr of non-mean lm-eval metrics, not the ranking).
     """
 
@@ -193,14 +193,14 @@ class SweepEvaluator:
         device: str | torch.device | None = None,
         progress: bool = False,
     ) -> None:
-        from .evaluation import load_model_for_eval
+        from hf_pma.evaluation.evaluator import load_model_for_eval
 
         if not texts and not tasks:
             raise ValueError("nothing to evaluate: give held-out texts and/or tasks")
         self.texts = list(texts) if texts else None
         self.tasks, self.task_manager = None, None
         if tasks:
-            from .harness import load_task_manager
+            from hf_pma.evaluation.harness import load_task_manager
 
             self.tasks, self.task_manager = load_task_manager(tasks, include_path)  # checks the names now
         self.model, self.tokenizer = load_model_for_eval(skeleton, tokenizer, dtype="auto", device=device)
@@ -212,8 +212,8 @@ class SweepEvaluator:
 
     def evaluate_state(self, state: Mapping[str, torch.Tensor], origin: str = "merged weights") -> dict[str, Any]:
         """Load ``state`` into the model and evaluate it; flat results ``{task: {metric: value}}``."""
-        from .evaluation import evaluate_model
-        from .swap import load_weights
+        from hf_pma.evaluation.evaluator import evaluate_model
+        from hf_pma.merging.swap import load_weights
 
         load_weights(self.model, state, origin=origin)
         out = evaluate_model(
@@ -231,7 +231,7 @@ class SweepEvaluator:
         alpha: float = 0.2,
     ) -> dict[str, Any]:
         """Merge ``sources`` in memory (explicit ``weights`` or ``strategy``) and evaluate the merge."""
-        from .merge import merge_state_dict
+        from hf_pma.merging.engine import merge_state_dict
 
         state = merge_state_dict(list(sources), strategy=strategy, alpha=alpha, weights=weights)
         names = ", ".join(Path(getattr(s, "path", s)).name for s in sources)
@@ -271,7 +271,7 @@ def run_sweep(
     """Evaluate the merges of a run's snapshots for every ``(window, every, strategy)``.
 
     ``run`` is a run folder (PMA manifest or Trainer ``checkpoint-*`` folders) or a list of
-    checkpoints (ordered by training progress, as :func:`hf_pma.sources.resolve_sources` does).
+    checkpoints (ordered by training progress, as :func:`hf_pma.merging.sources.resolve_sources` does).
     The newest snapshot alone is evaluated first as the baseline (``"last snapshot"``).
     ``metric`` (``task/name``, default ``lm/loss`` with texts, else the first task's accuracy)
     picks the best merge; ``higher_is_better`` defaults from its name.
@@ -472,9 +472,10 @@ def write_best(
     """Write the merge ``label`` (default: the report's best) as a model folder, streaming, with
     ``pma_merge.json`` (plus the sweep's choice) and ``pma_eval.json`` (its results next to the
     last snapshot's)."""
-    from .evaluation import write_eval_record
-    from .merge import merge_checkpoints
-    from .snapshots import MERGE_RECORD_NAME, atomic_write_json, read_json
+    from hf_pma.core.manifest import MERGE_RECORD_NAME
+    from hf_pma.evaluation.evaluator import write_eval_record
+    from hf_pma.merging.engine import merge_checkpoints
+    from hf_pma.utils.fs import atomic_write_json, read_json
 
     label = label or report.get("best")
     entry = next((e for e in report["combinations"] if e["label"] == label), None)

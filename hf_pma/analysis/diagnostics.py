@@ -47,9 +47,15 @@ import torch
 from tqdm.auto import tqdm
 from transformers.utils import logging
 
-from .snapshots import find_manifest, is_excluded, manifest_snapshots
-from .sources import CheckpointSource, CheckpointTensors, find_weight_files, open_all, resolve_sources
-from .strategies import merge_weights
+from hf_pma.core.manifest import find_manifest, is_excluded, manifest_snapshots
+from hf_pma.core.strategies import merge_weights
+from hf_pma.merging.sources import (
+    CheckpointSource,
+    CheckpointTensors,
+    find_weight_files,
+    open_all,
+    resolve_sources,
+)
 
 logger = logging.get_logger(__name__)
 
@@ -580,6 +586,6 @@ def plot_diagnostics(
 
 
 def strategy_weights(strategy: str, alpha: float = 0.2) -> Callable[[int], list[float]]:
-    """``n -> weights`` for a strategy name (a thin wrapper over :func:`hf_pma.strategies.merge_weights`)."""
+    """``n -> weights`` for a strategy name (a thin wrapper over :func:`hf_pma.core.strategies.merge_weights`)."""
     merge_weights(2, strategy, alpha)  # fails now for a bad name or alpha
     return lambda n: merge_weights(n, strategy if n > 1 else "sma", alpha)

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from hf_pma import __version__
-from hf_pma.snapshots import SnapshotRecord
-from hf_pma.strategies import ema_weights, sma_weights
+from hf_pma.core.manifest import SnapshotRecord
+from hf_pma.core.strategies import ema_weights, sma_weights
 
 __all__ = ["ONLINE_KINDS", "OnlineAverage"]
 
@@ -33,7 +33,7 @@ class OnlineAverage:
     """Running float32 average of state dicts: ``sma`` (cumulative mean) or ``ema`` (alpha).
 
     The EMA follows the paper's recursion ``M^(1) = M_1``, ``M^(i) = a*M_i + (1-a)*M^(i-1)``, so
-    after n updates it equals :func:`hf_pma.strategies.ema_weights` applied to the n snapshots.
+    after n updates it equals :func:`hf_pma.core.strategies.ema_weights` applied to the n snapshots.
     Integer and bool tensors (buffers) are not averaged: they must not change between updates.
     """
 
@@ -116,7 +116,7 @@ class OnlineAverage:
 
     def save_state(self, path: str | os.PathLike[str]) -> None:
         """Save the average and its bookkeeping to one safetensors file (for checkpoints)."""
-        from hf_pma.snapshot_writer import write_safetensors
+        from hf_pma.snapshots.writer import write_safetensors
 
         metadata = {
             "kind": self.kind,

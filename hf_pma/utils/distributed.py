@@ -147,3 +147,12 @@ def run_on_main_process(
     if status == "error":
         raise error if error is not None else value
     return value if rank != 0 else payload[1]
+
+
+def is_peft_model(model: Any) -> bool:
+    """True for a ``peft.PeftModel`` (snapshots then hold only the adapter weights)."""
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)

@@ -4,7 +4,7 @@ The model and tokenizer are wrapped in lm-eval's ``HFLM`` (the tokenizer is pass
 ``HFLM`` would look for one on the Hub by the model's name) and run through
 ``lm_eval.simple_evaluate``. Standard tasks (``hellaswag``, ``arc_easy``, ...) work wherever
 their data is reachable; tasks from ``include_path`` folders (such as those of
-:mod:`hf_pma.tasks`) work offline. Results keep lm-eval's format and flatten to
+:mod:`hf_pma.evaluation.generated_tasks`) work offline. Results keep lm-eval's format and flatten to
 ``{task: {metric: value, metric_stderr: value}}`` (:func:`flatten_lm_eval_results`).
 """
 
@@ -137,7 +137,7 @@ def run_lm_eval(
     longer one's logits instead of the last, which gives wrong log-likelihoods (seen here when
     the same text is split at two places, e.g. a next-line and a cloze item on one line).
     """
-    from .main_process import run_on_main_process
+    from hf_pma.utils.distributed import run_on_main_process
 
     hflm_kwargs = {"batch_size": batch_size, "max_length": max_length, "logits_cache": logits_cache}
     if task_manager is None:
@@ -175,7 +175,7 @@ def _run_lm_eval(
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
-    from .evaluation import unwrap_model
+    from hf_pma.evaluation.evaluator import unwrap_model
 
     model = unwrap_model(model)
     was_training = model.training

@@ -1,7 +1,7 @@
 """The streaming merge engine: ``M = sum_i w_i * M_i`` over N checkpoints, in bounded memory.
 
 Tensors are processed one at a time, in chunks of at most ``chunk_bytes`` of accumulator, read
-straight from the source files (see :mod:`hf_pma.safetensors_io`) and accumulated in float32
+straight from the source files (see :mod:`hf_pma.merging.safetensors_io`) and accumulated in float32
 (or float64); the output is written tensor by tensor into shards planned up front. Peak memory
 is a few chunk buffers, independent of N and of the model size; N tensors are never stacked.
 
@@ -32,12 +32,13 @@ import torch
 from tqdm.auto import tqdm
 from transformers.utils import logging
 
-from . import __version__
-from .parsing import parse_dtype, parse_size
-from .safetensors_io import SafetensorsWriter, TensorInfo
-from .snapshots import MERGE_RECORD_NAME, atomic_write_json, fsync_dir, fsync_tree
-from .sources import CheckpointSource, CheckpointTensors, open_all, resolve_sources
-from .strategies import merge_weights
+from hf_pma import __version__
+from hf_pma.core.manifest import MERGE_RECORD_NAME
+from hf_pma.core.strategies import merge_weights
+from hf_pma.merging.safetensors_io import SafetensorsWriter, TensorInfo
+from hf_pma.merging.sources import CheckpointSource, CheckpointTensors, open_all, resolve_sources
+from hf_pma.utils.fs import atomic_write_json, fsync_dir, fsync_tree
+from hf_pma.utils.parsing import parse_dtype, parse_size
 
 logger = logging.get_logger(__name__)
 

@@ -1,7 +1,7 @@
 """``PMACallback``: weight snapshots every V tokens for any ``transformers.Trainer``.
 
-Glue only: *when* comes from :mod:`hf_pma.schedule`, *how* from :mod:`hf_pma.snapshot_writer`
-and :mod:`hf_pma.snapshots`. Usage::
+Glue only: *when* comes from :mod:`hf_pma.core.schedule`, *how* from :mod:`hf_pma.snapshots.writer`
+and :mod:`hf_pma.core.manifest`. Usage::
 
     trainer = Trainer(model, args, train_dataset=..., callbacks=[PMACallback()])
     trainer.train()
@@ -29,16 +29,18 @@ from transformers.trainer_callback import ExportableState
 from transformers.utils import logging
 
 from hf_pma import __version__
-from hf_pma.online import ONLINE_KINDS, OnlineAverage
-from hf_pma.parsing import parse_dtype, parse_size
-from hf_pma.schedule import (
-    PhaseTracker,
-    check_phases,
-    choose_interval,
-    crossed_boundary,
-    planned_phases,
+from hf_pma.core.manifest import (
+    MERGE_RECORD_NAME,
+    PMA_SUBDIR,
+    SnapshotRecord,
+    is_excluded,
+    manifest_snapshots,
+    snapshot_dirname,
+    snapshot_path,
 )
-from hf_pma.snapshot_writer import (
+from hf_pma.core.schedule import PhaseTracker, check_phases, choose_interval, crossed_boundary, planned_phases
+from hf_pma.snapshots.online import ONLINE_KINDS, OnlineAverage
+from hf_pma.snapshots.writer import (
     BackgroundWorker,
     SnapshotJob,
     SnapshotWriter,
@@ -49,15 +51,7 @@ from hf_pma.snapshot_writer import (
     write_folder_atomically,
     write_model_folder,
 )
-from hf_pma.snapshots import (
-    MERGE_RECORD_NAME,
-    PMA_SUBDIR,
-    SnapshotRecord,
-    is_excluded,
-    manifest_snapshots,
-    snapshot_dirname,
-    snapshot_path,
-)
+from hf_pma.utils.parsing import parse_dtype, parse_size
 
 logger = logging.get_logger(__name__)
 
@@ -248,7 +242,7 @@ class PMACallback(TrainerCallback, ExportableState):
         """Mark the snapshots taken at ``tokens`` as excluded from merges (e.g. a loss spike).
 
         They stay on disk; their manifest record gets ``"extra": {"excluded": true,
-        "excluded_reason": reason}`` (see :func:`hf_pma.snapshots.is_excluded`). Main process
+        "excluded_reason": reason}`` (see :func:`hf_pma.core.manifest.is_excluded`). Main process
         only (other processes get ``[]``). Raises ``ValueError`` for tokens the manifest lacks.
         """
         if self._writer is None:

@@ -2,14 +2,14 @@
 
 * :func:`evaluate_language_modeling`: loss, perplexity and bits-per-byte of a causal LM on raw
   texts, with a strided window for texts longer than the context, batched.
-* :func:`evaluate_model`: that plus lm-eval tasks (:mod:`hf_pma.harness`) for one in-memory
+* :func:`evaluate_model`: that plus lm-eval tasks (:mod:`hf_pma.evaluation.harness`) for one in-memory
   model, flattened into ``{"lm": {...}, task: {metric: value, metric_stderr: value}}``.
 * :func:`evaluate_models`: several models by path or name, one at a time (one in memory at
   once), into a report whose ``results`` / ``eval_dataset`` are the ``pma_eval.json`` record
   (:func:`write_eval_record`) that the model card reads.
 
 Under ``accelerate launch`` / ``torchrun`` every evaluation runs once, on the main process,
-while the other ranks wait and then receive the same result (:mod:`hf_pma.main_process`). The
+while the other ranks wait and then receive the same result (:mod:`hf_pma.utils.distributed`). The
 model must then be a full copy on the main process (a plain or DDP-wrapped model, or one loaded
 from a folder), not FSDP/ZeRO-3 shards.
 """
@@ -27,9 +27,9 @@ import torch
 from tqdm.auto import tqdm
 from transformers.utils import logging
 
-from .main_process import run_on_main_process
-from .records import EVAL_RECORD_NAME
-from .snapshots import MANIFEST_NAME, PMA_SUBDIR, atomic_write_json, read_json
+from hf_pma.core.manifest import EVAL_RECORD_NAME, MANIFEST_NAME, PMA_SUBDIR
+from hf_pma.utils.distributed import run_on_main_process
+from hf_pma.utils.fs import atomic_write_json, read_json
 
 logger = logging.get_logger(__name__)
 
@@ -161,7 +161,7 @@ def evaluate_language_modeling(
     ``bits_per_byte`` (total NLL / ln 2 / UTF-8 bytes of the texts: independent of the
     tokenizer), ``tokens`` (scored), ``bytes``, ``texts`` (non-empty texts scored),
     ``block_size`` and ``stride``; the totals go through the shipped ``evaluate`` module
-    ``bits_per_byte`` (:mod:`hf_pma.metrics`). With ``device`` the model is moved there; the
+    ``bits_per_byte`` (:mod:`hf_pma.evaluation.metrics`). With ``device`` the model is moved there; the
     model's train/eval mode is restored afterwards. Under several processes this runs on the
     main process only.
     """
@@ -191,7 +191,7 @@ def _evaluate_language_modeling(
     device: str | torch.device | None,
     progress: bool,
 ) -> dict[str, Any]:
-    from .metrics import load_metric
+    from hf_pma.evaluation.metrics import load_metric
 
     model = unwrap_model(model)
     prefix = _prefix_token_id(tokenizer)
@@ -279,7 +279,7 @@ def evaluate_model(
     if not texts and not tasks:
         raise ValueError("nothing to evaluate: give texts (held-out LM metrics) and/or tasks (lm-eval)")
     if tasks and task_manager is None:
-        from .harness import load_task_manager
+        from hf_pma.evaluation.harness import load_task_manager
 
         tasks, task_manager = load_task_manager(tasks, include_path)
     return run_on_main_process(
@@ -306,7 +306,7 @@ def _evaluate_model(
         )
         flat[LM_TASK] = {name: lm[name] for name in _LM_METRICS}
     if tasks:
-        from .harness import flatten_lm_eval_results, jsonable, run_lm_eval
+        from hf_pma.evaluation.harness import flatten_lm_eval_results, jsonable, run_lm_eval
 
         results = run_lm_eval(
             model, tokenizer, tasks, limit=opts["limit"], batch_size=opts["batch_size"],
@@ -346,7 +346,7 @@ def _find_tokenizer_folder(folder: Path) -> Path | None:
 
 
 def _check_model_folder(path: Path) -> None:
-    from .sources import find_weight_files
+    from hf_pma.merging.sources import find_weight_files
 
     if not path.is_dir():
         raise ValueError(f"model {path} is a file: give the model folder that holds it")
@@ -515,7 +515,7 @@ def _evaluate_models(
 ) -> dict[str, Any]:
     task_manager = None
     if tasks:
-        from .harness import load_task_manager
+        from hf_pma.evaluation.harness import load_task_manager
 
         tasks, task_manager = load_task_manager(tasks, include_path)
     for model in models:  # fail on a bad folder or tokenizer now, not after hours of evaluation

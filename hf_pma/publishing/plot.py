@@ -4,7 +4,7 @@ It shows, over tokens seen: the training loss, the evaluation loss of the live m
 PMA merge at each evaluation, the final evaluation of the last snapshot and the merge, the
 snapshot positions (the merged ones solid, the run's others dotted) and the learning rate.
 
-The data come from a merged folder's records (:mod:`hf_pma.records`). The Trainer logs by
+The data come from a merged folder's records (:mod:`hf_pma.publishing.records`). The Trainer logs by
 step: steps are turned into tokens with the (step, tokens) pairs the records know (log entries
 with ``num_input_tokens_seen``, snapshots, PMA evaluations), or the run's average tokens per
 step. When nothing relates steps to tokens the x axis is in steps.
@@ -26,7 +26,8 @@ from typing import Any
 
 from transformers.utils import logging
 
-from hf_pma.records import PLOT_NAME, FolderRecords, label_rank, load_records
+from hf_pma.core.manifest import PLOT_NAME
+from hf_pma.publishing.records import FolderRecords, label_rank, load_records
 
 logger = logging.get_logger(__name__)
 
@@ -34,7 +35,7 @@ __all__ = ["PlotData", "plot_data", "plot_training"]
 
 _MERGED_EVAL_KEYS = ("eval_pma_loss", "eval_pma/loss", "pma_eval_loss")
 # Final evaluations in the colours of their curves: last snapshot as the live model, the merge
-# as the merged evaluations (ranks of hf_pma.card's model labels).
+# as the merged evaluations (ranks of hf_pma.publishing.card's model labels).
 _FINAL_COLORS = {0: "C3", 1: "C2", 2: "C4"}
 
 

@@ -15,18 +15,11 @@ from collections.abc import Mapping
 import torch
 from transformers.utils import logging
 
+from hf_pma.utils.distributed import is_peft_model
+
 logger = logging.get_logger(__name__)
 
-__all__ = ["is_peft_model", "backup_weights", "restore_weights", "load_weights", "check_compatible"]
-
-
-def is_peft_model(model: torch.nn.Module) -> bool:
-    """True for a ``peft.PeftModel`` (snapshots then hold only the adapter weights)."""
-    try:
-        from peft import PeftModel
-    except ImportError:
-        return False
-    return isinstance(model, PeftModel)
+__all__ = ["backup_weights", "restore_weights", "load_weights", "check_compatible"]
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,1 @@
+"""Understanding a run's snapshots: merge sweeps and weight-space diagnostics."""

@@ -1,0 +1,1 @@
+"""Evaluating models: held-out LM metrics, lm-eval tasks, generated multiple-choice tasks, corpora."""

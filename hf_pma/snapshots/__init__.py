@@ -1,0 +1,1 @@
+"""Taking snapshots during training: gathering weights, writing them, the ``PMACallback``."""

@@ -1,0 +1,1 @@
+"""``PMATrainer`` and ``PMATrainingArguments`` (merged evaluation, PMA-init, spike recovery), pre-training data."""
