@@ -1,84 +1,19 @@
-"""Shared fixtures: tiny Llama models built from configs and a locally trained tokenizer.
-
-Nothing here touches the network: models come from configs, the tokenizer is trained with
-``tokenizers`` on a few kilobytes of the standard library's own source.
-"""
+"""Shared fixtures. Nothing here touches the network (see ``tests/testing_utils.py``)."""
 
 from __future__ import annotations
 
-import inspect
-import json
 import os
-from pathlib import Path
 
 import pytest
 import torch
 
+from tests.testing_utils import REPO_ROOT, train_tiny_tokenizer
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Scripts launched by the tests (torchrun, accelerate, python) import ``tests.*`` like the tests do.
+os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
 torch.set_num_threads(1)
-
-REPO_ROOT = Path(__file__).resolve().parents[1]
-
-
-def tiny_llama_config(vocab_size: int = 512, tie: bool = True, **overrides):
-    """A 2-layer Llama config with a few tens of thousands of parameters."""
-    from transformers import LlamaConfig
-
-    kwargs = dict(
-        vocab_size=vocab_size,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=tie,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-    )
-    kwargs.update(overrides)
-    return LlamaConfig(**kwargs)
-
-
-def make_tiny_model(seed: int = 0, dtype: torch.dtype = torch.float32, **config_overrides):
-    """A randomly initialised tiny LlamaForCausalLM (deterministic for a seed)."""
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(tiny_llama_config(**config_overrides))
-    return model.to(dtype)
-
-
-def sample_text(max_chars: int = 60_000) -> str:
-    """Real text that every Python installation has: the source of a few stdlib modules."""
-    import argparse
-    import json as json_mod
-    import textwrap
-
-    parts = [inspect.getsource(m) for m in (textwrap, argparse, json_mod.decoder)]
-    return "\n".join(parts)[:max_chars]
-
-
-def train_tiny_tokenizer(vocab_size: int = 512):
-    """A byte-level BPE tokenizer trained locally, wrapped as a transformers fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size,
-        special_tokens=["<pad>", "<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(sample_text().splitlines(), trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
-    )
 
 
 @pytest.fixture(scope="session")
@@ -87,12 +22,3 @@ def tiny_tokenizer():
     return train_tiny_tokenizer()
 
 
-def save_model_folder(path: Path, model, tokenizer=None, max_shard_size: str | int = "5GB", extra: dict | None = None) -> Path:
-    """Save a model (and tokenizer) as a plain HF folder; ``extra`` is written as pma.json."""
-    path = Path(path)
-    model.save_pretrained(path, max_shard_size=max_shard_size)
-    if tokenizer is not None:
-        tokenizer.save_pretrained(path)
-    if extra is not None:
-        (path / "pma.json").write_text(json.dumps(extra))
-    return path

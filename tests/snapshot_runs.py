@@ -7,9 +7,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
-from conftest import make_tiny_model, save_model_folder
 
 from hf_pma.core.manifest import PMA_SUBDIR, SnapshotRecord, write_manifest
+from tests.testing_utils import make_tiny_model, save_model_folder
 
 INTERVAL = 1000
 

@@ -11,8 +11,9 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT
-from pma_records import write_merged_folder
+
+from tests.pma_records import write_merged_folder
+from tests.testing_utils import REPO_ROOT
 
 
 @pytest.fixture(scope="module")

@@ -15,9 +15,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pma_common import TokenDataset, make_args, make_tiny_model, pad_collate  # noqa: E402
+from tests.dist.pma_common import TokenDataset, make_args, make_tiny_model, pad_collate  # noqa: E402
 from transformers import Trainer  # noqa: E402
 
 from hf_pma.snapshots.callback import PMACallback  # noqa: E402

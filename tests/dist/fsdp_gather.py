@@ -17,11 +17,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from hf_pma.snapshots.writer import SnapshotWriter, gather_full_state_dict, prepare_snapshot, sharding_kind  # noqa: E402
 from hf_pma.core.manifest import SnapshotRecord  # noqa: E402
-from tests.conftest import make_tiny_model  # noqa: E402
+from tests.testing_utils import make_tiny_model  # noqa: E402
 
 
 def max_diff(a: dict, b: dict) -> float:

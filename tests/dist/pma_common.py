@@ -7,20 +7,13 @@ can compare snapshots with the weights the model really had.
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import torch
 from transformers import TrainerCallback, TrainingArguments
 
-TESTS_DIR = Path(__file__).resolve().parents[1]
-REPO_ROOT = TESTS_DIR.parent
-for path in (str(REPO_ROOT), str(TESTS_DIR)):
-    if path not in sys.path:
-        sys.path.insert(0, path)
-
-from conftest import make_tiny_model  # noqa: E402,F401  (re-exported for the scripts)
-from trainer_utils import quiet_args  # noqa: E402
+from tests.testing_utils import make_tiny_model  # noqa: E402,F401  (re-exported for the scripts)
+from tests.testing_utils import quiet_args  # noqa: E402
 
 
 class TokenDataset(torch.utils.data.Dataset):

@@ -6,9 +6,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from trainer_utils import lm_setup, quiet_args  # noqa: E402
+from tests.testing_utils import lm_setup, quiet_args  # noqa: E402
 
 from hf_pma import PMATrainer, PMATrainingArguments  # noqa: E402
 

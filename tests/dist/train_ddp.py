@@ -15,9 +15,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from pma_common import (  # noqa: E402
+from tests.dist.pma_common import (  # noqa: E402
     TokenDataset,
     WeightRecorder,
     load_weights,

@@ -10,13 +10,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT, make_tiny_model, sample_text, save_model_folder
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_pma.cli import main
 from hf_pma.core.manifest import write_manifest
 from hf_pma.evaluation.evaluator import evaluate_language_modeling, load_model_for_eval
 from hf_pma.evaluation.generated_tasks import TaskOptions, make_tasks
+from tests.testing_utils import REPO_ROOT, make_tiny_model, sample_text, save_model_folder
 
 
 @pytest.fixture(scope="module")

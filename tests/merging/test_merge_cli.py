@@ -8,11 +8,11 @@ import subprocess
 import sys
 
 import torch
-from conftest import make_tiny_model, save_model_folder
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from hf_pma.core.strategies import merge_weights
+from tests.testing_utils import make_tiny_model, save_model_folder
 
 
 def _hf_pma(*args, cwd=None):

@@ -13,19 +13,6 @@ import torch
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback
 
-sys.path.insert(0, str(Path(__file__).resolve().parent / "dist"))
-
-from pma_common import (  # noqa: E402
-    StopAt,
-    TokenDataset,
-    WeightRecorder,
-    load_weights,
-    make_args,
-    make_tiny_model,
-    max_weight_diff,
-    pad_collate,
-)
-
 from hf_pma.core.manifest import MERGE_RECORD_NAME, SnapshotRecord, included_snapshots, manifest_snapshots
 from hf_pma.core.strategies import ema_weights  # noqa: E402
 from hf_pma.snapshots.callback import ONLINE_STATE_NAME, PMACallback  # noqa: E402
@@ -38,11 +25,21 @@ from hf_pma.snapshots.writer import (
     write_snapshot,
 )
 from hf_pma.utils.fs import read_json
+from tests.dist.pma_common import (  # noqa: E402
+    StopAt,
+    TokenDataset,
+    WeightRecorder,
+    load_weights,
+    make_args,
+    make_tiny_model,
+    max_weight_diff,
+    pad_collate,
+)
 
 SEQ = 16
 BATCH = 4
 TPS = SEQ * BATCH  # tokens per step with fixed-length rows
-DIST_DIR = Path(__file__).resolve().parent / "dist"
+DIST_DIR = Path(__file__).resolve().parents[1] / "dist"
 
 
 def train(out, callbacks, dataset=None, processing_class=None, resume=None, **overrides):
@@ -291,7 +288,7 @@ def test_crash_mid_write_leaves_a_valid_manifest_and_resume_repairs(tmp_path):
         with safe_open(half, framework="pt") as fh:
             [fh.get_tensor(k) for k in fh.keys()]
 
-    import crash_mid_write
+    from tests.dist import crash_mid_write
 
     trainer, callback = crash_mid_write.make_trainer(out, [])
     trainer.train(resume_from_checkpoint=True)  # the last checkpoint: step 8

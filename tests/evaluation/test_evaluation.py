@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-from conftest import make_tiny_model, sample_text
 
 from hf_pma.evaluation.evaluator import (
     evaluate_language_modeling,
@@ -19,6 +18,7 @@ from hf_pma.evaluation.evaluator import (
 from hf_pma.evaluation.generated_tasks import TaskOptions, make_tasks
 from hf_pma.evaluation.harness import flatten_lm_eval_results, load_task_manager, run_lm_eval
 from hf_pma.evaluation.metrics import load_metric, metric_path
+from tests.testing_utils import make_tiny_model, sample_text
 
 TEXTS = [
     "def add(a, b):\n    return a + b\n",

@@ -20,8 +20,7 @@ from pathlib import Path
 
 import pytest
 
-DIST_DIR = Path(__file__).resolve().parent / "dist"
-sys.path.insert(0, str(DIST_DIR))
+DIST_DIR = Path(__file__).resolve().parents[1] / "dist"
 
 pytestmark = pytest.mark.distributed
 
@@ -51,7 +50,7 @@ def torchrun(script: str, out: Path, *args: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def single_process_reference(tmp_path_factory) -> dict:
     """The same training in this process: one process, 2 micro-batches of 2 = the global batch of 2x2."""
-    import train_ddp
+    from tests.dist import train_ddp
 
     out = tmp_path_factory.mktemp("single")
     return train_ddp.main(out, per_device=2, grad_accum=2, expect_world_size=1)

@@ -11,9 +11,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO_ROOT
-from hub_server import HubServer
 from huggingface_hub import ModelCard
+
+from tests.hub_server import HubServer
+from tests.testing_utils import REPO_ROOT
 
 SCRIPT = REPO_ROOT / "scripts" / "pretrain.py"
 

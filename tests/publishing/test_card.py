@@ -6,7 +6,11 @@ import json
 
 import pytest
 from huggingface_hub import ModelCard
-from pma_records import (
+
+from hf_pma.cli import main
+from hf_pma.publishing.card import build_model_card, eval_table, template_path, write_model_card
+from hf_pma.publishing.records import find_secrets, sanitize_text
+from tests.pma_records import (
     EVAL_RECORD,
     FAKE_TOKEN,
     MERGED_STEPS,
@@ -14,10 +18,6 @@ from pma_records import (
     merge_record,
     write_merged_folder,
 )
-
-from hf_pma.cli import main
-from hf_pma.publishing.card import build_model_card, eval_table, template_path, write_model_card
-from hf_pma.publishing.records import find_secrets, sanitize_text
 
 
 @pytest.fixture()
@@ -207,9 +207,8 @@ def test_template_is_packaged_with_hf_pma():
 
 def test_card_of_a_real_merge(tmp_path, tiny_tokenizer):
     """The merge engine's own pma_merge.json feeds the card (the two were written apart)."""
-    from conftest import make_tiny_model, save_model_folder
-
     from hf_pma.merging.engine import merge_checkpoints
+    from tests.testing_utils import make_tiny_model, save_model_folder
 
     pma = tmp_path / "run" / "pma"
     snapshots = []

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_tiny_model, save_model_folder
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -18,6 +17,7 @@ from hf_pma.core.strategies import STRATEGIES, merge_weights
 from hf_pma.merging.engine import MergeError, merge_checkpoints, merge_state_dict
 from hf_pma.merging.safetensors_io import CheckpointFormatError
 from hf_pma.utils.parsing import parse_size
+from tests.testing_utils import make_tiny_model, save_model_folder
 
 
 def _model_states(n, dtype=torch.float32):

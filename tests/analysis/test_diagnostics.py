@@ -12,7 +12,6 @@ import sys
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from snapshot_runs import INTERVAL, noise_deviation, write_run
 
 from hf_pma.analysis.diagnostics import (
     centered_gram,
@@ -25,6 +24,7 @@ from hf_pma.analysis.diagnostics import (
 )
 from hf_pma.core.strategies import merge_weights
 from hf_pma.merging.sources import resolve_sources
+from tests.snapshot_runs import INTERVAL, noise_deviation, write_run
 
 
 def _gram(points: torch.Tensor) -> torch.Tensor:

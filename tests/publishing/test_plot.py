@@ -7,10 +7,16 @@ import json
 import numpy as np
 import pytest
 from matplotlib.image import imread
-from pma_records import MERGED_STEPS, SNAPSHOT_STEPS, TOKENS_PER_STEP, training_record, write_merged_folder
 
 from hf_pma.publishing.plot import plot_data, plot_training
 from hf_pma.publishing.records import FolderRecords, load_records
+from tests.pma_records import (
+    MERGED_STEPS,
+    SNAPSHOT_STEPS,
+    TOKENS_PER_STEP,
+    training_record,
+    write_merged_folder,
+)
 
 
 @pytest.fixture()

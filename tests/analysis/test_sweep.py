@@ -8,14 +8,14 @@ import subprocess
 import sys
 
 import pytest
-from conftest import sample_text
-from snapshot_runs import INTERVAL, noise_deviation, write_run
 
 from hf_pma.analysis.sweep import lower_is_better, plan_sweep, run_sweep
 from hf_pma.core.strategies import merge_weights
 from hf_pma.evaluation.evaluator import evaluate_models, read_eval_record
 from hf_pma.merging.engine import merge_checkpoints
 from hf_pma.merging.sources import resolve_sources
+from tests.snapshot_runs import INTERVAL, noise_deviation, write_run
+from tests.testing_utils import sample_text
 
 
 def _texts() -> list[str]:

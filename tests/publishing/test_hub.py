@@ -14,13 +14,13 @@ import subprocess
 import sys
 
 import pytest
-from hub_server import HubServer
 from huggingface_hub import ModelCard
 from huggingface_hub import constants as hf_constants
-from pma_records import EVAL_RECORD, FAKE_TOKEN, write_merged_folder
 
 from hf_pma.cli import main
 from hf_pma.publishing.hub import HubAuthError, check_model_folder, push_folder_to_hub
+from tests.hub_server import HubServer
+from tests.pma_records import EVAL_RECORD, FAKE_TOKEN, write_merged_folder
 
 TOKEN = "hf_test_token_for_the_local_hub_0000"
 

@@ -6,12 +6,11 @@ import json
 
 import pytest
 import torch
-from conftest import make_tiny_model
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
-from trainer_utils import lm_setup, quiet_args
 
 from hf_pma import PMATrainer, PMATrainingArguments
+from tests.testing_utils import lm_setup, make_tiny_model, quiet_args
 
 
 def test_lora_snapshots_merge_and_reload(tiny_tokenizer, tmp_path):
