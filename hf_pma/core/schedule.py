@@ -8,6 +8,8 @@ automatic choice of the interval. Pure Python: no torch, no files, no Trainer.
   a scheduler's class, so any schedule works (:class:`PhaseTracker`).
 * With no interval given, :func:`choose_interval` picks V so that the stable phase holds a few
   windows of N snapshots (N = 10, the paper's compromise).
+* :class:`SnapshotSchedule` puts these together for a run: fed the token count and the LR of
+  every optimizer step, it says when a snapshot is due, and resumes where a run stopped.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ __all__ = [
     "IntervalChoice",
     "choose_interval",
     "check_phases",
+    "positive_int_or_none",
+    "StepTick",
+    "SnapshotSchedule",
 ]
 
 PHASES = ("warmup", "stable", "decay")
@@ -211,3 +216,122 @@ def choose_interval(
         windows=windows,
         reason=reason,
     )
+
+
+def positive_int_or_none(value: Any, name: str) -> int | None:
+    """``value`` when it is a positive integer or ``None``; a ``ValueError`` naming ``name`` otherwise."""
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class StepTick:
+    """One optimizer step as the schedule saw it: token counts before and after, LR, phase."""
+
+    previous_tokens: int
+    tokens: int
+    lr: float
+    phase: str
+
+    @property
+    def step_tokens(self) -> int:
+        """Tokens of this step (global over all processes)."""
+        return self.tokens - self.previous_tokens
+
+
+class SnapshotSchedule:
+    """When snapshots are due in one run: the interval V (given or automatic), the phases, the position.
+
+    Feed it every optimizer step (:meth:`advance`, then :meth:`due`). With no interval given,
+    :meth:`choose_automatically` must be called once the first step's tokens are known. Its
+    :meth:`state` (JSON) resumes a run where it stopped; every process of a distributed run
+    loads the main process's state so all agree on the steps that snapshot.
+    """
+
+    def __init__(self, interval_tokens: int | None = None, phases: str | Iterable[str] = ("stable", "decay")) -> None:
+        self.requested_interval_tokens = positive_int_or_none(interval_tokens, "interval_tokens")
+        self.phases = check_phases(phases)
+        self.interval_tokens: int | None = self.requested_interval_tokens
+        self.interval_choice: dict[str, Any] | None = None
+        self.tracker: PhaseTracker | None = None
+        self.tokens = 0
+        self.tokens_at_begin = 0
+
+    def begin(self, peak_lr: float, tokens: int, saved: dict[str, Any] | None = None) -> None:
+        """Start at ``tokens`` (0, or the resumed run's count) under a schedule peaking at ``peak_lr``.
+
+        ``saved``: :meth:`state` of the run being resumed (its phase, and its automatic interval
+        when none is given now).
+        """
+        self.tracker = PhaseTracker(peak_lr)
+        self.tokens = self.tokens_at_begin = int(tokens)
+        if saved:
+            if saved.get("phase"):
+                self.tracker.load_state(saved["phase"])
+            if saved.get("interval_tokens"):
+                self.adopt_interval(int(saved["interval_tokens"]), saved.get("interval_choice"))
+
+    def adopt_interval(self, interval_tokens: int, choice: dict[str, Any] | None = None) -> bool:
+        """Use the interval of the run being resumed when none was given; ``True`` when adopted."""
+        if self.interval_tokens is not None:
+            return False
+        self.interval_tokens = positive_int_or_none(interval_tokens, "interval_tokens")
+        self.interval_choice = choice
+        return True
+
+    def state(self) -> dict[str, Any]:
+        """JSON-ready state: the interval in use, how it was chosen, the phase tracker."""
+        return {
+            "interval_tokens": self.interval_tokens,
+            "interval_choice": self.interval_choice,
+            "phase": self.tracker.state() if self.tracker is not None else None,
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Take over :meth:`state` of another process (the interval in use and the phase)."""
+        self.interval_tokens = state.get("interval_tokens")
+        self.interval_choice = state.get("interval_choice")
+        if self.tracker is not None and state.get("phase"):
+            self.tracker.load_state(state["phase"])
+
+    def advance(self, tokens: int, lr: float) -> StepTick:
+        """Record one optimizer step that ended at ``tokens`` after using ``lr``."""
+        if self.tracker is None:
+            raise RuntimeError("SnapshotSchedule.begin() must be called before advance()")
+        tick = StepTick(self.tokens, int(tokens), float(lr), self.tracker.update(lr))
+        self.tokens = tick.tokens
+        return tick
+
+    def choose_automatically(
+        self,
+        tokens_per_step: int,
+        planned_steps: int,
+        planned: Sequence[str] | None = None,
+        stride: int = 1,
+        warmup_steps: int = 0,
+    ) -> IntervalChoice:
+        """Choose V from the planned run and use it.
+
+        ``planned``: the phase of every ``stride``-th planned step (from the LR schedule), or
+        ``None`` when the schedule could not be probed (then every step after ``warmup_steps``
+        counts as stable).
+        """
+        if planned is not None:
+            stable = planned.count("stable") * stride
+            selected = sum(p in self.phases for p in planned) * stride
+        else:
+            stable = selected = max(0, planned_steps - warmup_steps)
+        choice = choose_interval(tokens_per_step, max(1, planned_steps), stable if stable > 0 else selected)
+        self.interval_tokens = choice.interval_tokens
+        self.interval_choice = {**choice.to_dict(), "auto": True, "probed_schedule": planned is not None}
+        return choice
+
+    def due(self, tick: StepTick) -> int | None:
+        """The token boundary a snapshot is due at after ``tick``, or ``None``."""
+        if self.interval_tokens is None:
+            raise RuntimeError("no interval yet: call choose_automatically() first")
+        boundary = crossed_boundary(tick.previous_tokens, tick.tokens, self.interval_tokens)
+        return boundary if boundary is not None and tick.phase in self.phases else None

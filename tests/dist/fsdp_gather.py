@@ -1,7 +1,7 @@
 """Launched by tests/test_callback_distributed.py under ``torchrun --nproc_per_node 2`` (gloo, CPU).
 
 Shards a tiny Llama with FSDP2 (``fully_shard``) and, when it works on CPU, FSDP1, then checks
-that :func:`hf_pma.snapshots.writer.gather_full_state_dict` returns the full unsharded weights on
+that :func:`hf_pma.snapshots.gather.gather_full_state_dict` returns the full unsharded weights on
 rank 0 (and ``None`` elsewhere), before and after a few optimizer steps, and that the snapshot
 written from them loads with ``from_pretrained`` and equals them. Writes ``result-rank<r>.json``.
 """
@@ -18,7 +18,8 @@ import torch
 import torch.distributed as dist
 
 
-from hf_pma.snapshots.writer import SnapshotWriter, gather_full_state_dict, prepare_snapshot, sharding_kind  # noqa: E402
+from hf_pma.snapshots.gather import gather_full_state_dict, sharding_kind  # noqa: E402
+from hf_pma.snapshots.writer import SnapshotWriter, prepare_snapshot  # noqa: E402
 from hf_pma.core.manifest import SnapshotRecord  # noqa: E402
 from tests.testing_utils import make_tiny_model  # noqa: E402
 

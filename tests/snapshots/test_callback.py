@@ -16,10 +16,10 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCa
 from hf_pma.core.manifest import MERGE_RECORD_NAME, SnapshotRecord, included_snapshots, manifest_snapshots
 from hf_pma.core.strategies import ema_weights  # noqa: E402
 from hf_pma.snapshots.callback import ONLINE_STATE_NAME, PMACallback  # noqa: E402
+from hf_pma.snapshots.gather import gather_full_state_dict
 from hf_pma.snapshots.online import OnlineAverage  # noqa: E402
 from hf_pma.snapshots.writer import (
     SnapshotWriteError,
-    gather_full_state_dict,
     prepare_snapshot,
     write_safetensors,
     write_snapshot,

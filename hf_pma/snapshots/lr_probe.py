@@ -1,0 +1,58 @@
+"""Read the learning-rate schedule a Trainer built: its peak LR and the planned LR of every step.
+
+The phases of a run (:mod:`hf_pma.core.schedule`) are read from LR values; these helpers get the
+values from the optimizer and scheduler objects the Trainer hands its callbacks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
+
+__all__ = ["first_group_value", "peak_lr", "planned_lrs", "MAX_PROBED_STEPS"]
+
+# Schedules with more steps than this are probed at a stride.
+MAX_PROBED_STEPS = 100_000
+
+
+def first_group_value(param_groups: Any, key: str) -> float | None:
+    """``param_groups[0][key]`` as a float, ``None`` when absent."""
+    try:
+        value = param_groups[0].get(key)
+    except (AttributeError, IndexError, KeyError, TypeError):
+        return None
+    return float(value) if value is not None else None
+
+
+def peak_lr(optimizer: Any, lr_scheduler: Any, args: Any) -> float:
+    """The schedule's reference (peak) LR: ``initial_lr`` of the first param group, else the
+    scheduler's ``base_lrs``, else ``args.learning_rate``."""
+    peak = first_group_value(getattr(optimizer, "param_groups", None), "initial_lr")
+    if peak is None:
+        scheduler = getattr(lr_scheduler, "scheduler", lr_scheduler)
+        base_lrs = getattr(scheduler, "base_lrs", None)
+        peak = float(base_lrs[0]) if base_lrs else None
+    if peak is None:
+        peak = float(args.learning_rate)
+    if not peak > 0:
+        raise ValueError(f"PMACallback reads the phase from the learning rate, which needs a positive peak LR; got {peak}")
+    return peak
+
+
+def planned_lrs(lr_scheduler: Any, max_steps: int) -> tuple[list[float], int] | None:
+    """The LR of every planned step (every ``stride``-th for long runs) and the stride, when the
+    schedule is a ``LambdaLR`` (every ``transformers`` schedule is); ``None`` when it cannot be probed."""
+    scheduler = getattr(lr_scheduler, "scheduler", lr_scheduler)
+    lambdas = getattr(scheduler, "lr_lambdas", None)
+    base_lrs = getattr(scheduler, "base_lrs", None)
+    if not lambdas or not base_lrs or max_steps < 1:
+        return None
+    stride = max(1, -(-max_steps // MAX_PROBED_STEPS))
+    try:
+        return [float(base_lrs[0]) * float(lambdas[0](s)) for s in range(0, max_steps, stride)], stride
+    except Exception as err:  # a custom lambda that needs more than the step
+        logger.warning(f"hf-pma: could not probe the learning-rate schedule ({err}); estimating its phases")
+        return None

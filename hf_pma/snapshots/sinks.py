@@ -1,0 +1,395 @@
+"""What happens to a snapshot once it is due: the sinks behind :class:`hf_pma.PMACallback`.
+
+The callback decides *when* (:class:`hf_pma.core.schedule.SnapshotSchedule`); a sink decides
+*what happens*: :class:`DiskSnapshotSink` writes full HF model folders listed in a manifest,
+:class:`OnlineAverageSink` folds the weights into a running average in memory. A new kind of
+snapshot is a new subclass of :class:`SnapshotSink`, not a branch in the callback.
+
+Every method is called on every process, in the same order, so a sink may use collectives
+(gathering a sharded model is one). Life cycle, as the callback drives it::
+
+    sink = DiskSnapshotSink(pma_dir, is_main=..., ...)   # at train begin
+    saved = sink.open(resume)          # folder checked; a resumed run repaired; returns its run fields
+    sink.update_manifest(**fields)     # run-level fields (interval, phases, ...) when they change
+    # at the end of an optimizer step where a snapshot is due:
+    sink.take(model, record)           # copy the weights now (the next step changes them)
+    sink.commit()                      # the record is final (its loss is known): hand it to the writer
+    sink.before_checkpoint()           # a Trainer checkpoint follows: the write in flight lands first
+    sink.save_checkpoint(dir)          # on_save: what the sink needs to resume, in the checkpoint
+    sink.close(model)                  # train end: wait for the writes, write final outputs
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from transformers.utils import logging
+
+from hf_pma.core.manifest import (
+    MERGE_RECORD_NAME,
+    SnapshotRecord,
+    is_excluded,
+    manifest_snapshots,
+    snapshot_path,
+)
+from hf_pma.snapshots.gather import gather_full_state_dict
+from hf_pma.snapshots.online import OnlineAverage
+from hf_pma.snapshots.writer import (
+    BackgroundWorker,
+    SnapshotJob,
+    SnapshotWriter,
+    model_metadata,
+    prepare_snapshot,
+    strip_for_save,
+    write_folder_atomically,
+    write_model_folder,
+)
+
+logger = logging.get_logger(__name__)
+
+__all__ = ["ONLINE_STATE_NAME", "ResumePoint", "SnapshotSink", "DiskSnapshotSink", "OnlineAverageSink"]
+
+# File in a Trainer checkpoint folder holding the online average (online mode only).
+ONLINE_STATE_NAME = "pma_online.safetensors"
+
+
+@dataclasses.dataclass(frozen=True)
+class ResumePoint:
+    """Where a resumed run starts: its token count, optimizer step and Trainer checkpoint folder."""
+
+    tokens: int
+    step: int
+    checkpoint_dir: Path
+
+
+class SnapshotSink:
+    """Base class of what happens to a snapshot (written to disk, averaged in memory, ...).
+
+    Subclasses implement :meth:`open` and :meth:`_write` (and :meth:`close` for final outputs);
+    the base class gathers the full weights onto the main process at :meth:`take`, keeps at
+    most one snapshot in flight on a :class:`BackgroundWorker`, and re-raises its failures in
+    the training thread. A sink that gathers differently (per-rank shards) overrides
+    :meth:`take`.
+
+    Args:
+        pma_dir: the run's snapshot folder (manifest, snapshots, final outputs).
+        is_main: whether this is the main process (the one that writes shared files).
+        save_dtype: cast floating weights to this dtype (``None``: the training dtype).
+        max_shard_size: largest safetensors file of a model folder.
+        async_write: write in a background thread (``False``: in the training thread).
+        accelerator: the Trainer's accelerator, to gather a DeepSpeed engine (may be ``None``).
+        processing_class: tokenizer/processor saved beside the weights (may be ``None``).
+    """
+
+    #: Short name recorded in the manifest (``"layout"``).
+    kind: ClassVar[str] = "base"
+
+    def __init__(
+        self,
+        pma_dir: str | os.PathLike[str],
+        *,
+        is_main: bool = True,
+        save_dtype: torch.dtype | None = None,
+        max_shard_size: int | str = "5GB",
+        async_write: bool = True,
+        accelerator: Any | None = None,
+        processing_class: Any | None = None,
+    ) -> None:
+        self.pma_dir = Path(pma_dir)
+        self.is_main = is_main
+        self.save_dtype = save_dtype
+        self.max_shard_size = max_shard_size
+        self.accelerator = accelerator
+        self.processing_class = processing_class
+        self.worker = BackgroundWorker(enabled=async_write, name=f"hf-pma-{self.kind}")
+        self._taken: Any | None = None
+        self._buffers: dict[str, torch.Tensor] | None = None
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    def open(self, resume: ResumePoint | None) -> dict[str, Any]:
+        """Check the output can be written; on resume make it match ``resume``.
+
+        Returns the run-level fields the resumed run had recorded (for example
+        ``interval_tokens`` and ``interval_choice``), ``{}`` when none or not the main process.
+        """
+        raise NotImplementedError
+
+    def update_manifest(self, **fields: Any) -> None:
+        """Record run-level fields (the chosen interval...); nothing by default."""
+
+    def take(self, model: torch.nn.Module, record: SnapshotRecord) -> None:
+        """Copy the weights of ``model`` for ``record`` now (every process: gathering is collective).
+
+        The copy waits in the sink until :meth:`commit`; ``record`` may still be completed
+        (its loss) until then. At most one snapshot is in flight: the previous one is written
+        first, and its CPU buffers are reused.
+        """
+        if self._taken is not None:
+            raise RuntimeError("SnapshotSink.take() called twice without commit()")
+        if self.is_main:
+            self.worker.wait(reason=f"snapshot at {record.tokens:,} tokens")
+        state_dict = gather_full_state_dict(
+            model,
+            accelerator=self.accelerator,
+            dtype=self.save_dtype,
+            is_main_process=self.is_main,
+            buffers=self._buffers,
+        )
+        if not self.is_main:
+            return
+        # The previous write is done: its CPU copy is reused by the next snapshot.
+        self._buffers = state_dict
+        self._taken = self._prepare(model, state_dict, record)
+
+    @property
+    def has_taken(self) -> bool:
+        """Whether a snapshot was taken and not committed yet (main process)."""
+        return self._taken is not None
+
+    def commit(self) -> None:
+        """Hand the snapshot taken to the writer (in the background with ``async_write``)."""
+        if self._taken is None:
+            return
+        taken, self._taken = self._taken, None
+        self.worker.submit(lambda: self._write(taken), label=self._label(taken))
+
+    def before_checkpoint(self) -> None:
+        """A Trainer checkpoint is about to be written: the snapshot in flight lands first.
+
+        A checkpoint must not get ahead of the snapshots before it: a crash after it would
+        resume without them.
+        """
+        if self.worker.busy:
+            self.worker.wait(reason="the Trainer checkpoint", warn=False)
+        self.worker.raise_if_failed()
+
+    def save_checkpoint(self, checkpoint_dir: Path) -> None:
+        """Store in a Trainer checkpoint folder what this sink needs to resume; nothing by default."""
+
+    def wait(self) -> None:
+        """Block until the snapshot in flight is done; raise if it failed."""
+        self.worker.wait()
+
+    def raise_if_failed(self) -> None:
+        """Raise the failure of a background write, if one failed since the last call."""
+        self.worker.raise_if_failed()
+
+    def close(self, model: torch.nn.Module | None) -> None:
+        """Train end: commit and wait for everything in flight (and write final outputs)."""
+        self.commit()
+        self.worker.wait()
+        self._buffers = None
+
+    # -- listing --------------------------------------------------------------------------------
+
+    def snapshots(self, include_excluded: bool = False) -> list[tuple[SnapshotRecord, Path]]:
+        """Completed snapshots listed in the manifest, oldest first, with absolute folders."""
+        if not (self.pma_dir / "manifest.json").exists():
+            return []
+        records = manifest_snapshots(self.pma_dir)
+        return [(r, snapshot_path(self.pma_dir, r)) for r in records if include_excluded or not is_excluded(r)]
+
+    def exclude(self, tokens: Iterable[int], reason: str) -> list[SnapshotRecord]:
+        """Mark listed snapshots as excluded from merges; ``[]`` when this sink lists none."""
+        return []
+
+    # -- for subclasses -------------------------------------------------------------------------
+
+    def _prepare(self, model: torch.nn.Module, state_dict: dict[str, torch.Tensor], record: SnapshotRecord) -> Any:
+        """Main process, training thread: detach what the write needs from the live model."""
+        raise NotImplementedError
+
+    def _write(self, taken: Any) -> None:
+        """Main process, writer thread: write what :meth:`_prepare` returned."""
+        raise NotImplementedError
+
+    def _label(self, taken: Any) -> str:
+        """What a log line or error calls the snapshot in flight."""
+        return str(self.pma_dir)
+
+
+class DiskSnapshotSink(SnapshotSink):
+    """Full HF model folders ``<pma_dir>/snapshot-<tokens>/`` listed in ``<pma_dir>/manifest.json``.
+
+    Each folder holds config, safetensors weights, tokenizer and ``pma.json`` (the record); it is
+    written to a temporary name, fsynced and renamed, and only then listed in the manifest
+    (:class:`hf_pma.snapshots.writer.SnapshotWriter`). ``keep_last`` deletes the oldest after that.
+    """
+
+    kind = "full"
+
+    def __init__(self, pma_dir: str | os.PathLike[str], *, keep_last: int | None = None, **kwargs: Any) -> None:
+        super().__init__(pma_dir, **kwargs)
+        self.keep_last = keep_last
+        self.writer: SnapshotWriter | None = None
+        if self.is_main:
+            self.writer = SnapshotWriter(
+                self.pma_dir, async_write=self.worker.enabled, keep_last=keep_last, max_shard_size=self.max_shard_size
+            )
+            self.worker = self.writer.worker
+
+    def open(self, resume: ResumePoint | None) -> dict[str, Any]:
+        """Create the folder (refusing one that lists another run's snapshots); on resume, drop
+        the snapshots past the resume point and list complete unlisted ones before it."""
+        if not self.is_main:
+            return {}
+        manifest = self.writer.open()
+        if resume is None:
+            if manifest["snapshots"]:
+                raise FileExistsError(
+                    f"hf-pma: {self.writer.manifest_path} already lists {len(manifest['snapshots'])} snapshots from "
+                    "an earlier run. Resume that run (trainer.train(resume_from_checkpoint=...)), or use another "
+                    "output_dir, or delete that folder."
+                )
+            return {}
+        dropped, adopted = self.writer.truncate(resume.tokens)
+        if dropped:
+            logger.warning(
+                f"hf-pma: resuming at {resume.tokens:,} tokens: dropped {len(dropped)} later snapshots "
+                f"({', '.join(r.path for r in dropped)}); this run takes them again"
+            )
+        if adopted:
+            logger.info(f"hf-pma: listed complete snapshots missing from the manifest: {[r.path for r in adopted]}")
+        return {key: manifest.get(key) for key in ("interval_tokens", "interval_choice")}
+
+    def update_manifest(self, **fields: Any) -> None:
+        """Set top-level manifest fields (main process)."""
+        if self.writer is not None:
+            self.writer.update_manifest(layout=self.kind, **fields)
+
+    def _prepare(self, model: torch.nn.Module, state_dict: dict[str, torch.Tensor], record: SnapshotRecord) -> SnapshotJob:
+        return prepare_snapshot(model, state_dict, record, self.processing_class)
+
+    def _write(self, taken: SnapshotJob) -> None:
+        self.writer.write(taken)
+
+    def _label(self, taken: SnapshotJob) -> str:
+        return str(self.pma_dir / taken.name)
+
+    def close(self, model: torch.nn.Module | None) -> None:
+        """Wait for the last write and log how many snapshots this run wrote."""
+        super().close(model)
+        if self.writer is not None:
+            logger.info(
+                f"hf-pma: {len(self.writer.written)} snapshots written this run; training waited "
+                f"{self.worker.total_wait_s:.2f}s in total for snapshot writes"
+            )
+
+    def snapshots(self, include_excluded: bool = False) -> list[tuple[SnapshotRecord, Path]]:
+        """Completed snapshots (through the writer's lock on the main process)."""
+        if self.writer is not None:
+            return self.writer.snapshots(include_excluded)
+        return super().snapshots(include_excluded)
+
+    def exclude(self, tokens: Iterable[int], reason: str) -> list[SnapshotRecord]:
+        """Mark listed snapshots as excluded (main process; ``[]`` on the others)."""
+        if self.writer is None:
+            return []
+        return self.writer.exclude(tokens, reason)
+
+
+class OnlineAverageSink(SnapshotSink):
+    """A running float32 average of the snapshots in CPU memory (``sma`` or ``ema``), no folders.
+
+    Saved in every Trainer checkpoint (``pma_online.safetensors``) and restored on resume; at
+    train end written as a model folder ``<pma_dir>/online-<kind>`` with its merge record.
+    """
+
+    kind = "online"
+
+    def __init__(self, pma_dir: str | os.PathLike[str], *, online: str = "sma", alpha: float = 0.2, **kwargs: Any) -> None:
+        super().__init__(pma_dir, **kwargs)
+        self.average = OnlineAverage(online, alpha)
+        self._model_dtype: torch.dtype | None = None
+        self._interval_tokens: int | None = None
+
+    def open(self, resume: ResumePoint | None) -> dict[str, Any]:
+        """Check the folder is writable; on resume, restore the average saved in the checkpoint."""
+        if not self.is_main:
+            return {}
+        if resume is not None:
+            path = resume.checkpoint_dir / ONLINE_STATE_NAME
+            if path.is_file():
+                self.average = OnlineAverage.load_state(path)
+                logger.info(f"hf-pma: restored the online {self.average.kind} average of {self.average.count} snapshots")
+            else:
+                logger.warning(f"hf-pma: no online average at {path}; the online average restarts empty")
+        try:
+            self.pma_dir.mkdir(parents=True, exist_ok=True)
+            probe = self.pma_dir / f".tmp-write-check-{os.getpid()}"
+            probe.write_text("ok")
+            probe.unlink()
+        except OSError as err:
+            raise PermissionError(f"hf-pma: cannot write to {self.pma_dir}: {err}") from err
+        return {}
+
+    def update_manifest(self, **fields: Any) -> None:
+        """No manifest is written; the interval goes into the final merge record."""
+        self._interval_tokens = fields.get("interval_tokens", self._interval_tokens)
+
+    def _prepare(
+        self, model: torch.nn.Module, state_dict: dict[str, torch.Tensor], record: SnapshotRecord
+    ) -> tuple[dict[str, torch.Tensor], SnapshotRecord]:
+        state_dict = strip_for_save(model, state_dict)
+        self._model_dtype = next((t.dtype for t in state_dict.values() if t.is_floating_point()), None)
+        return state_dict, record
+
+    def _write(self, taken: tuple[dict[str, torch.Tensor], SnapshotRecord]) -> None:
+        self.average.update(*taken)
+
+    def _label(self, taken: tuple[dict[str, torch.Tensor], SnapshotRecord]) -> str:
+        return f"online {taken[1].path}"
+
+    def state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
+        """The running average (float32 unless ``dtype``); ``None`` off the main process."""
+        if not self.is_main:
+            return None
+        self.worker.wait()
+        return self.average.state_dict(dtype)
+
+    @property
+    def count(self) -> int:
+        """How many snapshots the average holds."""
+        return self.average.count
+
+    def save_checkpoint(self, checkpoint_dir: Path) -> None:
+        """Save the average into the Trainer checkpoint folder (main process)."""
+        if not self.is_main:
+            return
+        self.commit()
+        self.worker.wait()
+        if checkpoint_dir.is_dir():
+            self.average.save_state(checkpoint_dir / ONLINE_STATE_NAME)
+
+    def close(self, model: torch.nn.Module | None) -> None:
+        """Write the average as a model folder ``<pma_dir>/online-<kind>`` (main process)."""
+        super().close(model)
+        if self.is_main and model is not None and self.average.count > 0:
+            self._write_model(model)
+
+    def _write_model(self, model: torch.nn.Module) -> Path:
+        dtype = self.save_dtype or self._model_dtype
+        state_dict = self.average.state_dict(dtype)
+        config, generation_config = model_metadata(model, dtype)
+        merge_record = self.average.merge_record(self._interval_tokens, str(dtype).removeprefix("torch.") if dtype else None)
+
+        def write(folder: Path) -> None:
+            write_model_folder(
+                folder,
+                state_dict,
+                config,
+                generation_config,
+                self.processing_class,
+                self.max_shard_size,
+                json_files={MERGE_RECORD_NAME: merge_record},
+            )
+
+        target = write_folder_atomically(self.pma_dir / f"online-{self.average.kind}", write)
+        logger.info(f"hf-pma: online {self.average.kind} average of {self.average.count} snapshots saved to {target}")
+        return target
