@@ -1,19 +1,30 @@
 """A small stand-in for the Hugging Face Hub on 127.0.0.1, for push tests without the internet.
 
 It answers, over real HTTP, the endpoints that ``huggingface_hub`` 2.4 calls for
-``HfApi.create_repo``, ``create_branch``, ``repo_info`` and ``upload_folder`` (with or without
-``hf_xet``):
+``HfApi.create_repo``, ``create_branch``, ``repo_info``, ``list_repo_refs``, ``upload_folder``
+(with or without ``hf_xet``) and ``hf_hub_download`` / ``HfFileSystem`` reads:
 
 * ``POST /api/repos/create``                       -> ``{"url": ...}`` (409 when it exists)
-* ``GET  /api/models/{repo}[/revision/{rev}]``     -> repo info (``id``, ``sha``, ``siblings``)
-* ``GET  /api/models/{repo}/refs``                 -> branches
+* ``GET  /api/models/{repo}[/revision/{rev}]``     -> repo info (``id``, ``sha``, ``lastModified``,
+  ``siblings``; with ``?blobs=true`` each sibling's ``size``, ``blobId`` and ``lfs``)
+* ``GET  /api/models/{repo}/refs``                 -> branches and tags
+* ``HEAD|GET /{repo}/resolve/{rev}/{path}``        -> the file at a branch, tag or commit, with the
+  Hub's headers (``X-Repo-Commit``, ``ETag``, ``X-Linked-Etag`` / ``X-Linked-Size`` for LFS files)
+  and ``Range: bytes=a-b`` answered with 206
 * ``POST /api/models/{repo}/branch/{branch}``      -> creates a branch from main (409 if it exists)
 * ``POST /api/models/{repo}/preupload/{rev}``      -> ``uploadMode: "regular"`` for every file
 * ``POST /api/models/{repo}/commit/{rev}``         -> NDJSON: header line, then files in base64
 * ``POST /api/validate-yaml``                      -> no errors (used without ``hf_xet``)
 
+Reads of a public repo need no token (as on the Hub); a wrong token is refused everywhere.
+
 Received files are kept per repo and branch (``server.files(repo_id, branch)``) so tests can
-compare bytes, and every request is logged (``server.requests``). ``server.fail_status`` makes
+compare bytes, and every request is logged (``server.requests``). Tests build repos with history
+directly: ``server.add_repo``, ``server.commit_files`` (one commit on a branch, with a date) and
+``server.add_tag``. ``server.file_hook(request)`` may answer a file request with an HTTP status, or
+``("drop", n)`` to send the headers and ``n`` bytes of the body, then close the connection (an
+interrupted download); ``server.declared_sizes[(repo_id, path)]`` makes the metadata report another
+size for a file (a repo bigger than the disk). ``server.fail_status`` makes
 every API request answer that status (401, 403, ...); ``server.fail_on`` limits it to
 endpoints whose kind is listed ("create", "preupload", "commit", ...). Only tokens in
 ``server.tokens`` are accepted (401 otherwise).
@@ -22,19 +33,26 @@ endpoints whose kind is listed ("create", "preupload", "commit", ...). Only toke
 from __future__ import annotations
 
 import base64
+import datetime
+import fnmatch
 import hashlib
 import json
 import re
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 USER = "tester"
 _REPO_API = re.compile(
     r"^/api/(?P<type>models|datasets|spaces)/(?P<repo>[^/]+(?:/[^/]+)??)"
     r"(?:/(?P<kind>preupload|commit|branch|revision|refs)(?:/(?P<rev>.+))?)?$"
 )
+_RESOLVE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)$")
+# Stored with Git LFS on the Hub (sha256 ETag, X-Linked-* headers); the rest are regular git blobs.
+LFS_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.model", "*.msgpack", "*.h5")
+_EPOCH = datetime.datetime(2024, 1, 1, tzinfo=datetime.timezone.utc)
 
 
 def git_blob_sha1(data: bytes) -> str:
@@ -42,13 +60,36 @@ def git_blob_sha1(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
+def is_lfs(path: str) -> bool:
+    """Whether the Hub would store ``path`` with Git LFS (weights, tokenizer models)."""
+    return any(fnmatch.fnmatchcase(path.rsplit("/", 1)[-1], pattern) for pattern in LFS_PATTERNS)
+
+
 class _Repo:
     def __init__(self, repo_id: str, private: bool) -> None:
         self.repo_id = repo_id
         self.private = private
+        first = hashlib.sha1(repo_id.encode()).hexdigest()
         self.branches: dict[str, dict[str, bytes]] = {"main": {}}
-        self.heads: dict[str, str] = {"main": hashlib.sha1(repo_id.encode()).hexdigest()}
+        self.heads: dict[str, str] = {"main": first}
+        self.tags: dict[str, str] = {}
+        self.trees: dict[str, dict[str, bytes]] = {first: {}}  # commit -> files, for reads by commit
+        self.dates: dict[str, datetime.datetime] = {first: _EPOCH}
         self.commits: list[dict[str, Any]] = []
+
+    def resolve(self, rev: str) -> str | None:
+        """The commit of a branch, a tag or a (full) commit id; ``None`` when unknown."""
+        if rev in self.branches:
+            return self.heads[rev]
+        if rev in self.tags:
+            return self.tags[rev]
+        return rev if rev in self.trees else None
+
+    def set_head(self, branch: str, oid: str, tree: dict[str, bytes], date: datetime.datetime | None = None) -> None:
+        self.branches[branch] = tree
+        self.heads[branch] = oid
+        self.trees[oid] = dict(tree)
+        self.dates[oid] = date or datetime.datetime.now(datetime.timezone.utc)
 
 
 class HubServer:
@@ -60,6 +101,8 @@ class HubServer:
         self.requests: list[dict[str, Any]] = []
         self.fail_status: int | None = None
         self.fail_on: set[str] | None = None
+        self.file_hook: Callable[[dict[str, Any]], Any] | None = None
+        self.declared_sizes: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
         self._thread: threading.Thread | None = None
@@ -101,6 +144,53 @@ class HubServer:
         """The requests that carried file content (preupload and commit)."""
         return [r for r in self.requests if r["kind"] in ("preupload", "commit")]
 
+    def downloads(self) -> list[dict[str, Any]]:
+        """The GET requests for file content (``file`` is ``repo/rev/path``, ``range`` the Range header)."""
+        return [r for r in self.requests if r["kind"] == "resolve" and r["method"] == "GET"]
+
+    # ------------------------------------------------------------ what tests build
+
+    def add_repo(self, repo_id: str, private: bool = False) -> None:
+        """Create an empty model repo (main has no files)."""
+        with self._lock:
+            self.repos[repo_id] = _Repo(repo_id, private)
+
+    def commit_files(
+        self, repo_id: str, branch: str, files: dict[str, bytes], message: str = "", date: datetime.datetime | None = None
+    ) -> str:
+        """Commit ``files`` (path -> bytes, replacing the branch's files) on ``branch`` (created when
+        missing); returns the commit id. ``date`` is the commit's date (default: now)."""
+        with self._lock:
+            repo = self.repos[repo_id]
+            parent = repo.heads.get(branch, "")
+            oid = hashlib.sha1(json.dumps([branch, message, sorted(files)]).encode() + parent.encode()).hexdigest()
+            if oid in repo.trees:  # the same files committed twice on a branch: a new commit all the same
+                oid = hashlib.sha1((oid + str(len(repo.commits))).encode()).hexdigest()
+            repo.set_head(branch, oid, dict(files), date)
+            repo.commits.append({"branch": branch, "oid": oid, "summary": message, "files": sorted(files)})
+            return oid
+
+    def set_branch(self, repo_id: str, branch: str, revision: str) -> str:
+        """Point ``branch`` (created when missing) at the commit of ``revision``; returns the commit id."""
+        with self._lock:
+            repo = self.repos[repo_id]
+            oid = repo.resolve(revision)
+            if oid is None:
+                raise KeyError(f"no revision {revision} in {repo_id}")
+            repo.branches[branch] = dict(repo.trees[oid])
+            repo.heads[branch] = oid
+            return oid
+
+    def add_tag(self, repo_id: str, tag: str, revision: str) -> str:
+        """Tag the commit of ``revision`` (a branch, tag or commit id); returns the commit id."""
+        with self._lock:
+            repo = self.repos[repo_id]
+            oid = repo.resolve(revision)
+            if oid is None:
+                raise KeyError(f"no revision {revision} in {repo_id}")
+            repo.tags[tag] = oid
+            return oid
+
     # ------------------------------------------------------------ handler
 
     def _handler_class(self) -> type[BaseHTTPRequestHandler]:
@@ -130,42 +220,60 @@ class HubServer:
         handler.send_header("Content-Length", str(len(data)))
         if status >= 400 and isinstance(body, dict) and "error" in body:
             handler.send_header("X-Error-Message", body["error"])
+            if body.get("code"):
+                handler.send_header("X-Error-Code", body["code"])
         handler.end_headers()
         if handler.command != "HEAD":
             handler.wfile.write(data)
 
     def _dispatch(self, handler: BaseHTTPRequestHandler, method: str) -> None:
-        path = urlsplit(handler.path).path
+        split = urlsplit(handler.path)
+        path = split.path
         length = int(handler.headers.get("Content-Length") or 0)
         body = handler.rfile.read(length) if length else b""
         auth = handler.headers.get("Authorization") or ""
         token = auth[len("Bearer ") :] if auth.startswith("Bearer ") else None
         match = _REPO_API.match(path)
+        resolve = _RESOLVE.match(path)
         if path == "/api/repos/create":
             kind = "create"
         elif path == "/api/validate-yaml":
             kind = "validate-yaml"
         elif match:
             kind = match.group("kind") or "info"
+        elif resolve:
+            kind = "resolve"
         else:
             kind = "unknown"
         record = {"method": method, "path": path, "kind": kind, "has_token": token is not None, "bytes": len(body)}
+        if resolve:
+            rev = unquote(resolve.group("rev"))
+            record.update(file=f"{resolve.group('repo')}/{rev}/{unquote(resolve.group('file'))}", range=handler.headers.get("Range"))
         with self._lock:
             self.requests.append(record)
         if self.fail_status is not None and (self.fail_on is None or kind in self.fail_on):
             self._reply(handler, self.fail_status, {"error": f"refused by the test Hub ({self.fail_status})"})
             return
-        if token not in self.tokens:
+        repo_name = (match.group("repo") if match else resolve.group("repo") if resolve else None) or ""
+        # Reads need no token unless the repo is private (a missing repo answers 404 RepoNotFound).
+        public_read = method in ("GET", "HEAD") and bool(repo_name) and not (repo_name in self.repos and self.repos[repo_name].private)
+        if token not in self.tokens and not (token is None and public_read):
             self._reply(handler, 401, {"error": "Invalid credentials in Authorization header"})
             return
+        if resolve:
+            self._serve_file(handler, method, record, resolve)
+            return
+        query = parse_qs(split.query)
         with self._lock:
             try:
-                status, answer = self._handle(method, kind, match, path, body)
+                status, answer = self._handle(method, kind, match, path, body, query)
             except Exception as err:  # a bug here should show up as a clear HTTP error in the test
                 status, answer = 500, {"error": f"test Hub failed: {err!r}"}
         self._reply(handler, status, answer)
 
-    def _handle(self, method: str, kind: str, match: re.Match | None, path: str, body: bytes) -> tuple[int, Any]:
+    def _handle(
+        self, method: str, kind: str, match: re.Match | None, path: str, body: bytes, query: dict[str, list[str]]
+    ) -> tuple[int, Any]:
         if kind == "create" and method == "POST":
             payload = json.loads(body)
             repo_id = f"{payload.get('organization') or USER}/{payload['name']}"
@@ -179,22 +287,28 @@ class HubServer:
             return 404, {"error": f"unknown endpoint {method} {path}"}
         repo = self.repos.get(match.group("repo"))
         if repo is None:
-            return 404, {"error": "Repository not found"}
+            return 404, {"error": "Repository not found", "code": "RepoNotFound"}
         rev = unquote(match.group("rev") or "main")
         if kind in ("info", "revision") and method in ("GET", "HEAD"):
-            if rev not in repo.branches:
-                return 404, {"error": f"Invalid rev id: {rev}"}
-            siblings = [{"rfilename": name} for name in sorted(repo.branches[rev])]
-            return 200, {"id": repo.repo_id, "sha": repo.heads[rev], "private": repo.private, "siblings": siblings}
+            oid = repo.resolve(rev)
+            if oid is None:
+                return 404, {"error": f"Invalid rev id: {rev}", "code": "RevisionNotFound"}
+            blobs = query.get("blobs") == ["true"]
+            siblings = [self._sibling(repo, name, data, blobs) for name, data in sorted(repo.trees[oid].items())]
+            date = repo.dates[oid].strftime("%Y-%m-%dT%H:%M:%S.000Z")
+            return 200, {"id": repo.repo_id, "sha": oid, "private": repo.private, "lastModified": date, "siblings": siblings}
         if kind == "refs":
             branches = [{"name": b, "ref": f"refs/heads/{b}", "targetCommit": repo.heads[b]} for b in repo.branches]
-            return 200, {"branches": branches, "converts": [], "tags": []}
+            tags = [{"name": t, "ref": f"refs/tags/{t}", "targetCommit": oid} for t, oid in repo.tags.items()]
+            return 200, {"branches": branches, "converts": [], "tags": tags}
         if kind == "branch" and method == "POST":
             if rev in repo.branches:
                 return 409, {"error": f"Reference already exists: refs/heads/{rev}"}
             repo.branches[rev] = dict(repo.branches["main"])
             repo.heads[rev] = repo.heads["main"]
             return 200, {}
+        if kind in ("preupload", "commit") and rev not in repo.branches and repo.resolve(rev) is not None:
+            return 400, {"error": f"{rev} is not a branch: cannot write to it"}
         if kind == "preupload" and method == "POST":
             if rev not in repo.branches:
                 return 404, {"error": f"Invalid rev id: {rev}"}
@@ -238,7 +352,81 @@ class HubServer:
                 # This server only says "regular": an LFS or Xet file here is a client surprise.
                 return 400, {"error": f"unexpected commit operation {key!r}"}
         oid = hashlib.sha1(json.dumps([header, sorted(tree)]).encode() + repo.heads[rev].encode()).hexdigest()
-        repo.branches[rev] = tree
-        repo.heads[rev] = oid
+        repo.set_head(rev, oid, tree)
         repo.commits.append({"branch": rev, "oid": oid, "summary": header.get("summary"), "files": sorted(tree)})
         return 200, {"commitUrl": f"{self.url}/{repo.repo_id}/commit/{oid}", "commitOid": oid, "pullRequestUrl": None}
+
+    # ------------------------------------------------------------ file reads
+
+    def _size(self, repo: _Repo, path: str, data: bytes) -> int:
+        return self.declared_sizes.get((repo.repo_id, path), len(data))
+
+    def _sibling(self, repo: _Repo, path: str, data: bytes, blobs: bool) -> dict[str, Any]:
+        sibling: dict[str, Any] = {"rfilename": path}
+        if blobs:
+            size = self._size(repo, path, data)
+            sibling.update(size=size, blobId=git_blob_sha1(data))
+            if is_lfs(path):
+                sibling["lfs"] = {"size": size, "sha256": hashlib.sha256(data).hexdigest(), "pointerSize": 134}
+        return sibling
+
+    def _serve_file(self, handler: BaseHTTPRequestHandler, method: str, record: dict[str, Any], match: re.Match) -> None:
+        repo = self.repos.get(match.group("repo"))
+        if repo is None:
+            self._reply(handler, 404, {"error": "Repository not found", "code": "RepoNotFound"})
+            return
+        rev, path = unquote(match.group("rev")), unquote(match.group("file"))
+        with self._lock:
+            oid = repo.resolve(rev)
+            data = repo.trees[oid].get(path) if oid is not None else None
+        if oid is None:
+            self._reply(handler, 404, {"error": f"Invalid rev id: {rev}", "code": "RevisionNotFound"})
+            return
+        if data is None:
+            handler.send_response(404)
+            handler.send_header("X-Repo-Commit", oid)
+            handler.send_header("X-Error-Code", "EntryNotFound")
+            handler.send_header("X-Error-Message", f"{path} does not exist at {rev}")
+            handler.send_header("Content-Length", "0")
+            handler.end_headers()
+            return
+        action = self.file_hook(record) if self.file_hook is not None else None
+        if isinstance(action, int):
+            self._reply(handler, action, {"error": f"refused by the test Hub ({action})"})
+            return
+        lfs = is_lfs(path)
+        etag = hashlib.sha256(data).hexdigest() if lfs else git_blob_sha1(data)
+        start, stop = 0, len(data)
+        ranged = handler.headers.get("Range")
+        if ranged and method == "GET":
+            m = re.fullmatch(r"bytes=(\d+)-(\d*)", ranged.strip())
+            if m is None or int(m.group(1)) >= len(data):
+                handler.send_response(416)
+                handler.send_header("Content-Range", f"bytes */{len(data)}")
+                handler.send_header("Content-Length", "0")
+                handler.end_headers()
+                return
+            start = int(m.group(1))
+            stop = min(len(data), int(m.group(2)) + 1) if m.group(2) else len(data)
+        body = data[start:stop]
+        handler.send_response(206 if ranged and method == "GET" else 200)
+        handler.send_header("Content-Type", "application/octet-stream")
+        handler.send_header("Accept-Ranges", "bytes")
+        handler.send_header("X-Repo-Commit", oid)
+        handler.send_header("ETag", f'"{etag}"')
+        if lfs:
+            handler.send_header("X-Linked-Etag", f'"{etag}"')
+            handler.send_header("X-Linked-Size", str(self._size(repo, path, data)))
+        if ranged and method == "GET":
+            handler.send_header("Content-Range", f"bytes {start}-{stop - 1}/{len(data)}")
+        handler.send_header("Content-Length", str(len(body)))
+        handler.end_headers()
+        if method == "HEAD":
+            return
+        if isinstance(action, tuple) and action[0] == "drop":
+            # An interrupted download: part of the body, then the connection goes away.
+            handler.wfile.write(body[: int(action[1])])
+            handler.wfile.flush()
+            handler.close_connection = True
+            return
+        handler.wfile.write(body)

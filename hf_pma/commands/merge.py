@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
+from hf_pma.commands import positive_int
 from hf_pma.core.strategies import STRATEGIES
 
 
@@ -14,6 +16,19 @@ def _weights(text: str) -> list[float]:
         raise argparse.ArgumentTypeError(f"--weights must be comma-separated numbers, got {text!r}") from err
 
 
+def add_revision_arguments(p: argparse.ArgumentParser, every: bool = True) -> None:
+    """``--revisions``, ``--every`` (when ``every``) and ``--cache-dir``: Hub revisions as sources."""
+    p.add_argument(
+        "--revisions",
+        metavar="PATTERN",
+        help="with a Hub repo org/model: its branches and tags whose name matches PATTERN, a glob ('step14*') or "
+        "a regex ('/^step1[34]\\d{4}$/' or 're:...'; named groups step/tokens set the order)",
+    )
+    if every:
+        p.add_argument("--every", type=positive_int, help="take every K-th source counting back from the newest")
+    p.add_argument("--cache-dir", metavar="DIR", help="where Hub revisions are downloaded (default: the Hugging Face cache)")
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``hf-pma merge``."""
     p = subparsers.add_parser(
@@ -22,8 +37,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         description=(
             "Merge the weights of several checkpoints into one model folder, streaming tensor by tensor. "
             "SOURCES are model folders, PMA snapshot folders, Trainer checkpoint-* folders, run folders "
-            "(holding pma/manifest.json or checkpoint-* folders) or Hub model ids; they are ordered by "
-            "training progress (tokens, then step) when known."
+            "(holding pma/manifest.json or checkpoint-* folders), Hub models (org/model) or Hub revisions "
+            "(org/model@REV; or org/model --revisions PATTERN for the branches and tags matching a glob, or a "
+            "regex written /.../ or re:...); they are ordered by training progress (tokens, then step, parsed "
+            "from revision names) when known. Only the selected revisions are downloaded."
         ),
     )
     p.add_argument("sources", nargs="+", metavar="SOURCE")
@@ -32,6 +49,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--alpha", type=float, default=0.2, help="EMA smoothing factor (default: 0.2)")
     p.add_argument("--weights", type=_weights, help="explicit weights, oldest first, e.g. 1,1,2 (normalized)")
     p.add_argument("--last", type=int, help="merge only the newest N sources")
+    add_revision_arguments(p)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="output dtype (default: input dtype)")
     p.add_argument("--accumulate-dtype", choices=["float32", "float64"], default="float32")
     p.add_argument("--max-shard-size", default="5GB", help="largest output shard (default: 5GB)")
@@ -46,18 +64,24 @@ def run(args: argparse.Namespace) -> int:
     from transformers.utils import logging
 
     from hf_pma.merging.engine import merge_checkpoints
+    from hf_pma.merging.sources import resolve_sources
 
     if args.quiet:
         logging.set_verbosity_warning()
+    output = Path(args.output)
+    if output.is_dir() and any(output.iterdir()) and not args.overwrite:  # before any download
+        raise FileExistsError(f"output folder {output} is not empty; pass --overwrite to replace it")
+    sources = resolve_sources(
+        args.sources, last=args.last, every=args.every, revisions=args.revisions, cache_dir=args.cache_dir
+    )
     merge_checkpoints(
-        args.sources,
+        sources,
         args.output,
         strategy=args.strategy,
         alpha=args.alpha,
         weights=args.weights,
         dtype=args.dtype,
         max_shard_size=args.max_shard_size,
-        last=args.last,
         overwrite=args.overwrite,
         accumulate_dtype=getattr(torch, args.accumulate_dtype),
         progress=not args.quiet,

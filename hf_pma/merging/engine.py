@@ -360,7 +360,10 @@ def _merge_record(
                 "weight": weight,
             }
         )
+        if rec.get("repo_id"):  # a Hub revision: what names it again, whatever the local cache path
+            entries[-1].update(path=f"{rec['repo_id']}@{rec['revision']}", **{k: rec.get(k) for k in ("repo_id", "revision", "commit")})
     interval = next((s.record.get("interval_tokens") for s in sources if s.record.get("interval_tokens")), None)
+    repos = {e.get("repo_id") for e in entries}
     return {
         "hf_pma_version": __version__,
         "strategy": "custom" if explicit else strategy,
@@ -371,6 +374,7 @@ def _merge_record(
         "created": time.time(),
         "interval_tokens": interval,
         "num_sources": len(sources),
+        "base_model": repos.pop() if len(repos) == 1 and None not in repos else None,
         "sources": entries,
     }
 

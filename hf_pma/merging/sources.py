@@ -5,7 +5,9 @@ step, snapshot record). :func:`resolve_sources` expands run folders (a PMA manif
 Trainer output folder with ``checkpoint-*``), orders everything by training progress when
 that is known, and :meth:`CheckpointSource.open` gives tensor-level read access over all of a
 folder's weight files (single-file or sharded safetensors, or ``.bin`` through
-``torch.load(weights_only=True)``).
+``torch.load(weights_only=True)``). Hub sources (``org/model``, ``org/model@REV``, or a repo's
+revisions matching a pattern) are found, ordered and selected before anything is downloaded
+(see :mod:`hf_pma.merging.hub_revisions`).
 """
 
 from __future__ import annotations
@@ -22,11 +24,26 @@ import torch
 from transformers.utils import logging
 
 from hf_pma.core.manifest import SNAPSHOT_RECORD_NAME, find_manifest, manifest_snapshots, read_manifest
+from hf_pma.merging.hub_revisions import (
+    HubRevision,
+    download_revisions,
+    list_revisions,
+    parse_hub_spec,
+    resolve_revision,
+)
 from hf_pma.merging.safetensors_io import CheckpointFormatError, SafetensorsReader, TensorInfo
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["CheckpointSource", "CheckpointTensors", "resolve_sources", "open_all", "find_weight_files", "WEIGHT_PREFIXES"]
+__all__ = [
+    "CheckpointSource",
+    "CheckpointTensors",
+    "resolve_sources",
+    "select_newest",
+    "open_all",
+    "find_weight_files",
+    "WEIGHT_PREFIXES",
+]
 
 # "model" for full models, "adapter_model" for PEFT adapters.
 WEIGHT_PREFIXES = ("model", "adapter_model")
@@ -135,11 +152,12 @@ class CheckpointSource:
     tokens: int | None = None
     step: int | None = None
     record: dict[str, Any] = dataclasses.field(default_factory=dict)
+    label: str | None = None
 
     @property
     def name(self) -> str:
-        """The folder's name."""
-        return self.path.name
+        """The folder's name, or the revision's name for a Hub revision."""
+        return self.label or self.path.name
 
     @property
     def is_adapter(self) -> bool:
@@ -225,26 +243,17 @@ def _expand_checkpoints(folder: Path) -> list[CheckpointSource]:
     return [_source_from_folder(p) for _, p in sorted(found)]
 
 
-def _download(repo_id: str) -> Path:
-    """Fetch a Hub model's weights and configuration (for ``hf-pma merge org/model ...``)."""
-    from huggingface_hub import snapshot_download
-
-    logger.info(f"{repo_id} is not a local folder: downloading it from the Hub")
-    return Path(
-        snapshot_download(
-            repo_id,
-            allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja", "*.py"],
-        )
-    )
-
-
-def _expand(item: str | os.PathLike[str]) -> list[CheckpointSource]:
+def _expand(item: str | os.PathLike[str], revisions: str | None = None, endpoint: str | None = None) -> list[Any]:
+    """The checkpoints an item names: local sources now, Hub revisions still to download."""
     path = Path(item)
     if not path.exists():
-        if isinstance(item, str) and re.fullmatch(r"[\w.-]+/[\w.-]+", item) and not item.startswith(("./", "../")):
-            path = _download(item)
-        else:
+        spec = parse_hub_spec(item) if isinstance(item, str) else None
+        if spec is None:
             raise FileNotFoundError(f"source {item} does not exist")
+        repo_id, revision = spec
+        if revision is None and revisions is not None:
+            return list_revisions(repo_id, revisions, endpoint=endpoint)
+        return [resolve_revision(repo_id, revision, endpoint=endpoint)]
     if path.is_file():
         raise ValueError(f"source {path} is a file; give the model folder that holds it")
     if find_weight_files(path) is not None:
@@ -261,45 +270,92 @@ def _expand(item: str | os.PathLike[str]) -> list[CheckpointSource]:
     )
 
 
+def _download(items: list[Any], cache_dir: str | os.PathLike[str] | None, endpoint: str | None) -> list[CheckpointSource]:
+    """Download the selected Hub revisions (one disk-space check, one progress bar) into sources."""
+    hub = [x for x in items if isinstance(x, HubRevision)]
+    if not hub:
+        return items
+    folders = dict(zip(map(id, hub), download_revisions(hub, cache_dir=cache_dir, endpoint=endpoint)))
+    out = []
+    for x in items:
+        if isinstance(x, HubRevision):
+            source = _source_from_folder(folders[id(x)])
+            source.tokens, source.step, source.record, source.label = x.tokens, x.step, x.record, x.name
+            x = source
+        out.append(x)
+    return out
+
+
+def _key(item: Any) -> Any:
+    return (item.repo_id, item.commit) if isinstance(item, HubRevision) else item.path.resolve()
+
+
+def select_newest(items: list[Any], last: int | None = None, every: int | None = None) -> list[Any]:
+    """Every ``every``-th item counting back from the newest, then the newest ``last`` of those."""
+    if every is not None and every > 1:
+        items = items[::-1][::every][::-1]
+    if last is not None:
+        if len(items) < last:
+            names = ", ".join(x.spec if isinstance(x, HubRevision) else str(x.path) for x in items)
+            raise ValueError(f"asked for the last {last} sources but found only {len(items)}: {names}")
+        items = items[-last:]
+    return items
+
+
 def order_by_progress(sources: list[CheckpointSource]) -> list[CheckpointSource]:
-    """Sort by tokens when every source knows them, else by step, else keep the given order."""
+    """Sort by tokens when every source knows them, else by step, else keep the given order
+    (training stages, like OLMo's, first: their token and step counts restart)."""
     if all(s.tokens is not None for s in sources):
-        return sorted(sources, key=lambda s: (s.tokens, s.step or 0))
+        return sorted(sources, key=lambda s: (s.record.get("stage") or 0, s.tokens, s.step or 0))
     if all(s.step is not None for s in sources):
-        return sorted(sources, key=lambda s: s.step)
+        return sorted(sources, key=lambda s: (s.record.get("stage") or 0, s.step))
     if len(sources) > 1:
         logger.info("Training progress is unknown for some sources: merging them in the order given (oldest first).")
     return sources
 
 
-def resolve_sources(inputs: Sequence[str | os.PathLike[str]], last: int | None = None) -> list[CheckpointSource]:
-    """Expand and order what the user named, oldest first, and keep the ``last`` N if given.
+def resolve_sources(
+    inputs: Sequence[str | os.PathLike[str]],
+    last: int | None = None,
+    *,
+    every: int | None = None,
+    revisions: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    endpoint: str | None = None,
+) -> list[CheckpointSource]:
+    """Expand and order what the user named, oldest first; keep every ``every``-th counting back
+    from the newest, then the newest ``last``.
 
     ``inputs`` may mix model folders, snapshot folders, Trainer ``checkpoint-*`` folders, run
     folders holding ``manifest.json`` / ``pma/manifest.json`` or ``checkpoint-*`` subfolders,
-    and Hub model ids.
+    and Hub models: ``org/model`` (its default branch, or with ``revisions`` its branches and
+    tags matching that glob or ``/regex/``) and ``org/model@REV``. Hub revisions are ordered
+    and selected first and only the selected ones are downloaded (into ``cache_dir``, default
+    the ``huggingface_hub`` cache, from ``endpoint``, default ``HF_ENDPOINT``).
     """
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
     if not inputs:
         raise ValueError("no sources given")
-    if last is not None and (not isinstance(last, int) or last < 1):
-        raise ValueError(f"--last must be a positive integer, got {last!r}")
-    sources = [s for item in inputs for s in _expand(item)]
-    seen: dict[Path, CheckpointSource] = {}
-    for s in sources:
-        key = s.path.resolve()
-        if key in seen:
-            raise ValueError(f"source {s.path} is given twice (directly or through a run folder)")
-        seen[key] = s
+    for flag, value in (("--last", last), ("--every", every)):
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+    if revisions is not None and not any(
+        not Path(i).exists() and (spec := parse_hub_spec(i)) is not None and spec[1] is None for i in inputs
+    ):
+        raise ValueError(f"--revisions {revisions!r} applies to a Hub repo given as org/model, and no source is one")
+    items = [x for item in inputs for x in _expand(item, revisions, endpoint)]
+    seen: dict[Any, Any] = {}
+    for x in items:
+        if _key(x) in seen:
+            what = x.spec if isinstance(x, HubRevision) else x.path
+            raise ValueError(f"source {what} is given twice (directly, through a run folder or as the same commit)")
+        seen[_key(x)] = x
+    local_prefixes = {x.prefix for x in items if isinstance(x, CheckpointSource)}
+    if len(local_prefixes) > 1:
+        raise ValueError("cannot merge full models with PEFT adapters: " + ", ".join(f"{x.path} ({x.prefix})" for x in items))
+    sources = _download(select_newest(order_by_progress(items), last, every), cache_dir, endpoint)
     prefixes = {s.prefix for s in sources}
     if len(prefixes) > 1:
-        raise ValueError("cannot merge full models with PEFT adapters: " + ", ".join(f"{s.path} ({s.prefix})" for s in sources))
-    sources = order_by_progress(sources)
-    if last is not None:
-        if len(sources) < last:
-            raise ValueError(
-                f"asked for the last {last} sources but found only {len(sources)}: " + ", ".join(str(s.path) for s in sources)
-            )
-        sources = sources[-last:]
+        raise ValueError("cannot merge full models with PEFT adapters: " + ", ".join(f"{s.name} ({s.prefix})" for s in sources))
     return sources

@@ -328,6 +328,9 @@ def _merge_code(records: FolderRecords) -> str:
     paths = []
     for src in records.sources:
         path = str(src.get("path") or src.get("name") or "?")
+        if src.get("repo_id"):  # a Hub revision: org/model@REV reads the same from anywhere
+            paths.append(path)
+            continue
         paths.append(posixpath.normpath(posixpath.join(base, path)) if not path.startswith("...") else path)
     lines = [
         "from hf_pma import merge_checkpoints",
@@ -349,6 +352,15 @@ def _merge_code(records: FolderRecords) -> str:
         lines.append("    weights=[" + ", ".join(f"{w:.6g}" for w in weights) + "],")
     lines.append(")")
     return "\n".join(lines)
+
+
+def _hub_revisions(sources: list[dict[str, Any]]) -> list[dict[str, str]]:
+    """The Hub revisions a merge was made of: repo, revision and commit, oldest first."""
+    return [
+        {"repo_id": str(s["repo_id"]), "revision": str(s.get("revision") or _MISSING), "commit": str(s.get("commit") or _MISSING)}
+        for s in sources
+        if _is_hub_id(s.get("repo_id"))
+    ]
 
 
 def _default_model_name(records: FolderRecords, repo_id: str | None) -> str:
@@ -480,6 +492,7 @@ def build_model_card(
         "has_tokenizer": _has_tokenizer(folder),
         "training_command": training.get("command"),
         "merge_code": _merge_code(records),
+        "hub_revisions": _hub_revisions(sources),
         "small_model_note": _small_run_note(records.training),
         "paper_url": PAPER_URL,
     }

@@ -22,7 +22,7 @@ __all__ = ["PMATrainingArguments"]
 
 logger = logging.get_logger(__name__)
 
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(?:@[^\s@]+)?")  # org/model or org/model@REV
 
 
 @dataclasses.dataclass
@@ -62,7 +62,7 @@ class PMATrainingArguments(TrainingArguments):
     )
     pma_init_from: list[str] | None = dataclasses.field(
         default=None,
-        metadata={"help": "Start from merged weights: a merged folder, a snapshot run folder (its last pma_window are merged) or several folders."},
+        metadata={"help": "Start from merged weights: a merged folder, a snapshot run folder (its last pma_window are merged), several folders, or Hub revisions (org/model@REV)."},
     )
     pma_spike_recovery: bool = dataclasses.field(
         default=False, metadata={"help": "On a loss spike, restore the SMA of the last snapshots and continue."}
@@ -128,6 +128,6 @@ class PMATrainingArguments(TrainingArguments):
         if isinstance(self.pma_init_from, (str, os.PathLike)):
             self.pma_init_from = [str(self.pma_init_from)]
         for item in self.pma_init_from or []:
-            # Local paths must exist now; a Hub id ("org/name") is fetched when the trainer starts.
+            # Local paths must exist now; a Hub id ("org/name[@REV]") is fetched when the trainer starts.
             if not Path(item).exists() and not _HUB_ID.fullmatch(item):
                 raise ValueError(f"pma_init_from: {item} does not exist")
