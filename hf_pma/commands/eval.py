@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from hf_pma.commands import positive_int
+from hf_pma.commands import add_revision_arguments, positive_int
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -22,7 +22,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "the main process evaluates and the others wait."
         ),
     )
-    p.add_argument("models", nargs="+", metavar="MODEL", help="model folder or Hub model id")
+    p.add_argument("models", nargs="+", metavar="MODEL", help="model folder, Hub model id or Hub revision (org/model@REV)")
+    add_revision_arguments(p)
+    p.add_argument("--last", type=positive_int, help="with --revisions: only the newest N matching revisions")
     p.add_argument("--tasks", help="comma-separated lm-eval task, group or tag names (e.g. hellaswag,arc_easy)")
     p.add_argument(
         "--include-path", action="append", metavar="DIR", help="folder of local lm-eval YAML tasks (repeatable)"
@@ -63,6 +65,36 @@ def _eval_dataset_name(source: str) -> str:
     return path.name if path.exists() else source
 
 
+def _hub_models(args: argparse.Namespace) -> tuple[list[str], list[str] | None]:
+    """The models to evaluate, Hub revisions downloaded (labelled ``model@REV``), and their labels
+    when any is a revision (``None`` otherwise: the evaluator's labels)."""
+    from hf_pma.merging.hub_revisions import parse_hub_spec
+    from hf_pma.merging.sources import resolve_sources
+
+    if args.revisions is None and (args.last or args.every):
+        raise ValueError("--last and --every select among --revisions: give --revisions PATTERN with a Hub repo")
+    models, labels, any_revision = [], [], False
+    for model in args.models:
+        spec = None if Path(model).exists() else parse_hub_spec(model)
+        if spec is None or (spec[1] is None and args.revisions is None):
+            models.append(model)
+            labels.append(None)
+            continue
+        any_revision = True
+        pattern = spec[1] is None  # --revisions, --last and --every select among a repo's revisions
+        for source in resolve_sources(
+            [model], last=args.last if pattern else None, every=args.every if pattern else None,
+            revisions=args.revisions if pattern else None, cache_dir=args.cache_dir,
+        ):
+            models.append(str(source.path))
+            labels.append(f"{spec[0].split('/')[-1]}@{source.name}")
+    if not any_revision:
+        return models, None
+    from hf_pma.evaluation.evaluator import model_labels
+
+    return models, [label or default for label, default in zip(labels, model_labels(models))]
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``hf-pma eval``."""
     from transformers.utils import logging
@@ -89,9 +121,10 @@ def run(args: argparse.Namespace) -> int:
         if not any(texts):
             raise ValueError(f"--eval-file {args.eval_file} holds no text")
 
+    models, hub_labels = _hub_models(args)
     report = evaluate_models(
-        args.models,
-        labels=labels,
+        models,
+        labels=labels or hub_labels,
         tokenizer=args.tokenizer,
         texts=texts,
         eval_dataset=_eval_dataset_name(args.eval_file) if args.eval_file else None,

@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from hf_pma.commands import positive_int
+from hf_pma.commands import add_revision_arguments, positive_int
 from hf_pma.core.strategies import STRATEGIES
 
 
@@ -23,7 +23,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "read tensor by tensor in chunks (bounded memory). Writes a PNG and, with --output, JSON."
         ),
     )
-    p.add_argument("run", metavar="RUN", help="run folder (pma/manifest.json or checkpoint-* folders)")
+    p.add_argument("run", metavar="RUN", help="run folder (pma/manifest.json or checkpoint-* folders), or a Hub repo with --revisions")
+    add_revision_arguments(p, every=False)  # --every is the merge window's own stride
     p.add_argument("--window", type=positive_int, default=10, help="snapshots in the merge window, N (default: 10)")
     p.add_argument("--every", type=positive_int, default=1, help="take every k-th snapshot (default: 1)")
     p.add_argument("--strategy", choices=STRATEGIES, default="sma", help="merge weights (default: sma)")
@@ -55,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
         window_diagnostics,
         window_indices,
     )
+    from hf_pma.merging.hub_revisions import parse_hub_spec
     from hf_pma.merging.sources import resolve_sources
     from hf_pma.utils.fs import atomic_write_json
     from hf_pma.utils.logs import enable_logging
@@ -72,11 +74,21 @@ def run(args: argparse.Namespace) -> int:
     if args.reference and not Path(args.reference).is_dir():
         raise FileNotFoundError(f"--reference {args.reference} is not a folder")
 
-    rows = snapshot_rows(args.run)
+    hub = None
+    if args.revisions or (not Path(args.run).exists() and parse_hub_spec(args.run)):
+        # Hub revisions: only the selected ones are downloaded (their weights, even with --no-diagnostics).
+        hub = resolve_sources([args.run], last=args.last, revisions=args.revisions, cache_dir=args.cache_dir)
+        rows = [
+            {"name": s.name, "tokens": s.tokens, "step": s.step, "lr": None, "phase": None, "loss": None,
+             "bytes": s.num_bytes(), "excluded": False, "excluded_reason": None, "missing": False}
+            for s in hub
+        ]
+    else:
+        rows = snapshot_rows(args.run)
     sys.stdout.write(snapshot_table(rows) + "\n")
     report = {"snapshots": rows}
     if not args.no_diagnostics:
-        sources = resolve_sources([args.run], last=None)
+        sources = hub if hub is not None else resolve_sources([args.run], last=None)
         if args.last:
             sources = sources[-args.last :]
         if len(sources) < 2:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hf_pma.commands import positive_int
+from hf_pma.commands import add_revision_arguments
 from hf_pma.core.strategies import STRATEGIES
 
 
@@ -14,19 +14,6 @@ def _weights(text: str) -> list[float]:
         return [float(w) for w in text.split(",") if w.strip()]
     except ValueError as err:
         raise argparse.ArgumentTypeError(f"--weights must be comma-separated numbers, got {text!r}") from err
-
-
-def add_revision_arguments(p: argparse.ArgumentParser, every: bool = True) -> None:
-    """``--revisions``, ``--every`` (when ``every``) and ``--cache-dir``: Hub revisions as sources."""
-    p.add_argument(
-        "--revisions",
-        metavar="PATTERN",
-        help="with a Hub repo org/model: its branches and tags whose name matches PATTERN, a glob ('step14*') or "
-        "a regex ('/^step1[34]\\d{4}$/' or 're:...'; named groups step/tokens set the order)",
-    )
-    if every:
-        p.add_argument("--every", type=positive_int, help="take every K-th source counting back from the newest")
-    p.add_argument("--cache-dir", metavar="DIR", help="where Hub revisions are downloaded (default: the Hugging Face cache)")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

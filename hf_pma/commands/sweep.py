@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from hf_pma.commands import positive_int
+from hf_pma.commands import add_revision_arguments, positive_int
 from hf_pma.core.strategies import STRATEGIES
 
 
@@ -42,7 +42,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "--best writes the best merge as a model folder."
         ),
     )
-    p.add_argument("run", nargs="+", metavar="RUN", help="run folder (pma/manifest.json or checkpoint-* folders), or checkpoints")
+    p.add_argument(
+        "run", nargs="+", metavar="RUN",
+        help="run folder (pma/manifest.json or checkpoint-* folders), checkpoints, or a Hub repo with --revisions",
+    )
+    add_revision_arguments(p, every=False)  # --every is the sweep's own stride
+    p.add_argument("--last", type=positive_int, help="sweep over the newest N snapshots or revisions only")
     p.add_argument("--window", type=_int_list, default=[3, 6, 10, 15], help="merge sizes N (default: 3,6,10,15)")
     p.add_argument("--every", type=_int_list, default=[1, 2, 4], help="take every k-th snapshot (default: 1,2,4)")
     p.add_argument("--strategy", type=_strategy_list, default=["sma", "wma", "ema"], help="strategies (default: sma,wma,ema)")
@@ -82,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
     from hf_pma.core.strategies import merge_weights
     from hf_pma.evaluation.corpus import load_documents
     from hf_pma.evaluation.generated_tasks import check_output_folder
+    from hf_pma.merging.hub_revisions import parse_hub_spec
+    from hf_pma.merging.sources import resolve_sources
     from hf_pma.utils.fs import atomic_write_json
     from hf_pma.utils.logs import enable_logging
 
@@ -110,8 +117,11 @@ def run(args: argparse.Namespace) -> int:
         if not any(texts):
             raise ValueError(f"--eval-file {args.eval_file} holds no text")
 
+    run = args.run if len(args.run) > 1 else args.run[0]
+    if args.revisions or args.last or any(not Path(r).exists() and parse_hub_spec(r) for r in args.run):
+        run = resolve_sources(args.run, last=args.last, revisions=args.revisions, cache_dir=args.cache_dir)
     report = run_sweep(
-        args.run if len(args.run) > 1 else args.run[0],
+        run,
         windows=args.window,
         every=args.every,
         strategies=args.strategy,

@@ -368,3 +368,37 @@ def test_pma_init_from_accepts_a_revision():
     assert args.pma_init_from == [f"{PYTHIA}@step1000"]
     with pytest.raises(ValueError, match="pma_init_from: no/such/folder does not exist"):
         PMATrainingArguments(output_dir="unused", pma_init_from="no/such/folder", report_to="none")
+
+
+@pytest.mark.slow
+def test_cli_eval_sweep_and_inspect_take_revisions(hub, tmp_path):
+    from tests.testing_utils import sample_text
+
+    text = tmp_path / "heldout.txt"
+    text.write_text(sample_text(4000))
+    cache = str(tmp_path / "cache")
+    common = ["--cache-dir", cache, "-q"]
+
+    out = tmp_path / "eval.json"
+    proc = _cli(["eval", PYTHIA, f"{OLMO}@{OLMO_NAMES[0]}", "--revisions", "step*", "--last", "2", "--eval-file", str(text),
+                 "--block-size", "64", "-o", str(out), *common], hub, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    labels = list(json.loads(out.read_text())["results"])
+    assert labels == ["pythia-tiny@step9000", "pythia-tiny@step10000", f"olmo-tiny@{OLMO_NAMES[0]}"]
+
+    out = tmp_path / "sweep.json"
+    proc = _cli(["sweep", PYTHIA, "--revisions", "/^step\\d+$/", "--last", "4", "--window", "2,4", "--every", "1",
+                 "--strategy", "sma", "--eval-file", str(text), "--block-size", "64", "-o", str(out), "--no-plot", *common],
+                hub, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert [s["name"] for s in report["snapshots"]] == ["step7000", "step8000", "step9000", "step10000"]
+    assert [c["snapshots"] for c in report["combinations"]] == [["step9000", "step10000"], ["step7000", "step8000", "step9000", "step10000"]]
+
+    out = tmp_path / "inspect.json"
+    proc = _cli(["inspect", PYTHIA, "--revisions", "step*", "--last", "3", "--window", "3", "--plot", "", "-o", str(out), *common],
+                hub, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+    report = json.loads(out.read_text())
+    assert [r["name"] for r in report["snapshots"]] == ["step8000", "step9000", "step10000"]
+    assert report["window"]["names"] == ["step8000", "step9000", "step10000"]
