@@ -8,6 +8,7 @@ It answers, over real HTTP, the endpoints that ``huggingface_hub`` 2.4 calls for
 * ``GET  /api/models/{repo}[/revision/{rev}]``     -> repo info (``id``, ``sha``, ``lastModified``,
   ``siblings``; with ``?blobs=true`` each sibling's ``size``, ``blobId`` and ``lfs``)
 * ``GET  /api/models/{repo}/refs``                 -> branches and tags
+* ``GET  /api/models/{repo}/tree/{rev}``           -> the files at a revision (for ``HfFileSystem``)
 * ``HEAD|GET /{repo}/resolve/{rev}/{path}``        -> the file at a branch, tag or commit, with the
   Hub's headers (``X-Repo-Commit``, ``ETag``, ``X-Linked-Etag`` / ``X-Linked-Size`` for LFS files)
   and ``Range: bytes=a-b`` answered with 206
@@ -47,7 +48,7 @@ from urllib.parse import parse_qs, unquote, urlsplit
 USER = "tester"
 _REPO_API = re.compile(
     r"^/api/(?P<type>models|datasets|spaces)/(?P<repo>[^/]+(?:/[^/]+)??)"
-    r"(?:/(?P<kind>preupload|commit|branch|revision|refs)(?:/(?P<rev>.+))?)?$"
+    r"(?:/(?P<kind>preupload|commit|branch|revision|refs|tree)(?:/(?P<rev>.+))?)?$"
 )
 _RESOLVE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>.+)$")
 # Stored with Git LFS on the Hub (sha256 ETag, X-Linked-* headers); the rest are regular git blobs.
@@ -297,6 +298,11 @@ class HubServer:
             siblings = [self._sibling(repo, name, data, blobs) for name, data in sorted(repo.trees[oid].items())]
             date = repo.dates[oid].strftime("%Y-%m-%dT%H:%M:%S.000Z")
             return 200, {"id": repo.repo_id, "sha": oid, "private": repo.private, "lastModified": date, "siblings": siblings}
+        if kind == "tree" and method == "GET":
+            oid = repo.resolve(rev.split("/", 1)[0])
+            if oid is None:
+                return 404, {"error": f"Invalid rev id: {rev}", "code": "RevisionNotFound"}
+            return 200, [self._tree_entry(repo, name, data) for name, data in sorted(repo.trees[oid].items())]
         if kind == "refs":
             branches = [{"name": b, "ref": f"refs/heads/{b}", "targetCommit": repo.heads[b]} for b in repo.branches]
             tags = [{"name": t, "ref": f"refs/tags/{t}", "targetCommit": oid} for t, oid in repo.tags.items()]
@@ -369,6 +375,12 @@ class HubServer:
             if is_lfs(path):
                 sibling["lfs"] = {"size": size, "sha256": hashlib.sha256(data).hexdigest(), "pointerSize": 134}
         return sibling
+
+    def _tree_entry(self, repo: _Repo, path: str, data: bytes) -> dict[str, Any]:
+        entry: dict[str, Any] = {"type": "file", "path": path, "oid": git_blob_sha1(data), "size": self._size(repo, path, data)}
+        if is_lfs(path):
+            entry["lfs"] = {"oid": hashlib.sha256(data).hexdigest(), "size": entry["size"], "pointerSize": 134}
+        return entry
 
     def _serve_file(self, handler: BaseHTTPRequestHandler, method: str, record: dict[str, Any], match: re.Match) -> None:
         repo = self.repos.get(match.group("repo"))

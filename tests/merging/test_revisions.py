@@ -402,3 +402,22 @@ def test_cli_eval_sweep_and_inspect_take_revisions(hub, tmp_path):
     report = json.loads(out.read_text())
     assert [r["name"] for r in report["snapshots"]] == ["step8000", "step9000", "step10000"]
     assert report["window"]["names"] == ["step8000", "step9000", "step10000"]
+
+
+def test_the_stand_in_serves_byte_ranges_as_hffilesystem_reads_them(hub, checkpoints):
+    """Range reads (only the slices a merge needs) work through HfFileSystem: one ranged GET per block."""
+    import struct
+
+    from huggingface_hub import HfFileSystem
+
+    data = (checkpoints[2] / "model.safetensors").read_bytes()
+    fs = HfFileSystem(endpoint=hub.url, token=False, skip_instance_cache=True)
+    with fs.open(f"{PYTHIA}/model.safetensors", "rb", revision="step3000", block_size=4096) as f:
+        size = struct.unpack("<Q", f.read(8))[0]
+        header = json.loads(f.read(size))
+        start, stop = header["model.norm.weight"]["data_offsets"]
+        f.seek(8 + size + start)
+        assert f.read(stop - start) == data[8 + size + start : 8 + size + stop]
+    ranges = [r["range"] for r in hub.downloads()]
+    assert ranges and all(r.startswith("bytes=") for r in ranges)
+    assert sum(int(r.split("-")[1]) - int(r[6:].split("-")[0]) + 1 for r in ranges) < len(data)  # not the whole file
