@@ -297,7 +297,7 @@ def test_a_failed_run_resumes_where_it_stopped(hub, checkpoints, tmp_path):
     broken = hub.commits["step9000"]
 
     def fail_step9000(request):
-        return 500 if f"/{broken}/" in request["file"] else None
+        return 403 if f"/{broken}/" in request["file"] else None  # a refusal is not retried: fast
 
     hub.file_hook = fail_step9000
     cache = tmp_path / "cache"
@@ -323,7 +323,8 @@ def _cli(args, hub, tmp_path):
     return subprocess.run([sys.executable, "-m", "hf_pma.cli", *args], env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_cli_merge_of_revisions_and_its_card(hub, checkpoints, tmp_path):
+def test_cli_merge_of_revisions_and_its_card(hub, checkpoints, tmp_path, monkeypatch, capsys):
+    from hf_pma.cli import main
     from hf_pma.publishing.card import build_model_card
 
     out = tmp_path / "merged"
@@ -340,9 +341,14 @@ def test_cli_merge_of_revisions_and_its_card(hub, checkpoints, tmp_path):
         assert f"step{step}" in card.text and hub.commits[f"step{step}"] in card.text
     assert f'"{PYTHIA}@step6000",' in card.text  # the merge code names the revisions
 
+    # Bad input is one line: a pattern that matches nothing, or no Hub at all (HF_HUB_OFFLINE).
     bad = _cli(["merge", PYTHIA, "--revisions", "nope*", "-o", str(tmp_path / "x"), "--cache-dir", str(cache)], hub, tmp_path)
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines()[-1].startswith("hf-pma merge: error: --revisions 'nope*' matches none of")
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
+    assert main(["merge", f"{PYTHIA}@step1000", "-o", str(tmp_path / "y"), "--cache-dir", str(cache)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == f"hf-pma merge: error: cannot read revision step1000 of {PYTHIA}: the Hub is off (HF_HUB_OFFLINE is set)"
 
 
 def test_push_of_a_revision_merge_credits_the_source_repo(hub, tmp_path):
