@@ -16,6 +16,31 @@ os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.enviro
 torch.set_num_threads(1)
 
 
+def _fail_skip(report, when: str) -> None:
+    """Turn a skipped report into a failure that says what was skipped and why."""
+    reason = report.longrepr[-1] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+    report.outcome = "failed"
+    report.longrepr = f"skipped ({when}) while HF_PMA_FAIL_ON_SKIP=1 (CI installs every extra): {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """With HF_PMA_FAIL_ON_SKIP=1 (set by .ci/run), a skipped test fails instead."""
+    outcome = yield
+    report = outcome.get_result()
+    if os.environ.get("HF_PMA_FAIL_ON_SKIP") == "1" and report.skipped and not hasattr(report, "wasxfail"):
+        _fail_skip(report, report.when)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """With HF_PMA_FAIL_ON_SKIP=1, a module skipped at import (``pytest.importorskip``) fails too."""
+    outcome = yield
+    report = outcome.get_result()
+    if os.environ.get("HF_PMA_FAIL_ON_SKIP") == "1" and report.skipped:
+        _fail_skip(report, "collection")
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     """A session-wide tiny byte-level BPE tokenizer (vocab 512)."""

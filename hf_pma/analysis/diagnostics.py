@@ -1,6 +1,6 @@
 """Why a merge helps (or not): geometry of a run's snapshots, from one Gram matrix.
 
-``shared/PMA.md`` ("Why it works"): around an optimum, the merge of N snapshots beats the
+The PMA paper (arXiv 2505.12082) explains it: around an optimum, the merge of N snapshots beats the
 average of its members when their deviations ``d_i`` are complementary (the cross terms
 ``d_i^T H d_j`` are mostly negative: the snapshots oscillate around the basin on different
 sides). This module reports cheap proxies of that.
