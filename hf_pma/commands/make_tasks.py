@@ -8,7 +8,7 @@ import sys
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``hf-pma make-tasks``."""
-    from hf_pma.evaluation.generated_tasks import TASK_KINDS, TaskOptions
+    from hf_pma.evaluation.task_options import TASK_KINDS, TaskOptions
 
     defaults = TaskOptions()
     p = subparsers.add_parser(

@@ -35,6 +35,7 @@ from transformers.utils import logging
 
 from hf_pma import __version__
 from hf_pma.evaluation.corpus import document_id, split_documents
+from hf_pma.evaluation.task_options import TASK_KINDS, TaskOptions
 from hf_pma.utils.fs import atomic_write_json, fsync_dir, fsync_tree, remove_tree
 
 logger = logging.get_logger(__name__)
@@ -56,7 +57,6 @@ __all__ = [
     "make_tasks_from_split",
 ]
 
-TASK_KINDS = ("next_line", "cloze")
 # Between context and choice: a choice is a whole next line, or the rest of the current line.
 TARGET_DELIMITERS = {"next_line": "\n", "cloze": ""}
 TASKS_INFO_NAME = "tasks_info.json"
@@ -65,36 +65,6 @@ TRAIN_NAME = "train.jsonl"
 
 _WORD_RE = re.compile(r"\w{3,}")
 _PREFIX_RE = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
-
-
-@dataclasses.dataclass
-class TaskOptions:
-    """How items are drawn.
-
-    ``num_items`` per task; ``num_choices`` per item (the true one included);
-    ``context_lines`` lines of the document before the line in question; lines usable as
-    answers have ``min_line_chars`` to ``max_line_chars`` characters (spaces at the ends not
-    counted), which keeps out trivial lines like ``}`` or ``return``.
-    """
-
-    num_items: int = 500
-    num_choices: int = 4
-    context_lines: int = 3
-    min_line_chars: int = 16
-    max_line_chars: int = 200
-
-    def validate(self) -> None:
-        """Raise ``ValueError`` naming the first bad option."""
-        if self.num_items < 1:
-            raise ValueError(f"num_items must be at least 1, got {self.num_items}")
-        if self.num_choices < 2:
-            raise ValueError(f"num_choices must be at least 2, got {self.num_choices}")
-        if self.context_lines < 1:
-            raise ValueError(f"context_lines must be at least 1, got {self.context_lines}")
-        if not 1 <= self.min_line_chars <= self.max_line_chars:
-            raise ValueError(
-                f"need 1 <= min_line_chars <= max_line_chars, got {self.min_line_chars} and {self.max_line_chars}"
-            )
 
 
 # ---------------------------------------------------------------- lines and leaks
