@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hf_pma.commands import add_revision_arguments
+from hf_pma.commands import add_revision_arguments, positive_int
 from hf_pma.core.strategies import STRATEGIES
 
 
@@ -40,6 +40,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="output dtype (default: input dtype)")
     p.add_argument("--accumulate-dtype", choices=["float32", "float64"], default="float32")
     p.add_argument("--max-shard-size", default="5GB", help="largest output shard (default: 5GB)")
+    p.add_argument(
+        "--workers",
+        type=positive_int,
+        help="merge threads (default: the usable cores); the output is bit-identical for any number",
+    )
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or info logs")
     p.set_defaults(func=run)
@@ -72,5 +77,6 @@ def run(args: argparse.Namespace) -> int:
         overwrite=args.overwrite,
         accumulate_dtype=getattr(torch, args.accumulate_dtype),
         progress=not args.quiet,
+        workers=args.workers,
     )
     return 0

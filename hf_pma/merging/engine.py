@@ -1,14 +1,11 @@
 """The streaming merge engine: ``M = sum_i w_i * M_i`` over N checkpoints, in bounded memory.
 
-Tensors are processed one at a time, in chunks of at most ``chunk_bytes`` of accumulator, read
-straight from the source files (see :mod:`hf_pma.merging.safetensors_io`) and accumulated in float32
-(or float64); the output is written tensor by tensor into shards planned up front. Peak memory
-is a few chunk buffers, independent of N and of the model size; N tensors are never stacked.
-
-Speed: the merge is memory-bound, so chunks are small enough (4 MiB) to stay in the CPU cache
-between the read and the accumulation, torch runs them on the calling thread only (a
-multi-threaded op on a few MiB costs more in thread hand-offs than it saves, a lot more on
-shared cores), and the finite check is one reduction over the merged chunk.
+Tensors are cut into chunks of at most ``chunk_bytes`` of accumulator, read straight from the
+source files (see :mod:`hf_pma.merging.safetensors_io`) and accumulated in float32 (or
+float64) by several worker threads (see :mod:`hf_pma.merging.chunks`: reads overlap the
+arithmetic, and the result is bit-identical for any number of workers); each merged chunk is
+written at its place in output shards planned up front. Peak memory is a few chunk buffers
+per worker, independent of N and of the model size; N tensors are never stacked.
 
 Everything is checked before the first byte is written (names, shapes, dtypes, headers,
 output folder), and the output is built in a temporary folder beside ``output_dir`` that is
@@ -17,26 +14,34 @@ renamed into place only when complete: a failed merge leaves nothing at ``output
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
 import shutil
 import time
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 from transformers.utils import logging
 
 from hf_pma import __version__
 from hf_pma.core.manifest import MERGE_RECORD_NAME
 from hf_pma.core.strategies import merge_weights
+from hf_pma.merging.chunks import (
+    DEFAULT_CHUNK_BYTES,
+    MergeError,
+    TensorPlan,
+    chunk_elements,
+    chunk_tasks,
+    default_workers,
+    run_chunks,
+)
 from hf_pma.merging.safetensors_io import SafetensorsWriter, TensorInfo
 from hf_pma.merging.sources import CheckpointSource, CheckpointTensors, open_all, resolve_sources
+from hf_pma.utils.distributed import all_ranks_checked, distributed_rank_and_size, local_world_size
 from hf_pma.utils.fs import atomic_write_json, fsync_dir, fsync_tree
 from hf_pma.utils.parsing import parse_dtype, parse_size
 
@@ -49,6 +54,10 @@ __all__ = [
     "parse_dtype",
     "parse_size",
     "SUPPORT_FILES",
+    "default_workers",
+    "plan_tensors",
+    "plan_output_shards",
+    "validate_sources",
 ]
 
 # Files copied from the newest source so that the merge is a self-contained model folder.
@@ -70,40 +79,9 @@ SUPPORT_FILES = (
     "preprocessor_config.json",
     "processor_config.json",
 )
-# Accumulator chunk: a chunk read from a source is still in the CPU cache when it is added.
-_DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 
 
-class MergeError(ValueError):
-    """The sources cannot be merged (mismatched tensors, non-finite values, ...)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class _TensorPlan:
-    """One output tensor: how to read it and what to write."""
-
-    name: str
-    shape: tuple[int, ...]
-    in_dtype: torch.dtype
-    out_dtype: torch.dtype
-
-    @property
-    def averaged(self) -> bool:
-        return self.in_dtype.is_floating_point
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
-    def out_bytes(self) -> int:
-        return self.numel * self.out_dtype.itemsize
-
-
-def _validate(sources: Sequence[CheckpointSource], opened: Sequence[CheckpointTensors]) -> dict[str, TensorInfo]:
+def validate_sources(sources: Sequence[CheckpointSource], opened: Sequence[CheckpointTensors]) -> dict[str, TensorInfo]:
     """Every source must have the same tensor names, shapes and dtypes; returns the first's infos."""
     reference, ref_infos = sources[0], opened[0].infos
     if not ref_infos:
@@ -129,117 +107,45 @@ def _validate(sources: Sequence[CheckpointSource], opened: Sequence[CheckpointTe
     return ref_infos
 
 
-def _plan(infos: dict[str, TensorInfo], dtype: torch.dtype | None) -> list[_TensorPlan]:
+def plan_tensors(infos: dict[str, TensorInfo], dtype: torch.dtype | None) -> list[TensorPlan]:
+    """One plan per tensor, sorted by name; floating-point tensors take ``dtype`` when given."""
     plans = []
     for name in sorted(infos):
         info = infos[name]
         out = dtype if (dtype is not None and info.dtype.is_floating_point) else info.dtype
-        plans.append(_TensorPlan(name, info.shape, info.dtype, out))
+        plans.append(TensorPlan(name, info.shape, info.dtype, out))
     return plans
 
 
-def _shard(plans: list[_TensorPlan], max_bytes: int) -> list[list[_TensorPlan]]:
-    """Greedy shards of at most ``max_bytes`` (a larger tensor gets a shard of its own)."""
-    shards: list[list[_TensorPlan]] = [[]]
+@dataclasses.dataclass(frozen=True)
+class OutputShard:
+    """One output safetensors file and the tensors it holds, in order."""
+
+    filename: str
+    plans: tuple[TensorPlan, ...]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data."""
+        return sum(p.out_bytes for p in self.plans)
+
+
+def plan_output_shards(plans: Sequence[TensorPlan], max_bytes: int, prefix: str) -> list[OutputShard]:
+    """Greedy shards of at most ``max_bytes`` (a larger tensor gets a shard of its own), named like
+    ``save_pretrained`` names them."""
+    groups: list[list[TensorPlan]] = [[]]
     size = 0
     for plan in plans:
-        if shards[-1] and size + plan.out_bytes > max_bytes:
-            shards.append([])
+        if groups[-1] and size + plan.out_bytes > max_bytes:
+            groups.append([])
             size = 0
-        shards[-1].append(plan)
+        groups[-1].append(plan)
         size += plan.out_bytes
-    return shards
-
-
-class _ChunkMerger:
-    """Computes the merged elements of a tensor chunk by chunk, with reusable buffers."""
-
-    def __init__(
-        self,
-        sources: Sequence[CheckpointSource],
-        opened: Sequence[CheckpointTensors],
-        weights: Sequence[float],
-        accumulate_dtype: torch.dtype,
-        chunk_bytes: int,
-    ) -> None:
-        self.sources, self.opened, self.weights = sources, opened, list(weights)
-        self.acc_dtype = accumulate_dtype
-        self.chunk_elems = max(1, chunk_bytes // accumulate_dtype.itemsize)
-        self._read_buf = torch.empty(self.chunk_elems * 8, dtype=torch.uint8)
-        self._cmp_buf = torch.empty(0, dtype=torch.uint8)
-        self._acc = torch.empty(self.chunk_elems, dtype=accumulate_dtype)
-        self._out: dict[torch.dtype, torch.Tensor] = {}
-
-    def chunks(self, plan: _TensorPlan) -> Iterator[torch.Tensor]:
-        """Yield the merged tensor's elements in order, as 1-D chunks of ``plan.out_dtype``."""
-        for start in range(0, plan.numel, self.chunk_elems):
-            stop = min(plan.numel, start + self.chunk_elems)
-            if plan.averaged:
-                yield self._average(plan, start, stop)
-            else:
-                yield self._check_equal(plan, start, stop)
-
-    def _average(self, plan: _TensorPlan, start: int, stop: int) -> torch.Tensor:
-        acc = self._acc[: stop - start]
-        for i, (tensors, w) in enumerate(zip(self.opened, self.weights)):
-            x = tensors.read(plan.name, start, stop, self._read_buf)
-            if i == 0:
-                acc.copy_(x)
-                acc.mul_(w)
-            else:
-                acc.add_(x, alpha=w)  # promoted to the accumulator's dtype, no temporary
-        # NaN and Inf propagate into the sum: one cheap reduction instead of an isfinite mask;
-        # only a non-finite sum (or an overflowing one) pays for the exact check.
-        if not bool(torch.isfinite(acc.sum())) and not bool(torch.isfinite(acc).all()):
-            self._raise_non_finite(plan, start, stop)
-        if plan.out_dtype == acc.dtype:
-            return acc
-        out = self._out_buffer(plan.out_dtype)[: stop - start]
-        return out.copy_(acc)  # the same rounding as acc.to(dtype), into a reused buffer
-
-    def _out_buffer(self, dtype: torch.dtype) -> torch.Tensor:
-        if dtype not in self._out:
-            self._out[dtype] = torch.empty(self.chunk_elems, dtype=dtype)
-        return self._out[dtype]
-
-    def _check_equal(self, plan: _TensorPlan, start: int, stop: int) -> torch.Tensor:
-        nbytes = (stop - start) * plan.in_dtype.itemsize
-        if self._cmp_buf.numel() < nbytes:
-            self._cmp_buf = torch.empty(nbytes, dtype=torch.uint8)
-        first = self.opened[0].read(plan.name, start, stop, self._cmp_buf)
-        for source, tensors in zip(self.sources[1:], self.opened[1:]):
-            other = tensors.read(plan.name, start, stop, self._read_buf)
-            if not torch.equal(first, other):
-                raise MergeError(
-                    f"integer/bool tensor {plan.name!r} differs between {self.sources[0].path} and {source.path}; "
-                    f"such tensors (buffers, counters) cannot be averaged and must be equal in every source"
-                )
-        return first
-
-    def _raise_non_finite(self, plan: _TensorPlan, start: int, stop: int) -> None:
-        for source, tensors in zip(self.sources, self.opened):
-            x = tensors.read(plan.name, start, stop, self._read_buf)
-            if not bool(torch.isfinite(x).all()):
-                raise MergeError(f"tensor {plan.name!r} in {source.path} holds non-finite values (NaN or Inf)")
-        raise MergeError(f"the merge of tensor {plan.name!r} overflowed {self.acc_dtype}")
-
-
-@contextlib.contextmanager
-def _single_threaded() -> Iterator[None]:
-    """Run torch ops on the calling thread only, then restore the thread count.
-
-    A chunk is a few MiB of memory-bound work: splitting it across OpenMP threads costs more in
-    hand-offs than it gains, and on busy shared cores each op can wait a scheduler slice for a
-    descheduled worker (measured: a 160M-parameter merge of 8 checkpoints took 10.6 s instead of
-    2.3 s on 2 busy cores). With the OpenMP backend, threads already running keep their own
-    setting, so a merge in a background thread leaves the training thread alone.
-    """
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+    if len(groups) == 1:
+        return [OutputShard(f"{prefix}.safetensors", tuple(groups[0]))]
+    return [
+        OutputShard(f"{prefix}-{i:05d}-of-{len(groups):05d}.safetensors", tuple(group)) for i, group in enumerate(groups, 1)
+    ]
 
 
 def _as_sources(sources: Any, last: int | None) -> list[CheckpointSource]:
@@ -267,11 +173,12 @@ def merge_state_dict(
     last: int | None = None,
     accumulate_dtype: torch.dtype = torch.float32,
     progress: bool = False,
+    workers: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Merge checkpoints into an in-memory state dict (one model's worth of memory).
 
     Same inputs, checks and arithmetic as :func:`merge_checkpoints`, for callers that load the
-    result straight into a model (merged evaluation, PMA-init, loss-spike recovery).
+    result straight into a model (PMA-init, loss-spike recovery).
     """
     _check_accumulate_dtype(accumulate_dtype)
     out_dtype = parse_dtype(dtype)
@@ -279,21 +186,26 @@ def merge_state_dict(
     coefs = merge_weights(len(srcs), strategy, alpha, weights)
     opened = open_all(srcs)
     try:
-        plans = _plan(_validate(srcs, opened), out_dtype)
-        merger = _ChunkMerger(srcs, opened, coefs, accumulate_dtype, _DEFAULT_CHUNK_BYTES)
-        state: dict[str, torch.Tensor] = {}
-        with _single_threaded():
-            for plan in tqdm(plans, desc="Merging", unit="tensor", disable=not progress):
-                out = torch.empty(plan.numel, dtype=plan.out_dtype)
-                offset = 0
-                for chunk in merger.chunks(plan):
-                    out[offset : offset + chunk.numel()].copy_(chunk)
-                    offset += chunk.numel()
-                state[plan.name] = out.reshape(plan.shape)
+        plans = plan_tensors(validate_sources(srcs, opened), out_dtype)
+        state = {plan.name: torch.empty(plan.shape, dtype=plan.out_dtype) for plan in plans}
+        chunk_elems = chunk_elements(DEFAULT_CHUNK_BYTES, accumulate_dtype)
+        tasks = (
+            task
+            for plan in plans
+            for task in chunk_tasks(plan, 0, plan.numel, chunk_elems, _copy_into(state[plan.name].view(-1)))
+        )
+        run_chunks(tasks, [str(s.path) for s in srcs], opened, coefs, accumulate_dtype, DEFAULT_CHUNK_BYTES, workers, progress=progress)
         return state
     finally:
         for tensors in opened:
             tensors.close()
+
+
+def _copy_into(flat: torch.Tensor):
+    def sink(start: int, chunk: torch.Tensor) -> None:
+        flat[start : start + chunk.numel()].copy_(chunk)
+
+    return sink
 
 
 def _check_output(output_dir: Path, sources: Sequence[CheckpointSource], overwrite: bool) -> None:
@@ -379,33 +291,53 @@ def _merge_record(
     }
 
 
-def _write_shards(
-    tmp: Path,
-    prefix: str,
-    shards: list[list[_TensorPlan]],
-    merger: _ChunkMerger,
-    progress: bool,
+def write_output_shards(
+    folder: Path,
+    shards: Sequence[OutputShard],
+    sources: Sequence[CheckpointSource],
+    opened: Sequence[CheckpointTensors],
+    coefs: Sequence[float],
+    accumulate_dtype: torch.dtype = torch.float32,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    workers: int | None = None,
+    progress: bool = False,
 ) -> None:
-    names = (
-        [f"{prefix}.safetensors"]
-        if len(shards) == 1
-        else [f"{prefix}-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-    )
-    bar = tqdm(total=sum(len(s) for s in shards), desc="Merging", unit="tensor", disable=not progress)
-    weight_map = {}
-    for filename, shard in zip(names, shards):
-        writer = SafetensorsWriter(tmp / filename, [(p.name, p.out_dtype, p.shape) for p in shard])
-        for plan in shard:
-            for chunk in merger.chunks(plan):
-                writer.write(plan.name, chunk)
-            weight_map[plan.name] = filename
-            bar.update(1)
-        writer.close()
-    bar.close()
-    if len(shards) > 1:
-        total = sum(p.out_bytes for shard in shards for p in shard)
-        index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (tmp / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    """Merge the tensors of ``shards`` and write each shard file into ``folder`` (fsynced)."""
+    writers = [SafetensorsWriter(folder / s.filename, [(p.name, p.out_dtype, p.shape) for p in s.plans]) for s in shards]
+    try:
+        chunk_elems = chunk_elements(chunk_bytes, accumulate_dtype)
+        tasks = (
+            task
+            for shard, writer in zip(shards, writers)
+            for plan in shard.plans
+            for task in chunk_tasks(plan, 0, plan.numel, chunk_elems, _write_into(writer, plan.name))
+        )
+        run_chunks(tasks, [str(s.path) for s in sources], opened, coefs, accumulate_dtype, chunk_bytes, workers, progress=progress)
+    finally:
+        errors = []
+        for writer in writers:
+            try:
+                writer.close()
+            except RuntimeError as err:
+                errors.append(err)
+    if errors:
+        raise errors[0]
+
+
+def _write_into(writer: SafetensorsWriter, name: str):
+    def sink(start: int, chunk: torch.Tensor) -> None:
+        writer.write_at(name, start, chunk)
+
+    return sink
+
+
+def write_shard_index(folder: Path, prefix: str, shards: Sequence[OutputShard]) -> None:
+    """The ``<prefix>.safetensors.index.json`` of a sharded output (nothing for a single file)."""
+    if len(shards) <= 1:
+        return
+    weight_map = {plan.name: shard.filename for shard in shards for plan in shard.plans}
+    index = {"metadata": {"total_size": sum(s.nbytes for s in shards)}, "weight_map": weight_map}
+    (folder / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def _publish(tmp: Path, output_dir: Path) -> None:
@@ -432,7 +364,9 @@ def merge_checkpoints(
     overwrite: bool = False,
     accumulate_dtype: torch.dtype = torch.float32,
     progress: bool = True,
-    chunk_bytes: int = _DEFAULT_CHUNK_BYTES,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    workers: int | None = None,
+    distributed: bool = False,
 ) -> Path:
     """Merge checkpoints into a new Hugging Face model folder and return its path.
 
@@ -449,8 +383,15 @@ def merge_checkpoints(
         last: merge only the newest ``last`` sources.
         overwrite: replace a non-empty ``output_dir``.
         accumulate_dtype: ``torch.float32`` (default) or ``torch.float64``.
-        progress: show a progress bar over tensors.
-        chunk_bytes: accumulator size; bounds memory for huge tensors.
+        progress: show a progress bar.
+        chunk_bytes: accumulator size per worker; bounds memory for huge tensors.
+        workers: merge threads (default: the usable cores, shared by the processes of this
+            machine when ``distributed``); the output is bit-identical for any number.
+        distributed: every process of the ``torch.distributed`` job calls this with the same
+            arguments; each writes its share of the output shards (planned up front, balanced
+            by bytes), rank 0 writes the index, configuration and record and moves the folder
+            into place. Waits happen on a gloo group with a long timeout; an error on any rank
+            is raised on every rank. The output is identical to a single process's.
     """
     _check_accumulate_dtype(accumulate_dtype)
     out_dtype = parse_dtype(dtype)
@@ -458,33 +399,70 @@ def merge_checkpoints(
     output_dir = Path(output_dir)
     srcs = _as_sources(sources, last)
     coefs = merge_weights(len(srcs), strategy, alpha, weights)
-    _check_output(output_dir, srcs, overwrite)
+    rank, world_size = distributed_rank_and_size() if distributed else (0, 1)
+    if workers is None:
+        workers = max(1, default_workers() // (local_world_size() if world_size > 1 else 1))
 
-    opened = open_all(srcs)
-    tmp = output_dir.with_name(f".{output_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
-    try:
-        plans = _plan(_validate(srcs, opened), out_dtype)
-        logger.info(
-            f"Merging {len(srcs)} checkpoints ({srcs[0].name} ... {srcs[-1].name}) with "
-            f"{'explicit weights' if weights is not None else strategy} into {output_dir}"
-        )
+    def begin() -> Path | None:
+        if rank != 0:
+            return None
+        _check_output(output_dir, srcs, overwrite)
+        tmp = output_dir.with_name(f".{output_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
         tmp.mkdir(parents=True)
-        merger = _ChunkMerger(srcs, opened, coefs, accumulate_dtype, chunk_bytes)
-        with _single_threaded():
-            _write_shards(tmp, srcs[-1].prefix, _shard(plans, max_bytes), merger, progress)
+        return tmp
+
+    tmp = all_ranks_checked(begin, f"preparing the merge into {output_dir}")[0]
+    opened: list[CheckpointTensors] = []
+    planned: dict[str, Any] = {}
+
+    def write_mine() -> None:
+        opened.extend(open_all(srcs))
+        plans = plan_tensors(validate_sources(srcs, opened), out_dtype)
+        shards = plan_output_shards(plans, max_bytes, srcs[-1].prefix)
+        planned.update(plans=plans, shards=shards)
+        if rank == 0:
+            logger.info(
+                f"Merging {len(srcs)} checkpoints ({srcs[0].name} ... {srcs[-1].name}) with "
+                f"{'explicit weights' if weights is not None else strategy} into {output_dir}"
+                + (f" ({world_size} processes)" if world_size > 1 else "")
+            )
+        mine = [shard for shard, owner in zip(shards, _owners(shards, world_size)) if owner == rank]
+        write_output_shards(tmp, mine, srcs, opened, coefs, accumulate_dtype, chunk_bytes, workers, progress and rank == 0)
+
+    def finish() -> None:
+        if rank != 0:
+            return
+        write_shard_index(tmp, srcs[-1].prefix, planned["shards"])
         _copy_support_files(srcs[-1], tmp, out_dtype)
-        out_dtypes = sorted({str(p.out_dtype).removeprefix("torch.") for p in plans if p.averaged})
+        out_dtypes = sorted({str(p.out_dtype).removeprefix("torch.") for p in planned["plans"] if p.averaged})
         record = _merge_record(
             srcs, coefs, strategy, alpha, weights is not None, ",".join(out_dtypes), accumulate_dtype, output_dir
         )
         atomic_write_json(tmp / MERGE_RECORD_NAME, record)
         fsync_tree(tmp)
         _publish(tmp, output_dir)
+
+    try:
+        all_ranks_checked(write_mine, f"writing the merged shards into {tmp}")
+        all_ranks_checked(finish, f"finishing the merge into {output_dir}")
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         for tensors in opened:
             tensors.close()
-    logger.info(f"Merged model written to {output_dir}")
+    if rank == 0:
+        logger.info(f"Merged model written to {output_dir}")
     return output_dir
+
+
+def _owners(shards: Sequence[OutputShard], world_size: int) -> list[int]:
+    """The rank that writes each shard: largest first to the least loaded rank (deterministic)."""
+    load = [0] * world_size
+    owners = [0] * len(shards)
+    for k in sorted(range(len(shards)), key=lambda k: (-shards[k].nbytes, k)):
+        rank = min(range(world_size), key=lambda r: (load[r], r))
+        owners[k] = rank
+        load[rank] += shards[k].nbytes
+    return owners

@@ -17,6 +17,7 @@ import json
 import math
 import os
 import struct
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -179,7 +180,9 @@ class SafetensorsWriter:
     """Write a safetensors file whose tensors are known in advance, one chunk at a time.
 
     The header (names, dtypes, shapes, offsets) is written first, then the bytes of each tensor
-    in the planned order; :meth:`close` checks that every byte was written.
+    in the planned order (:meth:`write`), or of any element range of any tensor at its place,
+    from several threads at once (:meth:`write_at`); :meth:`close` checks that every byte was
+    written.
     """
 
     def __init__(
@@ -192,6 +195,7 @@ class SafetensorsWriter:
         header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
         offset = 0
         self._sizes: list[tuple[str, int]] = []
+        self._places: dict[str, tuple[int, int, int]] = {}  # name -> (offset, bytes, itemsize)
         for name, dtype, shape in tensors:
             nbytes = math.prod(shape) * dtype.itemsize
             header[name] = {
@@ -200,12 +204,18 @@ class SafetensorsWriter:
                 "data_offsets": [offset, offset + nbytes],
             }
             self._sizes.append((name, nbytes))
+            self._places[name] = (offset, nbytes, dtype.itemsize)
             offset += nbytes
         blob = json.dumps(header, separators=(",", ":")).encode()
         blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
         self._fh = open(self.path, "wb")  # noqa: SIM115 - closed in close()
         self._fh.write(struct.pack("<Q", len(blob)))
         self._fh.write(blob)
+        self._fh.flush()
+        self._data_start = 8 + len(blob)
+        self._total = offset
+        self._placed = 0  # bytes written by write_at
+        self._lock = threading.Lock()
         self._index = 0
         self._left = self._sizes[0][1] if self._sizes else 0
 
@@ -223,9 +233,25 @@ class SafetensorsWriter:
         self._fh.write(memoryview(data))
         self._left -= data.nbytes
 
+    def write_at(self, name: str, start: int, chunk: torch.Tensor) -> None:
+        """Write ``chunk`` as elements ``start, start + 1, ...`` of tensor ``name`` (thread-safe).
+
+        Ranges must not overlap, and this mode must not be mixed with :meth:`write`.
+        """
+        offset, nbytes, itemsize = self._places[name]
+        data = memoryview(chunk.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        if start < 0 or start * itemsize + data.nbytes > nbytes:
+            raise RuntimeError(f"{self.path}: elements {start}..{start + data.nbytes // itemsize} lie outside tensor {name!r}")
+        pos, done = self._data_start + offset + start * itemsize, 0
+        while done < data.nbytes:
+            done += os.pwrite(self._fh.fileno(), data[done:], pos + done)
+        with self._lock:
+            self._placed += data.nbytes
+
     def close(self) -> None:
         """Flush, fsync and close; fail if a planned tensor did not get all its bytes."""
-        written_all = self._left == 0 and all(n == 0 for _, n in self._sizes[self._index + 1 :])
+        sequential = self._left == 0 and all(n == 0 for _, n in self._sizes[self._index + 1 :])
+        written_all = sequential if self._placed == 0 else self._placed == self._total
         self._fh.flush()
         os.fsync(self._fh.fileno())
         self._fh.close()

@@ -25,7 +25,11 @@ logger = logging.get_logger(__name__)
 
 __all__ = [
     "DEFAULT_WAIT_TIMEOUT",
+    "RankFailure",
+    "all_ranks_checked",
     "distributed_rank_and_size",
+    "local_world_size",
+    "wait_group",
     "is_main_process",
     "run_locally",
     "run_on_main_process",
@@ -79,14 +83,63 @@ def run_locally() -> Iterator[None]:
         _INSIDE.reset(token)
 
 
-def _wait_group(timeout: datetime.timedelta) -> Any:
+def wait_group(timeout: datetime.timedelta = DEFAULT_WAIT_TIMEOUT) -> Any:
+    """A gloo group over every rank for waits and small messages, created once per world.
+
+    Its timeout (default 24 h) is the longest any rank may wait there; the first call is a
+    collective (every rank makes it, in the same order as its other collectives).
+    """
     import torch.distributed as dist
 
-    key = id(dist.group.WORLD)
+    key = (id(dist.group.WORLD), timeout)
     if key not in _WAIT_GROUPS:
-        # Collective: every rank creates it, in the same order (the first call on every rank).
         _WAIT_GROUPS[key] = dist.new_group(backend="gloo", timeout=timeout)
     return _WAIT_GROUPS[key]
+
+
+def local_world_size() -> int:
+    """Processes on this machine (``LOCAL_WORLD_SIZE`` as torchrun and accelerate set it; 1 otherwise)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+class RankFailure(RuntimeError):
+    """A step that every rank ran failed on some other rank(s); the message names them."""
+
+
+def all_ranks_checked(
+    fn: Callable[[], T], what: str, timeout: datetime.timedelta = DEFAULT_WAIT_TIMEOUT
+) -> list[T]:
+    """Run ``fn()`` on every rank and return every rank's result, rank 0 first.
+
+    If ``fn`` fails on any rank, every rank raises: the failing ranks their own exception, the
+    others a :class:`RankFailure` naming the failed ranks and the first error, so that no rank
+    goes on to a collective that the others never reach. Results travel over the gloo
+    :func:`wait_group` (small picklable values only). In a single process: ``[fn()]``.
+    """
+    rank, world_size = distributed_rank_and_size()
+    if world_size == 1:
+        return [fn()]
+    import torch.distributed as dist
+
+    error: BaseException | None = None
+    result: Any = None
+    try:
+        result = fn()
+    except Exception as err:  # noqa: BLE001 - reported to every rank, then re-raised here
+        error = err
+    status = ("error", f"{type(error).__name__}: {error}") if error is not None else _picklable(("ok", result))
+    statuses: list[Any] = [None] * world_size
+    dist.all_gather_object(statuses, status, group=wait_group(timeout))
+    failed = [(r, s[1]) for r, s in enumerate(statuses) if s[0] == "error"]
+    if error is not None:
+        raise error
+    if failed:
+        ranks = ", ".join(str(r) for r, _ in failed)
+        raise RankFailure(f"{what} failed on rank(s) {ranks}: {failed[0][1]}")
+    return [s[1] for s in statuses]
 
 
 def _picklable(payload: tuple[str, Any]) -> tuple[str, Any]:
@@ -126,7 +179,7 @@ def run_on_main_process(
 
     import torch.distributed as dist
 
-    group = _wait_group(timeout)
+    group = wait_group(timeout)
     payload: tuple[str, Any] | None = None
     error: BaseException | None = None
     if rank == 0:
