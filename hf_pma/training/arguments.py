@@ -8,6 +8,7 @@ YAML/JSON files like any other training argument.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 from pathlib import Path
@@ -18,11 +19,32 @@ from transformers.utils import logging
 from hf_pma.core.schedule import check_phases
 from hf_pma.core.strategies import validate_strategy
 
-__all__ = ["PMATrainingArguments"]
+__all__ = ["PMATrainingArguments", "deepspeed_zero_stage"]
 
 logger = logging.get_logger(__name__)
 
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(?:@[^\s@]+)?")  # org/model or org/model@REV
+
+
+def deepspeed_zero_stage(deepspeed: str | dict | None) -> int | None:
+    """The ZeRO stage of a DeepSpeed set-up: the ``deepspeed`` argument (a dict or a JSON file), else
+    what ``accelerate launch`` passes in the environment; ``None`` without DeepSpeed."""
+    config = deepspeed
+    if isinstance(config, (str, os.PathLike)) and Path(config).is_file():
+        try:
+            config = json.loads(Path(config).read_text())
+        except ValueError:
+            return None
+    if isinstance(config, dict):
+        stage = (config.get("zero_optimization") or {}).get("stage")
+        return int(stage) if isinstance(stage, (int, str)) and str(stage).isdigit() else None
+    if os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true", "yes"):
+        config_file = os.environ.get("ACCELERATE_DEEPSPEED_CONFIG_FILE")
+        if config_file and config_file.lower() != "none":
+            return deepspeed_zero_stage(config_file)
+        stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "")
+        return int(stage) if stage.isdigit() else None
+    return None
 
 
 @dataclasses.dataclass
@@ -89,6 +111,13 @@ class PMATrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self) -> None:
+        if self.pma_eval and deepspeed_zero_stage(self.deepspeed) == 3:
+            # Checked first: the Trainer's own set-up of DeepSpeed comes next.
+            raise ValueError(
+                "pma_eval=True is not supported with DeepSpeed ZeRO-3: its parameters are partitioned placeholders "
+                "that merged evaluation cannot swap weights into; set pma_eval=False (snapshots, PMA-init and the "
+                "final merge still work), or train with FSDP, which merged evaluation supports by local slice"
+            )
         super().__post_init__()
         self._check_pma_arguments()
 

@@ -2,10 +2,12 @@
 merge (PMA-init), recovers from loss spikes, and writes the final merge.
 
 It composes :class:`hf_pma.PMACallback` for the snapshots themselves, and the merge engine
-for every merge. Merged evaluation swaps the merged weights into the live model for the
-evaluation loop and swaps the live weights back (the live copy is kept on the CPU, so no
-second model lives on the accelerator): ``eval_loss`` and ``eval_pma_loss`` arrive in the same
-log line, in every reporter.
+for every merge. Merged evaluation merges the snapshots straight into the live model's own
+shards (each process reads only the elements it holds, or a share of the replicated tensors
+that it then broadcasts; see :mod:`hf_pma.merging.slices`), runs the evaluation loop and puts
+the live weights back from a per-process CPU copy: no process builds a full merged model, and
+``eval_loss`` and ``eval_pma_loss`` arrive in the same log line, in every reporter. The final
+merge is written by every process, each its share of the output shards.
 """
 
 from __future__ import annotations
@@ -23,11 +25,14 @@ from transformers import Trainer
 from transformers.utils import logging
 
 from hf_pma.core.manifest import PMA_SUBDIR, TRAINING_RECORD_NAME
+from hf_pma.merging.chunks import default_workers
 from hf_pma.merging.engine import merge_checkpoints, merge_state_dict
+from hf_pma.merging.slices import SliceSwap
 from hf_pma.merging.sources import resolve_sources
 from hf_pma.merging.swap import backup_weights, load_weights, restore_weights
 from hf_pma.snapshots.callback import PMACallback
 from hf_pma.training.arguments import PMATrainingArguments
+from hf_pma.utils.distributed import all_ranks_checked, is_peft_model, local_world_size
 from hf_pma.utils.fs import atomic_write_json
 from hf_pma.utils.logs import enable_logging
 
@@ -77,8 +82,8 @@ class PMATrainer(Trainer):
         self.pma_command: str | None = None
         self.pma_recoveries: list[dict[str, Any]] = []
         self._pma_pending_metrics: dict[str, float] | None = None
-        # ((strategy, snapshot paths), merged state dict) of the last merge, reused until a snapshot lands
-        self._pma_merge_cache: tuple[tuple[str, tuple[str, ...]], dict[str, torch.Tensor]] | None = None
+        # What the last merged evaluation cost this process (bytes read, CPU backup).
+        self.pma_last_merge_stats: dict[str, Any] | None = None
         self._pma_losses: deque[float] = deque(maxlen=args.pma_spike_window)
         self._pma_last_healthy_step = 0
         self._pma_train_start = time.time()
@@ -119,40 +124,55 @@ class PMATrainer(Trainer):
 
     # ------------------------------------------------------------------ merged evaluation
 
-    def _pma_barrier(self) -> None:
-        if self.args.world_size > 1:
-            self.accelerator.wait_for_everyone()
+    def _pma_barrier(self, fn: Any = None, what: str = "waiting for the main process") -> None:
+        """Every process runs ``fn`` (if given) then waits for the others on a gloo group with a long
+        timeout (a snapshot write or a merge may outlast NCCL's); a failure anywhere is raised everywhere."""
+        all_ranks_checked(fn or (lambda: None), what)
 
     def _pma_snapshot_paths(self) -> list[Path]:
         """Usable snapshot folders, oldest first, identical on every process."""
-        self.pma_callback.wait()  # the main process lists the write in flight
-        self._pma_barrier()  # the others then read the same manifest
+        # The main process finishes the write in flight; the others then read the same manifest.
+        self._pma_barrier(self.pma_callback.wait, "waiting for the snapshot being written")
         return [path for _record, path in self.pma_callback.snapshots()]
 
-    def pma_merged_state_dict(self, last: int | None = None, strategy: str | None = None) -> dict[str, torch.Tensor] | None:
-        """The merge of the newest ``last`` (default ``pma_window``) snapshots, or ``None`` if none yet.
+    def _pma_workers(self) -> int:
+        """Merge threads per process: the usable cores shared by this machine's processes."""
+        return max(1, default_workers() // local_world_size())
 
-        Every process reads the snapshots from disk (the output folder must be visible to all
-        of them, as Trainer checkpoints are); the result is cached until a snapshot is added.
-        """
+    def _pma_merge_window(self, last: int | None = None) -> tuple[list[Path], str]:
         paths = self._pma_snapshot_paths()[-(last or self.args.pma_window) :]
+        return paths, (self.args.pma_strategy if len(paths) > 1 else "sma")
+
+    def pma_merged_state_dict(self, last: int | None = None, strategy: str | None = None) -> dict[str, torch.Tensor] | None:
+        """The full merge of the newest ``last`` (default ``pma_window``) snapshots, or ``None`` if none yet.
+
+        Builds a whole merged state dict in this process's memory (merged evaluation does not:
+        it merges by local slice); every process calling it reads every snapshot.
+        """
+        paths, default = self._pma_merge_window(last)
         if not paths:
             return None
-        strategy = strategy or self.args.pma_strategy
-        key = (strategy, tuple(map(str, paths)))
-        if self._pma_merge_cache is None or self._pma_merge_cache[0] != key:
-            state = merge_state_dict(paths, strategy=strategy if len(paths) > 1 else "sma", alpha=self.args.pma_ema_alpha)
-            self._pma_merge_cache = (key, state)
-        return self._pma_merge_cache[1]
+        strategy = strategy or default
+        return merge_state_dict(paths, strategy=strategy, alpha=self.args.pma_ema_alpha, workers=self._pma_workers())
 
     def _evaluate_merge(self, eval_dataset: Any, ignore_keys: list[str] | None, prefix: str) -> dict[str, float]:
-        state = self.pma_merged_state_dict()
-        if state is None:
+        paths, strategy = self._pma_merge_window()
+        if not paths:
             return {}
-        (_strategy, paths), _state = self._pma_merge_cache  # what pma_merged_state_dict just merged
-        backup = backup_weights(self.model)
+        start = time.perf_counter()
+        if is_peft_model(self.model):  # adapter-only snapshots: small, loaded through peft
+            backup = backup_weights(self.model)
+            load_weights(self.model, merge_state_dict(paths, strategy=strategy, alpha=self.args.pma_ema_alpha))
+            restore = lambda: restore_weights(self.model, backup)  # noqa: E731
+            self.pma_last_merge_stats = None
+        else:
+            swap = SliceSwap(
+                self.model, paths, strategy=strategy, alpha=self.args.pma_ema_alpha, workers=self._pma_workers()
+            )
+            restore = swap.restore
+            self.pma_last_merge_stats = {"bytes_read": swap.bytes_read, "backup_bytes": swap.backup_bytes}
+        merge_s = time.perf_counter() - start
         try:
-            load_weights(self.model, state)
             output = self.evaluation_loop(
                 self.get_eval_dataloader(eval_dataset),
                 description="PMA merge evaluation",
@@ -161,9 +181,10 @@ class PMATrainer(Trainer):
                 metric_key_prefix=f"{prefix}_pma",
             )
         finally:
-            restore_weights(self.model, backup)
+            restore()
         metrics = dict(output.metrics)
         metrics[f"{prefix}_pma_num_snapshots"] = len(paths)
+        metrics[f"{prefix}_pma_merge_runtime"] = round(merge_s, 4)
         return metrics
 
     def evaluate(
@@ -241,7 +262,6 @@ class PMATrainer(Trainer):
         if args.pma_recovery_reset_optimizer and self.optimizer is not None:
             inner = getattr(self.optimizer, "optimizer", self.optimizer)
             inner.state.clear()  # Adam moments hold the spike's gradients
-        self._pma_merge_cache = None
         record = {
             "step": step,
             "tokens": int(self.state.num_input_tokens_seen),
@@ -291,21 +311,28 @@ class PMATrainer(Trainer):
         if not paths:
             logger.warning("No PMA snapshot was taken during training: nothing to merge.")
             return None
-        if self.is_world_process_zero():
-            paths = paths[-(last or self.args.pma_window) :]
-            merge_checkpoints(
-                paths,
-                target,
-                strategy=self.args.pma_strategy if len(paths) > 1 else "sma",
-                alpha=self.args.pma_ema_alpha,
-                overwrite=True,
-                progress=not self.args.disable_tqdm,
-            )
+        paths = paths[-(last or self.args.pma_window) :]
+        # Every process writes its share of the output shards; the main process the rest.
+        merge_checkpoints(
+            paths,
+            target,
+            strategy=self.args.pma_strategy if len(paths) > 1 else "sma",
+            alpha=self.args.pma_ema_alpha,
+            overwrite=True,
+            progress=not self.args.disable_tqdm,
+            workers=self._pma_workers(),
+            distributed=self.args.world_size > 1,
+        )
+
+        def write_records() -> None:
+            if not self.is_world_process_zero():
+                return
             atomic_write_json(target / TRAINING_RECORD_NAME, self.pma_training_record())
             from hf_pma.publishing.card import write_model_card
 
             write_model_card(target, repo_id=self.args.hub_model_id)
-        self._pma_barrier()
+
+        self._pma_barrier(write_records, f"writing the record and card of {target}")
         return target
 
     def pma_training_record(self) -> dict[str, Any]:
