@@ -402,6 +402,7 @@ def merge_checkpoints(
     rank, world_size = distributed_rank_and_size() if distributed else (0, 1)
     if workers is None:
         workers = max(1, default_workers() // (local_world_size() if world_size > 1 else 1))
+    checked = all_ranks_checked if world_size > 1 else (lambda fn, what: [fn()])
 
     def begin() -> Path | None:
         if rank != 0:
@@ -411,7 +412,7 @@ def merge_checkpoints(
         tmp.mkdir(parents=True)
         return tmp
 
-    tmp = all_ranks_checked(begin, f"preparing the merge into {output_dir}")[0]
+    tmp = checked(begin, f"preparing the merge into {output_dir}")[0]
     opened: list[CheckpointTensors] = []
     planned: dict[str, Any] = {}
 
@@ -443,8 +444,8 @@ def merge_checkpoints(
         _publish(tmp, output_dir)
 
     try:
-        all_ranks_checked(write_mine, f"writing the merged shards into {tmp}")
-        all_ranks_checked(finish, f"finishing the merge into {output_dir}")
+        checked(write_mine, f"writing the merged shards into {tmp}")
+        checked(finish, f"finishing the merge into {output_dir}")
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)

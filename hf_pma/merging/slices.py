@@ -37,7 +37,7 @@ from hf_pma.utils.distributed import all_ranks_checked, distributed_rank_and_siz
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["SliceSwap", "LocalSlot", "local_slots", "swap_in_merge"]
+__all__ = ["SliceSwap", "LocalSlot", "local_slots", "reshard", "swap_in_merge"]
 
 # Name parts that wrappers insert (FSDP1, activation checkpointing, torch.compile).
 _WRAPPER_PARTS = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
@@ -72,6 +72,26 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return to_local() if callable(to_local) else tensor
 
 
+def reshard(model: torch.nn.Module) -> None:
+    """Put every FSDP1/FSDP2 module back on its shards and free the gathered copies.
+
+    The root keeps its parameters gathered after a forward pass; the next forward would reuse
+    that copy instead of gathering the shards that were just written.
+    """
+    try:
+        from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    except ImportError:
+        return
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.reshard()
+        elif isinstance(module, FullyShardedDataParallel) and module._handle is not None:
+            handle = module._handle
+            if handle.uses_sharded_strategy:
+                handle.reshard(True)
+                handle.post_reshard()
+
+
 def _persistent_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
     """(clean name, tensor) of every parameter and persistent buffer, aliases included."""
     out = [(_clean(n), p) for n, p in model.named_parameters(remove_duplicate=False)]
@@ -101,8 +121,9 @@ def _fsdp1_slots(model: torch.nn.Module, infos: dict[str, Any], aliases: dict[st
     for module_name, module in model.named_modules():
         if not isinstance(module, FullyShardedDataParallel) or module._handle is None:
             continue
-        flat = module._handle.flat_param
-        storage = flat.detach()
+        handle = module._handle
+        flat = handle.flat_param
+        storage = flat._local_shard if handle.uses_sharded_strategy else flat.detach()
         for fqn, shape, info in zip(flat._fqns, flat._shapes, flat._shard_param_infos):
             full = _clean(f"{module_name}.{fqn}" if module_name else fqn)
             names = aliases.get(full, {full})
@@ -160,6 +181,7 @@ def local_slots(model: torch.nn.Module, infos: dict[str, Any], rank: int = 0, wo
     Checks names and shapes against ``infos`` (tensor name -> ``.shape``); replicated tensors
     are dealt out to ranks by size, identically on every rank. Tied tensors are merged once.
     """
+    reshard(model)
     named = _persistent_tensors(model)
     by_id: dict[int, set[str]] = {}
     for name, tensor in named:
@@ -274,6 +296,7 @@ class SliceSwap:
 
     def restore(self) -> None:
         """Put the live weights back (every process calls it: replicated tensors are broadcast again)."""
+        reshard(self.model)
         self._put_back_local()
         self._broadcast()
         self._backup = []

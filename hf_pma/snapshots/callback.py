@@ -40,6 +40,7 @@ from hf_pma.snapshots.sinks import (
     SnapshotSink,
 )
 from hf_pma.snapshots.writer import SnapshotWriter
+from hf_pma.utils.distributed import check_folder_shared
 from hf_pma.utils.parsing import parse_dtype, parse_size
 
 logger = logging.get_logger(__name__)
@@ -233,6 +234,7 @@ class PMACallback(TrainerCallback, ExportableState):
                     f"{recorded['interval_tokens']:,} of the resumed run's manifest"
                 )
         self._sink.update_manifest(**self._manifest_fields(args))
+        check_folder_shared(self._pma_dir, "snapshot folder")  # multi-node: every rank reads what rank 0 writes
         self._sync_from_main(args)
         if self.interval_tokens is not None:
             logger.info(f"hf-pma: a snapshot every {self.interval_tokens:,} tokens into {self._pma_dir}")

@@ -1,12 +1,13 @@
-"""Run a piece of work once, on the main process, while the other processes wait for its result.
+"""Distributed helpers: work on the main process while the others wait, steps whose failure on
+any rank is raised on every rank, and the check that every rank sees the folder rank 0 writes.
 
 Evaluation under ``accelerate launch`` / ``torchrun`` must neither run N times nor hang. hf-pma's
 choice: evaluation runs on the global main process (rank 0) only; the other ranks block until
 it is done and then receive the same result (or the same exception), so a script that calls
 an evaluation function on every rank goes on identically everywhere.
 
-The wait happens on a dedicated gloo group with a long timeout, not on the training group:
-NCCL's default 10-minute timeout would kill the waiting ranks during a long evaluation.
+Every wait happens on a dedicated gloo group with a long timeout, not on the training group:
+NCCL's default timeout would kill the waiting ranks during a long evaluation or merge.
 """
 
 from __future__ import annotations
@@ -16,7 +17,10 @@ import contextvars
 import datetime
 import os
 import pickle
+import time
+import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any, TypeVar
 
 from transformers.utils import logging
@@ -27,6 +31,7 @@ __all__ = [
     "DEFAULT_WAIT_TIMEOUT",
     "RankFailure",
     "all_ranks_checked",
+    "check_folder_shared",
     "distributed_rank_and_size",
     "local_world_size",
     "wait_group",
@@ -200,6 +205,62 @@ def run_on_main_process(
     if status == "error":
         raise error if error is not None else value
     return value if rank != 0 else payload[1]
+
+
+def check_folder_shared(
+    folder: str | os.PathLike[str], what: str = "folder", wait: float = 10.0, timeout: datetime.timedelta = DEFAULT_WAIT_TIMEOUT
+) -> None:
+    """Raise on every rank unless every rank sees the files that rank 0 writes into ``folder``.
+
+    Rank 0 writes a file with a random token into its ``folder``; every rank looks for it in
+    its own ``folder`` (retrying for up to ``wait`` seconds, for network file systems' caches);
+    the answers are gathered on the gloo :func:`wait_group`. When some rank cannot see it
+    (node-local disks on several machines) every rank stops with an error naming the folder
+    and those ranks, instead of hanging later in a collective. Every rank must call it; in a
+    single process it does nothing.
+    """
+    rank, world_size = distributed_rank_and_size()
+    if world_size == 1:
+        return
+    import torch.distributed as dist
+
+    folder = Path(folder).absolute()
+    probe_name = f".hf-pma-visible-{uuid.uuid4().hex}"
+
+    def write_probe() -> str | None:
+        if rank != 0:
+            return None
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / probe_name).write_text(probe_name)
+        return probe_name
+
+    name = all_ranks_checked(write_probe, f"writing a probe file into the {what} {folder}", timeout)[0]
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            seen = (folder / name).read_text() == name
+        except OSError:
+            seen = False
+        if seen or time.monotonic() >= deadline:
+            break
+        time.sleep(0.2)
+    answers: list[Any] = [None] * world_size
+    dist.all_gather_object(answers, (seen, str(folder), _host()), group=wait_group(timeout))
+    if rank == 0:
+        (folder / name).unlink(missing_ok=True)
+    blind = [(r, f, h) for r, (ok, f, h) in enumerate(answers) if not ok]
+    if blind:
+        where = "; ".join(f"rank {r} on {h} (looking in {f})" for r, f, h in blind)
+        raise RuntimeError(
+            f"hf-pma: the {what} {answers[0][1]} that rank 0 writes on {answers[0][2]} is not visible to {where}: "
+            "every process must see the same folder (put output_dir on a file system shared by all nodes)"
+        )
+
+
+def _host() -> str:
+    import socket
+
+    return socket.gethostname()
 
 
 def is_peft_model(model: Any) -> bool:
