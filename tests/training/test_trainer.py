@@ -177,6 +177,7 @@ def test_a_run_that_keeps_diverging_stops_with_a_clear_error(setup, tmp_path):
         ({"pma_spike_factor": 0.5}, "pma_spike_factor must be greater than 1"),
         ({"pma_init_from": ["./no/such/folder"]}, r"pma_init_from: ./no/such/folder does not exist"),
         ({"pma_save_dtype": "int8"}, "pma_save_dtype"),
+        ({"deepspeed": {"zero_optimization": {"stage": 3}}}, "pma_eval=True is not supported with DeepSpeed ZeRO-3"),
     ],
 )
 def test_arguments_are_checked_when_given(tmp_path, overrides, match):
@@ -239,3 +240,19 @@ def test_push_to_hub_sends_the_merge_to_its_branch_beside_the_trainers_push(tmp_
         assert "pma" in card.data.tags and "tester/pma-run" in card.text
         on_main = hub.files("tester/pma-run", "main")
         assert "model.safetensors" in on_main and on_main["model.safetensors"] != on_branch["model.safetensors"]
+
+
+def test_zero3_from_accelerate_launch_is_refused_for_merged_eval(tmp_path, monkeypatch):
+    # What `accelerate launch` with a ZeRO-3 config puts in the environment.
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_ZERO_STAGE", "3")
+    with pytest.raises(ValueError, match="partitioned placeholders.*set pma_eval=False"):
+        PMATrainingArguments(output_dir=str(tmp_path), use_cpu=True)
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(config))
+    from hf_pma.training.arguments import deepspeed_zero_stage
+
+    assert deepspeed_zero_stage(None) == 2 and deepspeed_zero_stage(str(config)) == 2
+    monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED")
+    assert deepspeed_zero_stage(None) is None
