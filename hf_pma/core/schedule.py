@@ -6,8 +6,9 @@ automatic choice of the interval. Pure Python: no torch, no files, no Trainer.
   (:func:`crossed_boundary`).
 * The phase (``warmup``, ``stable``, ``decay``) is read from learning-rate *values*, never from
   a scheduler's class, so any schedule works (:class:`PhaseTracker`).
-* With no interval given, :func:`choose_interval` picks V so that the stable phase holds a few
-  windows of N snapshots (N = 10, the paper's compromise).
+* With no interval given, :func:`choose_interval` picks V so that the steps that snapshot (the
+  phases selected, from the planned schedule: :class:`RunPlan`) hold 4 windows of N snapshots
+  (N = 10, the paper's compromise).
 * :class:`SnapshotSchedule` puts these together for a run: fed the token count and the LR of
   every optimizer step, it says when a snapshot is due, and resumes where a run stopped.
 """
@@ -25,11 +26,15 @@ __all__ = [
     "SNAPSHOTS_PER_WINDOW",
     "WINDOWS_PER_STABLE_PHASE",
     "MAX_AUTO_INTERVAL_TOKENS",
+    "WHOLE_STEPS_FROM",
+    "MIN_CONSTANT_STEPS",
     "crossed_boundary",
     "next_boundary",
     "lr_phase",
     "PhaseTracker",
     "planned_phases",
+    "RunPlan",
+    "plan_run",
     "IntervalChoice",
     "choose_interval",
     "check_phases",
@@ -50,6 +55,10 @@ SNAPSHOTS_PER_WINDOW = 10
 WINDOWS_PER_STABLE_PHASE = 4
 # The largest V in the paper (MoE 10B/100B) is about 80B tokens; never go above it.
 MAX_AUTO_INTERVAL_TOKENS = 80 * 10**9
+# The automatic V is a whole number of steps when snapshots are at least this many steps apart.
+WHOLE_STEPS_FROM = 5
+# A schedule "has a constant-LR phase" when it holds the peak LR for at least this many steps.
+MIN_CONSTANT_STEPS = 2
 
 
 def check_phases(phases: str | Iterable[str]) -> tuple[str, ...]:
@@ -159,51 +168,135 @@ def planned_phases(lrs: Sequence[float], peak_lr: float, rtol: float = DEFAULT_R
 
 
 @dataclasses.dataclass(frozen=True)
+class RunPlan:
+    """What a planned LR schedule means for snapshots: how many steps are stable and how many snapshot.
+
+    ``phases`` holds the phase of every ``stride``-th planned step (``None`` when the schedule
+    could not be probed: then every step after warmup counts as stable).
+    """
+
+    planned_steps: int
+    selected: tuple[str, ...]
+    phases: tuple[str, ...] | None = None
+    stride: int = 1
+    warmup_steps: int = 0
+
+    def _count(self, wanted: Iterable[str], after_step: int = 0) -> int:
+        wanted = set(wanted)
+        if self.phases is None:
+            first = max(after_step, self.warmup_steps)
+            return max(0, self.planned_steps - first) if "stable" in wanted else 0
+        skip = -(-after_step // self.stride)  # probed entries for steps <= after_step
+        return sum(p in wanted for p in self.phases[skip:]) * self.stride
+
+    @property
+    def stable_steps(self) -> int:
+        """Planned steps at the peak (constant) learning rate."""
+        return self._count(("stable",))
+
+    @property
+    def has_constant_phase(self) -> bool:
+        """Whether the schedule holds the LR constant for at least :data:`MIN_CONSTANT_STEPS` steps."""
+        return self.stable_steps >= MIN_CONSTANT_STEPS
+
+    def selected_steps(self, after_step: int = 0) -> int:
+        """Planned steps in the phases that snapshot (after optimizer step ``after_step``)."""
+        return self._count(self.selected, after_step)
+
+    def intended_snapshots(self, target: int = SNAPSHOTS_PER_WINDOW * WINDOWS_PER_STABLE_PHASE) -> int:
+        """How many snapshots the automatic interval aims at: ``target``, or one per step when fewer steps snapshot."""
+        return min(target, self.selected_steps())
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready summary (no per-step phases)."""
+        return {
+            "planned_steps": self.planned_steps,
+            "stable_steps": self.stable_steps,
+            "selected_steps": self.selected_steps(),
+            "phases": list(self.selected),
+            "probed_schedule": self.phases is not None,
+        }
+
+
+def plan_run(
+    planned_steps: int,
+    selected: Iterable[str],
+    lrs: Sequence[float] | None,
+    peak_lr: float,
+    stride: int = 1,
+    warmup_steps: int = 0,
+) -> RunPlan:
+    """The :class:`RunPlan` of a run from the LR of every ``stride``-th planned step (``None``: unknown)."""
+    phases = tuple(planned_phases(lrs, peak_lr)) if lrs is not None else None
+    return RunPlan(int(planned_steps), check_phases(selected), phases, int(stride), int(warmup_steps))
+
+
+@dataclasses.dataclass(frozen=True)
 class IntervalChoice:
     """The automatically chosen interval and what it was derived from (recorded in the manifest)."""
 
     interval_tokens: int
     tokens_per_step: int
     planned_steps: int
-    stable_steps: int
-    snapshots_per_window: int
-    windows: int
+    snapshot_steps: int
+    target_snapshots: int
     reason: str
+    stable_steps: int | None = None
+
+    @property
+    def steps_between(self) -> float:
+        """Optimizer steps between snapshots (fractional when V is not a whole number of steps)."""
+        return self.interval_tokens / self.tokens_per_step
+
+    @property
+    def expected_snapshots(self) -> int:
+        """About how many snapshots this interval gives over the steps that snapshot."""
+        return int(self.snapshot_steps * self.tokens_per_step // self.interval_tokens)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict."""
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "expected_snapshots": self.expected_snapshots}
 
 
 def choose_interval(
     tokens_per_step: int,
     planned_steps: int,
-    stable_steps: int,
+    snapshot_steps: int,
     *,
+    stable_steps: int | None = None,
     snapshots_per_window: int = SNAPSHOTS_PER_WINDOW,
     windows: int = WINDOWS_PER_STABLE_PHASE,
     max_interval_tokens: int = MAX_AUTO_INTERVAL_TOKENS,
 ) -> IntervalChoice:
-    """Choose V so that the stable phase holds ``windows`` windows of ``snapshots_per_window``.
+    """Choose V so that the steps that snapshot hold ``windows`` windows of ``snapshots_per_window``.
 
-    ``stable_steps`` is the planned length of the stable phase in optimizer steps; when the
-    schedule has none (cosine, linear), pass the steps in which snapshots are taken instead.
-    V is a whole number of steps' worth of tokens (so snapshots land on the same steps of a
-    run with a fixed batch), at least one step (the floor) and at most
-    ``max_interval_tokens`` (the ceiling, the paper's largest V).
+    ``snapshot_steps`` is the planned number of optimizer steps in the phases where snapshots
+    are taken (``0``: unknown, then all ``planned_steps``). V is the tokens of those steps
+    divided by the target count (40 by default), so the run gets about that many snapshots
+    whatever its schedule. It is a whole number of steps' worth of tokens when snapshots are
+    at least :data:`WHOLE_STEPS_FROM` steps apart (snapshots land on the same steps of a run
+    with a fixed batch; rounding moves the count by at most 10%), exact tokens below that;
+    at least one step (the floor: at most one snapshot per step) and at most
+    ``max_interval_tokens`` (the ceiling, the paper's largest V). ``stable_steps`` is only
+    recorded.
     """
     for name, value in (("tokens_per_step", tokens_per_step), ("planned_steps", planned_steps)):
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if not isinstance(stable_steps, int) or stable_steps < 0:
-        raise ValueError(f"stable_steps must be a non-negative integer, got {stable_steps!r}")
-    span = stable_steps if stable_steps > 0 else planned_steps
-    target_snapshots = snapshots_per_window * windows
-    steps_between = max(1, span // target_snapshots)
-    interval = steps_between * tokens_per_step
-    reason = f"{span} steps / {target_snapshots} snapshots"
-    if span < target_snapshots:
-        reason = f"floor: one snapshot per step ({span} steps < {target_snapshots} snapshots)"
+    if not isinstance(snapshot_steps, int) or isinstance(snapshot_steps, bool) or snapshot_steps < 0:
+        raise ValueError(f"snapshot_steps must be a non-negative integer, got {snapshot_steps!r}")
+    span = snapshot_steps if snapshot_steps > 0 else planned_steps
+    target = snapshots_per_window * windows
+    steps_between = span / target
+    if span <= target:
+        interval = tokens_per_step
+        reason = f"floor: one snapshot per step ({span} steps snapshot, fewer than {target} snapshots)"
+    elif steps_between >= WHOLE_STEPS_FROM:
+        interval = round(steps_between) * tokens_per_step
+        reason = f"{span} steps snapshot / {target} snapshots = every {round(steps_between)} steps"
+    else:
+        interval = max(tokens_per_step, round(span * tokens_per_step / target))
+        reason = f"{span} steps snapshot / {target} snapshots = every {steps_between:.2f} steps"
     if interval > max_interval_tokens:
         interval = max(tokens_per_step, (max_interval_tokens // tokens_per_step) * tokens_per_step)
         reason = f"ceiling: {max_interval_tokens:,} tokens"
@@ -211,10 +304,10 @@ def choose_interval(
         interval_tokens=int(interval),
         tokens_per_step=tokens_per_step,
         planned_steps=planned_steps,
-        stable_steps=stable_steps,
-        snapshots_per_window=snapshots_per_window,
-        windows=windows,
+        snapshot_steps=span,
+        target_snapshots=target,
         reason=reason,
+        stable_steps=stable_steps,
     )
 
 
@@ -305,28 +398,16 @@ class SnapshotSchedule:
         self.tokens = tick.tokens
         return tick
 
-    def choose_automatically(
-        self,
-        tokens_per_step: int,
-        planned_steps: int,
-        planned: Sequence[str] | None = None,
-        stride: int = 1,
-        warmup_steps: int = 0,
-    ) -> IntervalChoice:
-        """Choose V from the planned run and use it.
-
-        ``planned``: the phase of every ``stride``-th planned step (from the LR schedule), or
-        ``None`` when the schedule could not be probed (then every step after ``warmup_steps``
-        counts as stable).
-        """
-        if planned is not None:
-            stable = planned.count("stable") * stride
-            selected = sum(p in self.phases for p in planned) * stride
-        else:
-            stable = selected = max(0, planned_steps - warmup_steps)
-        choice = choose_interval(tokens_per_step, max(1, planned_steps), stable if stable > 0 else selected)
+    def choose_automatically(self, tokens_per_step: int, plan: RunPlan) -> IntervalChoice:
+        """Choose V from the first step's tokens and the planned run (:class:`RunPlan`), and use it."""
+        choice = choose_interval(
+            tokens_per_step,
+            max(1, plan.planned_steps),
+            plan.selected_steps(),
+            stable_steps=plan.stable_steps,
+        )
         self.interval_tokens = choice.interval_tokens
-        self.interval_choice = {**choice.to_dict(), "auto": True, "probed_schedule": planned is not None}
+        self.interval_choice = {**choice.to_dict(), "auto": True, "probed_schedule": plan.phases is not None}
         return choice
 
     def due(self, tick: StepTick) -> int | None:

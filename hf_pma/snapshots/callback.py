@@ -18,6 +18,7 @@ flight, so a Trainer checkpoint never gets ahead of the snapshots it follows).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -29,7 +30,8 @@ from transformers.utils import logging
 
 from hf_pma import __version__
 from hf_pma.core.manifest import PMA_SUBDIR, SnapshotRecord, snapshot_dirname
-from hf_pma.core.schedule import SnapshotSchedule, planned_phases, positive_int_or_none
+from hf_pma.core.schedule import RunPlan, SnapshotSchedule, StepTick, plan_run, positive_int_or_none
+from hf_pma.snapshots.budget import DiskBudget, SnapshotBudgetError, SnapshotCost, TimeBudget
 from hf_pma.snapshots.lr_probe import first_group_value, peak_lr, planned_lrs
 from hf_pma.snapshots.online import ONLINE_KINDS, OnlineAverage
 from hf_pma.snapshots.sinks import (
@@ -54,8 +56,8 @@ class PMACallback(TrainerCallback, ExportableState):
     Args:
         interval_tokens: V, the global number of input tokens (over all processes) between
             snapshots. ``None``: chosen after the first optimizer step from the planned run so
-            that the stable phase holds 4 windows of 10 snapshots (logged, and recorded in the
-            manifest).
+            that the steps in ``phases`` hold 4 windows of 10 snapshots, about 40 snapshots
+            whatever the schedule (logged, and recorded in the manifest).
         output_dir: where snapshots and ``manifest.json`` go; default
             ``<TrainingArguments.output_dir>/pma``.
         phases: the learning-rate phases in which snapshots are taken, among ``"warmup"``,
@@ -68,10 +70,19 @@ class PMACallback(TrainerCallback, ExportableState):
         online: ``"sma"`` or ``"ema"``: keep a running float32 average on CPU instead of
             writing snapshots; saved as a model folder ``<output_dir>/online-<kind>`` at the end.
         online_alpha: EMA factor for ``online="ema"``.
+        max_disk_bytes: the disk budget of the snapshots (bytes or ``"200GB"``). ``None``: the
+            free space of the snapshot folder. The projected bytes (one snapshot in the saved
+            dtype x the snapshots kept) are checked before the first snapshot is written; over
+            budget, training stops with a :class:`hf_pma.snapshots.budget.SnapshotBudgetError`.
 
     The tokens come from the Trainer's ``state.num_input_tokens_seen``; counting is turned on
     (``"all"``) when ``include_num_input_tokens_seen`` is ``"no"``, and ``"non_padding"`` is
     respected when set.
+
+    Guards for the zero-argument default: one warning at train begin when the schedule has no
+    constant-LR phase (PMA's premise), the disk budget above, and once the first snapshot is
+    written its cost (blocked and write seconds, bytes) against the training time between
+    snapshots, with a warning and the interval that would do when it exceeds 5%.
     """
 
     def __init__(
@@ -85,6 +96,7 @@ class PMACallback(TrainerCallback, ExportableState):
         async_write: bool = True,
         online: str | None = None,
         online_alpha: float = 0.2,
+        max_disk_bytes: int | str | None = None,
     ) -> None:
         self.schedule = SnapshotSchedule(interval_tokens, phases)
         self.requested_interval_tokens = self.schedule.requested_interval_tokens
@@ -104,6 +116,9 @@ class PMACallback(TrainerCallback, ExportableState):
         self.online_alpha = float(online_alpha)
         if online is not None and keep_last is not None:
             raise ValueError("keep_last has no effect with online averaging (no snapshots are written)")
+        self.max_disk_bytes = parse_size(max_disk_bytes, "max_disk_bytes") if max_disk_bytes is not None else None
+        if self.max_disk_bytes is not None and self.max_disk_bytes < 1:
+            raise ValueError(f"max_disk_bytes must be a positive size, got {max_disk_bytes!r}")
 
         # Set by whoever owns the Trainer (e.g. PMATrainer) to gather a DeepSpeed engine.
         self.accelerator: Any | None = None
@@ -117,6 +132,11 @@ class PMACallback(TrainerCallback, ExportableState):
         self._pending: SnapshotRecord | None = None
         self._last_loss: tuple[int, float] | None = None
         self._warned_small_interval = False
+        self._plan: RunPlan | None = None
+        self._disk: DiskBudget | None = None
+        self._time: TimeBudget | None = None
+        self._disk_checked = False
+        self._first_blocked_s: float | None = None
 
     # ------------------------------------------------------------------ public API
 
@@ -200,6 +220,7 @@ class PMACallback(TrainerCallback, ExportableState):
                 "async_write": self.async_write,
                 "online": self.online,
                 "online_alpha": self.online_alpha,
+                "max_disk_bytes": self.max_disk_bytes,
             },
             "attributes": {"resume_state": self.schedule.state()},
         }
@@ -220,7 +241,18 @@ class PMACallback(TrainerCallback, ExportableState):
             int(state.num_input_tokens_seen),
             self._saved_state(state) if resumed else None,
         )
+        self._plan = self._plan_run(args, state, lr_scheduler)
         self._sink = self._make_sink(kwargs.get("processing_class"))
+        self._disk = DiskBudget(self._pma_dir, self.max_disk_bytes)
+        self._time = TimeBudget()
+        self._disk_checked = False
+        self._first_blocked_s = None
+        error = None
+        if self._is_main:
+            self._warn_without_constant_phase(args)
+            if not resumed:  # before anything is written; a resumed run is checked at its first step
+                error = self._check_disk_plan(model, None, state)
+        self._raise_together(args, error)
         resume = None
         if resumed:
             checkpoint_dir = Path(args.output_dir) / f"checkpoint-{state.global_step}"
@@ -235,6 +267,7 @@ class PMACallback(TrainerCallback, ExportableState):
                 )
         self._sink.update_manifest(**self._manifest_fields(args))
         check_folder_shared(self._pma_dir, "snapshot folder")  # multi-node: every rank reads what rank 0 writes
+        self._sink.warm_up(model)
         self._sync_from_main(args)
         if self.interval_tokens is not None:
             logger.info(f"hf-pma: a snapshot every {self.interval_tokens:,} tokens into {self._pma_dir}")
@@ -249,6 +282,7 @@ class PMACallback(TrainerCallback, ExportableState):
 
     def on_step_end(self, args, state, control, model=None, lr_scheduler=None, **kwargs):
         self._sink.raise_if_failed()
+        self._time.step_done()
         lr, self._step_lr = self._step_lr, None
         if lr is None and lr_scheduler is not None:
             lr = float(lr_scheduler.get_last_lr()[0])
@@ -260,7 +294,12 @@ class PMACallback(TrainerCallback, ExportableState):
                 "main input (e.g. 'input_ids')"
             )
         if self.interval_tokens is None:
-            self._choose_interval(args, state, tick.step_tokens, lr_scheduler)
+            self._choose_interval(args, tick.step_tokens)
+        if not self._disk_checked:  # the first step of this train() (every process): the count is known now
+            self._disk_checked = True
+            error = self._check_disk_plan(model, tick.step_tokens, state) if self._is_main else None
+            self._raise_together(args, error)
+        self._report_cost(tick.step_tokens)
         self._warn_small_interval(tick.step_tokens)
         boundary = self.schedule.due(tick)
         if boundary is not None:
@@ -286,6 +325,9 @@ class PMACallback(TrainerCallback, ExportableState):
     def on_train_end(self, args, state, control, model=None, **kwargs):
         self._commit(should_save=False)
         self._sink.close(model)
+        if self.interval_tokens is not None and self.schedule.tokens > self.schedule.tokens_at_begin:
+            steps = max(1, state.global_step - self._plan_step0)
+            self._report_cost(max(1, (self.schedule.tokens - self.schedule.tokens_at_begin) // steps))
 
     # ------------------------------------------------------------------ internals
 
@@ -340,21 +382,110 @@ class PMACallback(TrainerCallback, ExportableState):
         torch.distributed.broadcast_object_list(payload, src=0)
         self.schedule.load_state(payload[0])
 
-    def _choose_interval(self, args: Any, state: Any, tokens_per_step: int, lr_scheduler: Any) -> None:
-        """The automatic V, from the first step's tokens and the planned schedule (same on every rank)."""
+    def _plan_run(self, args: Any, state: Any, lr_scheduler: Any) -> RunPlan:
+        """The planned run: the phase of every planned step, probed from the LR schedule."""
         max_steps = int(state.max_steps)
+        self._plan_step0 = int(state.global_step)
         probe = planned_lrs(lr_scheduler, max_steps)
-        planned, stride = (planned_phases(probe[0], self.schedule.tracker.peak_lr), probe[1]) if probe else (None, 1)
-        choice = self.schedule.choose_automatically(
-            tokens_per_step, max_steps, planned, stride, warmup_steps=args.get_warmup_steps(max_steps)
+        return plan_run(
+            max_steps,
+            self.phases,
+            probe[0] if probe else None,
+            self.schedule.tracker.peak_lr,
+            stride=probe[1] if probe else 1,
+            warmup_steps=args.get_warmup_steps(max_steps),
         )
+
+    def _warn_without_constant_phase(self, args: Any) -> None:
+        """One warning when the planned schedule never holds the LR constant (PMA's premise)."""
+        if self._plan.has_constant_phase:
+            return
+        selected = "/".join(self.phases)
+        logger.warning(
+            f"hf-pma: lr_scheduler_type={getattr(args.lr_scheduler_type, 'value', args.lr_scheduler_type)!r} "
+            "has no constant-LR phase "
+            f"({self._plan.stable_steps} of {self._plan.planned_steps} planned steps at the peak LR). PMA merges "
+            "snapshots taken at a constant LR to preview what annealing would give; for that, train with "
+            "lr_scheduler_type='warmup_stable_decay' (lr_scheduler_kwargs={'num_decay_steps': ...}) or 'constant'. "
+            f"If you keep this schedule, snapshots are taken in the {selected} phases (about "
+            f"{self._plan.intended_snapshots()} of them) and a merge of the last ones averages weights along the "
+            "decay: close to the final weights, rarely better."
+        )
+
+    def _choose_interval(self, args: Any, tokens_per_step: int) -> None:
+        """The automatic V, from the first step's tokens and the planned run (same on every rank)."""
+        choice = self.schedule.choose_automatically(tokens_per_step, self._plan)
         if self._is_main:
             logger.warning(
-                f"hf-pma: interval_tokens not given: chose {choice.interval_tokens:,} tokens "
-                f"({choice.interval_tokens // tokens_per_step} steps of {tokens_per_step:,} tokens; {choice.reason}; "
-                f"{max_steps} planned steps, {choice.stable_steps} in the stable phase)"
+                f"hf-pma: interval_tokens not given: chose {choice.interval_tokens:,} tokens (every "
+                f"{choice.steps_between:.2f} steps of {tokens_per_step:,} tokens; {choice.reason}): about "
+                f"{choice.expected_snapshots} snapshots in the {'/'.join(self.phases)} phases "
+                f"({choice.snapshot_steps} of {choice.planned_steps} planned steps; {choice.stable_steps} at the peak LR)"
             )
         self._sink.update_manifest(**self._manifest_fields(args))
+
+    def _planned_snapshots(self, tokens_per_step: int | None, after_step: int) -> tuple[int | None, str]:
+        """How many snapshots the run takes after optimizer step ``after_step``, and where that figure
+        comes from; ``None`` when unknown (a given interval before the first step's tokens are known)."""
+        if tokens_per_step is None or self.interval_tokens is None:
+            if self.interval_tokens is None:
+                count = self._plan.intended_snapshots()
+                return count, f"the automatic interval aims at {count}"
+            return None, "unknown before the first step"
+        remaining = self._plan.selected_steps(after_step)
+        if tokens_per_step >= self.interval_tokens:
+            return remaining, f"{remaining} steps snapshot, at most one snapshot a step"
+        count = remaining * tokens_per_step // self.interval_tokens
+        return count, f"{remaining} steps snapshot, {self.interval_tokens:,} tokens apart at {tokens_per_step:,} a step"
+
+    def _check_disk_plan(self, model: Any, tokens_per_step: int | None, state: Any) -> str | None:
+        """Main process: the disk budget for the rest of the run; the error message, or ``None``.
+
+        Checked at train begin when the count is known then (automatic interval, ``keep_last``,
+        online average), and at the end of the first optimizer step with its real token count,
+        in both cases before the first snapshot is written.
+        """
+        count, what = self._planned_snapshots(tokens_per_step, max(0, int(state.global_step) - 1))
+        listed = self._sink.snapshots() if state.global_step > 0 else []
+        folders = self._sink.kept_on_disk(len(listed) + count if count is not None else None)
+        if folders is None:
+            return None
+        used = sum(r.num_bytes or 0 for r, _ in listed)
+        try:
+            self._disk.check_plan(
+                self._sink.snapshot_bytes(model), max(0, folders - len(listed)), count or folders, what, used
+            )
+        except SnapshotBudgetError as err:
+            return str(err)
+        return None
+
+    def _recheck_disk(self, model: Any, state: Any, tick: StepTick) -> None:
+        """Main process, before a snapshot is written: does it fit, do the rest still fit?"""
+        size = self._sink.last_written_bytes() or self._sink.snapshot_bytes(model)
+        listed = self._sink.snapshots()
+        count, _ = self._planned_snapshots(tick.step_tokens, int(state.global_step))
+        count = count or 0
+        extra = max(0, (self._sink.kept_on_disk(len(listed) + 1 + count) or 0) - len(listed) - 1)
+        self._disk.check_next(size, extra, count, sum(r.num_bytes or 0 for r, _ in listed))
+
+    def _raise_together(self, args: Any, error: str | None) -> None:
+        """Raise the main process's budget error on every process (so none waits in a collective)."""
+        if args.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
+            payload = [error]
+            torch.distributed.broadcast_object_list(payload, src=0)
+            error = payload[0]
+        if error is not None:
+            raise SnapshotBudgetError(error)
+
+    def _report_cost(self, tokens_per_step: int) -> None:
+        """Once the first snapshot of this run is written: its cost against the time between snapshots."""
+        if self._time.reported or self._first_blocked_s is None or not self._is_main:
+            return
+        seconds = self._sink.worker.task_seconds
+        if not seconds:
+            return
+        cost = SnapshotCost(self._first_blocked_s, seconds[0], self._sink.last_written_bytes() or 0)
+        self._time.report(cost, self.interval_tokens / tokens_per_step, tokens_per_step, self.async_write)
 
     def _warn_small_interval(self, step_tokens: int) -> None:
         if step_tokens > self.interval_tokens and not self._warned_small_interval and self._is_main:
@@ -364,7 +495,7 @@ class PMACallback(TrainerCallback, ExportableState):
                 "at most one snapshot per step is taken"
             )
 
-    def _take(self, model: Any, state: Any, control: Any, tick: Any, boundary: int) -> None:
+    def _take(self, model: Any, state: Any, control: Any, tick: StepTick, boundary: int) -> None:
         """Every rank: the sink copies the weights now; the record is committed once its loss is known."""
         self._commit(should_save=False)  # at most one snapshot taken and not committed
         record = SnapshotRecord(
@@ -375,7 +506,14 @@ class PMACallback(TrainerCallback, ExportableState):
             phase=tick.phase,
             extra={"interval_tokens": self.interval_tokens, "boundary": boundary, "epoch": state.epoch},
         )
+        start = time.perf_counter()
         self._sink.take(model, record)
+        blocked = time.perf_counter() - start
+        self._time.add_blocked(blocked)
+        if self._first_blocked_s is None:
+            self._first_blocked_s = blocked
+        if self._is_main:
+            self._recheck_disk(model, state, tick)
         self._pending = record
         # The step's loss is logged right after on_step_end: commit then.
         if not control.should_log:
@@ -388,9 +526,11 @@ class PMACallback(TrainerCallback, ExportableState):
         if self._last_loss is not None:
             record.loss = self._last_loss[1]
             record.extra["loss_step"] = self._last_loss[0]
+        start = time.perf_counter()
         self._sink.commit()
         if should_save:
             self._sink.before_checkpoint()
+        self._time.add_blocked(time.perf_counter() - start)
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str | None:

@@ -16,7 +16,7 @@ import torch
 
 from hf_pma.utils.parsing import parse_dtype
 
-__all__ = ["unwrap_model", "sharding_kind", "gather_full_state_dict"]
+__all__ = ["unwrap_model", "sharding_kind", "gather_full_state_dict", "full_state_dict_bytes"]
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -196,3 +196,43 @@ def gather_full_state_dict(
     if not is_main_process:
         return None
     return _copy_to_cpu(unwrap_model(model).state_dict(), dtype, buffers)
+
+
+def full_state_dict_bytes(model: torch.nn.Module, dtype: torch.dtype | str | None = None) -> int:
+    """Bytes of the model's full weights as a snapshot stores them, without gathering anything.
+
+    Counts each parameter once (tied weights once) and the persistent buffers, floating tensors
+    in ``dtype`` (``None``: their own), at their full (unsharded) size: DTensors report their
+    global shape, ZeRO-3 parameters their ``ds_numel``, FSDP1 flat parameters are scaled by the
+    world size. For a PEFT model only the trainable (adapter) parameters count, as a snapshot
+    stores only those.
+    """
+    from hf_pma.utils.distributed import is_peft_model
+
+    dtype = parse_dtype(dtype, "dtype")
+    module = unwrap_model(model)
+    adapter_only = is_peft_model(module)
+    fsdp1 = sharding_kind(model) == "fsdp"
+    world = torch.distributed.get_world_size() if torch.distributed.is_available() and torch.distributed.is_initialized() else 1
+
+    def size(tensor: torch.Tensor) -> int:
+        numel = getattr(tensor, "ds_numel", None)
+        if numel is None:
+            numel = tensor.numel()
+            if fsdp1 and type(tensor).__name__ == "FlatParameter":
+                numel *= world
+        target = dtype if (dtype is not None and tensor.is_floating_point()) else tensor.dtype
+        return int(numel) * target.itemsize
+
+    total = sum(size(p) for p in module.parameters() if p.requires_grad or not adapter_only)
+    if not adapter_only:
+        persistent = {name for name, _ in module.named_buffers() if _is_persistent(module, name)}
+        total += sum(size(b) for name, b in module.named_buffers() if name in persistent)
+    return total
+
+
+def _is_persistent(module: torch.nn.Module, name: str) -> bool:
+    """Whether buffer ``name`` (dotted) is in the module's state dict."""
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    return leaf not in getattr(owner, "_non_persistent_buffers_set", set())

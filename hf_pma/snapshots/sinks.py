@@ -37,7 +37,7 @@ from hf_pma.core.manifest import (
     manifest_snapshots,
     snapshot_path,
 )
-from hf_pma.snapshots.gather import gather_full_state_dict
+from hf_pma.snapshots.gather import full_state_dict_bytes, gather_full_state_dict
 from hf_pma.snapshots.online import OnlineAverage
 from hf_pma.snapshots.writer import (
     BackgroundWorker,
@@ -123,6 +123,13 @@ class SnapshotSink:
     def update_manifest(self, **fields: Any) -> None:
         """Record run-level fields (the chosen interval...); nothing by default."""
 
+    def warm_up(self, model: torch.nn.Module) -> None:
+        """Pay one-time costs before the first snapshot (main process), so that its measured cost
+        is what every snapshot costs: ``transformers`` builds its weight-conversion tables on
+        first use (about a second)."""
+        if self.is_main:
+            strip_for_save(model, {})
+
     def take(self, model: torch.nn.Module, record: SnapshotRecord) -> None:
         """Copy the weights of ``model`` for ``record`` now (every process: gathering is collective).
 
@@ -185,6 +192,20 @@ class SnapshotSink:
         self.commit()
         self.worker.wait()
         self._buffers = None
+
+    # -- budgets --------------------------------------------------------------------------------
+
+    def snapshot_bytes(self, model: torch.nn.Module) -> int:
+        """Bytes one snapshot of ``model`` takes on disk (estimated from shapes; no gathering)."""
+        return full_state_dict_bytes(model, self.save_dtype)
+
+    def kept_on_disk(self, snapshots: int | None) -> int | None:
+        """Snapshot-sized folders on disk at the peak after ``snapshots`` were taken (``None``: unknown)."""
+        return snapshots
+
+    def last_written_bytes(self) -> int | None:
+        """Bytes the last completed snapshot took on disk (``None``: none yet, or nothing on disk)."""
+        return None
 
     # -- listing --------------------------------------------------------------------------------
 
@@ -263,6 +284,18 @@ class DiskSnapshotSink(SnapshotSink):
         if self.writer is not None:
             self.writer.update_manifest(layout=self.kind, **fields)
 
+    def kept_on_disk(self, snapshots: int | None) -> int | None:
+        """All snapshots, or ``keep_last`` plus the one written before the oldest is deleted."""
+        if self.keep_last is None:
+            return snapshots
+        return min(snapshots, self.keep_last) if snapshots is not None and snapshots <= self.keep_last else self.keep_last + 1
+
+    def last_written_bytes(self) -> int | None:
+        """Bytes of the last snapshot this run wrote (weights)."""
+        if self.writer is None or not self.writer.written:
+            return None
+        return self.writer.written[-1].num_bytes
+
     def _prepare(self, model: torch.nn.Module, state_dict: dict[str, torch.Tensor], record: SnapshotRecord) -> SnapshotJob:
         return prepare_snapshot(model, state_dict, record, self.processing_class)
 
@@ -328,6 +361,10 @@ class OnlineAverageSink(SnapshotSink):
         except OSError as err:
             raise PermissionError(f"hf-pma: cannot write to {self.pma_dir}: {err}") from err
         return {}
+
+    def kept_on_disk(self, snapshots: int | None) -> int | None:
+        """One folder: the average, written at train end."""
+        return 1 if snapshots is None or snapshots > 0 else 0
 
     def update_manifest(self, **fields: Any) -> None:
         """No manifest is written; the interval goes into the final merge record."""

@@ -321,6 +321,9 @@ class BackgroundWorker:
         self._error: tuple[str, BaseException] | None = None
         self.total_wait_s = 0.0
         self.tasks_done = 0
+        # Seconds each completed task took, in order.
+        self.task_seconds: list[float] = []
+        self._warned_wait = False
 
     @property
     def busy(self) -> bool:
@@ -329,10 +332,15 @@ class BackgroundWorker:
 
     def _run(self, task: Callable[[], Any], label: str) -> None:
         try:
-            task()
-            self.tasks_done += 1
+            self._timed(task)
         except BaseException as err:  # handed to the training thread
             self._error = (label, err)
+
+    def _timed(self, task: Callable[[], Any]) -> None:
+        start = time.perf_counter()
+        task()
+        self.task_seconds.append(time.perf_counter() - start)
+        self.tasks_done += 1
 
     def raise_if_failed(self) -> None:
         """Raise :class:`SnapshotWriteError` for a task that failed since the last call."""
@@ -344,8 +352,9 @@ class BackgroundWorker:
     def wait(self, reason: str | None = None, warn: bool = True) -> float:
         """Wait for the task in flight, then raise its failure if it failed; returns seconds waited.
 
-        With a ``reason``, a wait that happened is logged (a warning unless ``warn=False``):
-        a snapshot that waits for the previous one means the interval is shorter than a write.
+        With a ``reason``, a wait that happened is logged (the first time a warning unless
+        ``warn=False``, then at INFO): a snapshot that waits for the previous one means the
+        interval is shorter than a write.
         """
         waited = 0.0
         if self._thread is not None:
@@ -355,7 +364,9 @@ class BackgroundWorker:
                 waited = time.perf_counter() - start
                 self.total_wait_s += waited
                 if reason:
-                    log = logger.warning if warn else logger.info
+                    # A warning the first time; after that the time budget has said what to change.
+                    log = logger.warning if warn and not self._warned_wait else logger.info
+                    self._warned_wait = self._warned_wait or warn
                     log(f"hf-pma: {reason} waited {waited:.2f}s for {self._label} to finish writing")
             self._thread = None
         self.raise_if_failed()
@@ -366,8 +377,7 @@ class BackgroundWorker:
         self.wait(reason=label)
         if not self.enabled:
             try:
-                task()
-                self.tasks_done += 1
+                self._timed(task)
             except Exception as err:
                 raise SnapshotWriteError(f"hf-pma: writing {label} failed: {type(err).__name__}: {err}") from err
             return

@@ -18,6 +18,7 @@ from transformers.utils import logging
 
 from hf_pma.core.schedule import check_phases
 from hf_pma.core.strategies import validate_strategy
+from hf_pma.utils.parsing import parse_size
 
 __all__ = ["PMATrainingArguments", "deepspeed_zero_stage"]
 
@@ -75,6 +76,13 @@ class PMATrainingArguments(TrainingArguments):
         default=None, metadata={"help": "dtype of snapshot weights (float32, bfloat16, float16); default: the model's."}
     )
     pma_max_shard_size: str = dataclasses.field(default="5GB", metadata={"help": "Largest safetensors shard of a snapshot."})
+    pma_max_disk_bytes: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "Disk budget of the snapshots ('200GB', bytes). None: the free space of the snapshot folder, "
+            "checked before the first step."
+        },
+    )
     pma_async_write: bool = dataclasses.field(default=True, metadata={"help": "Write snapshots in a background thread."})
     pma_eval: bool = dataclasses.field(
         default=True, metadata={"help": "Evaluate the merge of the last pma_window snapshots at every evaluation (eval_pma_*)."}
@@ -152,6 +160,8 @@ class PMATrainingArguments(TrainingArguments):
             )
         if not (self.pma_spike_factor > 1.0):
             raise ValueError(f"pma_spike_factor must be greater than 1, got {self.pma_spike_factor!r}")
+        if self.pma_max_disk_bytes is not None and parse_size(self.pma_max_disk_bytes, "pma_max_disk_bytes") < 1:
+            raise ValueError(f"pma_max_disk_bytes must be a positive size, got {self.pma_max_disk_bytes!r}")
         if self.pma_save_dtype is not None and self.pma_save_dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"pma_save_dtype must be float32, bfloat16 or float16, got {self.pma_save_dtype!r}")
         if isinstance(self.pma_init_from, (str, os.PathLike)):

@@ -72,6 +72,7 @@ class PMATrainer(Trainer):
             save_dtype=args.pma_save_dtype,
             max_shard_size=args.pma_max_shard_size,
             async_write=args.pma_async_write,
+            max_disk_bytes=args.pma_max_disk_bytes,
         )
         kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), callback]
         super().__init__(model, args, *pargs, **kwargs)

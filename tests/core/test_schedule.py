@@ -12,11 +12,13 @@ from transformers import get_scheduler
 from hf_pma.core.schedule import (
     MAX_AUTO_INTERVAL_TOKENS,
     PhaseTracker,
+    SnapshotSchedule,
     check_phases,
     choose_interval,
     crossed_boundary,
     lr_phase,
     next_boundary,
+    plan_run,
     planned_phases,
 )
 
@@ -119,31 +121,99 @@ def test_lr_phase_validates():
         PhaseTracker(-1.0)
 
 
-def test_choose_interval_fills_the_stable_phase_with_windows():
-    # 10k steps, 8k stable: 40 snapshots in the stable phase -> every 200 steps.
-    choice = choose_interval(tokens_per_step=2**20, planned_steps=10_000, stable_steps=8_000)
-    assert choice.interval_tokens == 200 * 2**20
-    assert 8_000 * 2**20 // choice.interval_tokens == choice.windows * choice.snapshots_per_window
-    assert choice.interval_tokens % choice.tokens_per_step == 0
-    # No stable phase: the caller passes the steps where snapshots are taken.
+def test_choose_interval_spreads_the_target_over_the_steps_that_snapshot():
+    # 10k steps, 8k of them snapshot: 40 snapshots -> every 200 steps, a whole number of steps.
+    choice = choose_interval(tokens_per_step=2**20, planned_steps=10_000, snapshot_steps=8_000, stable_steps=7_000)
+    assert choice.interval_tokens == 200 * 2**20 and choice.expected_snapshots == 40
+    assert choice.stable_steps == 7_000 and choice.to_dict()["expected_snapshots"] == 40
+    # Unknown (0): all planned steps.
     assert choose_interval(1000, 400, 0).interval_tokens == 10 * 1000
+    # Rounded to whole steps from 5 steps apart: 230 / 40 = 5.75 -> 6 steps, 38 snapshots.
+    assert choose_interval(100, 300, 230).interval_tokens == 600
+    # Closer than that: exact tokens, so the count stays on target (87 steps: 2.175 steps apart).
+    close = choose_interval(64, 90, 87)
+    assert close.interval_tokens == round(87 * 64 / 40) and close.expected_snapshots == 40
+
+
+@pytest.mark.parametrize("snapshot_steps", [41, 45, 59, 60, 61, 99, 100, 101, 199, 200, 201, 219, 230, 399, 1000, 12345])
+def test_choose_interval_count_is_within_ten_percent_of_the_target(snapshot_steps):
+    tokens_per_step = 4096
+    choice = choose_interval(tokens_per_step, snapshot_steps + 10, snapshot_steps)
+    # Snapshots actually taken: token multiples of V crossed over those steps, one per step at most.
+    crossed = {t // choice.interval_tokens for t in range(tokens_per_step, (snapshot_steps + 1) * tokens_per_step, tokens_per_step)}
+    assert abs(len(crossed) - 40) <= 4, (choice, len(crossed))
 
 
 def test_choose_interval_floor_and_ceiling():
-    floor = choose_interval(tokens_per_step=512, planned_steps=30, stable_steps=20)
+    floor = choose_interval(tokens_per_step=512, planned_steps=30, snapshot_steps=20)
     assert floor.interval_tokens == 512 and "floor" in floor.reason
-    huge = choose_interval(tokens_per_step=10**7, planned_steps=10**7, stable_steps=10**7)
+    huge = choose_interval(tokens_per_step=10**7, planned_steps=10**7, snapshot_steps=10**7)
     assert huge.interval_tokens <= MAX_AUTO_INTERVAL_TOKENS and "ceiling" in huge.reason
     assert huge.interval_tokens % 10**7 == 0
     # A step larger than the ceiling: one step is the least possible.
     assert choose_interval(10**11, 100, 100).interval_tokens == 10**11
 
 
-@pytest.mark.parametrize("bad", [{"tokens_per_step": 0}, {"planned_steps": -1}, {"stable_steps": -2}, {"tokens_per_step": True}])
+@pytest.mark.parametrize("bad", [{"tokens_per_step": 0}, {"planned_steps": -1}, {"snapshot_steps": -2}, {"tokens_per_step": True}])
 def test_choose_interval_rejects_bad_input(bad):
-    kwargs = {"tokens_per_step": 100, "planned_steps": 100, "stable_steps": 50, **bad}
+    kwargs = {"tokens_per_step": 100, "planned_steps": 100, "snapshot_steps": 50, **bad}
     with pytest.raises(ValueError, match=next(iter(bad))):
         choose_interval(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "name, kwargs, stable, selected, constant",
+    [
+        ("linear", {"num_warmup_steps": 0}, 1, 200, False),  # Trainer's default: decays from the first step
+        ("cosine", {"num_warmup_steps": 20}, 1, 180, False),
+        ("warmup_stable_decay", {"num_warmup_steps": 20, "scheduler_specific_kwargs": {"num_decay_steps": 40}}, 141, 180, True),
+        ("constant", {}, 200, 200, True),
+        ("constant_with_warmup", {"num_warmup_steps": 20}, 180, 180, True),
+    ],
+)
+def test_run_plan_of_real_schedules(name, kwargs, stable, selected, constant):
+    lrs = schedule_lrs(name, 200, **kwargs)
+    plan = plan_run(200, ("stable", "decay"), lrs, peak_lr=1e-3)
+    assert (plan.stable_steps, plan.selected_steps(), plan.has_constant_phase) == (stable, selected, constant)
+    assert plan.intended_snapshots() == 40 and plan.to_dict()["selected_steps"] == selected
+    # After step 100: what is left of the run.
+    assert plan.selected_steps(after_step=100) == 100
+    assert plan_run(200, ("stable",), lrs, peak_lr=1e-3).selected_steps() == stable
+
+
+def test_run_plan_at_a_stride_and_unprobed():
+    lrs = schedule_lrs("warmup_stable_decay", 1000, num_warmup_steps=100, scheduler_specific_kwargs={"num_decay_steps": 200})
+    strided = plan_run(1000, ("stable", "decay"), lrs[::10], peak_lr=1e-3, stride=10)
+    assert strided.selected_steps() == 900 and abs(strided.stable_steps - 701) <= 10
+    assert strided.selected_steps(after_step=500) == 500
+    unknown = plan_run(1000, ("stable", "decay"), None, peak_lr=1e-3, warmup_steps=100)
+    assert (unknown.stable_steps, unknown.selected_steps(), unknown.has_constant_phase) == (900, 900, True)
+    assert unknown.selected_steps(after_step=950) == 50
+    assert plan_run(30, ("stable",), None, 1e-3).intended_snapshots() == 30  # fewer steps than the target
+
+
+def test_snapshot_schedule_takes_the_automatic_interval_and_resumes():
+    lrs = schedule_lrs("constant_with_warmup", 100, num_warmup_steps=20)
+    plan = plan_run(100, ("stable",), lrs, peak_lr=1e-3)
+    schedule = SnapshotSchedule(phases="stable")
+    schedule.begin(peak_lr=1e-3, tokens=0)
+    due = []
+    for step, lr in enumerate(lrs, start=1):
+        tick = schedule.advance(step * 10, lr)
+        if schedule.interval_tokens is None:
+            schedule.choose_automatically(tick.step_tokens, plan)
+        if schedule.due(tick) is not None:
+            due.append(step)
+        if step == 50:
+            saved = schedule.state()
+    # 80 stable steps / 40 snapshots: every 2 steps from the first stable one (21).
+    assert schedule.interval_tokens == 20 and due == list(range(22, 101, 2))
+    resumed = SnapshotSchedule(phases="stable")
+    resumed.begin(peak_lr=1e-3, tokens=500, saved=saved)
+    assert resumed.interval_tokens == 20 and resumed.interval_choice["auto"]
+    assert [s for s, lr in enumerate(lrs[50:], start=51) if resumed.due(resumed.advance(s * 10, lr)) is not None] == due[15:]
+    with pytest.raises(ValueError, match="interval_tokens"):
+        SnapshotSchedule(interval_tokens=0)
 
 
 def test_check_phases():

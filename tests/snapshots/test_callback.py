@@ -129,24 +129,26 @@ def test_counting_is_turned_on_when_off(tmp_path):
 
 def test_automatic_interval_is_chosen_from_the_planned_schedule(tmp_path):
     callback = PMACallback()
-    recorder = WeightRecorder()
     train(
         tmp_path,
-        [callback, recorder],
-        max_steps=90,
+        [callback],
+        max_steps=210,
+        dataset=TokenDataset(n=840, min_len=SEQ, max_len=SEQ),
         lr_scheduler_type="warmup_stable_decay",
-        lr_scheduler_kwargs={"num_decay_steps": 6},
-        warmup_steps=4,
+        lr_scheduler_kwargs={"num_decay_steps": 20},
+        warmup_steps=10,
         logging_steps=10,
     )
-    # 80 steps at the peak LR hold 4 windows of 10 snapshots: one every 2 steps.
-    assert callback.interval_tokens == 2 * TPS
-    choice = read_json(tmp_path / "pma" / "manifest.json")["interval_choice"]
-    assert choice["auto"] and choice["tokens_per_step"] == TPS and choice["stable_steps"] == 81
-    assert read_json(tmp_path / "pma" / "manifest.json")["interval_tokens"] == 2 * TPS
+    # 200 steps snapshot (stable and decay, after 10 of warmup): 40 snapshots, one every 5 steps.
+    assert callback.interval_tokens == 5 * TPS
+    manifest = read_json(tmp_path / "pma" / "manifest.json")
+    choice = manifest["interval_choice"]
+    assert choice["auto"] and choice["tokens_per_step"] == TPS
+    assert (choice["snapshot_steps"], choice["stable_steps"], choice["expected_snapshots"]) == (200, 181, 40)
+    assert manifest["interval_tokens"] == 5 * TPS
     listed = manifest_list(tmp_path / "pma")
-    assert [s for _, s, _ in listed] == list(range(6, 91, 2))  # none in warmup (steps 1-4)
-    assert {p for _, s, p in listed if s > 85} == {"decay"} and {p for _, s, p in listed if s <= 85} == {"stable"}
+    assert [s for _, s, _ in listed] == list(range(15, 211, 5))  # none in warmup (steps 1-10)
+    assert {p for _, s, p in listed if s > 191} == {"decay"} and {p for _, s, p in listed if s <= 191} == {"stable"}
 
 
 @pytest.mark.parametrize(

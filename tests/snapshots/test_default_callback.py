@@ -1,0 +1,168 @@
+"""The zero-argument ``PMACallback()`` on any schedule: about the intended number of snapshots, a
+warning exactly when there is no constant-LR phase, the disk and time budgets."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from transformers import Trainer, TrainingArguments
+
+from hf_pma import PMATrainer, PMATrainingArguments
+from hf_pma.core.manifest import manifest_snapshots
+from hf_pma.core.schedule import SNAPSHOTS_PER_WINDOW, WINDOWS_PER_STABLE_PHASE
+from hf_pma.snapshots.budget import DiskBudget, SnapshotBudgetError, human_bytes
+from hf_pma.snapshots.callback import PMACallback
+from hf_pma.snapshots.gather import full_state_dict_bytes
+from tests.dist.pma_common import TokenDataset, WeightRecorder, make_args, make_tiny_model, pad_collate
+from tests.testing_utils import REPO_ROOT
+
+SEQ, BATCH, STEPS = 16, 4, 60
+INTENDED = SNAPSHOTS_PER_WINDOW * WINDOWS_PER_STABLE_PHASE  # 40
+NO_CONSTANT_PHASE = "has no constant-LR phase"
+
+
+def train(out: Path, callbacks: list, args: TrainingArguments | None = None, **overrides) -> Trainer:
+    trainer = Trainer(
+        model=make_tiny_model(seed=0),
+        args=args or make_args(out, **{"max_steps": STEPS, "logging_steps": 10, **overrides}),
+        train_dataset=TokenDataset(n=STEPS * BATCH, min_len=SEQ, max_len=SEQ),
+        data_collator=pad_collate,
+        callbacks=callbacks,
+    )
+    trainer.train()
+    return trainer
+
+
+def messages(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name.startswith("hf_pma")]
+
+
+@pytest.mark.parametrize(
+    "schedule, overrides, constant",
+    [
+        # Transformers' default: linear decay from the first step (plain TrainingArguments below).
+        ("linear", {}, False),
+        ("cosine", {"lr_scheduler_type": "cosine", "warmup_steps": 6}, False),
+        (
+            "wsd",
+            {"lr_scheduler_type": "warmup_stable_decay", "warmup_steps": 6, "lr_scheduler_kwargs": {"num_decay_steps": 12}},
+            True,
+        ),
+        ("constant", {"lr_scheduler_type": "constant"}, True),
+    ],
+)
+def test_zero_argument_callback_takes_about_the_intended_count_and_warns_without_a_constant_phase(
+    tmp_path, caplog, schedule, overrides, constant
+):
+    if schedule == "linear":  # the most common case: nothing but the required arguments
+        args = TrainingArguments(
+            output_dir=str(tmp_path), max_steps=STEPS, per_device_train_batch_size=BATCH, use_cpu=True,
+            report_to=[], disable_tqdm=True, save_strategy="no", logging_steps=10,
+        )
+        assert args.lr_scheduler_type == "linear" and args.learning_rate > 0
+    else:
+        args = None
+    callback = PMACallback()
+    with caplog.at_level(logging.WARNING, logger="hf_pma"):
+        train(tmp_path, [callback], args=args, **overrides)
+    taken = len(manifest_snapshots(tmp_path / "pma"))
+    assert abs(taken - INTENDED) <= 0.2 * INTENDED, (taken, callback.interval_choice)
+    # Not one per step: the interval spreads the target over the steps that snapshot.
+    assert callback.interval_tokens > SEQ * BATCH and callback.interval_choice["expected_snapshots"] == INTENDED
+    warnings = [m for m in messages(caplog) if NO_CONSTANT_PHASE in m]
+    if constant:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1
+        assert "warmup_stable_decay" in warnings[0] and "'constant'" in warnings[0]
+        assert "stable/decay phases (about 40 of them)" in warnings[0]  # what they get if they keep going
+
+
+def test_over_budget_run_stops_before_the_first_step_with_nothing_written(tmp_path):
+    model_bytes = full_state_dict_bytes(make_tiny_model(seed=0))
+    budget = 10 * model_bytes  # the zero-argument default plans 40 snapshots
+    recorder = WeightRecorder()
+    with pytest.raises(SnapshotBudgetError) as info:
+        train(tmp_path, [PMACallback(max_disk_bytes=budget), recorder])
+    message = str(info.value)
+    assert human_bytes(40 * model_bytes) in message and human_bytes(budget) in message
+    for knob in ("interval_tokens", "keep_last", "save_dtype", "sharded", "max_disk_bytes"):
+        assert knob in message
+    assert recorder.tokens == {}  # no optimizer step ran
+    assert not (tmp_path / "pma").exists()
+    # The same budget holds 10 snapshots: keep_last=8 (+1 written before the oldest goes) fits,
+    # with room for the files' headers as snapshots land.
+    callback = PMACallback(max_disk_bytes=budget, keep_last=8)
+    train(tmp_path / "fits", [callback])
+    assert len(callback.snapshots()) == 8
+
+
+def test_explicit_interval_is_checked_at_the_first_step_before_any_snapshot(tmp_path):
+    model_bytes = full_state_dict_bytes(make_tiny_model(seed=0), "bfloat16")
+    recorder = WeightRecorder()
+    # One snapshot every 2 steps over 60 constant-LR steps: 30 snapshots of bfloat16 weights.
+    callback = PMACallback(interval_tokens=2 * SEQ * BATCH, save_dtype="bfloat16", max_disk_bytes=20 * model_bytes)
+    with pytest.raises(SnapshotBudgetError, match=r"30 snapshots of") as info:
+        train(tmp_path, [callback, recorder], lr_scheduler_type="constant")
+    assert human_bytes(30 * model_bytes) in str(info.value)
+    assert max(recorder.tokens, default=0) == 0 and not list((tmp_path / "pma").glob("snapshot-*"))
+
+
+def test_disk_budget_recheck_as_snapshots_land(tmp_path, caplog):
+    budget = DiskBudget(tmp_path, max_disk_bytes=1000)
+    budget.check_next(300, extra_folders=1, remaining=1, used_bytes=600)  # 400 left: the next fits, the rest too
+    with caplog.at_level(logging.WARNING, logger="hf_pma"):
+        budget.check_next(300, extra_folders=2, remaining=5, used_bytes=600)  # the next fits, the rest does not
+    assert any("5 snapshots still to come" in m for m in messages(caplog))
+    with pytest.raises(SnapshotBudgetError, match=r"next snapshot needs 300 B but only 100 B is left"):
+        budget.check_next(300, extra_folders=0, remaining=0, used_bytes=900)
+    # Without max_disk_bytes the free space of the folder's filesystem is the budget.
+    real = DiskBudget(tmp_path / "not" / "yet")
+    assert real.available()[0] > 0
+    with pytest.raises(SnapshotBudgetError, match="free space of"):
+        real.check_plan(2**62, folders=1, snapshots=1, what="a test")
+
+
+def test_first_snapshot_cost_is_logged_against_the_interval(tmp_path, caplog):
+    callback = PMACallback(interval_tokens=3 * SEQ * BATCH, async_write=False)
+    with caplog.at_level(logging.INFO, logger="hf_pma"):
+        train(tmp_path, [callback], max_steps=12, lr_scheduler_type="constant")
+    cost = [m for m in messages(caplog) if "the first snapshot cost" in m]
+    assert len(cost) == 1
+    first = callback.snapshots()[0][0]
+    assert human_bytes(first.num_bytes) in cost[0] and "every 3.0 steps" in cost[0]
+    assert "% of training time" in cost[0]
+
+
+def test_pmatrainer_applies_the_disk_budget(tmp_path):
+    with pytest.raises(ValueError, match="pma_max_disk_bytes"):
+        PMATrainingArguments(output_dir=str(tmp_path), pma_max_disk_bytes="lots")
+    args = PMATrainingArguments(
+        output_dir=str(tmp_path / "trainer"), max_steps=20, per_device_train_batch_size=BATCH, use_cpu=True,
+        report_to=[], disable_tqdm=True, save_strategy="no", pma_max_disk_bytes="1KB",
+    )
+    trainer = PMATrainer(
+        model=make_tiny_model(seed=0), args=args, train_dataset=TokenDataset(n=80, min_len=SEQ, max_len=SEQ),
+        data_collator=pad_collate,
+    )
+    with pytest.raises(SnapshotBudgetError, match="max_disk_bytes is 1000 B"):
+        trainer.train()
+    assert trainer.state.global_step == 0 and not (tmp_path / "trainer" / "pma").exists()
+
+
+@pytest.mark.slow
+def test_pretrain_script_applies_the_disk_budget(tmp_path):
+    script = [
+        sys.executable, str(REPO_ROOT / "scripts" / "pretrain.py"), str(REPO_ROOT / "scripts" / "configs" / "tiny.yaml"),
+        "--output_dir", str(tmp_path / "script"), "--max_steps", "20", "--default_corpus_bytes", "200000",
+        "--vocab_size", "512", "--block_size", "64", "--pma_max_disk_bytes", "10KB",
+    ]
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(script, capture_output=True, text=True, timeout=300, env=env)
+    assert result.returncode != 0 and "SnapshotBudgetError" in result.stderr and "max_disk_bytes is 9.8 KiB" in result.stderr
+    assert not list((tmp_path / "script" / "pma").glob("snapshot-*"))
