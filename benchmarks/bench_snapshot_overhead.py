@@ -3,6 +3,7 @@ PMACallback (async and sync writes), and with Trainer's own ``save_steps`` at th
 
     python benchmarks/bench_snapshot_overhead.py                 # 21M-parameter Llama, 120 steps
     python benchmarks/bench_snapshot_overhead.py --steps 200 --seq 128 --repeats 3
+    python benchmarks/bench_snapshot_overhead.py --zero-arg --zero-arg-steps 600   # the default callback only
 
 Each configuration trains the same model from the same seed on the same batches; the
 configurations are interleaved over ``--repeats`` rounds and the fastest round is reported.
@@ -14,6 +15,11 @@ Two kinds of numbers:
   copy to CPU, waits for the writer) or in Trainer's ``_save_checkpoint``; plus the CPU time
   of the background writer thread. These depend little on the load; ``blocked share`` is the
   blocked time over the training time of the run without snapshots.
+
+``--zero-arg`` adds (or, with ``--configs`` empty, only runs) the zero-argument row: a plain
+``TrainingArguments`` run (Transformers' defaults: linear schedule, lr 5e-5) with
+``PMACallback()`` against the same run without it, as paired runs (the order alternates within
+each pair), reporting the median of the per-pair overheads over ``--pairs`` pairs.
 """
 
 from __future__ import annotations
@@ -166,6 +172,61 @@ def run(config: str, args: argparse.Namespace, workdir: Path) -> dict[str, float
     return {"wall": wall, "blocked": blocked, "writer_cpu": WRITER_CPU[0]}
 
 
+def run_plain(with_callback: bool, args: argparse.Namespace, workdir: Path) -> tuple[float, int]:
+    """A plain ``TrainingArguments`` run (defaults only) with or without ``PMACallback()``:
+    wall seconds of ``trainer.train()`` and the snapshots taken."""
+    out = workdir / "plain"
+    shutil.rmtree(out, ignore_errors=True)
+    training_args = TrainingArguments(
+        output_dir=str(out),
+        max_steps=args.zero_arg_steps,
+        per_device_train_batch_size=args.batch,
+        report_to="none",
+        disable_tqdm=True,
+        seed=0,
+    )
+    callback = PMACallback() if with_callback else None
+    trainer = Trainer(
+        model=make_model(args),
+        args=training_args,
+        train_dataset=Tokens(args.zero_arg_steps * args.batch, args.seq, args.vocab),
+        callbacks=[callback] if callback else [],
+    )
+    trainer.remove_callback(PrinterCallback)
+    start = time.perf_counter()
+    trainer.train()
+    wall = time.perf_counter() - start
+    taken = len(callback.snapshots()) if callback is not None else 0
+    shutil.rmtree(out, ignore_errors=True)
+    return wall, taken
+
+
+def zero_argument_row(args: argparse.Namespace, workdir: Path) -> None:
+    """Paired runs of a plain Trainer with and without ``PMACallback()``; prints the row."""
+    overheads, pairs, taken = [], [], 0
+    for i in range(args.pairs):
+        order = (False, True) if i % 2 == 0 else (True, False)
+        walls = {}
+        for with_callback in order:
+            walls[with_callback], count = run_plain(with_callback, args, workdir)
+            taken = count or taken
+        pairs.append((walls[False], walls[True]))
+        overheads.append((walls[True] - walls[False]) / walls[False])
+        print(f"  pair {i + 1}: without {walls[False]:.2f}s  with {walls[True]:.2f}s", file=sys.stderr, flush=True)
+    without = statistics.median(p[0] for p in pairs)
+    with_cb = statistics.median(p[1] for p in pairs)
+    print(
+        f"\nZero-argument PMACallback() on a plain TrainingArguments run (linear schedule), "
+        f"{args.zero_arg_steps} steps of {args.batch}x{args.seq} tokens, {args.pairs} paired runs"
+    )
+    print("| configuration | snapshots | median wall without (s) | median wall with (s) | median overhead (pairs) | target |")
+    print("|---|---:|---:|---:|---:|---:|")
+    print(
+        f"| PMACallback() (zero arguments) | {taken} | {without:.1f} | {with_cb:.1f} | "
+        f"{100 * statistics.median(overheads):+.1f}% (range {100 * min(overheads):+.1f}% to {100 * max(overheads):+.1f}%) | <= 3% |"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     # Not a multiple of the interval: the last snapshot is not at the very end (where the
@@ -185,6 +246,9 @@ def main() -> None:
         help="torch threads (default 1: the second core stays free for the writer, as the CPU of a GPU run)",
     )
     parser.add_argument("--configs", nargs="*", default=list(DEFAULT_CONFIGS), choices=CONFIGS)
+    parser.add_argument("--zero-arg", action="store_true", help="add the zero-argument PMACallback() row")
+    parser.add_argument("--zero-arg-steps", type=int, default=600, help="steps of the zero-argument runs")
+    parser.add_argument("--pairs", type=int, default=5, help="paired runs for the zero-argument row")
     parser.add_argument("--workdir", type=Path, default=None, help="where snapshots go (default: a temporary folder)")
     args = parser.parse_args()
 
@@ -196,6 +260,12 @@ def main() -> None:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-pma-"))
     results: dict[str, list[dict[str, float]]] = {c: [] for c in args.configs}
     run("no snapshots", argparse.Namespace(**{**vars(args), "steps": 5}), workdir)  # warm-up, not timed
+    if args.zero_arg:
+        zero_argument_row(args, workdir)
+    if not args.configs:
+        if args.workdir is None:
+            shutil.rmtree(workdir, ignore_errors=True)
+        return
     loads = []
     for _ in range(args.repeats):
         for config in args.configs:

@@ -8,11 +8,13 @@ online average), chosen from the arguments. Usage::
     trainer.train()
     # <output_dir>/pma/manifest.json + <output_dir>/pma/snapshot-<tokens>/ model folders
 
-Order of events inside one optimizer step (Trainer): ``on_optimizer_step`` (the LR the step
-used is read here), ``on_step_end`` (tokens and phase checked; the sink takes the weights on
-every rank), then ``on_log`` (the step's training loss goes into the record and the sink
-commits it to its background writer), then checkpointing (which first waits for the write in
-flight, so a Trainer checkpoint never gets ahead of the snapshots it follows).
+Order of events inside one optimizer step (Trainer): the forward passes (the model's loss
+is added up by :class:`hf_pma.snapshots.loss.StepLossTracker`), ``on_optimizer_step`` (the LR
+the step used is read here), ``on_step_end`` (tokens and phase checked; the sink takes the
+weights on every rank; the record gets the mean training loss of the steps since the previous
+snapshot), then ``on_log`` (the sink commits the snapshot to its background writer), then
+checkpointing (which first waits for the write in flight, so a Trainer checkpoint never gets
+ahead of the snapshots it follows).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from hf_pma import __version__
 from hf_pma.core.manifest import PMA_SUBDIR, SnapshotRecord, snapshot_dirname
 from hf_pma.core.schedule import RunPlan, SnapshotSchedule, StepTick, plan_run, positive_int_or_none
 from hf_pma.snapshots.budget import DiskBudget, SnapshotBudgetError, SnapshotCost, TimeBudget
+from hf_pma.snapshots.loss import StepLossTracker
 from hf_pma.snapshots.lr_probe import first_group_value, peak_lr, planned_lrs
 from hf_pma.snapshots.online import ONLINE_KINDS, OnlineAverage
 from hf_pma.snapshots.sinks import (
@@ -131,6 +134,8 @@ class PMACallback(TrainerCallback, ExportableState):
         self._step_lr: float | None = None
         self._pending: SnapshotRecord | None = None
         self._last_loss: tuple[int, float] | None = None
+        self._losses = StepLossTracker()
+        self._last_snapshot_step = 0
         self._warned_small_interval = False
         self._plan: RunPlan | None = None
         self._disk: DiskBudget | None = None
@@ -247,6 +252,10 @@ class PMACallback(TrainerCallback, ExportableState):
         self._time = TimeBudget()
         self._disk_checked = False
         self._first_blocked_s = None
+        self._last_snapshot_step = int(state.global_step)
+        self._last_loss = None
+        if model is not None:
+            self._losses.attach(model)
         error = None
         if self._is_main:
             self._warn_without_constant_phase(args)
@@ -283,6 +292,7 @@ class PMACallback(TrainerCallback, ExportableState):
     def on_step_end(self, args, state, control, model=None, lr_scheduler=None, **kwargs):
         self._sink.raise_if_failed()
         self._time.step_done()
+        self._losses.end_step()
         lr, self._step_lr = self._step_lr, None
         if lr is None and lr_scheduler is not None:
             lr = float(lr_scheduler.get_last_lr()[0])
@@ -303,7 +313,7 @@ class PMACallback(TrainerCallback, ExportableState):
         self._warn_small_interval(tick.step_tokens)
         boundary = self.schedule.due(tick)
         if boundary is not None:
-            self._take(model, state, control, tick, boundary)
+            self._take(args, model, state, control, tick, boundary)
         if control.should_save and self._pending is None:
             self._sink.before_checkpoint()
 
@@ -323,6 +333,7 @@ class PMACallback(TrainerCallback, ExportableState):
         self._sink.save_checkpoint(Path(args.output_dir) / f"checkpoint-{state.global_step}")
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
+        self._losses.detach()
         self._commit(should_save=False)
         self._sink.close(model)
         if self.interval_tokens is not None and self.schedule.tokens > self.schedule.tokens_at_begin:
@@ -495,7 +506,7 @@ class PMACallback(TrainerCallback, ExportableState):
                 "at most one snapshot per step is taken"
             )
 
-    def _take(self, model: Any, state: Any, control: Any, tick: StepTick, boundary: int) -> None:
+    def _take(self, args: Any, model: Any, state: Any, control: Any, tick: StepTick, boundary: int) -> None:
         """Every rank: the sink copies the weights now; the record is committed once its loss is known."""
         self._commit(should_save=False)  # at most one snapshot taken and not committed
         record = SnapshotRecord(
@@ -506,6 +517,13 @@ class PMACallback(TrainerCallback, ExportableState):
             phase=tick.phase,
             extra={"interval_tokens": self.interval_tokens, "boundary": boundary, "epoch": state.epoch},
         )
+        # The mean training loss over the steps since the previous snapshot, and this step's.
+        window = self._losses.take_window(bool(getattr(args, "average_tokens_across_devices", True)))
+        record.extra["loss_since_step"] = self._last_snapshot_step
+        if window is not None:
+            record.loss = window.mean
+            record.extra.update(loss_steps=window.steps, step_loss=window.last, loss_source="model")
+        self._last_snapshot_step = record.step
         start = time.perf_counter()
         self._sink.take(model, record)
         blocked = time.perf_counter() - start
@@ -523,9 +541,12 @@ class PMACallback(TrainerCallback, ExportableState):
         if self._pending is None:
             return
         record, self._pending = self._pending, None
-        if self._last_loss is not None:
+        since = record.extra["loss_since_step"]
+        if record.loss is None and self._last_loss is not None and since < self._last_loss[0] <= record.step:
+            # The model returned no loss (the Trainer computed it): the last logged loss, when
+            # it was logged since the previous snapshot. It averages the logging window.
             record.loss = self._last_loss[1]
-            record.extra["loss_step"] = self._last_loss[0]
+            record.extra.update(loss_source="logs", loss_logged_at_step=self._last_loss[0])
         start = time.perf_counter()
         self._sink.commit()
         if should_save:

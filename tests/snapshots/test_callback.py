@@ -90,8 +90,9 @@ def test_snapshots_are_loadable_model_folders_equal_to_the_weights_at_that_step(
         }
         assert read_json(folder / "pma.json") == record.to_dict()
         assert record.num_bytes == (folder / "model.safetensors").stat().st_size
-        # The loss logged at that step (logging every 2 steps: steps 6 and 12 have their own).
-        assert record.loss is not None and record.extra["loss_step"] == record.step - record.step % 2
+        # The mean training loss since the previous snapshot (the first: since the start).
+        assert record.loss is not None and record.extra["loss_source"] == "model"
+        assert record.extra["loss_steps"] == (6 if record.step == 6 else 3)
         loaded = AutoModelForCausalLM.from_pretrained(folder)
         live = recorder.weights[record.step]
         assert max_weight_diff(loaded.state_dict(), live) == 0.0

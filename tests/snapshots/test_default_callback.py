@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_pma import PMATrainer, PMATrainingArguments
 from hf_pma.core.manifest import manifest_snapshots
@@ -166,3 +166,51 @@ def test_pretrain_script_applies_the_disk_budget(tmp_path):
     result = subprocess.run(script, capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode != 0 and "SnapshotBudgetError" in result.stderr and "max_disk_bytes is 9.8 KiB" in result.stderr
     assert not list((tmp_path / "script" / "pma").glob("snapshot-*"))
+
+
+class LossRecorder(TrainerCallback):
+    """Every logged training loss by step (log every step to get the loss of each)."""
+
+    def __init__(self) -> None:
+        self.losses: dict[int, float] = {}
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if logs and "loss" in logs:
+            self.losses[state.global_step] = logs["loss"]
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_per_snapshot_losses_are_the_mean_since_the_previous_snapshot_whatever_logging_steps(tmp_path, accumulation):
+    """Snapshots every 5 steps, logs every 10: each record still has its own, right loss."""
+    overrides = {
+        "max_steps": 30, "lr_scheduler_type": "constant", "per_device_train_batch_size": BATCH // accumulation,
+        "gradient_accumulation_steps": accumulation,
+    }
+    callback = PMACallback(interval_tokens=5 * SEQ * BATCH)
+    train(tmp_path / "sparse", [callback], logging_steps=10, **overrides)
+    # The same run (same seed, same batches) logging every step: the Trainer's own loss of each step.
+    reference = LossRecorder()
+    train(tmp_path / "dense", [reference], logging_steps=1, **overrides)
+    records = [r for r, _ in callback.snapshots()]
+    assert [r.step for r in records] == [5, 10, 15, 20, 25, 30]
+    previous = 0
+    for record in records:
+        window = [reference.losses[s] for s in range(previous + 1, record.step + 1)]
+        assert record.loss == pytest.approx(sum(window) / len(window), rel=1e-5)
+        assert record.extra["step_loss"] == pytest.approx(reference.losses[record.step], rel=1e-5)
+        assert record.extra["loss_steps"] == 5 and record.extra["loss_since_step"] == previous
+        previous = record.step
+    assert len({round(r.loss, 6) for r in records}) == len(records)  # distinct, not repeated logs
+
+
+def test_card_shows_the_per_snapshot_losses(tmp_path):
+    from hf_pma.merging.engine import merge_checkpoints
+    from hf_pma.publishing.card import build_model_card
+
+    callback = PMACallback(interval_tokens=5 * SEQ * BATCH)
+    train(tmp_path, [callback], max_steps=20, logging_steps=10, lr_scheduler_type="constant")
+    merged = tmp_path / "merged"
+    merge_checkpoints([str(tmp_path / "pma")], merged, strategy="sma")
+    card = str(build_model_card(merged))
+    for record, _ in callback.snapshots():
+        assert f"{record.loss:.4f}" in card

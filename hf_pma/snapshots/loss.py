@@ -1,0 +1,114 @@
+"""The training loss of every optimizer step, for per-snapshot records, whatever ``logging_steps`` is.
+
+A ``TrainerCallback`` only sees the loss the Trainer logs, averaged over ``logging_steps``; a
+snapshot every 5 steps with a log every 10 would repeat stale values. :class:`StepLossTracker`
+reads the loss the model returns to the Trainer instead: a forward hook on the training model
+(train mode, gradients on, so evaluations are ignored) adds up each micro-batch's loss on its
+device, without a sync, and :meth:`StepLossTracker.end_step` closes the step as the Trainer
+does for its own logs:
+
+* a loss normalised by ``num_items_in_batch`` (the model got it: a share of the step's total)
+  is summed over the step's micro-batches; any other loss is averaged over them;
+* over processes, the Trainer's logged loss is the mean of the processes' losses, except for a
+  loss normalised by a token count gathered over all processes
+  (``average_tokens_across_devices``), whose shares add up.
+
+A model that returns no loss (the Trainer computes it: ``compute_loss_func``, label smoothing)
+leaves the tracker empty; the callback then falls back to the logged loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+
+__all__ = ["StepLossTracker", "WindowLoss"]
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowLoss:
+    """The training loss over the optimizer steps between two snapshots."""
+
+    mean: float  # mean of the steps' losses
+    steps: int  # optimizer steps in the window
+    last: float  # loss of the window's last step (the snapshot's own step)
+
+
+class StepLossTracker:
+    """Per-step training losses from the model's own outputs, accumulated between snapshots."""
+
+    def __init__(self) -> None:
+        self._handle: Any | None = None
+        self._micro: torch.Tensor | None = None
+        self._micro_count = 0
+        self._scaled = False
+        self._window: torch.Tensor | None = None  # [sum of step losses, last step loss]
+        self._window_steps = 0
+        self._complete = True
+
+    def attach(self, model: torch.nn.Module) -> None:
+        """Start listening to ``model``'s training forwards (the module the Trainer calls, or the one inside its wrapper)."""
+        self.detach()
+        self._handle = model.register_forward_hook(self._hook, with_kwargs=True)
+
+    def detach(self) -> None:
+        """Stop listening."""
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _hook(self, module: torch.nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if not (module.training and torch.is_grad_enabled()):
+            return
+        loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            return
+        loss = loss.detach().float().reshape(())
+        self._micro = loss if self._micro is None else self._micro + loss
+        self._micro_count += 1
+        self._scaled = kwargs.get("num_items_in_batch") is not None
+
+    def end_step(self) -> None:
+        """Close one optimizer step (``on_step_end``): its loss joins the current window."""
+        if self._micro is None:
+            self._complete = False
+        else:
+            step = self._micro if self._scaled else self._micro / self._micro_count
+            pair = torch.stack([step, step])
+            self._window = pair if self._window is None else torch.stack([self._window[0] + step, step])
+        self._micro, self._micro_count = None, 0
+        self._window_steps += 1
+
+    def take_window(self, average_tokens_across_devices: bool = True) -> WindowLoss | None:
+        """The window's losses, reset for the next one; ``None`` when a step of it had no loss.
+
+        Every process must call it in a distributed run (one ``all_reduce``). Pass the
+        Trainer's ``average_tokens_across_devices``: with a loss normalised by
+        ``num_items_in_batch`` it makes the processes' shares add up (see the module doc).
+        """
+        sum_over_processes = self._scaled and average_tokens_across_devices
+        window, steps, complete = self._window, self._window_steps, self._complete
+        self._window, self._window_steps, self._complete = None, 0, True
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if distributed:
+            flag = torch.tensor([0.0 if (complete and window is not None) else 1.0], device=self._device(window))
+            values = window if window is not None else torch.zeros(2, device=flag.device)
+            both = torch.cat([values.to(flag.device), flag])
+            torch.distributed.all_reduce(both)
+            if both[2].item() > 0:
+                return None
+            window = both[:2] if sum_over_processes else both[:2] / torch.distributed.get_world_size()
+        elif window is None or not complete:
+            return None
+        total, last = window.tolist()
+        return WindowLoss(total / steps, steps, last)
+
+    @staticmethod
+    def _device(window: torch.Tensor | None) -> torch.device:
+        if window is not None:
+            return window.device
+        if torch.distributed.get_backend() == "nccl":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
