@@ -28,6 +28,7 @@ __all__ = [
     "MAX_AUTO_INTERVAL_TOKENS",
     "WHOLE_STEPS_FROM",
     "MIN_CONSTANT_STEPS",
+    "MIN_CONSTANT_SHARE",
     "crossed_boundary",
     "next_boundary",
     "lr_phase",
@@ -57,8 +58,10 @@ WINDOWS_PER_STABLE_PHASE = 4
 MAX_AUTO_INTERVAL_TOKENS = 80 * 10**9
 # The automatic V is a whole number of steps when snapshots are at least this many steps apart.
 WHOLE_STEPS_FROM = 5
-# A schedule "has a constant-LR phase" when it holds the peak LR for at least this many steps.
+# A schedule "has a constant-LR phase" when it holds the peak LR for at least this many steps
+# and this share of the run (a long cosine stays within float noise of its peak for a few steps).
 MIN_CONSTANT_STEPS = 2
+MIN_CONSTANT_SHARE = 0.1
 
 
 def check_phases(phases: str | Iterable[str]) -> tuple[str, ...]:
@@ -196,8 +199,9 @@ class RunPlan:
 
     @property
     def has_constant_phase(self) -> bool:
-        """Whether the schedule holds the LR constant for at least :data:`MIN_CONSTANT_STEPS` steps."""
-        return self.stable_steps >= MIN_CONSTANT_STEPS
+        """Whether the schedule holds the peak LR for at least :data:`MIN_CONSTANT_STEPS` steps and
+        :data:`MIN_CONSTANT_SHARE` of the planned steps."""
+        return self.stable_steps >= max(MIN_CONSTANT_STEPS, MIN_CONSTANT_SHARE * self.planned_steps)
 
     def selected_steps(self, after_step: int = 0) -> int:
         """Planned steps in the phases that snapshot (after optimizer step ``after_step``)."""

@@ -181,6 +181,14 @@ def test_run_plan_of_real_schedules(name, kwargs, stable, selected, constant):
     assert plan_run(200, ("stable",), lrs, peak_lr=1e-3).selected_steps() == stable
 
 
+def test_a_long_cosine_has_no_constant_phase_though_it_stays_near_its_peak_for_a_few_steps():
+    lrs = schedule_lrs("cosine", 10_000, num_warmup_steps=500)
+    plan = plan_run(10_000, ("stable", "decay"), lrs, peak_lr=1e-3)
+    assert 1 < plan.stable_steps < 20 and not plan.has_constant_phase
+    short_wsd = schedule_lrs("warmup_stable_decay", 100, num_warmup_steps=5, scheduler_specific_kwargs={"num_decay_steps": 90})
+    assert not plan_run(100, ("stable",), short_wsd, peak_lr=1e-3).has_constant_phase  # 6 of 100 steps
+
+
 def test_run_plan_at_a_stride_and_unprobed():
     lrs = schedule_lrs("warmup_stable_decay", 1000, num_warmup_steps=100, scheduler_specific_kwargs={"num_decay_steps": 200})
     strided = plan_run(1000, ("stable", "decay"), lrs[::10], peak_lr=1e-3, stride=10)
