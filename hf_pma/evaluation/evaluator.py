@@ -160,7 +160,8 @@ def evaluate_language_modeling(
     Returns ``loss`` (mean NLL per token, nats), ``perplexity`` (``exp(loss)``),
     ``bits_per_byte`` (total NLL / ln 2 / UTF-8 bytes of the texts: independent of the
     tokenizer), ``tokens`` (scored), ``bytes``, ``texts`` (non-empty texts scored),
-    ``block_size`` and ``stride``; the totals go through the shipped ``evaluate`` module
+    ``block_size``, ``stride`` and ``per_text`` (``{"nll": [...], "tokens": [...]}``, one entry per
+    non-empty text in order: for paired comparisons of two models on the same texts); the totals go through the shipped ``evaluate`` module
     ``bits_per_byte`` (:mod:`hf_pma.evaluation.metrics`). With ``device`` the model is moved there; the
     model's train/eval mode is restored afterwards. Under several processes this runs on the
     main process only.
@@ -243,7 +244,7 @@ def _evaluate_language_modeling(
     result = load_metric("bits_per_byte").compute(
         nll=nll, tokens=scored, bytes=[len(t.encode("utf-8")) for t in texts]
     )
-    result.update(texts=len(texts), block_size=block_size, stride=stride)
+    result.update(texts=len(texts), block_size=block_size, stride=stride, per_text={"nll": nll, "tokens": scored})
     logger.info(
         f"Held-out LM: {len(texts)} texts, {result['tokens']} tokens, {result['bytes']} bytes: "
         f"loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f}, bits/byte {result['bits_per_byte']:.4f}"

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import io
 import math
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,7 @@ from transformers.utils import logging
 
 from hf_pma.core.manifest import PLOT_NAME
 from hf_pma.publishing.records import FolderRecords, label_rank, load_records
+from hf_pma.utils.fs import atomic_write_bytes
 
 logger = logging.get_logger(__name__)
 
@@ -189,7 +190,8 @@ def _loss_limits(data: PlotData) -> tuple[float, float] | None:
     return low - pad, high + pad
 
 
-def _draw(data: PlotData, output_path: Path, dpi: int) -> None:
+def _draw(data: PlotData, dpi: int) -> bytes:
+    """The plot as PNG bytes."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import EngFormatter
@@ -234,7 +236,9 @@ def _draw(data: PlotData, output_path: Path, dpi: int) -> None:
         # Below the axes: a legend inside would hide the end of the curves, where the merge is.
         ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=4, fontsize=8, frameon=False)
     ax.set_title(data.title, fontsize=10)
-    fig.savefig(output_path, format="png", bbox_inches="tight")
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", bbox_inches="tight")
+    return buffer.getvalue()
 
 
 def plot_training(
@@ -247,7 +251,8 @@ def plot_training(
 
     ``output_path`` defaults to ``pma_training.png`` in the folder (required when records are
     given). Raises ``ImportError`` without matplotlib and ``ValueError`` when the records hold
-    nothing to plot. The file is written beside and renamed, so it is never half-written.
+    nothing to plot. The file is written atomically (never half-written), readable by others like
+    the folder's other files.
     """
     try:
         import matplotlib  # noqa: F401
@@ -270,13 +275,6 @@ def plot_training(
         )
     if not output_path.parent.is_dir():
         raise FileNotFoundError(f"plot_training: the folder of {output_path.name} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{output_path.name}.", suffix=".tmp", dir=output_path.parent)
-    os.close(fd)
-    try:
-        _draw(data, Path(tmp), dpi)
-        os.replace(tmp, output_path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_bytes(output_path, _draw(data, dpi))  # readable by others, never half-written
     logger.info(f"Wrote the training plot {output_path.name}")
     return output_path

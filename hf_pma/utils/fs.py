@@ -36,14 +36,15 @@ def fsync_tree(path: str | os.PathLike[str]) -> None:
         fsync_dir(root)
 
 
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    """Write text to ``path`` atomically: a temporary file beside it, fsync, rename, fsync dir."""
+def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
+    """Write bytes to ``path`` atomically: a temporary file beside it, fsync, rename, fsync dir.
+    The file is readable by others (0644), like every file hf-pma writes."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
-        os.fchmod(fd, 0o644)  # mkstemp makes it private; manifests and cards are read by other tools and users
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
+        os.fchmod(fd, 0o644)  # mkstemp makes it private; manifests, cards and plots are read by other tools and users
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
@@ -51,6 +52,11 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
+    """Write UTF-8 text to ``path`` atomically (see :func:`atomic_write_bytes`)."""
+    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:

@@ -58,6 +58,10 @@ def test_short_texts_equal_hand_computation(peaked_model, tiny_tokenizer):
     assert result["perplexity"] == pytest.approx(math.exp(total_nll / tokens), rel=1e-5)
     assert result["bits_per_byte"] == pytest.approx(total_nll / math.log(2) / num_bytes, rel=1e-5)
     assert result["texts"] == 3
+    # per text, in order: what paired comparisons of two models use
+    per_text = result["per_text"]
+    assert per_text["tokens"] == [len(s) - 1 for s in sequences]
+    assert per_text["nll"] == pytest.approx([_full_context_nll(peaked_model, s) for s in sequences], rel=1e-5)
 
 
 def test_strided_windows_equal_per_token_reference(peaked_model, tiny_tokenizer):

@@ -39,6 +39,8 @@ def test_plot_is_a_real_png_with_the_curves(merged):
     assert len(np.unique((pixels * 255).astype(np.uint8), axis=0)) > 50  # lines, text, colours
     assert (pixels.min(axis=1) < 0.9).mean() > 0.02  # not a blank canvas
     assert not [p for p in merged.iterdir() if p.name.endswith(".tmp")]
+    # readable by others, like the card and the JSON records beside it (not mkstemp's 0600)
+    assert path.stat().st_mode & 0o777 == (merged / "pma_merge.json").stat().st_mode & 0o777 == 0o644
 
 
 def test_plot_data_in_tokens(merged):
