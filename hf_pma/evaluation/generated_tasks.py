@@ -26,7 +26,7 @@ import random
 import re
 import shutil
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +55,7 @@ __all__ = [
     "check_output_folder",
     "make_tasks",
     "make_tasks_from_split",
+    "fits_context",
 ]
 
 # Between context and choice: a choice is a whole next line, or the rest of the current line.
@@ -132,11 +133,33 @@ def _with_gold(rng: random.Random, gold: str, distractors: list[str]) -> tuple[l
     return distractors[:label] + [gold] + distractors[label:], label
 
 
+def fits_context(tokenizer: Any, max_tokens: int) -> Callable[[str], bool]:
+    """A ``fits`` test for the item generators: the text is at most ``max_tokens`` tokens long
+    (no special tokens), so that a model with that context scores it without truncation."""
+    if max_tokens < 2:
+        raise ValueError(f"max_tokens must be at least 2, got {max_tokens}")
+
+    def fits(text: str) -> bool:
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"]) <= max_tokens
+
+    return fits
+
+
+def _item_fits(fits: Callable[[str], bool] | None, context: str, choices: Sequence[str], kind: str) -> bool:
+    return fits is None or all(fits(context + TARGET_DELIMITERS[kind] + choice) for choice in choices)
+
+
 def next_line_items(
-    heldout: Sequence[str], seen_in_train: set[str], options: TaskOptions, rng: random.Random
+    heldout: Sequence[str],
+    seen_in_train: set[str],
+    options: TaskOptions,
+    rng: random.Random,
+    fits: Callable[[str], bool] | None = None,
 ) -> list[dict[str, Any]]:
     """Next-line items from ``heldout`` documents. ``seen_in_train`` holds the stripped lines
-    that training documents contain: such lines are never used as a choice."""
+    that training documents contain: such lines are never used as a choice. With ``fits``, an
+    item is kept only when ``fits(context + delimiter + choice)`` for every choice (see
+    :func:`fits_context`)."""
     doc_lines = [doc.splitlines() for doc in heldout]
 
     def answer(line: str) -> bool:
@@ -163,6 +186,8 @@ def next_line_items(
         if distractors is None:
             continue
         choices, label = _with_gold(rng, gold, distractors)
+        if not _item_fits(fits, context, choices, "next_line"):
+            continue
         done.add((context, gold))
         items.append(
             {"id": f"next_line-{len(items)}", "doc": j, "line": i, "context": context, "choices": choices, "label": label}
@@ -177,12 +202,14 @@ def cloze_items(
     rng: random.Random,
     train_documents: Iterable[str] = (),
     exclude: set[tuple[int, int]] = frozenset(),
+    fits: Callable[[str], bool] | None = None,
 ) -> list[dict[str, Any]]:
     """Cloze items from ``heldout`` documents: context + the start of a line; each choice is a
     word + the rest of that line. Lines in ``seen_in_train`` are never used; the lines that
     distractor words make are checked against ``train_documents`` and items with one seen there
     are dropped. ``exclude`` holds ``(doc, line)`` positions not to use (those of next-line items:
-    the same text split at two places trips lm-eval's logits cache, see :mod:`hf_pma.evaluation.harness`)."""
+    the same text split at two places trips lm-eval's logits cache, see :mod:`hf_pma.evaluation.harness`).
+    ``fits`` as in :func:`next_line_items`."""
     doc_lines = [doc.splitlines() for doc in heldout]
     k = options.context_lines
     words = list(
@@ -215,6 +242,8 @@ def cloze_items(
         if distractors is None:
             continue
         choices, label = _with_gold(rng, gold + rest, [w + rest for w in distractors])
+        if not _item_fits(fits, context, choices, "cloze"):
+            continue
         done.add((context, gold))
         items.append({"doc": j, "line": i, "context": context, "choices": choices, "label": label})
     leaking = {index for index, _ in find_leaks(items, train_documents, TARGET_DELIMITERS["cloze"])}
@@ -300,6 +329,7 @@ def _write_tasks(
     write_train: bool,
     overwrite: bool,
     info: dict[str, Any],
+    fits: Callable[[str], bool] | None = None,
 ) -> dict[str, Any]:
     check_task_settings(kinds, prefix, options)
     if not heldout:
@@ -316,10 +346,10 @@ def _write_tasks(
     for kind in sorted(kinds, key=TASK_KINDS.index):  # next_line first: cloze avoids its lines
         rng = random.Random(f"hf-pma/{kind}/{seed}")
         if kind == "next_line":
-            items = next_line_items(heldout, seen_in_train, options, rng)
+            items = next_line_items(heldout, seen_in_train, options, rng, fits=fits)
             used = {(item["doc"], item["line"]) for item in items}
         else:
-            items = cloze_items(heldout, seen_in_train, options, rng, train, exclude=used)
+            items = cloze_items(heldout, seen_in_train, options, rng, train, exclude=used, fits=fits)
         leaks = find_leaks(items, train, TARGET_DELIMITERS[kind])
         if leaks:  # the generators exclude these; this is the independent check
             raise RuntimeError(f"{kind}: {len(leaks)} choice line(s) occur in the training documents, e.g. {leaks[0][1]!r}")
@@ -380,6 +410,7 @@ def make_tasks_from_split(
     write_train: bool = False,
     overwrite: bool = False,
     info: dict[str, Any] | None = None,
+    fits: Callable[[str], bool] | None = None,
 ) -> dict[str, Any]:
     """Write tasks generated from ``heldout`` (checked against ``train``) into ``output_dir``.
 
@@ -388,7 +419,9 @@ def make_tasks_from_split(
     ``{"text": ...}`` per line: the data for ``hf-pma eval --eval-file``), ``train.jsonl`` with
     ``write_train``, and ``tasks_info.json`` (returned; ``info`` is added to it). The folder
     appears complete or not at all. Raises ``ValueError`` when a kind yields no item, and
-    ``FileExistsError`` for a non-empty ``output_dir`` without ``overwrite``. Under several
+    ``FileExistsError`` for a non-empty ``output_dir`` without ``overwrite``. ``fits`` keeps only
+    items whose every choice, with its context, passes it: ``fits_context(tokenizer, context
+    length)`` sizes the tasks for a model, so that lm-eval never truncates them. Under several
     processes this runs on the main process only (see :mod:`hf_pma.utils.distributed`).
     """
     from hf_pma.utils.distributed import run_on_main_process
@@ -405,6 +438,7 @@ def make_tasks_from_split(
         write_train,
         overwrite,
         info or {},
+        fits,
     )
 
 

@@ -190,3 +190,30 @@ def test_load_documents_from_files(tmp_path):
         load_documents(tmp_path / "missing.txt")
     with pytest.raises(FileNotFoundError, match="data/missing.jsonl"):
         load_documents("data/missing.jsonl")
+
+
+def test_tasks_sized_to_a_context_fit_it(tiny_tokenizer, tmp_path):
+    """With fits_context, every choice with its context is at most that many tokens (what lm-eval
+    scores without truncating); without it, some items of the same corpus are longer."""
+    from hf_pma.evaluation.generated_tasks import fits_context, make_tasks_from_split
+
+    train, heldout = split_documents(corpus(), eval_fraction=0.25, seed=11)
+    options = TaskOptions(num_items=30)
+    limit = 48
+
+    def lengths(folder):
+        out = []
+        for name, delimiter in (("pma_next_line", "\n"), ("pma_cloze", "")):
+            for item in _items(folder, name):
+                for choice in item["choices"]:
+                    text = item["context"] + delimiter + choice
+                    out.append(len(tiny_tokenizer(text, add_special_tokens=False)["input_ids"]))
+        return out
+
+    make_tasks_from_split(train, heldout, tmp_path / "free", seed=3, options=options)
+    make_tasks_from_split(train, heldout, tmp_path / "sized", seed=3, options=options, fits=fits_context(tiny_tokenizer, limit))
+    assert max(lengths(tmp_path / "free")) > limit
+    sized = lengths(tmp_path / "sized")
+    assert sized and max(sized) <= limit
+    with pytest.raises(ValueError, match="max_tokens"):
+        fits_context(tiny_tokenizer, 1)
