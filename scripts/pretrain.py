@@ -1,28 +1,35 @@
 """Pre-train a causal LM with PMA: snapshots every V tokens, merged evaluation, final merge,
-held-out evaluation, model card, plot, and optional push to the Hub.
+a matched annealed model, held-out evaluation, model card, plot, and optional push to the Hub.
 
 With no arguments it runs the embedded default (``scripts/configs/tiny.yaml``): a small Llama
-pre-trained on the Python standard library's own source with a WSD schedule, on CPU, in a few
-minutes. With arguments it is the same job on your data, model and GPUs::
+pre-trained on the Python standard library's own source at a constant learning rate, on CPU,
+in a few minutes; then a fork of it annealed over its last tokens, so that the merge at T tokens
+is compared with the constant-LR model and with an annealed model at the same T. With arguments
+it is the same job on your data, model and GPUs::
 
     accelerate launch scripts/pretrain.py                                   # the embedded default
-    accelerate launch scripts/pretrain.py scripts/configs/tiny.yaml --max_steps 100
-    accelerate launch --config_file scripts/configs/fsdp2.yaml scripts/pretrain.py \\
+    accelerate launch scripts/pretrain.py --output_dir runs/mine --max_steps 600   # the default, changed
+    accelerate launch scripts/pretrain.py my.yaml --max_steps 100           # your config file instead
+    accelerate launch --config_file scripts/configs/fsdp2.yaml scripts/pretrain.py my-run.yaml \\
         --dataset_name HuggingFaceFW/fineweb-edu --dataset_config_name sample-10BT --streaming \\
         --config_name meta-llama/Llama-3.2-1B --tokenizer_name meta-llama/Llama-3.2-1B \\
         --output_dir runs/llama-1b --max_steps 20000 --bf16 --pma_interval_tokens 500000000
 
-A YAML/JSON file as the first argument gives defaults; flags after it override them.
+Flags without a config file change the embedded default; a YAML/JSON file as the first argument
+replaces it, and flags after it override the file.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import shlex
 import shutil
+import statistics
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -33,22 +40,34 @@ from transformers import (
     DataCollatorForLanguageModeling,
     HfArgumentParser,
     LlamaConfig,
+    Trainer,
+    TrainerCallback,
     set_seed,
 )
 from transformers.utils import logging
 
 from hf_pma import PMATrainer, PMATrainingArguments
 from hf_pma.evaluation.corpus import load_documents, split_documents
-from hf_pma.evaluation.evaluator import evaluate_models, results_table, write_eval_record
-from hf_pma.evaluation.generated_tasks import TaskOptions, make_tasks_from_split
+from hf_pma.evaluation.evaluator import EVAL_RECORD_NAME, evaluate_models, results_table, write_eval_record
+from hf_pma.evaluation.generated_tasks import TaskOptions, fits_context, make_tasks_from_split
 from hf_pma.training.pretrain_data import pack_dataset, stdlib_documents, train_bpe_tokenizer
 from hf_pma.utils.distributed import is_main_process, run_on_main_process
-from hf_pma.utils.fs import atomic_write_json
+from hf_pma.utils.fs import atomic_write_json, read_json, remove_tree
 from hf_pma.utils.logs import enable_logging
 
 logger = logging.get_logger("hf_pma.pretrain")
 
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
+CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+CONSTANT_SCHEDULES = ("constant", "constant_with_warmup")
+USAGE_NOTE = f"""\
+Which arguments a run uses:
+  no arguments                  the embedded default run ({DEFAULT_CONFIG.parent.name}/{DEFAULT_CONFIG.name}); the
+                                defaults shown below are its values
+  --flag value ...              the embedded default with these flags changed (e.g. --output_dir runs/mine)
+  CONFIG.yaml|json [--flag ...] that file instead of the embedded default (then the dataclasses' own
+                                defaults for what it leaves out), with the flags after it changing it
+"""
 
 
 @dataclasses.dataclass
@@ -94,6 +113,9 @@ class DataArguments:
     max_eval_texts: int = dataclasses.field(
         default=40, metadata={"help": "Held-out documents in the final loss / bits-per-byte evaluation."}
     )
+    max_eval_chars: int | None = dataclasses.field(
+        default=None, metadata={"help": "Characters of each of those documents evaluated (its start; default: all)."}
+    )
     token_budget: int | None = dataclasses.field(
         default=None, metadata={"help": "Train on this many tokens (sets max_steps from the global batch)."}
     )
@@ -113,23 +135,137 @@ class DataArguments:
     )
 
 
-def parse_arguments(argv: list[str]) -> tuple[ModelArguments, DataArguments, PMATrainingArguments]:
-    """Dataclasses from an optional leading YAML/JSON file (defaults) and command-line flags."""
-    parser = HfArgumentParser((ModelArguments, DataArguments, PMATrainingArguments))
-    if not argv:
-        argv = [str(DEFAULT_CONFIG)]
-    if argv[0].endswith((".yaml", ".yml", ".json")):
-        path = Path(argv[0])
-        if not path.is_file():
-            raise FileNotFoundError(f"config file {path} does not exist")
-        defaults = yaml.safe_load(path.read_text()) if path.suffix != ".json" else json.loads(path.read_text())
-        known = {f.name for dc in parser.dataclass_types for f in dataclasses.fields(dc)}
-        unknown = sorted(set(defaults) - known)
-        if unknown:
-            raise ValueError(f"{path}: unknown argument(s) {', '.join(unknown)}")
-        parser.set_defaults(**defaults)
-        argv = argv[1:]
-    return parser.parse_args_into_dataclasses(argv)
+@dataclasses.dataclass
+class ComparisonArguments:
+    """The annealed model that the merge is compared with, at the same tokens."""
+
+    anneal_steps: int = dataclasses.field(
+        default=0,
+        metadata={
+            "help": "Also train an annealed fork of the constant-LR run: from its state anneal_steps before the end, "
+            "decay the LR to 0 over the same steps and data, and compare it with the merge at the same tokens "
+            "(needs lr_scheduler_type constant_with_warmup or constant). 0: no fork."
+        },
+    )
+    anneal_decay_type: str = dataclasses.field(
+        default="linear", metadata={"help": "Shape of the fork's decay: linear, cosine or 1-sqrt."}
+    )
+
+
+def build_parser() -> HfArgumentParser:
+    """The command-line parser (its defaults are the dataclasses' own until a config is applied)."""
+    import argparse
+
+    class Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+        """Defaults after each flag's help; the usage note as written."""
+
+    return HfArgumentParser(
+        (ModelArguments, DataArguments, ComparisonArguments, PMATrainingArguments),
+        description=__doc__.split("\n\n")[0],
+        epilog=USAGE_NOTE,
+        formatter_class=Formatter,
+    )
+
+
+def read_config(path: Path, parser: HfArgumentParser) -> dict:
+    """The arguments of a YAML/JSON config file, checked against the parser's argument names."""
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    values = yaml.safe_load(path.read_text()) if path.suffix != ".json" else json.loads(path.read_text())
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: expected a mapping of argument names to values")
+    known = {f.name for dc in parser.dataclass_types for f in dataclasses.fields(dc)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{path}: unknown argument(s) {', '.join(unknown)}")
+    return values
+
+
+def parse_arguments(
+    argv: list[str],
+) -> tuple[ModelArguments, DataArguments, ComparisonArguments, PMATrainingArguments]:
+    """The run's dataclasses: the embedded default config (or a YAML/JSON file given as the first
+    argument, which replaces it), changed by the command-line flags."""
+    parser = build_parser()
+    config = DEFAULT_CONFIG
+    if argv and argv[0].endswith(CONFIG_SUFFIXES) and not argv[0].startswith("-"):
+        config, argv = Path(argv[0]), argv[1:]
+    parser.set_defaults(**read_config(config, parser))
+    model_args, data, comparison, args = parser.parse_args_into_dataclasses(argv)
+    check_comparison(comparison, args)
+    return model_args, data, comparison, args
+
+
+def check_comparison(comparison: ComparisonArguments, args: PMATrainingArguments) -> None:
+    """``ValueError`` naming the argument when the annealed fork cannot be made."""
+    if comparison.anneal_steps < 0:
+        raise ValueError(f"anneal_steps must be 0 or positive, got {comparison.anneal_steps}")
+    if comparison.anneal_decay_type not in ("linear", "cosine", "1-sqrt"):
+        raise ValueError(f"anneal_decay_type must be linear, cosine or 1-sqrt, got {comparison.anneal_decay_type!r}")
+    if not comparison.anneal_steps:
+        return
+    schedule = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
+    if schedule not in CONSTANT_SCHEDULES:
+        raise ValueError(
+            f"anneal_steps needs a constant-LR run to fork from (lr_scheduler_type constant_with_warmup), "
+            f"got lr_scheduler_type {schedule}; or pass --anneal_steps 0"
+        )
+    if args.max_steps > 0 and comparison.anneal_steps >= args.max_steps - args.get_warmup_steps(args.max_steps):
+        raise ValueError(
+            f"anneal_steps ({comparison.anneal_steps}) must be shorter than the constant-LR part of the run "
+            f"(max_steps {args.max_steps} minus the warmup)"
+        )
+
+
+class SaveAtStep(TrainerCallback):
+    """Saves a Trainer checkpoint (weights, optimizer, scheduler, data position) at one step."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):  # noqa: D102 - TrainerCallback event
+        if state.global_step == self.step:
+            control.should_save = True
+        return control
+
+
+def train_annealed_fork(
+    model_args: ModelArguments,
+    comparison: ComparisonArguments,
+    args: PMATrainingArguments,
+    tokenizer,
+    train_ds,
+    block_size: int,
+    checkpoint: Path,
+) -> Path:
+    """From the constant-LR run's checkpoint, the same data with the LR decayed to 0 over
+    ``anneal_steps``: a WSD run that ends at the constant-LR run's last token. Returns its folder."""
+    out = Path(args.output_dir) / "annealed"
+    fork_args = dataclasses.replace(
+        args,
+        output_dir=str(out),
+        lr_scheduler_type="warmup_stable_decay",
+        lr_scheduler_kwargs={"num_decay_steps": comparison.anneal_steps, "decay_type": comparison.anneal_decay_type,
+                             "min_lr_ratio": 0.0},
+        eval_strategy="no",
+        save_strategy="no",
+        push_to_hub=False,
+        resume_from_checkpoint=None,
+    )
+    trainer = Trainer(
+        build_model(model_args, tokenizer, block_size),
+        fork_args,
+        train_dataset=train_ds,
+        data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
+        processing_class=tokenizer,
+    )
+    logger.info(
+        f"Annealed fork: from step {args.max_steps - comparison.anneal_steps}, {comparison.anneal_decay_type} decay "
+        f"to 0 over {comparison.anneal_steps} steps"
+    )
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    trainer.save_model(str(out))
+    return out
 
 
 def read_documents(data: DataArguments) -> tuple[list[str], str]:
@@ -200,17 +336,29 @@ def reproduce_command(argv: list[str]) -> str:
     return shlex.join(parts)
 
 
-def final_evaluation(trainer: PMATrainer, tokenizer, heldout: list[str], train_docs: list[str], data: DataArguments) -> dict:
-    """Last snapshot vs PMA merge vs the final (annealed, with WSD) model on held-out text and tasks."""
+def final_evaluation(
+    trainer: PMATrainer,
+    heldout: list[str],
+    train_docs: list[str],
+    data: DataArguments,
+    tokenizer,
+    annealed: Path | None,
+) -> dict:
+    """Last snapshot vs PMA merge vs the annealed model on held-out text and tasks.
+
+    With a fork, ``annealed`` is its folder (at the same tokens as the last snapshot); without
+    one, a run with a decaying schedule contributes its final model (annealed, later tokens)."""
     out = Path(trainer.args.output_dir)
     snapshots = trainer.pma_callback.snapshots()
-    # With a WSD schedule the final live model is the annealed one: the comparison PMA is about.
+    models = {"last snapshot": snapshots[-1][1], "PMA merge": trainer.pma_merged_dir}
     schedule = str(getattr(trainer.args.lr_scheduler_type, "value", trainer.args.lr_scheduler_type))
-    annealed = schedule not in ("constant", "constant_with_warmup")
-    final_label = "annealed" if annealed else "final model"
-    models = {"last snapshot": snapshots[-1][1], "PMA merge": trainer.pma_merged_dir, final_label: out / "final"}
+    if annealed is not None:
+        models["annealed"] = annealed
+    elif schedule not in CONSTANT_SCHEDULES:
+        models["annealed"] = out / "final"  # with WSD the final live model is the annealed one
     tasks, include = data.eval_tasks, None
     if data.make_tasks:
+        # Sized to the model's context, so that lm-eval scores every choice without truncating it.
         info = make_tasks_from_split(
             train_docs,
             heldout,
@@ -218,14 +366,17 @@ def final_evaluation(trainer: PMATrainer, tokenizer, heldout: list[str], train_d
             seed=trainer.args.seed,
             options=TaskOptions(num_items=data.task_items),
             overwrite=True,
+            info={"max_item_tokens": data.block_size},
+            fits=fits_context(tokenizer, data.block_size),
         )
         tasks = ",".join([*info["tasks"], *([data.eval_tasks] if data.eval_tasks else [])])
         include = out / "tasks"
+    texts = [doc[: data.max_eval_chars] for doc in heldout[: data.max_eval_texts]]
     return evaluate_models(
         [str(p) for p in models.values()],
         labels=list(models),
-        texts=heldout[: data.max_eval_texts],
-        eval_dataset="held-out documents",
+        texts=texts,
+        eval_dataset=f"{len(texts)} held-out documents",
         tasks=tasks,
         include_path=include,
         block_size=data.block_size,
@@ -233,10 +384,54 @@ def final_evaluation(trainer: PMATrainer, tokenizer, heldout: list[str], train_d
     )
 
 
+def _document_losses(lm: dict) -> list[float]:
+    per_text = lm["per_text"]
+    return [nll / tokens for nll, tokens in zip(per_text["nll"], per_text["tokens"]) if tokens]
+
+
+def paired_comparison(lm: dict[str, dict], reference: str = "last snapshot", merge: str = "PMA merge",
+                      annealed: str = "annealed") -> dict:
+    """Each model's mean held-out loss over the same documents, its mean per-document difference
+    from ``reference`` with the paired standard error, and the share of the annealing gain that
+    the merge recovers: (reference - merge) / (reference - annealed)."""
+    base = _document_losses(lm[reference])
+    models = {reference: {"loss": statistics.fmean(base)}}
+    for label in lm:
+        if label == reference:
+            continue
+        losses = _document_losses(lm[label])
+        diffs = [a - b for a, b in zip(losses, base)]
+        stderr = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None
+        models[label] = {"loss": statistics.fmean(losses), "loss_diff": statistics.fmean(diffs), "paired_stderr": stderr}
+    record = {"reference": reference, "merge": merge, "annealed": annealed if annealed in lm else None,
+              "documents": len(base), "models": models, "annealing_gain_recovered": None}
+    if annealed in lm and merge in lm and models[annealed]["loss_diff"] < 0:
+        record["annealing_gain_recovered"] = models[merge]["loss_diff"] / models[annealed]["loss_diff"]
+    return record
+
+
+def write_comparison(merged_dir: Path, comparison: dict) -> None:
+    """Add the comparison to the merged folder's evaluation record (pma_eval.json), for the card."""
+    path = merged_dir / EVAL_RECORD_NAME
+    record = read_json(path)
+    record["comparison"] = comparison
+    atomic_write_json(path, record)
+
+
+def shown(path: str | os.PathLike[str]) -> str:
+    """A path as the summary prints it: relative to the working folder when inside it, else absolute."""
+    path = Path(path).absolute()
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the whole job; returns the exit code."""
+    started = time.time()
     argv = sys.argv[1:] if argv is None else argv
-    model_args, data, args = parse_arguments(argv)
+    model_args, data, comparison, args = parse_arguments(argv)
     # hf-pma's own progress at INFO; transformers' at WARNING (it logs every config it saves).
     logging.set_verbosity_warning()
     logging.enable_explicit_format()
@@ -248,10 +443,12 @@ def main(argv: list[str] | None = None) -> int:
 
         check_repo_id(args.hub_model_id or Path(args.output_dir).resolve().name)
         resolve_token(args.hub_token)
-    pma_dir = Path(args.output_dir) / "pma"
-    if data.overwrite_output_dir and not args.resume_from_checkpoint and is_main_process() and pma_dir.exists():
-        logger.warning(f"--overwrite_output_dir: deleting the earlier run's {pma_dir}")
-        shutil.rmtree(pma_dir)
+    out = Path(args.output_dir)
+    if data.overwrite_output_dir and not args.resume_from_checkpoint and is_main_process():
+        for old in (out / "pma", out / "annealed"):
+            if old.exists():
+                logger.warning(f"--overwrite_output_dir: deleting the earlier run's {old}")
+                shutil.rmtree(old)
     docs, corpus_name = read_documents(data)
     train_docs, heldout = split_documents(docs, eval_fraction=data.eval_fraction, seed=args.seed)
     cache_dir = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hf_pma" / "tokenizers"
@@ -262,6 +459,7 @@ def main(argv: list[str] | None = None) -> int:
     if data.token_budget:
         tokens_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size * data.block_size
         args.max_steps = max(1, data.token_budget // tokens_per_step)
+        check_comparison(comparison, args)
     model = build_model(model_args, tokenizer, data.block_size)
     logger.info(
         f"{corpus_name}: {len(train_docs)} train / {len(heldout)} held-out documents, {len(train_ds)} blocks of "
@@ -271,6 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     push_merged = args.push_to_hub and args.pma_push_merged
     args.pma_push_merged = False  # pushed below, once the card holds the final evaluation
     args.push_to_hub = args.push_to_hub and data.push_live_model
+    fork_step = args.max_steps - comparison.anneal_steps if comparison.anneal_steps else None
     trainer = PMATrainer(
         model,
         args,
@@ -278,20 +477,34 @@ def main(argv: list[str] | None = None) -> int:
         eval_dataset=eval_ds,
         data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
         processing_class=tokenizer,
+        callbacks=[SaveAtStep(fork_step)] if fork_step else None,
     )
     trainer.pma_command = reproduce_command(argv)
     trainer.train()
-    trainer.save_model(str(Path(args.output_dir) / "final"))
+    trainer.save_model(str(out / "final"))
     if trainer.pma_merged_dir is None:
         logger.warning("No snapshot was taken: no merge to evaluate (lengthen the run or lower pma_interval_tokens).")
         return 1
+    annealed = None
+    if fork_step:
+        checkpoint = out / f"checkpoint-{fork_step}"
+        annealed = train_annealed_fork(model_args, comparison, args, tokenizer, train_ds, data.block_size, checkpoint)
+        if is_main_process():
+            remove_tree(checkpoint)  # only the fork needed it
 
     # Every process calls the evaluation functions: they run on the main process, the others wait.
-    results = final_evaluation(trainer, tokenizer, heldout, train_docs, data)
+    results = final_evaluation(trainer, heldout, train_docs, data, tokenizer, annealed)
     write_eval_record(trainer.pma_merged_dir, results["results"], eval_dataset=results.get("eval_dataset"))
     if is_main_process():
-        from hf_pma.publishing.card import write_model_card
+        from hf_pma.publishing.card import comparison_table, write_model_card
 
+        paired = paired_comparison(results["lm"])
+        tokens_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size * data.block_size
+        paired["tokens"] = trainer.state.num_input_tokens_seen or args.max_steps * tokens_per_step
+        if annealed is not None:
+            paired["anneal"] = {"steps": comparison.anneal_steps, "tokens": comparison.anneal_steps * tokens_per_step,
+                                "decay_type": comparison.anneal_decay_type}
+        write_comparison(trainer.pma_merged_dir, paired)
         training_record = trainer.pma_merged_dir / "pma_training.json"
         record = json.loads(training_record.read_text())
         record["datasets"] = [corpus_name]
@@ -301,13 +514,18 @@ def main(argv: list[str] | None = None) -> int:
         if push_merged:
             url = trainer.push_merged_to_hub(repo_id=args.hub_model_id, revision=args.pma_push_revision)
             logger.info(f"Pushed the merged model: {url}")
-        print("\nDone.")
-        print(f"  snapshots + manifest : {trainer.pma_callback.pma_dir}")
-        print(f"  merged model         : {trainer.pma_merged_dir}")
-        print(f"  final (live) model   : {Path(args.output_dir) / 'final'}")
-        print(f"  model card / plot    : {card} / {trainer.pma_merged_dir / 'pma_training.png'}")
-        print(f"  evaluation           : {trainer.pma_merged_dir / 'pma_eval.json'}\n")
+        merged = trainer.pma_merged_dir
+        print(f"\nDone in {time.time() - started:.0f} s.")
+        print(f"  snapshots + manifest : {shown(trainer.pma_callback.pma_dir)}")
+        print(f"  merged model         : {shown(merged)}")
+        print(f"  final (live) model   : {shown(out / 'final')}")
+        if annealed is not None:
+            print(f"  annealed fork        : {shown(annealed)}")
+        print(f"  model card / plot    : {shown(card)} / {shown(merged / 'pma_training.png')}")
+        print(f"  evaluation           : {shown(merged / EVAL_RECORD_NAME)}\n")
         print(results_table(results["results"]))
+        print()
+        print(comparison_table(paired))
     return 0
 
 

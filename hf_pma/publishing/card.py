@@ -42,6 +42,7 @@ __all__ = [
     "template_path",
     "eval_table",
     "eval_results_for",
+    "comparison_table",
     "build_model_card",
     "write_model_card",
 ]
@@ -64,19 +65,20 @@ _STRATEGY_TEXT = {
 
 
 def template_path(name: str = TEMPLATE_NAME) -> Path:
-    """The installed template ``name`` (package ``hf_pma.model_cards``), or the repository's copy."""
+    """The template ``name``: the source checkout's ``model_cards/`` beside the running
+    ``hf_pma`` when there is one (so a checkout renders its own templates, whichever checkout is
+    installed), else the installed package ``hf_pma.model_cards``."""
+    source = Path(__file__).resolve().parents[2] / "model_cards" / name
+    if source.is_file():
+        return source
     try:
         candidate = importlib.resources.files("hf_pma.model_cards") / name
         if candidate.is_file():
             return Path(str(candidate))
     except (ModuleNotFoundError, TypeError):
         pass
-    # Running from a source checkout that was never installed.
-    candidate = Path(__file__).resolve().parents[1] / "model_cards" / name
-    if candidate.is_file():
-        return candidate
     raise FileNotFoundError(
-        f"model card template {name!r} not found in the hf_pma.model_cards package nor in {candidate.parent.name}/: "
+        f"model card template {name!r} not found in {source.parent} nor in the hf_pma.model_cards package: "
         "reinstall hf-pma"
     )
 
@@ -210,6 +212,54 @@ def eval_table(eval_record: dict[str, Any] | None) -> tuple[list[str], list[dict
                 values.append(_MISSING)
         rows.append({"task": task, "metric": _metric_display(*_split_metric(key)), "values": values})
     return columns, rows
+
+
+def _fmt_diff(row: dict[str, Any]) -> str:
+    diff, stderr = row.get("loss_diff"), row.get("paired_stderr")
+    if not _is_number(diff):
+        return ""
+    text = f"{diff:+.4f}"
+    if _is_number(stderr) and stderr > 0:
+        text += f" ± {stderr:.4f} ({abs(diff) / stderr:.1f} SE)"
+    return text
+
+
+def comparison_table(comparison: dict[str, Any] | None) -> str:
+    """The matched comparison of an evaluation record (its ``comparison``: per-document held-out
+    losses of the last snapshot, the merge and an annealed model on the same documents) as a
+    markdown table: mean loss, mean paired difference from the last snapshot ± its standard
+    error, and the share of the annealing gain; ``""`` when there is none."""
+    if not isinstance(comparison, dict) or not isinstance(comparison.get("models"), dict):
+        return ""
+    models, reference = comparison["models"], comparison.get("reference")
+    annealed, merge = comparison.get("annealed"), comparison.get("merge")
+    anneal = comparison.get("anneal") if isinstance(comparison.get("anneal"), dict) else {}
+    share = comparison.get("annealing_gain_recovered")
+    tokens = _fmt_int(comparison.get("tokens")) if _is_number(comparison.get("tokens")) else None
+    docs = comparison.get("documents")
+    lines = [
+        f"| model{f' (all at {tokens} tokens)' if tokens and anneal else ''} | held-out loss "
+        f"(mean of {docs} documents) | difference from the {reference} (± paired SE) | share of the annealing gain |",
+        "|---|---:|---:|---:|",
+    ]
+    names = {reference: f"{reference} (constant LR)" if anneal else str(reference)}
+    if annealed and anneal:
+        names[annealed] = (
+            f"{annealed} ({anneal.get('decay_type', '')} decay to 0 over the last {_fmt_int(anneal.get('tokens'))} tokens)"
+        )
+    order = sorted(models, key=label_rank)
+    for label in order:
+        row = models[label] if isinstance(models[label], dict) else {}
+        if not _is_number(row.get("loss")):
+            continue
+        if label == merge and _is_number(share):
+            cell = f"{share:.0%}"
+        elif label == annealed and _is_number(share):
+            cell = "100%"
+        else:
+            cell = ""
+        lines.append(f"| {names.get(label, label)} | {row['loss']:.4f} | {_fmt_diff(row)} | {cell} |")
+    return "\n".join(lines)
 
 
 def eval_results_for(eval_record: dict[str, Any] | None, label: str | None = None) -> list[EvalResult]:
@@ -486,6 +536,7 @@ def build_model_card(
         "eval_columns": columns,
         "eval_rows": rows,
         "eval_dataset": (records.eval or {}).get("eval_dataset"),
+        "comparison_table": comparison_table((records.eval or {}).get("comparison")),
         "plot_file": plot_file,
         "plot_description": _plot_description(records) if plot_file else "",
         "load_id": repo_id or f"./{records.name or 'merged'}",

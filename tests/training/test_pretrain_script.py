@@ -3,6 +3,7 @@ Hub stand-in, and two processes under ``accelerate launch`` (gloo on CPU)."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import socket
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from huggingface_hub import ModelCard
 
 from tests.hub_server import HubServer
@@ -20,13 +22,13 @@ SCRIPT = REPO_ROOT / "scripts" / "pretrain.py"
 
 # The embedded default run, shortened: same code path, a few seconds of training.
 SHORT = [
-    str(REPO_ROOT / "scripts" / "configs" / "tiny.yaml"),
     "--max_steps", "24",
     "--warmup_steps", "2",
-    "--lr_scheduler_kwargs", '{"num_decay_steps": 6}',
+    "--anneal_steps", "6",
     "--default_corpus_bytes", "600000",
     "--eval_fraction", "0.25",
     "--vocab_size", "512",
+    "--config_overrides", "hidden_size=64,intermediate_size=128,num_hidden_layers=2",
     "--block_size", "64",
     "--per_device_train_batch_size", "4",
     "--per_device_eval_batch_size", "8",
@@ -71,8 +73,12 @@ def test_default_run_shortened_with_card_plot_and_push(tmp_path, hub):
     assert result.returncode == 0, result.stderr[-4000:]
     merged = out / "pma" / "merged"
 
-    # the summary names every output and prints the live-vs-merged table
-    assert str(merged) in result.stdout and "PMA merge" in result.stdout and "annealed" in result.stdout
+    # the summary names every output one way (here relative to the working folder) and prints both tables
+    assert "merged model         : run/pma/merged" in result.stdout and str(tmp_path) not in result.stdout
+    assert "PMA merge" in result.stdout and "share of the annealing gain" in result.stdout
+    # the generated tasks fit the 64-token context: lm-eval truncates nothing
+    assert "exceeds model's maximum length" not in result.stderr
+    assert json.loads((out / "tasks" / "tasks_info.json").read_text())["max_item_tokens"] == 64
     manifest = json.loads((out / "pma" / "manifest.json").read_text())
     assert manifest["snapshots"] and all(s["phase"] == "stable" for s in manifest["snapshots"])
     record = json.loads((merged / "pma_merge.json").read_text())
@@ -82,9 +88,20 @@ def test_default_run_shortened_with_card_plot_and_push(tmp_path, hub):
     # training record, evaluation record, plot and card
     training = json.loads((merged / "pma_training.json").read_text())
     assert training["pma_evals"] and training["datasets"] == ["local:python-stdlib"]
-    assert training["command"].startswith("accelerate launch scripts/pretrain.py tiny.yaml")
-    evaluation = json.loads((merged / "pma_eval.json").read_text())["results"]
+    assert training["command"].startswith("accelerate launch scripts/pretrain.py --max_steps 24")
+    record = json.loads((merged / "pma_eval.json").read_text())
+    evaluation = record["results"]
     assert set(evaluation) == {"last snapshot", "PMA merge", "annealed"}
+    # the matched comparison: all three at the same tokens, paired over the same 4 documents
+    comparison = record["comparison"]
+    assert comparison["documents"] == 4 and comparison["tokens"] == training["total_tokens"] == 24 * 4 * 64
+    assert comparison["anneal"] == {"steps": 6, "tokens": 6 * 4 * 64, "decay_type": "linear"}
+    for label in ("PMA merge", "annealed"):
+        row = comparison["models"][label]
+        assert row["paired_stderr"] > 0
+        assert row["loss_diff"] == pytest.approx(row["loss"] - comparison["models"]["last snapshot"]["loss"])
+    annealed_state = json.loads((out / "annealed" / "config.json").read_text())
+    assert annealed_state["vocab_size"] == 512 and not (out / "checkpoint-18").exists()  # the fork's checkpoint is gone
     assert {"lm", "pma_next_line", "pma_cloze"} <= set(evaluation["PMA merge"])
     assert 0 < evaluation["PMA merge"]["lm"]["bits_per_byte"] < 10
     png = (merged / "pma_training.png").read_bytes()
@@ -92,6 +109,7 @@ def test_default_run_shortened_with_card_plot_and_push(tmp_path, hub):
     card_text = (merged / "README.md").read_text()
     assert str(tmp_path) not in card_text and token not in card_text
     assert "pma_training.png" in card_text and "snapshot-" in card_text
+    assert "share of the annealing gain" in card_text and "(all at 6,144 tokens)" in card_text
 
     # the merged model went to the branch pma-merged of the repo, with the card and its results
     pushed = hub.files("tester/tiny-pma", "pma-merged")
@@ -103,6 +121,53 @@ def test_default_run_shortened_with_card_plot_and_push(tmp_path, hub):
     assert "pma" in card.data.tags
     # without --push_live_model the Trainer pushes nothing of its own to main
     assert "model.safetensors" not in hub.files("tester/tiny-pma", "main")
+
+
+def _load_script(monkeypatch):
+    """scripts/pretrain.py as a module (its dataclasses need it in sys.modules while they are made)."""
+    spec = importlib.util.spec_from_file_location("pretrain_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_flags_change_the_embedded_default_and_a_config_file_replaces_it(tmp_path, capsys, monkeypatch):
+    pretrain = _load_script(monkeypatch)
+    embedded = yaml.safe_load(pretrain.DEFAULT_CONFIG.read_text())
+    model, data, comparison, args = pretrain.parse_arguments([])
+    assert (args.output_dir, args.max_steps, args.learning_rate) == (
+        embedded["output_dir"], embedded["max_steps"], embedded["learning_rate"]
+    )
+    assert (model.config_overrides, comparison.anneal_steps) == (embedded["config_overrides"], embedded["anneal_steps"])
+
+    # flags alone: the embedded default with those flags changed, nothing else
+    mine = str(tmp_path / "mine")
+    model, data, comparison, args = pretrain.parse_arguments(["--output_dir", mine, "--max_steps", "600"])
+    assert (args.output_dir, args.max_steps) == (mine, 600)
+    assert args.learning_rate == embedded["learning_rate"] and args.pma_interval_tokens == embedded["pma_interval_tokens"]
+    assert str(args.lr_scheduler_type.value) == embedded["lr_scheduler_type"] == "constant_with_warmup"
+    assert comparison.anneal_steps == embedded["anneal_steps"] and data.block_size == embedded["block_size"]
+    assert model.vocab_size == embedded["vocab_size"]
+
+    # a config file first replaces the embedded default; flags after it change the file's values
+    own = tmp_path / "own.yaml"
+    own.write_text("output_dir: x\nmax_steps: 7\nlearning_rate: 0.002\n")
+    model, data, comparison, args = pretrain.parse_arguments([str(own), "--learning_rate", "0.01"])
+    assert (args.output_dir, args.max_steps, args.learning_rate) == ("x", 7, 0.01)
+    assert args.pma_interval_tokens is None and comparison.anneal_steps == 0 and model.config_overrides is None
+
+    # --help says how flags and config files combine, and shows the embedded default's values
+    with pytest.raises(SystemExit) as exit_info:
+        pretrain.parse_arguments(["--help"])
+    assert exit_info.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "the embedded default with these flags changed" in text and "that file instead of the embedded default" in text
+    assert f"default: {embedded['output_dir']}" in text
+
+    # an annealed fork needs a constant-LR run to fork from
+    with pytest.raises(ValueError, match="anneal_steps needs a constant-LR run"):
+        pretrain.parse_arguments(["--lr_scheduler_type", "cosine"])
 
 
 def test_bad_arguments_fail_before_training(tmp_path):
