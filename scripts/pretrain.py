@@ -349,8 +349,16 @@ def final_evaluation(
     With a fork, ``annealed`` is its folder (at the same tokens as the last snapshot); without
     one, a run with a decaying schedule contributes its final model (annealed, later tokens)."""
     out = Path(trainer.args.output_dir)
-    snapshots = trainer.pma_callback.snapshots()
-    models = {"last snapshot": snapshots[-1][1], "PMA merge": trainer.pma_merged_dir}
+    record, last = trainer.pma_callback.snapshots()[-1]
+    models = {"last snapshot": last, "PMA merge": trainer.pma_merged_dir}
+    if annealed is not None and record.step != trainer.state.global_step:
+        # The fork ends at the run's last step: compare with the live model there, at the same tokens.
+        logger.warning(
+            f"the last snapshot is at step {record.step}, not at the end of the run (step {trainer.state.global_step}): "
+            "comparing with the final live model instead (make max_steps x tokens per step a multiple of "
+            "pma_interval_tokens, with dataloader_drop_last, to compare with a snapshot)"
+        )
+        models = {"live model at the end": out / "final", "PMA merge": trainer.pma_merged_dir}
     schedule = str(getattr(trainer.args.lr_scheduler_type, "value", trainer.args.lr_scheduler_type))
     if annealed is not None:
         models["annealed"] = annealed
@@ -498,7 +506,7 @@ def main(argv: list[str] | None = None) -> int:
     if is_main_process():
         from hf_pma.publishing.card import comparison_table, write_model_card
 
-        paired = paired_comparison(results["lm"])
+        paired = paired_comparison(results["lm"], reference=next(iter(results["lm"])))
         tokens_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size * data.block_size
         paired["tokens"] = trainer.state.num_input_tokens_seen or args.max_steps * tokens_per_step
         if annealed is not None:
