@@ -8,7 +8,13 @@ import pytest
 from huggingface_hub import ModelCard
 
 from hf_pma.cli import main
-from hf_pma.publishing.card import build_model_card, eval_table, template_path, write_model_card
+from hf_pma.publishing.card import (
+    build_model_card,
+    comparison_table,
+    eval_table,
+    template_path,
+    write_model_card,
+)
 from hf_pma.publishing.records import find_secrets, sanitize_text
 from tests.pma_records import (
     EVAL_RECORD,
@@ -163,6 +169,38 @@ def test_eval_table_orders_models_and_pairs_stderr():
     columns, rows = eval_table({"results": {"annealed": {"lm": {"loss": 1.0}}, "PMA merge": {"lm": {"loss": 2.0}}}})
     assert columns == ["PMA merge", "annealed"]  # no last snapshot: no difference column
     assert rows == [{"task": "lm", "metric": "loss", "values": ["2.0000", "1.0000"]}]
+
+
+COMPARISON = {
+    "reference": "last snapshot",
+    "merge": "PMA merge",
+    "annealed": "annealed",
+    "documents": 32,
+    "tokens": 1_024_000,
+    "anneal": {"steps": 200, "tokens": 204_800, "decay_type": "linear"},
+    "models": {
+        "annealed": {"loss": 4.05, "loss_diff": -0.15, "paired_stderr": 0.01},
+        "last snapshot": {"loss": 4.2},
+        "PMA merge": {"loss": 4.08, "loss_diff": -0.12, "paired_stderr": 0.012},
+    },
+    "annealing_gain_recovered": 0.8,
+}
+
+
+def test_card_shows_the_matched_comparison(merged):
+    record = json.loads((merged / "pma_eval.json").read_text())
+    assert "The merge against the last snapshot" not in build_model_card(merged).text  # none recorded: no section
+    record["comparison"] = COMPARISON
+    (merged / "pma_eval.json").write_text(json.dumps(record))
+    text = build_model_card(merged).text
+    assert "The merge against the last snapshot and an annealed model" in text
+    assert "| model (all at 1,024,000 tokens) | held-out loss (mean of 32 documents) |" in text
+    # last snapshot first, then the merge, then the annealed model; paired SE and share of the gain
+    assert _table_rows(text, "last snapshot (constant LR)") == [["last snapshot (constant LR)", "4.2000", "", ""]]
+    assert _table_rows(text, "PMA merge")[-1] == ["PMA merge", "4.0800", "-0.1200 ± 0.0120 (10.0 SE)", "80%"]
+    annealed = "annealed (linear decay to 0 over the last 204,800 tokens)"
+    assert _table_rows(text, annealed) == [[annealed, "4.0500", "-0.1500 ± 0.0100 (15.0 SE)", "100%"]]
+    assert comparison_table(None) == "" and comparison_table({"models": "?"}) == ""
 
 
 def test_card_errors_name_the_problem(tmp_path, merged):
