@@ -328,6 +328,17 @@ def build_model(model_args: ModelArguments, tokenizer, block_size: int):
     return AutoModelForCausalLM.from_config(config)
 
 
+def full_batches(train_ds, args: PMATrainingArguments):
+    """The training blocks, cut to a multiple of the global batch: every optimizer step then sees
+    the same tokens, so a snapshot every V tokens falls on the same steps in every epoch (and the
+    last one on the last step, where the annealed fork ends)."""
+    global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+    keep = len(train_ds) - len(train_ds) % global_batch
+    if keep == 0:
+        raise ValueError(f"the training data holds {len(train_ds)} blocks, fewer than one global batch of {global_batch}")
+    return train_ds.select(range(keep)) if keep < len(train_ds) else train_ds
+
+
 def reproduce_command(argv: list[str]) -> str:
     """The launch line of this run, with local paths reduced to their names (for the card)."""
     parts = ["accelerate", "launch", "scripts/pretrain.py"]
@@ -356,7 +367,7 @@ def final_evaluation(
         logger.warning(
             f"the last snapshot is at step {record.step}, not at the end of the run (step {trainer.state.global_step}): "
             "comparing with the final live model instead (make max_steps x tokens per step a multiple of "
-            "pma_interval_tokens, with dataloader_drop_last, to compare with a snapshot)"
+            "pma_interval_tokens to compare with a snapshot)"
         )
         models = {"live model at the end": out / "final", "PMA merge": trainer.pma_merged_dir}
     schedule = str(getattr(trainer.args.lr_scheduler_type, "value", trainer.args.lr_scheduler_type))
@@ -461,7 +472,7 @@ def main(argv: list[str] | None = None) -> int:
     train_docs, heldout = split_documents(docs, eval_fraction=data.eval_fraction, seed=args.seed)
     cache_dir = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hf_pma" / "tokenizers"
     tokenizer = run_on_main_process(build_tokenizer, model_args, train_docs, cache_dir)
-    train_ds = pack_dataset(train_docs, tokenizer, data.block_size)
+    train_ds = full_batches(pack_dataset(train_docs, tokenizer, data.block_size), args)
     eval_ds = pack_dataset(heldout, tokenizer, data.block_size)
     eval_ds = eval_ds.select(range(min(len(eval_ds), data.max_eval_blocks)))
     if data.token_budget:

@@ -201,7 +201,7 @@ def test_two_processes_with_accelerate_launch(tmp_path):
     ]
     result = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
-    assert result.stdout.count("Done.") == 1  # the summary is printed once, by the main process
+    assert result.stdout.count("Done in ") == 1  # the summary is printed once, by the main process
     training = json.loads((out / "pma" / "merged" / "pma_training.json").read_text())
     assert training["world_size"] == 2
     # PMATrainer's merged evaluation ran under DDP, beside the live evaluation
@@ -211,5 +211,7 @@ def test_two_processes_with_accelerate_launch(tmp_path):
     manifest = json.loads((out / "pma" / "manifest.json").read_text())
     assert [s["tokens"] for s in manifest["snapshots"]] == sorted({s["tokens"] for s in manifest["snapshots"]})
     assert all(s["tokens"] % 512 == 0 for s in manifest["snapshots"])
-    evaluation = json.loads((out / "pma" / "merged" / "pma_eval.json").read_text())["results"]
-    assert set(evaluation) == {"last snapshot", "PMA merge", "annealed"}
+    record = json.loads((out / "pma" / "merged" / "pma_eval.json").read_text())
+    assert set(record["results"]) == {"last snapshot", "PMA merge", "annealed"}
+    # the annealed fork resumed under 2 processes too, and ends at the same tokens
+    assert record["comparison"]["tokens"] == training["total_tokens"] and (out / "annealed" / "config.json").is_file()
