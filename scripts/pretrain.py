@@ -60,10 +60,10 @@ logger = logging.get_logger("hf_pma.pretrain")
 DEFAULT_CONFIG = Path(__file__).resolve().parent / "configs" / "tiny.yaml"
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
 CONSTANT_SCHEDULES = ("constant", "constant_with_warmup")
-USAGE_NOTE = f"""\
+USAGE_NOTE = """\
 Which arguments a run uses:
-  no arguments                  the embedded default run ({DEFAULT_CONFIG.parent.name}/{DEFAULT_CONFIG.name}); the
-                                defaults shown below are its values
+  no arguments                  the embedded default run (scripts/configs/tiny.yaml): the
+                                defaults shown with the options above are its values
   --flag value ...              the embedded default with these flags changed (e.g. --output_dir runs/mine)
   CONFIG.yaml|json [--flag ...] that file instead of the embedded default (then the dataclasses' own
                                 defaults for what it leaves out), with the flags after it changing it
@@ -192,12 +192,13 @@ def parse_arguments(
         config, argv = Path(argv[0]), argv[1:]
     parser.set_defaults(**read_config(config, parser))
     model_args, data, comparison, args = parser.parse_args_into_dataclasses(argv)
-    check_comparison(comparison, args)
+    check_comparison(comparison, args, data.token_budget)
     return model_args, data, comparison, args
 
 
-def check_comparison(comparison: ComparisonArguments, args: PMATrainingArguments) -> None:
-    """``ValueError`` naming the argument when the annealed fork cannot be made."""
+def check_comparison(comparison: ComparisonArguments, args: PMATrainingArguments, token_budget: int | None = None) -> None:
+    """``ValueError`` naming the argument when the annealed fork cannot be made (``token_budget``:
+    max_steps is set from it later)."""
     if comparison.anneal_steps < 0:
         raise ValueError(f"anneal_steps must be 0 or positive, got {comparison.anneal_steps}")
     if comparison.anneal_decay_type not in ("linear", "cosine", "1-sqrt"):
@@ -210,6 +211,8 @@ def check_comparison(comparison: ComparisonArguments, args: PMATrainingArguments
             f"anneal_steps needs a constant-LR run to fork from (lr_scheduler_type constant_with_warmup), "
             f"got lr_scheduler_type {schedule}; or pass --anneal_steps 0"
         )
+    if args.max_steps <= 0 and not token_budget:
+        raise ValueError("anneal_steps needs max_steps (or token_budget): the fork starts anneal_steps before the end")
     if args.max_steps > 0 and comparison.anneal_steps >= args.max_steps - args.get_warmup_steps(args.max_steps):
         raise ValueError(
             f"anneal_steps ({comparison.anneal_steps}) must be shorter than the constant-LR part of the run "

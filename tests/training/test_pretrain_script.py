@@ -168,6 +168,11 @@ def test_flags_change_the_embedded_default_and_a_config_file_replaces_it(tmp_pat
     # an annealed fork needs a constant-LR run to fork from
     with pytest.raises(ValueError, match="anneal_steps needs a constant-LR run"):
         pretrain.parse_arguments(["--lr_scheduler_type", "cosine"])
+    with pytest.raises(ValueError, match=r"anneal_steps \(1000\) must be shorter"):
+        pretrain.parse_arguments(["--anneal_steps", "1000"])
+    own.write_text("output_dir: x\nanneal_steps: 10\nlr_scheduler_type: constant\n")
+    with pytest.raises(ValueError, match="anneal_steps needs max_steps"):
+        pretrain.parse_arguments([str(own)])
 
 
 def test_bad_arguments_fail_before_training(tmp_path):
