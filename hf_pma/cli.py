@@ -24,6 +24,7 @@ COMMANDS = {
     "push": "push",
     "sweep": "sweep",
     "inspect": "inspect",
+    "consolidate": "consolidate",
 }
 
 

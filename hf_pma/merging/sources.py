@@ -5,13 +5,16 @@ step, snapshot record). :func:`resolve_sources` expands run folders (a PMA manif
 Trainer output folder with ``checkpoint-*``), orders everything by training progress when
 that is known, and :meth:`CheckpointSource.open` gives tensor-level read access over all of a
 folder's weight files (single-file or sharded safetensors, or ``.bin`` through
-``torch.load(weights_only=True)``). Hub sources (``org/model``, ``org/model@REV``, or a repo's
-revisions matching a pattern) are found, ordered and selected before anything is downloaded
-(see :mod:`hf_pma.merging.hub_revisions`).
+``torch.load(weights_only=True)``), or, for a folder of per-rank files (a sharded snapshot,
+or what torch DCP's ``HuggingFaceStorageWriter(save_distributed=True)`` writes), the same access
+assembled from the ranks' slices (:mod:`hf_pma.merging.sharded`). Hub sources (``org/model``,
+``org/model@REV``, or a repo's revisions matching a pattern) are found, ordered and selected
+before anything is downloaded (see :mod:`hf_pma.merging.hub_revisions`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -32,6 +35,7 @@ from hf_pma.merging.hub_revisions import (
     resolve_revision,
 )
 from hf_pma.merging.safetensors_io import CheckpointFormatError, SafetensorsReader, TensorInfo
+from hf_pma.merging.sharded import ShardedCheckpointTensors, sharded_weight_files
 
 logger = logging.get_logger(__name__)
 
@@ -153,6 +157,8 @@ class CheckpointSource:
     step: int | None = None
     record: dict[str, Any] = dataclasses.field(default_factory=dict)
     label: str | None = None
+    # True for a sharded folder (one file per rank, DCP layout): read by global element ranges.
+    sharded: bool = False
 
     @property
     def name(self) -> str:
@@ -164,8 +170,11 @@ class CheckpointSource:
         """True for a PEFT adapter folder (``adapter_model.*``)."""
         return self.prefix == "adapter_model"
 
-    def open(self) -> CheckpointTensors:
-        """Open the weight files for reading (validates their headers)."""
+    def open(self) -> CheckpointTensors | ShardedCheckpointTensors:
+        """Open the weight files for reading (validates their headers; a sharded folder's slices
+        must cover every tensor exactly once)."""
+        if self.sharded:
+            return ShardedCheckpointTensors(self.files)
         return CheckpointTensors(self.files)
 
     def num_bytes(self) -> int:
@@ -194,7 +203,7 @@ def _progress_of(folder: Path) -> tuple[int | None, int | None, dict[str, Any]]:
     return None, None, {}
 
 
-def open_all(sources: Sequence[CheckpointSource]) -> list[CheckpointTensors]:
+def open_all(sources: Sequence[CheckpointSource]) -> list[CheckpointTensors | ShardedCheckpointTensors]:
     """Open every source (headers validated); on a failure, close the ones already opened."""
     opened: list[CheckpointTensors] = []
     try:
@@ -207,17 +216,37 @@ def open_all(sources: Sequence[CheckpointSource]) -> list[CheckpointTensors]:
     return opened
 
 
+def _sharded_files(folder: Path) -> list[Path] | None:
+    """A sharded folder's rank files; fails naming the ranks missing from its record's world size."""
+    files = sharded_weight_files(folder)
+    if files is None:
+        return None
+    record_path = folder / SNAPSHOT_RECORD_NAME
+    world = None
+    if record_path.is_file():
+        with contextlib.suppress(ValueError, AttributeError):
+            world = (json.loads(record_path.read_text()).get("extra") or {}).get("world_size")
+    if isinstance(world, int) and len(files) != world:
+        raise CheckpointFormatError(
+            f"sharded snapshot {folder} was written by {world} ranks but holds {len(files)} rank files"
+        )
+    return files
+
+
 def _source_from_folder(folder: Path, tokens: int | None = None, step: int | None = None, record=None) -> CheckpointSource:
     found = find_weight_files(folder)
+    sharded = found is None and (files := _sharded_files(folder)) is not None
+    if sharded:
+        found = ("model", files)
     if found is None:
         raise FileNotFoundError(
             f"{folder} holds no model weights (looked for model.safetensors, model.safetensors.index.json, "
-            f"pytorch_model.bin, adapter_model.safetensors)"
+            f"pytorch_model.bin, adapter_model.safetensors, per-rank shard-*-model-*.safetensors)"
         )
     prefix, files = found
     if tokens is None and step is None:
         tokens, step, record = _progress_of(folder)
-    return CheckpointSource(folder, prefix, files, tokens, step, dict(record or {}))
+    return CheckpointSource(folder, prefix, files, tokens, step, dict(record or {}), sharded=sharded)
 
 
 def _expand_manifest(manifest: Path) -> list[CheckpointSource]:
@@ -256,7 +285,7 @@ def _expand(item: str | os.PathLike[str], revisions: str | None = None, endpoint
         return [resolve_revision(repo_id, revision, endpoint=endpoint)]
     if path.is_file():
         raise ValueError(f"source {path} is a file; give the model folder that holds it")
-    if find_weight_files(path) is not None:
+    if find_weight_files(path) is not None or sharded_weight_files(path) is not None:
         return [_source_from_folder(path)]
     manifest = find_manifest(path)
     if manifest is not None:

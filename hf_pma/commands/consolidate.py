@@ -1,0 +1,45 @@
+"""``hf-pma consolidate``: turn one sharded snapshot (one file per rank) into a plain HF model folder."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Register ``hf-pma consolidate``."""
+    p = subparsers.add_parser(
+        "consolidate",
+        help="turn a sharded snapshot into one HF model folder",
+        description=(
+            "Read a sharded snapshot (per-rank shard-*-model-*.safetensors files, as written by "
+            "PMACallback(sharded=True) or by torch DCP's HuggingFaceStorageWriter(save_distributed=True)) "
+            "and write one Hugging Face model folder that from_pretrained loads, streaming tensor by tensor. "
+            "Merging does not need this: `hf-pma merge` reads sharded snapshots directly."
+        ),
+    )
+    p.add_argument("snapshot", metavar="SNAPSHOT", help="the sharded snapshot folder")
+    p.add_argument("-o", "--output", required=True, help="output folder (created atomically)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast floating tensors (default: keep)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest output shard (default: 5GB)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or info logs")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run ``hf-pma consolidate``."""
+    from transformers.utils import logging
+
+    from hf_pma.merging.consolidate import consolidate_snapshot
+
+    if args.quiet:
+        logging.set_verbosity_warning()
+    consolidate_snapshot(
+        args.snapshot,
+        args.output,
+        dtype=args.dtype,
+        max_shard_size=args.max_shard_size,
+        overwrite=args.overwrite,
+        progress=not args.quiet,
+    )
+    return 0

@@ -1,0 +1,108 @@
+"""Turn one sharded snapshot (one file per rank) into a plain Hugging Face model folder.
+
+Streams tensor by tensor in bounded memory (flat element ranges assembled from the ranks'
+slices, see :mod:`hf_pma.merging.sharded`), optionally casting floating tensors, into
+``model.safetensors`` or ``model-0000x-of-0000y.safetensors`` + index, with the snapshot's
+config, tokenizer files and record; the folder is built aside and renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+from transformers.utils import logging
+
+from hf_pma.core.manifest import SNAPSHOT_RECORD_NAME
+from hf_pma.merging.engine import _check_output, _copy_support_files, _plan, _publish, _shard
+from hf_pma.merging.safetensors_io import SafetensorsWriter
+from hf_pma.merging.sources import resolve_sources
+from hf_pma.utils.fs import atomic_write_json, fsync_tree
+from hf_pma.utils.parsing import parse_dtype, parse_size
+
+logger = logging.get_logger(__name__)
+
+__all__ = ["consolidate_snapshot"]
+
+_CHUNK_ELEMS = 1 << 20
+
+
+def consolidate_snapshot(
+    snapshot: str | os.PathLike[str],
+    output_dir: str | os.PathLike[str],
+    dtype: str | torch.dtype | None = None,
+    max_shard_size: int | str = "5GB",
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
+    """Write the sharded snapshot ``snapshot`` as one HF model folder ``output_dir``; returns it.
+
+    ``snapshot`` is a folder of per-rank ``shard-*-model-*.safetensors`` files (an hf-pma sharded
+    snapshot, or a folder written by torch DCP's ``HuggingFaceStorageWriter(save_distributed=True)``
+    with a ``config.json`` beside). ``dtype`` casts floating tensors. The values are the stored
+    ones, bit for bit, when no ``dtype`` is given.
+    """
+    out_dtype = parse_dtype(dtype)
+    max_bytes = parse_size(max_shard_size, "max_shard_size")
+    output_dir = Path(output_dir)
+    (source,) = resolve_sources([snapshot]) if Path(snapshot).is_dir() else (None,)
+    if source is None or not source.sharded:
+        raise ValueError(f"{snapshot} is not a sharded snapshot (no per-rank shard-*-model-*.safetensors files)")
+    _check_output(output_dir, [source], overwrite)
+    tmp = output_dir.with_name(f".{output_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tensors = source.open()
+    try:
+        plans = _plan(tensors.infos, out_dtype)
+        shards = _shard(plans, max_bytes)
+        tmp.mkdir(parents=True)
+        names = (
+            ["model.safetensors"]
+            if len(shards) == 1
+            else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
+        )
+        read_buf = torch.empty(_CHUNK_ELEMS * 8, dtype=torch.uint8)
+        cast_bufs: dict[torch.dtype, torch.Tensor] = {}
+        weight_map: dict[str, str] = {}
+        bar = tqdm(total=len(plans), desc="Consolidating", unit="tensor", disable=not progress)
+        for filename, shard in zip(names, shards):
+            writer = SafetensorsWriter(tmp / filename, [(p.name, p.out_dtype, p.shape) for p in shard])
+            for plan in shard:
+                for start in range(0, plan.numel, _CHUNK_ELEMS):
+                    stop = min(plan.numel, start + _CHUNK_ELEMS)
+                    chunk = tensors.read(plan.name, start, stop, read_buf)
+                    if plan.out_dtype != plan.in_dtype:
+                        cast = cast_bufs.setdefault(plan.out_dtype, torch.empty(_CHUNK_ELEMS, dtype=plan.out_dtype))
+                        chunk = cast[: stop - start].copy_(chunk)
+                    writer.write(plan.name, chunk)
+                weight_map[plan.name] = filename
+                bar.update(1)
+            writer.close()
+        bar.close()
+        if len(shards) > 1:
+            total = sum(p.out_bytes for p in plans)
+            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        _copy_support_files(source, tmp, out_dtype)
+        record = dict(source.record)
+        if record:
+            extra = dict(record.get("extra") or {})
+            layout = {k: extra.pop(k) for k in ("sharded", "world_size", "layout") if k in extra}
+            extra["consolidated_from"] = {**layout, "num_rank_files": tensors.num_ranks}
+            record["extra"] = extra
+            if out_dtype is not None:
+                record["dtype"] = str(out_dtype).removeprefix("torch.")
+            atomic_write_json(tmp / SNAPSHOT_RECORD_NAME, record)
+        fsync_tree(tmp)
+        _publish(tmp, output_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        tensors.close()
+    logger.info(f"Consolidated {source.path} ({tensors.num_ranks} rank files) into {output_dir}")
+    return output_dir

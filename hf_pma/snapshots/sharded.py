@@ -1,0 +1,391 @@
+"""Sharded snapshots: every rank writes only its own slices of the weights; no rank gathers the model.
+
+For FSDP1/FSDP2 and DeepSpeed ZeRO-3 runs. One snapshot is one folder::
+
+    <pma_dir>/snapshot-<tokens>/
+        shard-00001-model-00001-of-00001.safetensors   # rank 0's slices
+        shard-0000r-model-00001-of-00001.safetensors   # rank r-1's slices
+        config.json, generation_config.json, tokenizer files, pma.json (the record)
+
+in the layout torch DCP's ``HuggingFaceStorageWriter(save_distributed=True)`` writes (what
+torchtitan writes): each file stores its slices under the full tensor names, with
+``__metadata__["DCP_SHARDING_INFO"]`` giving each slice's ``saved_offsets``, so DCP and
+torchtitan tooling read it too. A ZeRO-3 partition is a flat range of the flattened tensor,
+which DCP's layout cannot express: it is stored flat, and ``hf_pma_global_shapes`` (written
+for every tensor) gives the full shapes. :mod:`hf_pma.merging.sharded` reads both.
+
+How a snapshot is taken (:class:`ShardedSnapshotWriter`), on every rank:
+
+1. in the training thread: the rank's slices (FSDP2 ``DTensor`` local shards, FSDP1
+   ``ShardedTensor`` local shards, ZeRO-3 ``ds_tensor`` partitions; unsharded tensors on rank 0
+   only) are cast to ``save_dtype`` on their device and copied into host staging buffers that
+   are reused from one snapshot to the next (pinned, and copied without blocking, on CUDA);
+2. in a background thread: the rank's file is written under a temporary name in
+   ``<pma_dir>/.tmp-snapshot-<tokens>/``, fsynced, and renamed to its final name (the rename is
+   the rank's "done" mark);
+3. rank 0's background thread waits until every rank's file has its final name, writes the
+   config and the record, renames the folder to ``snapshot-<tokens>`` and only then lists it in
+   the manifest (``keep_last`` deletes whole folders). A rank that dies mid-write leaves a
+   ``.tmp-`` folder that is never listed and is removed when the run restarts.
+
+Host memory per rank: one copy of the rank's slices in the saved dtype (the staging buffers),
+whatever the model size or world size; nothing is gathered.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import json
+import math
+import os
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers.utils import logging
+
+from hf_pma.core.manifest import SNAPSHOT_RECORD_NAME, SnapshotRecord, add_snapshot
+from hf_pma.merging.safetensors_io import SAFETENSORS_FROM_DTYPE, SafetensorsWriter
+from hf_pma.merging.sharded import (
+    DCP_SHARDING_INFO_KEY,
+    DCP_VERSION_KEY,
+    GLOBAL_SHAPES_KEY,
+    SAVED_OFFSETS_KEY,
+    rank_file_name,
+)
+from hf_pma.utils.fs import TMP_PREFIX, atomic_write_json, fsync_dir, fsync_tree, remove_tree
+
+logger = logging.get_logger(__name__)
+
+__all__ = [
+    "LAYOUT_DCP",
+    "LAYOUT_FLAT",
+    "LocalSlice",
+    "StagedShard",
+    "StagingBuffers",
+    "local_slices",
+    "zero3_partition",
+    "write_rank_file",
+    "wait_for_rank_files",
+    "finish_sharded_snapshot",
+    "sharded_tmp_dir",
+]
+
+# Layout names recorded in the manifest and in pma.json.
+LAYOUT_DCP = "dcp-hf-safetensors"  # slices are boxes with DCP offsets (FSDP)
+LAYOUT_FLAT = "dcp-hf-safetensors+flat"  # some slices are flat ranges (ZeRO-3)
+_DCP_VERSION = "1.0"
+_WRITE_CHUNK = 64 * 2**20
+# How long rank 0 waits for the other ranks' files before failing the snapshot.
+DEFAULT_RANK_TIMEOUT_S = 3600.0
+
+
+@dataclasses.dataclass
+class LocalSlice:
+    """The part of one full tensor that this rank holds: where it sits and the live local data.
+
+    ``offsets``/``sizes`` are a box in the full tensor (as DCP records them), or, with
+    ``flat=True``, a range ``[offsets[0], offsets[0] + sizes[0])`` of the flattened full tensor.
+    """
+
+    name: str
+    tensor: torch.Tensor
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    flat: bool = False
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which slices does this rank hold?
+# ---------------------------------------------------------------------------------------------
+
+
+def zero3_partition(param: Any, rank: int) -> tuple[int, int]:
+    """``(start, length)``: the flat elements of a ZeRO-3 parameter that ``rank``'s ``ds_tensor`` holds.
+
+    DeepSpeed pads a parameter's ``ds_numel`` elements to ``world * partition`` and gives rank r
+    ``[r * partition, (r + 1) * partition)``, where ``partition = ds_tensor.ds_numel``; the padding
+    at the end (and whole partitions past the end) hold no weights.
+    """
+    partition = int(getattr(param.ds_tensor, "ds_numel", param.ds_tensor.numel()))
+    numel = int(param.ds_numel)
+    start = min(numel, rank * partition)
+    return start, max(0, min(partition, numel - start))
+
+
+def _replica_owner(tensor: Any) -> bool:
+    """For a DTensor: whether this rank is the first replica of its slice (coordinate 0 on every
+    mesh dimension where the tensor is replicated), so that each slice is written once."""
+    from torch.distributed.tensor import Replicate
+
+    coordinate = tensor.device_mesh.get_coordinate()
+    if coordinate is None:
+        return False
+    return all(c == 0 for c, p in zip(coordinate, tensor.placements) if isinstance(p, Replicate))
+
+
+def _slices_of(name: str, value: Any, rank: int) -> list[LocalSlice]:
+    shape = tuple(value.shape)
+    if hasattr(value, "to_local") and hasattr(value, "__create_chunk_list__"):  # DTensor
+        if not _replica_owner(value):
+            return []
+        chunks = value.__create_chunk_list__()
+        local = value.to_local()
+        if len(chunks) != 1:
+            raise ValueError(f"tensor {name!r}: a DTensor with {len(chunks)} local chunks is not supported")
+        chunk = chunks[0]
+        return [LocalSlice(name, local, tuple(chunk.offsets), tuple(chunk.sizes), shape)]
+    if hasattr(value, "local_shards"):  # FSDP1's ShardedTensor
+        return [
+            LocalSlice(name, shard.tensor, tuple(shard.metadata.shard_offsets), tuple(shard.metadata.shard_sizes), shape)
+            for shard in value.local_shards()
+        ]
+    if not isinstance(value, torch.Tensor):
+        return []
+    # An unsharded tensor (a buffer, a replicated parameter): rank 0 writes it.
+    return [LocalSlice(name, value, (0,) * len(shape), shape, shape)] if rank == 0 else []
+
+
+def _kept_names(module: torch.nn.Module, names: Sequence[str], identity: dict[str, int]) -> list[str]:
+    """The names ``save_pretrained`` would store: tied duplicates dropped (the same choice as the
+    full-gather path), decided from the parameters' identity so every rank agrees."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.core_model_loading import revert_weight_conversion
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+    except ImportError:  # other transformers versions: keep every key
+        return list(names)
+    if not isinstance(module, PreTrainedModel):
+        return list(names)
+    stand_ins: dict[int, torch.Tensor] = {}
+    state = {n: stand_ins.setdefault(identity[n], torch.empty(1)) for n in names}
+    kept = remove_tied_weights_from_state_dict(dict(state), module)
+    reverted = revert_weight_conversion(module, dict(kept))
+    if set(reverted) != set(kept):
+        raise ValueError(
+            f"{type(module).__name__} converts its weights at load time (e.g. fused experts); sharded snapshots store "
+            "the live tensors and cannot revert that conversion: use PMACallback(sharded=False)"
+        )
+    return [n for n in names if n in kept]
+
+
+def local_slices(model: torch.nn.Module, rank: int | None = None) -> list[LocalSlice]:
+    """This rank's slices of every tensor ``save_pretrained`` would store, for FSDP1/FSDP2,
+    DeepSpeed ZeRO-3, or an unsharded model (then rank 0 holds everything)."""
+    from hf_pma.snapshots.writer import sharding_kind, unwrap_model
+
+    if rank is None:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    kind = sharding_kind(model)
+    module = unwrap_model(model)
+    slices: list[LocalSlice] = []
+    if kind == "zero3":
+        import torch.distributed as dist
+
+        params = dict(module.named_parameters(remove_duplicate=False))
+        names = list(module.state_dict(keep_vars=True))  # persistent buffers only
+        for name in names:
+            param = params.get(name)
+            if param is None or not hasattr(param, "ds_tensor"):
+                value = module.get_parameter(name) if param is not None else module.get_buffer(name)
+                slices += _slices_of(name, value.detach(), rank)
+                continue
+            group = getattr(param, "ds_process_group", None)
+            start, length = zero3_partition(param, dist.get_rank(group=group) if group is not None else rank)
+            shape = tuple(int(d) for d in param.ds_shape)
+            local = param.ds_tensor.detach().reshape(-1)[:length]
+            slices.append(LocalSlice(name, local, (start,), (length,), shape, flat=len(shape) != 1))
+    else:
+        if kind == "fsdp":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
+        else:
+            state = module.state_dict()
+        names = list(state)
+        for name, value in state.items():
+            slices += _slices_of(name, value.detach() if isinstance(value, torch.Tensor) else value, rank)
+    live = itertools.chain(module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False))
+    identity = {name: id(tensor) for name, tensor in live}
+    identity = {name: identity.get(name, -1 - i) for i, name in enumerate(names)}
+    kept = set(_kept_names(module, names, identity))
+    return [s for s in slices if s.name in kept]
+
+
+# ---------------------------------------------------------------------------------------------
+# Staging: cast on the device, copy into reused host buffers
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class StagedShard:
+    """This rank's slices of one snapshot, on the host, ready to be written off the training thread."""
+
+    slices: list[LocalSlice]  # metadata only (their ``tensor`` is not used after staging)
+    buffers: list[torch.Tensor]  # flat host copies, in the saved dtype
+    event: Any | None = None  # CUDA event to wait for before reading ``buffers``
+
+    def synchronize(self) -> None:
+        """Wait until the device-to-host copies have landed."""
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+
+class StagingBuffers:
+    """Host buffers for this rank's slices, allocated once and reused by every snapshot.
+
+    ``stage`` casts each slice to ``dtype`` on its device (so a bf16 snapshot of fp32 CUDA weights
+    never costs an fp32 host copy), then copies it into its buffer: pinned memory and
+    ``non_blocking`` copies on CUDA (the caller's stream orders them before later optimizer
+    steps; the writer waits for one event), a cast-while-copying ``copy_`` on CPU. The caller
+    must not stage again before the previous staged shard has been written.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    @property
+    def num_bytes(self) -> int:
+        """Host bytes held."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def release(self) -> None:
+        """Free the buffers (the next ``stage`` allocates again)."""
+        self._buffers = {}
+
+    def stage(self, slices: Sequence[LocalSlice], dtype: torch.dtype | None = None) -> StagedShard:
+        """Copy ``slices`` (cast to ``dtype`` when floating) into the host buffers."""
+        buffers: list[torch.Tensor] = []
+        on_cuda = False
+        for s in slices:
+            source = s.tensor.detach()
+            target = dtype if (dtype is not None and source.is_floating_point()) else source.dtype
+            if target not in SAFETENSORS_FROM_DTYPE:
+                raise ValueError(f"tensor {s.name!r} has dtype {target}, which safetensors cannot store")
+            pinned = source.device.type == "cuda"
+            on_cuda = on_cuda or pinned
+            buffer = self._buffers.get(s.name)
+            if buffer is None or buffer.numel() != s.numel or buffer.dtype != target or (pinned and not buffer.is_pinned()):
+                buffer = torch.empty(s.numel, dtype=target, device="cpu", pin_memory=pinned)
+                self._buffers[s.name] = buffer
+            flat = source.reshape(-1) if source.is_contiguous() else source.contiguous().reshape(-1)
+            if source.device.type != "cpu" and flat.dtype != target:
+                flat = flat.to(target)  # cast on the device: only the saved dtype crosses to the host
+            buffer.copy_(flat, non_blocking=pinned)
+            buffers.append(buffer)
+        event = None
+        if on_cuda:
+            event = torch.cuda.Event()
+            event.record()
+        meta = [dataclasses.replace(s, tensor=torch.empty(0)) for s in slices]
+        return StagedShard(meta, buffers, event)
+
+
+# ---------------------------------------------------------------------------------------------
+# Files
+# ---------------------------------------------------------------------------------------------
+
+
+def write_rank_file(path: str | os.PathLike[str], staged: StagedShard) -> int:
+    """Write one rank's slices as a DCP-layout safetensors file, atomically; returns its size.
+
+    Written under ``<name>.partial``, fsynced, then renamed: a file with the final name is complete.
+    """
+    path = Path(path)
+    staged.synchronize()
+    info = {s.name: {SAVED_OFFSETS_KEY: list(s.offsets)} for s in staged.slices}
+    shapes = {s.name: list(s.global_shape) for s in staged.slices}
+    metadata = {
+        DCP_SHARDING_INFO_KEY: json.dumps(info),
+        DCP_VERSION_KEY: _DCP_VERSION,
+        GLOBAL_SHAPES_KEY: json.dumps(shapes),
+        "format": "pt",
+    }
+    plan = [(s.name, b.dtype, (s.numel,) if s.flat else tuple(s.sizes)) for s, b in zip(staged.slices, staged.buffers)]
+    partial = path.with_name(path.name + ".partial")
+    writer = SafetensorsWriter(partial, plan, metadata=metadata)
+    try:
+        for s, buffer in zip(staged.slices, staged.buffers):
+            step = max(1, _WRITE_CHUNK // buffer.element_size())
+            for start in range(0, buffer.numel(), step):
+                writer.write(s.name, buffer[start : start + step])
+        writer.close()
+    except BaseException:
+        with contextlib.suppress(Exception):
+            writer.close()
+        partial.unlink(missing_ok=True)
+        raise
+    os.replace(partial, path)
+    fsync_dir(path.parent)
+    return path.stat().st_size
+
+
+def sharded_tmp_dir(pma_dir: str | os.PathLike[str], name: str) -> Path:
+    """The folder where the ranks write snapshot ``name`` before rank 0 renames it into place."""
+    return Path(pma_dir) / f"{TMP_PREFIX}{name}"
+
+
+def wait_for_rank_files(folder: Path, world_size: int, timeout_s: float = DEFAULT_RANK_TIMEOUT_S) -> list[Path]:
+    """Wait until every rank's file in ``folder`` has its final name; returns them in rank order.
+
+    Raises ``TimeoutError`` naming the ranks still missing after ``timeout_s`` seconds.
+    """
+    files = [folder / rank_file_name(r) for r in range(world_size)]
+    deadline = time.monotonic() + timeout_s
+    delay = 0.005
+    while True:
+        missing = [r for r, f in enumerate(files) if not f.is_file()]
+        if not missing:
+            return files
+        if time.monotonic() > deadline:
+            raise TimeoutError(
+                f"ranks {missing} did not finish writing their part of {folder.name} within {timeout_s:.0f}s"
+            )
+        time.sleep(delay)
+        delay = min(0.5, delay * 2)
+
+
+def finish_sharded_snapshot(
+    pma_dir: str | os.PathLike[str],
+    record: SnapshotRecord,
+    world_size: int,
+    write_extras: Any | None = None,
+    keep_last: int | None = None,
+    timeout_s: float = DEFAULT_RANK_TIMEOUT_S,
+    layout: str = LAYOUT_DCP,
+) -> tuple[SnapshotRecord, list[SnapshotRecord]]:
+    """Rank 0: once every rank's file is in, complete the folder and list it in the manifest.
+
+    ``write_extras(folder)`` writes the config, generation config and tokenizer. Returns the
+    record (``num_bytes``: all ranks' files) and the records ``keep_last`` deleted.
+    """
+    pma_dir = Path(pma_dir)
+    tmp = sharded_tmp_dir(pma_dir, record.path)
+    files = wait_for_rank_files(tmp, world_size, timeout_s)
+    record.num_bytes = sum(f.stat().st_size for f in files)
+    record.extra = {**record.extra, "sharded": True, "world_size": world_size, "layout": layout}
+    if write_extras is not None:
+        write_extras(tmp)
+    atomic_write_json(tmp / SNAPSHOT_RECORD_NAME, record.to_dict())
+    fsync_tree(tmp)
+    final = pma_dir / record.path
+    if final.exists():
+        remove_tree(final)
+    os.replace(tmp, final)
+    fsync_dir(pma_dir)
+    deleted = add_snapshot(pma_dir, record, keep_last=keep_last)
+    return record, deleted
