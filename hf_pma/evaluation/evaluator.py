@@ -347,11 +347,14 @@ def _find_tokenizer_folder(folder: Path) -> Path | None:
 
 
 def _check_model_folder(path: Path) -> None:
+    from hf_pma.merging.sharded import sharded_weight_files
     from hf_pma.merging.sources import find_weight_files
 
     if not path.is_dir():
         raise ValueError(f"model {path} is a file: give the model folder that holds it")
     weights = find_weight_files(path)
+    if weights is None and sharded_weight_files(path) is not None:  # a sharded snapshot
+        weights = ("model", sharded_weight_files(path))
     if (path / "config.json").is_file() and weights is not None and weights[0] == "model":
         return
     if (path / MANIFEST_NAME).is_file() or (path / PMA_SUBDIR / MANIFEST_NAME).is_file():
@@ -416,6 +419,9 @@ def load_model_for_eval(
     """
     from transformers import AutoModelForCausalLM
 
+    from hf_pma.merging.consolidate import load_sharded_model
+    from hf_pma.merging.sharded import sharded_weight_files
+
     tok_obj = None if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)) else tokenizer
     if tok_obj is not None:
         name, _ = _resolve(model, None, find_tokenizer=False)
@@ -428,7 +434,10 @@ def load_model_for_eval(
         check_tokenizer(rows, tok, name, tok_name)
     torch_dtype = dtype if isinstance(dtype, torch.dtype) or dtype == "auto" else getattr(torch, str(dtype))
     try:
-        loaded = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype)
+        if Path(name).is_dir() and sharded_weight_files(name) is not None:
+            loaded = load_sharded_model(name, dtype=torch_dtype)
+        else:
+            loaded = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype)
     except (OSError, ValueError) as err:
         raise FileNotFoundError(f"model {name} is not readable: {err}") from err
     check_tokenizer(loaded.get_input_embeddings().weight.shape[0], tok, name, tok_name)

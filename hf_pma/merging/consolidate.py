@@ -27,7 +27,7 @@ from hf_pma.utils.parsing import parse_dtype, parse_size
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["consolidate_snapshot"]
+__all__ = ["consolidate_snapshot", "load_sharded_model"]
 
 _CHUNK_ELEMS = 1 << 20
 
@@ -106,3 +106,31 @@ def consolidate_snapshot(
         tensors.close()
     logger.info(f"Consolidated {source.path} ({tensors.num_ranks} rank files) into {output_dir}")
     return output_dir
+
+
+def load_sharded_model(snapshot: str | os.PathLike[str], dtype: str | torch.dtype = "auto") -> torch.nn.Module:
+    """A causal LM built from a sharded snapshot's ``config.json`` with its weights loaded in memory
+    (what ``from_pretrained`` gives for a plain folder; used by evaluation).
+
+    ``dtype``: ``"auto"`` keeps the stored dtype, else floating weights are cast to it.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    (source,) = resolve_sources([snapshot])
+    if not source.sharded:
+        raise ValueError(f"{snapshot} is not a sharded snapshot")
+    with source.open() as tensors:
+        state = tensors.state_dict()
+    config = AutoConfig.from_pretrained(snapshot)
+    stored = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
+    target = stored if dtype == "auto" else parse_dtype(dtype)
+    model = AutoModelForCausalLM.from_config(config, dtype=target)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    missing = [k for k in missing if k not in tied]
+    if missing or unexpected:
+        raise ValueError(
+            f"sharded snapshot {snapshot} does not match its config: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
+    model.tie_weights()
+    return model

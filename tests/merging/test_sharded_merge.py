@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -179,23 +177,21 @@ def test_missing_or_inconsistent_rank_files_fail_on_open(tmp_path, models):
         merge_state_dict([folder])
 
 
-def test_consolidate_command_writes_a_loadable_folder(tmp_path, models):
+def test_consolidate_command_writes_a_loadable_folder(tmp_path, models, capsys):
+    from hf_pma.cli import main
+
     folder = write_sharded(tmp_path / "snapshot-64", models["states"][1], LAYOUTS["boxes-2x2"], config_from=models["folders"][1])
     out = tmp_path / "consolidated"
-    proc = subprocess.run(
-        [sys.executable, "-m", "hf_pma.cli", "consolidate", str(folder), "-o", str(out), "--dtype", "bfloat16"],
-        capture_output=True,
-        text=True,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert main(["consolidate", str(folder), "-o", str(out), "--dtype", "bfloat16", "-q"]) == 0
     from transformers import LlamaForCausalLM
 
     loaded = LlamaForCausalLM.from_pretrained(out).state_dict()
     assert all(torch.equal(loaded[k], v.to(torch.bfloat16)) for k, v in models["states"][1].items())
     assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
     # A folder that is not sharded is refused with a one-line reason.
-    proc = subprocess.run([sys.executable, "-m", "hf_pma.cli", "consolidate", str(models["folders"][0]), "-o", str(tmp_path / "x")], capture_output=True, text=True)
-    assert proc.returncode != 0 and "is not a sharded snapshot" in proc.stderr
+    assert main(["consolidate", str(models["folders"][0]), "-o", str(tmp_path / "x")]) == 2
+    assert "is not a sharded snapshot" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()
 
 
 def test_folder_written_by_torch_dcp_is_a_source(tmp_path, models):
@@ -224,3 +220,19 @@ def test_zero3_partition_matches_deepspeed_padding():
     # partition = ceil(10 / 4) + 3 = 6: ranks 0 and 1 hold 6 and 4 elements, ranks 2 and 3 none.
     assert starts == [(0, 6), (6, 4), (10, 0), (10, 0)]
     assert sum(n for _, n in starts) == t.numel() and math.prod(t.shape) == 10
+
+
+def test_eval_reads_a_sharded_snapshot_like_its_full_folder(tmp_path, tiny_tokenizer):
+    from hf_pma.evaluation.evaluator import evaluate_models
+    from tests.testing_utils import sample_text
+
+    model = make_tiny_model(seed=4)
+    full = tmp_path / "full"
+    model.save_pretrained(full)
+    tiny_tokenizer.save_pretrained(full)
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    sharded = write_sharded(tmp_path / "snapshot-8", state, LAYOUTS["rows-3"], config_from=full)
+    tiny_tokenizer.save_pretrained(sharded)
+    report = evaluate_models([full, sharded], texts=[sample_text(4000)], batch_size=2, block_size=32, progress=False)
+    assert report["results"]["full"] == report["results"]["snapshot-8"]
+    assert report["results"]["full"]
