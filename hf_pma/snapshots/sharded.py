@@ -389,3 +389,111 @@ def finish_sharded_snapshot(
     fsync_dir(pma_dir)
     deleted = add_snapshot(pma_dir, record, keep_last=keep_last)
     return record, deleted
+
+
+# ---------------------------------------------------------------------------------------------
+# The per-rank writer
+# ---------------------------------------------------------------------------------------------
+
+
+class ShardedSnapshotWriter:
+    """Takes sharded snapshots on every rank; rank 0 also keeps the manifest.
+
+    Per snapshot, every rank calls :meth:`stage` in the training thread (waits for its previous
+    write, then copies its slices to the reused host buffers) and then :meth:`submit` (the write
+    goes to a background thread). Rank 0's background task lists the snapshot once every rank's
+    file is complete. ``manifest`` (rank 0 only) is a :class:`hf_pma.snapshots.writer.SnapshotWriter`
+    used for everything else about the folder (open, resume truncation, exclusions, listing).
+    """
+
+    def __init__(
+        self,
+        pma_dir: str | os.PathLike[str],
+        *,
+        rank: int,
+        world_size: int,
+        save_dtype: torch.dtype | None = None,
+        keep_last: int | None = None,
+        async_write: bool = True,
+        rank_timeout_s: float = DEFAULT_RANK_TIMEOUT_S,
+    ) -> None:
+        from hf_pma.snapshots.writer import BackgroundWorker, SnapshotWriter
+
+        self.pma_dir = Path(pma_dir)
+        self.rank, self.world_size = rank, world_size
+        self.save_dtype = save_dtype
+        self.keep_last = keep_last
+        self.rank_timeout_s = rank_timeout_s
+        self.worker = BackgroundWorker(enabled=async_write, name="hf-pma-sharded-writer")
+        self.manifest = SnapshotWriter(self.pma_dir, async_write=False, keep_last=keep_last) if rank == 0 else None
+        self.staging = StagingBuffers()
+        self.written: list[SnapshotRecord] = []
+        self.bytes_written = 0
+        self._staged: tuple[StagedShard, SnapshotRecord, Any] | None = None
+
+    def stage(self, model: torch.nn.Module, record: SnapshotRecord, processing_class: Any | None = None) -> StagedShard:
+        """Training thread, every rank: copy this rank's slices to host (after the previous write)."""
+        from hf_pma.snapshots.writer import model_metadata
+
+        self.worker.wait(reason=f"snapshot {record.path}")
+        slices = local_slices(model, self.rank)
+        staged = self.staging.stage(slices, self.save_dtype)
+        layout = LAYOUT_FLAT if any(s.flat for s in slices) else LAYOUT_DCP
+        extras = None
+        if self.rank == 0:
+            dtype = self.save_dtype or next((b.dtype for b in staged.buffers if b.is_floating_point()), None)
+            if record.dtype is None and dtype is not None:
+                record.dtype = str(dtype).removeprefix("torch.")
+            config, generation_config = model_metadata(model, dtype)
+            extras = (config, generation_config, processing_class, layout)
+        self._staged = (staged, record, extras)
+        return staged
+
+    def submit(self) -> None:
+        """Write the staged snapshot off the training thread (or now, with ``async_write=False``)."""
+        if self._staged is None:
+            return
+        staged, record, extras = self._staged
+        self._staged = None
+        self.worker.submit(lambda: self._write(staged, record, extras), label=f"{self.pma_dir / record.path} (rank {self.rank})")
+
+    def _write(self, staged: StagedShard, record: SnapshotRecord, extras: Any) -> None:
+        tmp = sharded_tmp_dir(self.pma_dir, record.path)
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.bytes_written += write_rank_file(tmp / rank_file_name(self.rank), staged)
+        if self.rank != 0:
+            return
+        config, generation_config, processing_class, layout = extras
+
+        def write_extras(folder: Path) -> None:
+            if config is not None:
+                config.save_pretrained(folder)
+            if generation_config is not None:
+                generation_config.save_pretrained(folder)
+            if processing_class is not None:
+                processing_class.save_pretrained(folder)
+
+        with self.manifest.lock:
+            record, deleted = finish_sharded_snapshot(
+                self.pma_dir, record, self.world_size, write_extras, self.keep_last, self.rank_timeout_s, layout
+            )
+        for old in deleted:
+            logger.info(f"hf-pma: deleted {old.path} (keep_last={self.keep_last})")
+        self.written.append(record)
+        logger.info(
+            f"hf-pma: sharded snapshot {record.path} written by {self.world_size} ranks "
+            f"({(record.num_bytes or 0) / 2**20:.1f} MiB in all)"
+        )
+
+    def wait(self) -> None:
+        """Wait for this rank's write in flight (on rank 0: until it is listed); raise its failure."""
+        self.worker.wait()
+
+    def raise_if_failed(self) -> None:
+        """Raise the failure of a background write, if one failed."""
+        self.worker.raise_if_failed()
+
+    def close(self) -> None:
+        """Wait for the write in flight, then free the staging buffers."""
+        self.wait()
+        self.staging.release()
