@@ -34,9 +34,11 @@ from hf_pma import __version__
 from hf_pma.core.manifest import PMA_SUBDIR, SnapshotRecord, snapshot_dirname
 from hf_pma.core.schedule import RunPlan, SnapshotSchedule, StepTick, plan_run, positive_int_or_none
 from hf_pma.snapshots.budget import DiskBudget, SnapshotBudgetError, SnapshotCost, TimeBudget
+from hf_pma.snapshots.gather import sharding_kind
 from hf_pma.snapshots.loss import StepLossTracker
 from hf_pma.snapshots.lr_probe import first_group_value, peak_lr, planned_lrs
 from hf_pma.snapshots.online import ONLINE_KINDS, OnlineAverage
+from hf_pma.snapshots.sharded import ShardedSnapshotSink
 from hf_pma.snapshots.sinks import (
     ONLINE_STATE_NAME,
     DiskSnapshotSink,
@@ -77,6 +79,11 @@ class PMACallback(TrainerCallback, ExportableState):
             free space of the snapshot folder. The projected bytes (one snapshot in the saved
             dtype x the snapshots kept) are checked before the first snapshot is written; over
             budget, training stops with a :class:`hf_pma.snapshots.budget.SnapshotBudgetError`.
+        sharded: ``"auto"`` (default): under FSDP1/FSDP2 or DeepSpeed ZeRO-3 every rank writes
+            only its own slices of the weights (one file per rank in ``snapshot-<tokens>/``, no
+            rank gathers the model; every hf-pma reader takes such folders, and
+            ``hf-pma consolidate`` turns one into a plain model folder); otherwise full folders.
+            ``True``/``False`` force it.
 
     The tokens come from the Trainer's ``state.num_input_tokens_seen``; counting is turned on
     (``"all"``) when ``include_num_input_tokens_seen`` is ``"no"``, and ``"non_padding"`` is
@@ -100,7 +107,13 @@ class PMACallback(TrainerCallback, ExportableState):
         online: str | None = None,
         online_alpha: float = 0.2,
         max_disk_bytes: int | str | None = None,
+        sharded: bool | str = "auto",
     ) -> None:
+        if sharded not in (True, False, "auto"):
+            raise ValueError(f"sharded must be True, False or 'auto', got {sharded!r}")
+        if sharded is True and online is not None:
+            raise ValueError("sharded=True writes per-rank snapshot files; online averaging keeps one average instead")
+        self.sharded = sharded
         self.schedule = SnapshotSchedule(interval_tokens, phases)
         self.requested_interval_tokens = self.schedule.requested_interval_tokens
         self.phases = self.schedule.phases
@@ -226,6 +239,7 @@ class PMACallback(TrainerCallback, ExportableState):
                 "online": self.online,
                 "online_alpha": self.online_alpha,
                 "max_disk_bytes": self.max_disk_bytes,
+                "sharded": self.sharded,
             },
             "attributes": {"resume_state": self.schedule.state()},
         }
@@ -247,7 +261,7 @@ class PMACallback(TrainerCallback, ExportableState):
             self._saved_state(state) if resumed else None,
         )
         self._plan = self._plan_run(args, state, lr_scheduler)
-        self._sink = self._make_sink(kwargs.get("processing_class"))
+        self._sink = self._make_sink(kwargs.get("processing_class"), model)
         self._disk = DiskBudget(self._pma_dir, self.max_disk_bytes)
         self._time = TimeBudget()
         self._disk_checked = False
@@ -348,8 +362,8 @@ class PMACallback(TrainerCallback, ExportableState):
             args.include_num_input_tokens_seen = "all"
             logger.info("hf-pma: turned on include_num_input_tokens_seen='all' to count tokens for snapshots")
 
-    def _make_sink(self, processing_class: Any | None) -> SnapshotSink:
-        """The sink these arguments ask for: an online average, or full snapshot folders."""
+    def _make_sink(self, processing_class: Any | None, model: Any | None = None) -> SnapshotSink:
+        """The sink these arguments ask for: an online average, per-rank shards, or full folders."""
         common = {
             "is_main": self._is_main,
             "save_dtype": self.save_dtype,
@@ -360,6 +374,8 @@ class PMACallback(TrainerCallback, ExportableState):
         }
         if self.online is not None:
             return OnlineAverageSink(self._pma_dir, online=self.online, alpha=self.online_alpha, **common)
+        if self.sharded is True or (self.sharded == "auto" and model is not None and sharding_kind(model) is not None):
+            return ShardedSnapshotSink(self._pma_dir, keep_last=self.keep_last, **common)
         return DiskSnapshotSink(self._pma_dir, keep_last=self.keep_last, **common)
 
     def _saved_state(self, state: Any) -> dict[str, Any]:

@@ -126,21 +126,119 @@ def _copy_to_cpu(
     return out
 
 
-def _gather_zero3(model: torch.nn.Module, is_main: bool, dtype: torch.dtype | None) -> dict[str, torch.Tensor] | None:
-    """Full weights of a ZeRO-3 model on CPU, gathering one module's own parameters at a time."""
+def _identities(module: torch.nn.Module) -> dict[str, int]:
+    """Name -> identity of the live parameter or buffer (tied weights: one identity, two names)."""
+    named = itertools.chain(module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False))
+    return {name: id(tensor) for name, tensor in named}
+
+
+def _into_buffer(tensor: torch.Tensor, name: str, dtype: torch.dtype | None, buffers: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Cast ``tensor`` to ``dtype`` on its device, then copy it into a reused CPU buffer (pinned
+    and without blocking from CUDA; the caller synchronizes once)."""
+    target = dtype if (dtype is not None and tensor.is_floating_point()) else tensor.dtype
+    if tensor.device.type != "cpu" and tensor.dtype != target:
+        tensor = tensor.to(target)  # only the saved dtype crosses to the host
+    pinned = tensor.device.type == "cuda"
+    buffer = buffers.get(name)
+    if buffer is None or buffer.shape != tensor.shape or buffer.dtype != target or (pinned and not buffer.is_pinned()):
+        buffer = torch.empty(tensor.shape, dtype=target, device="cpu", pin_memory=pinned)
+    return buffer.copy_(tensor, non_blocking=pinned)
+
+
+def _gather_fsdp(
+    model: torch.nn.Module, dtype: torch.dtype | None, is_main: bool, buffers: dict[str, torch.Tensor] | None
+) -> dict[str, torch.Tensor] | None:
+    """Full FSDP weights on the main process, one tensor at a time.
+
+    FSDP2 (DTensor parameters): each tensor is all-gathered on its device, cast there, copied
+    into a reused CPU buffer on the main process and dropped, so the host holds one snapshot in
+    the saved dtype plus nothing; tied weights are gathered once and share one copy. FSDP1
+    (``ShardedTensor``): torch's full state dict, cast as it arrives.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    module = unwrap_model(model)
+    identity = _identities(module)
+    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
+    if any(hasattr(v, "local_shards") for v in state.values()):
+        return _gather_fsdp1(model, dtype, is_main, identity)
+    buffers = buffers or {}
+    out: dict[str, torch.Tensor] = {}
+    by_identity: dict[int, torch.Tensor | None] = {}  # on every rank: the same collectives everywhere
+    on_cuda = False
+    for name, value in state.items():
+        key = identity.get(name, id(value))
+        if key in by_identity:
+            if is_main:
+                out[name] = by_identity[key]
+            continue
+        full = value.full_tensor() if hasattr(value, "full_tensor") else value  # a collective for DTensors
+        by_identity[key] = None
+        if is_main:
+            on_cuda = on_cuda or full.device.type == "cuda"
+            out[name] = by_identity[key] = _into_buffer(full.detach(), name, dtype, buffers)
+        del full
+    if on_cuda:
+        torch.cuda.synchronize()
+    return out if is_main else None
+
+
+def _gather_fsdp1(
+    model: torch.nn.Module, dtype: torch.dtype | None, is_main: bool, identity: dict[str, int]
+) -> dict[str, torch.Tensor] | None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    # Offload to CPU gathers on rank 0 only; with parameters already on CPU it is skipped
+    # (FSDP1's offload breaks on CPU tensors) and every rank briefly holds the full copy.
+    on_device = any(_local(p).device.type != "cpu" for p in model.parameters())
+    state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=on_device))
+    if not is_main:
+        return None
+    # cpu_offload gives fresh CPU tensors, except for anything already unsharded on CPU: copy
+    # those so the snapshot cannot alias live parameters. Tied weights share one copy.
+    live = {_storage_ptr(t) for t in itertools.chain(model.parameters(), model.buffers())}
+    out: dict[str, torch.Tensor] = {}
+    by_identity: dict[int, torch.Tensor] = {}
+    for name in list(state_dict):
+        tensor = state_dict.pop(name)
+        key = identity.get(name, id(tensor))
+        if key not in by_identity:
+            if _storage_ptr(tensor) in live:
+                tensor = tensor.clone()
+            if dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(dtype)
+            by_identity[key] = tensor
+        out[name] = by_identity[key]
+    return out
+
+
+def _gather_zero3(
+    model: torch.nn.Module, is_main: bool, dtype: torch.dtype | None, buffers: dict[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor] | None:
+    """Full weights of a ZeRO-3 model on CPU, gathering one module's own parameters at a time
+    (cast on the device, copied into reused buffers; tied weights gathered once, one copy)."""
     import deepspeed  # only reached when parameters carry DeepSpeed's ``ds_id``
 
+    buffers = buffers or {}
     out: dict[str, torch.Tensor] = {}
+    by_identity: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()  # on every rank: the same collectives everywhere
+    on_cuda = False
     for prefix, module in model.named_modules():
-        params = list(module.parameters(recurse=False))
+        params = [p for p in module.parameters(recurse=False) if id(p) not in seen]
+        seen.update(id(p) for p in params)
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
             if is_main:
                 for name, tensor in itertools.chain(
                     module.named_parameters(recurse=False), module.named_buffers(recurse=False)
                 ):
                     full = f"{prefix}.{name}" if prefix else name
-                    target = dtype if (dtype is not None and tensor.is_floating_point()) else tensor.dtype
-                    out[full] = tensor.detach().to("cpu", target, copy=True)
+                    if id(tensor) not in by_identity:
+                        on_cuda = on_cuda or tensor.device.type == "cuda"
+                        by_identity[id(tensor)] = _into_buffer(tensor.detach(), full, dtype, buffers)
+                    out[full] = by_identity[id(tensor)]
+    if on_cuda:
+        torch.cuda.synchronize()
     return out if is_main else None
 
 
@@ -153,15 +251,16 @@ def gather_full_state_dict(
 ) -> dict[str, torch.Tensor] | None:
     """A full copy of the model's weights on CPU in the main process; ``None`` elsewhere.
 
-    Every process must call it: FSDP1/FSDP2 gather with
-    ``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` (no offload when the
-    parameters already live on CPU) and DeepSpeed ZeRO-3 with ``GatheredParameters``, both
-    collectives. Unsharded models (single process, DDP) are copied
+    Every process must call it: FSDP2 gathers one tensor at a time (``DTensor.full_tensor``),
+    FSDP1 with ``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` (no offload when
+    the parameters already live on CPU) and DeepSpeed ZeRO-3 with ``GatheredParameters``, all
+    collectives; floating tensors are cast to ``dtype`` on their device before the copy to the
+    host, and tied weights share one copy. Unsharded models (single process, DDP) are copied
     by the main process alone, the others return at once. The tensors are fresh copies: later
     optimizer steps do not change them. ``dtype`` casts floating tensors (``save_dtype``).
     With ``accelerator`` given and a DeepSpeed engine as ``model``, ``accelerator.get_state_dict``
     gathers instead. ``buffers``: an earlier result that is no longer in use, whose tensors are
-    overwritten instead of allocating new memory (unsharded models).
+    overwritten instead of allocating new memory (unsharded, FSDP2 and ZeRO-3 models).
     """
     dtype = parse_dtype(dtype, "dtype")
     if is_main_process is None:
@@ -171,28 +270,9 @@ def gather_full_state_dict(
         return _copy_to_cpu(state_dict, dtype) if is_main_process else None
     kind = sharding_kind(model)
     if kind == "fsdp":
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-        # Offload to CPU gathers on rank 0 only; with parameters already on CPU it is skipped
-        # (FSDP1's offload breaks on CPU tensors) and every rank briefly holds the full copy.
-        on_device = any(_local(p).device.type != "cpu" for p in model.parameters())
-        options = StateDictOptions(full_state_dict=True, cpu_offload=on_device)
-        state_dict = get_model_state_dict(model, options=options)
-        if not is_main_process:
-            return None
-        # cpu_offload gives fresh CPU tensors, except for anything already unsharded on CPU:
-        # copy those so the snapshot cannot alias live parameters.
-        live = {_storage_ptr(t) for t in itertools.chain(model.parameters(), model.buffers())}
-        out = {}
-        for name, tensor in state_dict.items():
-            if _storage_ptr(tensor) in live:
-                tensor = tensor.clone()
-            if dtype is not None and tensor.is_floating_point():
-                tensor = tensor.to(dtype)
-            out[name] = tensor
-        return out
+        return _gather_fsdp(model, dtype, is_main_process, buffers)
     if kind == "zero3":
-        return _gather_zero3(unwrap_model(model), is_main_process, dtype)
+        return _gather_zero3(unwrap_model(model), is_main_process, dtype, buffers)
     if not is_main_process:
         return None
     return _copy_to_cpu(unwrap_model(model).state_dict(), dtype, buffers)

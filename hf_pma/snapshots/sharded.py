@@ -14,7 +14,7 @@ torchtitan tooling read it too. A ZeRO-3 partition is a flat range of the flatte
 which DCP's layout cannot express: it is stored flat, and ``hf_pma_global_shapes`` (written
 for every tensor) gives the full shapes. :mod:`hf_pma.merging.sharded` reads both.
 
-How a snapshot is taken (:class:`ShardedSnapshotWriter`), on every rank:
+How a snapshot is taken (:class:`ShardedSnapshotSink`), on every rank:
 
 1. in the training thread: the rank's slices (FSDP2 ``DTensor`` local shards, FSDP1
    ``ShardedTensor`` local shards, ZeRO-3 ``ds_tensor`` partitions; unsharded tensors on rank 0
@@ -57,6 +57,7 @@ from hf_pma.merging.sharded import (
     SAVED_OFFSETS_KEY,
     rank_file_name,
 )
+from hf_pma.snapshots.sinks import DiskSnapshotSink
 from hf_pma.utils.fs import TMP_PREFIX, atomic_write_json, fsync_dir, fsync_tree, remove_tree
 
 logger = logging.get_logger(__name__)
@@ -73,6 +74,7 @@ __all__ = [
     "wait_for_rank_files",
     "finish_sharded_snapshot",
     "sharded_tmp_dir",
+    "ShardedSnapshotSink",
 ]
 
 # Layout names recorded in the manifest and in pma.json.
@@ -181,7 +183,7 @@ def _kept_names(module: torch.nn.Module, names: Sequence[str], identity: dict[st
 def local_slices(model: torch.nn.Module, rank: int | None = None) -> list[LocalSlice]:
     """This rank's slices of every tensor ``save_pretrained`` would store, for FSDP1/FSDP2,
     DeepSpeed ZeRO-3, or an unsharded model (then rank 0 holds everything)."""
-    from hf_pma.snapshots.writer import sharding_kind, unwrap_model
+    from hf_pma.snapshots.gather import sharding_kind, unwrap_model
 
     if rank is None:
         rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
@@ -396,74 +398,84 @@ def finish_sharded_snapshot(
 # ---------------------------------------------------------------------------------------------
 
 
-class ShardedSnapshotWriter:
-    """Takes sharded snapshots on every rank; rank 0 also keeps the manifest.
+class ShardedSnapshotSink(DiskSnapshotSink):
+    """Sharded snapshots behind :class:`hf_pma.PMACallback` (``sharded=True``, or ``"auto"`` under
+    FSDP / ZeRO-3): every rank writes its own slices; no rank gathers the model.
 
-    Per snapshot, every rank calls :meth:`stage` in the training thread (waits for its previous
-    write, then copies its slices to the reused host buffers) and then :meth:`submit` (the write
-    goes to a background thread). Rank 0's background task lists the snapshot once every rank's
-    file is complete. ``manifest`` (rank 0 only) is a :class:`hf_pma.snapshots.writer.SnapshotWriter`
-    used for everything else about the folder (open, resume truncation, exclusions, listing).
+    :meth:`take` (training thread, every rank) waits for this rank's previous write, then copies
+    the rank's slices into reused host buffers (cast on the device); :meth:`commit` writes the
+    rank's file in the background. Rank 0's background task then waits for every rank's file
+    (its final name is the rank's "done" mark: no collective runs off the training thread),
+    completes the folder and lists it in the manifest. Everything else (opening, resume
+    truncation, ``keep_last``, exclusions, listing) is :class:`DiskSnapshotSink`'s, on whole folders.
+
+    Args:
+        rank, world_size: this process and the number of processes (default: from
+            ``torch.distributed``).
+        rank_timeout_s: how long rank 0 waits for the other ranks' files before failing the snapshot.
     """
+
+    kind = "sharded"
 
     def __init__(
         self,
         pma_dir: str | os.PathLike[str],
         *,
-        rank: int,
-        world_size: int,
-        save_dtype: torch.dtype | None = None,
-        keep_last: int | None = None,
-        async_write: bool = True,
+        rank: int | None = None,
+        world_size: int | None = None,
         rank_timeout_s: float = DEFAULT_RANK_TIMEOUT_S,
+        **kwargs: Any,
     ) -> None:
-        from hf_pma.snapshots.writer import BackgroundWorker, SnapshotWriter
-
-        self.pma_dir = Path(pma_dir)
-        self.rank, self.world_size = rank, world_size
-        self.save_dtype = save_dtype
-        self.keep_last = keep_last
+        initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
+        self.rank = rank if rank is not None else (torch.distributed.get_rank() if initialized else 0)
+        self.world_size = world_size if world_size is not None else (torch.distributed.get_world_size() if initialized else 1)
+        kwargs.setdefault("is_main", self.rank == 0)
+        super().__init__(pma_dir, **kwargs)
         self.rank_timeout_s = rank_timeout_s
-        self.worker = BackgroundWorker(enabled=async_write, name="hf-pma-sharded-writer")
-        self.manifest = SnapshotWriter(self.pma_dir, async_write=False, keep_last=keep_last) if rank == 0 else None
         self.staging = StagingBuffers()
+        self.layout = LAYOUT_DCP
         self.written: list[SnapshotRecord] = []
         self.bytes_written = 0
-        self._staged: tuple[StagedShard, SnapshotRecord, Any] | None = None
 
-    def stage(self, model: torch.nn.Module, record: SnapshotRecord, processing_class: Any | None = None) -> StagedShard:
-        """Training thread, every rank: copy this rank's slices to host (after the previous write)."""
+    def update_manifest(self, **fields: Any) -> None:
+        """Run-level fields, plus ``sharded``, ``world_size`` and ``shard_layout`` (main process)."""
+        if self.writer is not None:
+            self.writer.update_manifest(
+                layout=self.kind, sharded=True, world_size=self.world_size, shard_layout=self.layout, **fields
+            )
+
+    def take(self, model: torch.nn.Module, record: SnapshotRecord) -> None:
+        """Every rank: copy this rank's slices to the host buffers (after its previous write)."""
         from hf_pma.snapshots.writer import model_metadata
 
-        self.worker.wait(reason=f"snapshot {record.path}")
+        if self._taken is not None:
+            raise RuntimeError("SnapshotSink.take() called twice without commit()")
+        self.worker.wait(reason=f"snapshot at {record.tokens:,} tokens")
         slices = local_slices(model, self.rank)
         staged = self.staging.stage(slices, self.save_dtype)
         layout = LAYOUT_FLAT if any(s.flat for s in slices) else LAYOUT_DCP
         extras = None
-        if self.rank == 0:
+        if self.is_main:
             dtype = self.save_dtype or next((b.dtype for b in staged.buffers if b.is_floating_point()), None)
             if record.dtype is None and dtype is not None:
                 record.dtype = str(dtype).removeprefix("torch.")
             config, generation_config = model_metadata(model, dtype)
-            extras = (config, generation_config, processing_class, layout)
-        self._staged = (staged, record, extras)
-        return staged
+            extras = (config, generation_config, self.processing_class)
+        self._taken = (staged, record, extras, layout)
 
-    def submit(self) -> None:
-        """Write the staged snapshot off the training thread (or now, with ``async_write=False``)."""
-        if self._staged is None:
-            return
-        staged, record, extras = self._staged
-        self._staged = None
-        self.worker.submit(lambda: self._write(staged, record, extras), label=f"{self.pma_dir / record.path} (rank {self.rank})")
+    @property
+    def has_taken(self) -> bool:
+        """Whether a snapshot was taken and not committed yet."""
+        return self._taken is not None
 
-    def _write(self, staged: StagedShard, record: SnapshotRecord, extras: Any) -> None:
+    def _write(self, taken: tuple) -> None:
+        staged, record, extras, layout = taken
         tmp = sharded_tmp_dir(self.pma_dir, record.path)
         tmp.mkdir(parents=True, exist_ok=True)
         self.bytes_written += write_rank_file(tmp / rank_file_name(self.rank), staged)
-        if self.rank != 0:
+        if not self.is_main:
             return
-        config, generation_config, processing_class, layout = extras
+        config, generation_config, processing_class = extras
 
         def write_extras(folder: Path) -> None:
             if config is not None:
@@ -473,27 +485,25 @@ class ShardedSnapshotWriter:
             if processing_class is not None:
                 processing_class.save_pretrained(folder)
 
-        with self.manifest.lock:
+        with self.writer.lock:
             record, deleted = finish_sharded_snapshot(
                 self.pma_dir, record, self.world_size, write_extras, self.keep_last, self.rank_timeout_s, layout
             )
+        if layout != self.layout:
+            self.layout = layout
+            self.writer.update_manifest(shard_layout=layout)
         for old in deleted:
             logger.info(f"hf-pma: deleted {old.path} (keep_last={self.keep_last})")
-        self.written.append(record)
+        self.writer.written.append(record)
         logger.info(
             f"hf-pma: sharded snapshot {record.path} written by {self.world_size} ranks "
             f"({(record.num_bytes or 0) / 2**20:.1f} MiB in all)"
         )
 
-    def wait(self) -> None:
-        """Wait for this rank's write in flight (on rank 0: until it is listed); raise its failure."""
-        self.worker.wait()
+    def _label(self, taken: tuple) -> str:
+        return f"{self.pma_dir / taken[1].path} (rank {self.rank})"
 
-    def raise_if_failed(self) -> None:
-        """Raise the failure of a background write, if one failed."""
-        self.worker.raise_if_failed()
-
-    def close(self) -> None:
-        """Wait for the write in flight, then free the staging buffers."""
-        self.wait()
+    def close(self, model: torch.nn.Module | None) -> None:
+        """Wait for the last write (on rank 0: until it is listed), then free the staging buffers."""
+        super().close(model)
         self.staging.release()

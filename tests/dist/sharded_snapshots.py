@@ -1,55 +1,50 @@
 """Launched by tests/snapshots/test_sharded.py under ``torchrun --nproc_per_node W`` (gloo, CPU).
 
-One run of a tiny FSDP2 (``fully_shard``) Llama whose vocabulary (515 rows) does not split
-evenly. At every snapshot point the same weights are saved four ways: sharded (every rank its
-own slices, :class:`ShardedSnapshotWriter`) in float32 and bfloat16, and gathered to rank 0
-(:func:`gather_full_state_dict` + :class:`SnapshotWriter`) in float32 and bfloat16. The test
-then checks that merges of the sharded snapshots are bit-identical to merges of the gathered
-ones. The last point is also written by torch DCP itself
-(``HuggingFaceStorageWriter(save_distributed=True)``), and FSDP1 is checked once.
+A tiny FSDP2 (``fully_shard``) Llama whose vocabulary (515 rows) does not split evenly, trained
+for a few steps while four :class:`PMACallback` instances take snapshots of the same weights:
+``sharded=True`` and ``sharded=False`` (the full-gather path), each in float32 and bfloat16.
+The Trainer does not shard on CPU, so the callbacks are driven the way the Trainer drives them,
+with a hand-built ``TrainerState``. The test checks that merges of the sharded snapshots are
+bit-identical to merges of the gathered ones. At the end the same weights are also written by
+torch DCP itself (``HuggingFaceStorageWriter(save_distributed=True)``), and FSDP1 is checked.
 
-``--crash-at K``: rank 1 is killed (SIGKILL) half-way through writing its file of the K-th
-snapshot. ``--resume-at TOKENS``: start as a run resumed at TOKENS tokens (the manifest is
-truncated there, as PMACallback does) and take the snapshots after it.
+``--crash-at K``: rank 1 is killed (SIGKILL) half-way through writing its K-th rank file.
+``--resume-at STEP``: a run resumed from a checkpoint at optimizer step STEP.
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import os
 import signal
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
+from transformers import TrainerControl, TrainerState
 
-from hf_pma.core.manifest import SnapshotRecord, snapshot_dirname
 from hf_pma.snapshots import sharded as sharded_mod
-from hf_pma.snapshots.sharded import ShardedSnapshotWriter
-from hf_pma.snapshots.writer import SnapshotWriter, gather_full_state_dict, prepare_snapshot
-from tests.dist.fsdp_gather import train_steps
+from hf_pma.snapshots.callback import PMACallback
 from tests.testing_utils import make_tiny_model
 
-SNAPSHOTS = 3
-DTYPES = {"float32": None, "bfloat16": torch.bfloat16}
-
-
-def tokens_at(k: int, world: int) -> int:
-    """Distinct token counts per world size, so that runs of two world sizes interleave when mixed."""
-    return 1000 * k + world
+STEPS = 6
+TOKENS_PER_STEP = 64
+INTERVAL = 2 * TOKENS_PER_STEP  # a snapshot every 2 steps: at 128, 256, 384 tokens
+LR = 1e-2
+DTYPES = {"float32": None, "bfloat16": "bfloat16"}
 
 
 def die_half_way(at: int) -> None:
-    """Rank 1 dies (SIGKILL) after writing half of its file of the ``at``-th sharded snapshot."""
+    """This process dies (SIGKILL) after writing half of a tensor of its ``at``-th rank file."""
     original = sharded_mod.SafetensorsWriter.write
-    calls = {"files": []}
+    files: list[Path] = []
 
     def write(self, name, chunk):
-        if self.path not in calls["files"]:
-            calls["files"].append(self.path)
-        if len(calls["files"]) == at:
+        if self.path not in files:
+            files.append(self.path)
+        if len(files) == at:
             original(self, name, chunk[: max(1, chunk.numel() // 2)])
             self._fh.flush()
             os.kill(os.getpid(), signal.SIGKILL)
@@ -58,40 +53,64 @@ def die_half_way(at: int) -> None:
     sharded_mod.SafetensorsWriter.write = write
 
 
-def build(seed: int = 0):
+def build(seed: int = 0) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     from torch.distributed.fsdp import fully_shard
 
     model = make_tiny_model(seed=seed, vocab_size=515)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
-    return model
+    return model, torch.optim.AdamW(model.parameters(), lr=LR)
 
 
-def open_writers(out: Path, rank: int, world: int, resume_at: int | None) -> tuple[dict, dict]:
-    sharded = {
-        name: ShardedSnapshotWriter(out / f"sharded-{name}", rank=rank, world_size=world, save_dtype=dtype)
+def train_step(model, optimizer, step: int) -> None:
+    """The same batch on every rank (so the result does not depend on the world size)."""
+    ids = torch.randint(3, 515, (2, 16), generator=torch.Generator().manual_seed(step))
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def run(out: Path, rank: int, world: int, resume_at: int) -> dict:
+    """Train, with the four callbacks driven as the Trainer drives them."""
+    model, optimizer = build()
+    for step in range(1, resume_at + 1):  # a resumed run starts from the checkpoint's weights
+        train_step(model, optimizer, step)
+    args = SimpleNamespace(
+        output_dir=str(out), include_num_input_tokens_seen="all", world_size=world, learning_rate=LR,
+        get_warmup_steps=lambda steps: 0,
+    )
+    state = TrainerState(max_steps=STEPS, global_step=resume_at, num_input_tokens_seen=resume_at * TOKENS_PER_STEP)
+    state.is_world_process_zero = rank == 0
+    control = TrainerControl()
+    callbacks = {
+        f"{kind}-{name}": PMACallback(
+            interval_tokens=INTERVAL, output_dir=out / f"{kind}-{name}", phases=("warmup", "stable", "decay"),
+            save_dtype=dtype, sharded=kind == "sharded",
+        )
+        for kind in ("sharded", "gathered")
         for name, dtype in DTYPES.items()
     }
-    gathered = {name: SnapshotWriter(out / f"gathered-{name}", async_write=True) for name in DTYPES} if rank == 0 else {}
-    if rank == 0:
-        for writer in [w.manifest for w in sharded.values()] + list(gathered.values()):
-            writer.open()
-            if resume_at is not None:
-                writer.truncate(resume_at)
-    dist.barrier()
-    return sharded, gathered
-
-
-def snapshot(model, k: int, world: int, rank: int, sharded: dict, gathered: dict) -> None:
-    tokens = tokens_at(k, world)
-    record = SnapshotRecord(path=snapshot_dirname(tokens), tokens=tokens, step=2 * k)
-    for name, dtype in DTYPES.items():
-        sharded[name].stage(model, copy.deepcopy(record))
-        sharded[name].submit()
-        full = gather_full_state_dict(model, dtype=dtype)
-        if rank == 0:
-            gathered[name].submit(prepare_snapshot(model, full, copy.deepcopy(record)))
+    for cb in callbacks.values():
+        cb.on_train_begin(args, state, control, model=model, optimizer=optimizer, lr_scheduler=None)
+    for step in range(resume_at + 1, STEPS + 1):
+        for cb in callbacks.values():
+            cb.on_step_begin(args, state, control)
+        train_step(model, optimizer, step)
+        for cb in callbacks.values():
+            cb.on_optimizer_step(args, state, control, optimizer=optimizer)
+        state.global_step = step
+        state.num_input_tokens_seen = step * TOKENS_PER_STEP
+        for cb in callbacks.values():
+            cb.on_step_end(args, state, control, model=model, lr_scheduler=None)
+    for cb in callbacks.values():
+        cb.on_train_end(args, state, control, model=model)
+    sinks = {name: cb._sink for name, cb in callbacks.items()}
+    return {
+        "sinks": {name: type(sink).__name__ for name, sink in sinks.items()},
+        "bytes_written": {name: getattr(sink, "bytes_written", None) for name, sink in sinks.items()},
+        "model": model,
+    }
 
 
 def write_with_dcp(model, folder: Path) -> None:
@@ -105,27 +124,31 @@ def write_with_dcp(model, folder: Path) -> None:
     dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(folder), save_distributed=True))
 
 
-def check_fsdp1(out: Path, rank: int, world: int) -> dict:
+def check_fsdp1(out: Path, rank: int) -> dict:
     """FSDP1 (``FullyShardedDataParallel``): the sharded snapshot holds the gathered weights."""
     from torch.distributed.fsdp import FullyShardedDataParallel
 
+    from hf_pma.core.manifest import SnapshotRecord
+    from hf_pma.snapshots.gather import gather_full_state_dict
+    from hf_pma.snapshots.sharded import ShardedSnapshotSink
+    from hf_pma.snapshots.writer import strip_for_save
+
     try:
         model = FullyShardedDataParallel(make_tiny_model(seed=3, vocab_size=515), device_id=torch.device("cpu"), use_orig_params=True)
-        train_steps(model, 1)
-        writer = ShardedSnapshotWriter(out / "fsdp1", rank=rank, world_size=world, async_write=False)
-        if rank == 0:
-            writer.manifest.open()
-        dist.barrier()
-        writer.stage(model, SnapshotRecord(path="snapshot-7", tokens=7, step=1))
-        writer.submit()
+        sink = ShardedSnapshotSink(out / "fsdp1", async_write=False)
+        sink.open(None)
+        sink.update_manifest()
+        sink.take(model, SnapshotRecord(path="snapshot-7", tokens=7, step=1))
+        sink.commit()
+        sink.close(model)
         full = gather_full_state_dict(model)
-        if rank == 0:
-            from hf_pma.merging.engine import merge_state_dict
+        if rank != 0:
+            return {}
+        from hf_pma.merging.engine import merge_state_dict
 
-            full = prepare_snapshot(model, full, SnapshotRecord(path="x", tokens=0, step=0)).state_dict
-            merged = merge_state_dict([out / "fsdp1" / "snapshot-7"])
-            return {"equal": merged.keys() == full.keys() and all(torch.equal(merged[k], v) for k, v in full.items())}
-        return {}
+        full = strip_for_save(model, full)
+        merged = merge_state_dict([out / "fsdp1" / "snapshot-7"])
+        return {"equal": merged.keys() == full.keys() and all(torch.equal(merged[k], v) for k, v in full.items())}
     except Exception as err:  # reported to the test
         return {"error": f"{type(err).__name__}: {err}"}
 
@@ -134,37 +157,20 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--crash-at", type=int)
-    parser.add_argument("--resume-at", type=int)
+    parser.add_argument("--resume-at", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if args.crash_at and rank == 1:
         die_half_way(args.crash_at)
-    model = build()
-    sharded, gathered = open_writers(args.out, rank, world, args.resume_at)
-    first = 1
-    if args.resume_at is not None:
-        first = next(k for k in range(1, SNAPSHOTS + 2) if tokens_at(k, world) > args.resume_at)
-        for k in range(1, first):  # replay: the weights the resumed run starts from
-            train_steps(model, 2, seed=k)
-    for k in range(first, SNAPSHOTS + 1):
-        train_steps(model, 2, seed=k)
-        snapshot(model, k, world, rank, sharded, gathered)
-    if not args.crash_at:
+    result = run(args.out, rank, world, args.resume_at)
+    model = result.pop("model")
+    if not args.crash_at and not args.resume_at:
         write_with_dcp(model, args.out / "dcp")
-    for writer in [*sharded.values(), *gathered.values()]:
-        writer.wait()
-    result = {
-        "rank": rank,
-        "world_size": world,
-        "bytes_written": {name: w.bytes_written for name, w in sharded.items()},
-        "staging_bytes": {name: w.staging.num_bytes for name, w in sharded.items()},
-    }
-    if not args.crash_at and args.resume_at is None:
-        result["fsdp1"] = check_fsdp1(args.out, rank, world)
+        result["fsdp1"] = check_fsdp1(args.out, rank)
     dist.barrier()
-    (args.out / f"result-rank{rank}.json").write_text(json.dumps(result, indent=2))
+    (args.out / f"result-rank{rank}.json").write_text(json.dumps({"rank": rank, "world_size": world, **result}, indent=2))
     dist.destroy_process_group()
 
 
