@@ -229,9 +229,10 @@ def _gather_zero3(
         seen.update(id(p) for p in params)
         with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
             if is_main:
-                for name, tensor in itertools.chain(
-                    module.named_parameters(recurse=False), module.named_buffers(recurse=False)
-                ):
+                persistent = (
+                    (n, b) for n, b in module.named_buffers(recurse=False) if n not in module._non_persistent_buffers_set
+                )  # what a state dict holds
+                for name, tensor in itertools.chain(module.named_parameters(recurse=False), persistent):
                     full = f"{prefix}.{name}" if prefix else name
                     if id(tensor) not in by_identity:
                         on_cuda = on_cuda or tensor.device.type == "cuda"

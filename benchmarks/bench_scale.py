@@ -1,0 +1,294 @@
+"""Snapshot cost under FSDP2 at several world sizes: full gather vs sharded snapshots.
+
+A ~130M-parameter Llama (fp32 master weights) is sharded with ``fully_shard`` on gloo, one
+thread per process, and snapshots are taken the way ``PMACallback`` takes them (``take`` in the
+training thread, ``commit`` hands the write to the background, then the next snapshot). One
+launch per (world size, method), so that the memory of one method does not hide another's.
+Per rank and per method:
+
+* ``peak extra MB``: ``VmHWM`` during two snapshots (the peak is reset through
+  ``/proc/self/clear_refs`` first) minus the RSS before them;
+* ``blocked s``: seconds the training thread spends in ``take`` + ``commit`` (mean of two);
+* ``written MB``: bytes this rank wrote per snapshot.
+
+Methods (one function each; add a measurement by adding a function to ``MEASUREMENTS``):
+
+* ``gather``: ``DiskSnapshotSink`` (the full-gather path, tensor by tensor, cast on device);
+* ``gather-old``: the previous full-gather code (``get_model_state_dict(full_state_dict=True)``,
+  then ``clone``/``to(dtype)``), for reference;
+* ``sharded``: ``ShardedSnapshotSink`` (every rank its own slices, DCP layout);
+* ``dcp``: ``torch.distributed.checkpoint.save`` with ``HuggingFaceStorageWriter(save_distributed=True)``
+  on the same (cast) local shards: the engine hf-pma's own writer is compared with.
+
+Usage::
+
+    python benchmarks/bench_scale.py                       # world sizes 1 2 4, all methods, bf16 snapshots
+    python benchmarks/bench_scale.py --worlds 2 --methods sharded gather --save-dtype float32
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+SNAPSHOTS = 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Measuring one process
+# ---------------------------------------------------------------------------------------------
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def reset_peak() -> int:
+    """Reset ``VmHWM`` to the current RSS; returns that RSS in kB."""
+    import gc
+
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")
+    return _status_kb("VmRSS")
+
+
+def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 64,
+        max_position_embeddings=512, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    model.to_empty(device="cpu")  # each rank materializes its own shards only
+    with torch.no_grad():
+        for p in model.parameters():
+            p.to_local().normal_(0, 0.02)
+    return model
+
+
+def _timed_snapshots(take: Callable[[int], None], wait: Callable[[], None]) -> dict:
+    """Run SNAPSHOTS snapshots; returns the peak extra RSS and the mean blocked time."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    base = reset_peak()
+    blocked = []
+    for i in range(SNAPSHOTS):
+        start = time.perf_counter()
+        take(i)
+        blocked.append(time.perf_counter() - start)
+        dist.barrier()  # the next "step"
+    wait()
+    dist.barrier()
+    return {"peak_extra_mb": (_status_kb("VmHWM") - base) / 1024, "blocked_s": sum(blocked) / len(blocked)}
+
+
+def _record(i: int):
+    from hf_pma.core.manifest import SnapshotRecord, snapshot_dirname
+
+    return SnapshotRecord(path=snapshot_dirname(1000 * (i + 1)), tokens=1000 * (i + 1), step=i + 1)
+
+
+def _sink_measure(sink, model) -> dict:
+    sink.open(None)
+    sink.update_manifest()
+
+    def take(i: int) -> None:
+        sink.take(model, _record(i))
+        sink.commit()
+
+    result = _timed_snapshots(take, lambda: sink.close(model))
+    return result
+
+
+def measure_gather(model, out: Path, dtype, rank: int, world: int) -> dict:
+    """The full-gather path: ``DiskSnapshotSink`` (rank 0 writes everything)."""
+    from hf_pma.snapshots.sinks import DiskSnapshotSink
+
+    sink = DiskSnapshotSink(out, is_main=rank == 0, save_dtype=dtype)
+    result = _sink_measure(sink, model)
+    written = sum(f.stat().st_size for f in out.glob("snapshot-*/*.safetensors")) if rank == 0 else 0
+    return {**result, "written_mb": written / SNAPSHOTS / 2**20}
+
+
+def measure_gather_old(model, out: Path, dtype, rank: int, world: int) -> dict:
+    """The full gather as it was: ``get_model_state_dict(full_state_dict=True)`` then clone and cast,
+    the previous copy still held while the next is gathered (measured without writing)."""
+    import itertools
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    held: list = []
+
+    def take(i: int) -> None:
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=False))
+        if rank != 0:
+            return
+        live = {t.to_local().untyped_storage().data_ptr() for t in itertools.chain(model.parameters())}
+        out_sd = {}
+        for name, tensor in state.items():
+            if tensor.untyped_storage().data_ptr() in live:
+                tensor = tensor.clone()
+            if dtype is not None and tensor.is_floating_point():
+                tensor = tensor.to(dtype)
+            out_sd[name] = tensor
+        held[:] = [out_sd]  # the job waiting for the writer
+
+    result = _timed_snapshots(take, lambda: held.clear())
+    return {**result, "written_mb": float("nan")}
+
+
+def measure_sharded(model, out: Path, dtype, rank: int, world: int) -> dict:
+    """Sharded snapshots: ``ShardedSnapshotSink`` (every rank writes its own slices)."""
+    from hf_pma.snapshots.sharded import ShardedSnapshotSink
+
+    sink = ShardedSnapshotSink(out, save_dtype=dtype)
+    result = _sink_measure(sink, model)
+    return {**result, "written_mb": sink.bytes_written / SNAPSHOTS / 2**20}
+
+
+def measure_dcp(model, out: Path, dtype, rank: int, world: int) -> dict:
+    """torch DCP's own engine on the same local shards, cast first (``dcp.save`` is synchronous)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import HuggingFaceStorageWriter
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    def take(i: int) -> None:
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
+        if dtype is not None:
+            state = {k: v.to(dtype) for k, v in state.items()}
+        dcp.save(state, storage_writer=HuggingFaceStorageWriter(str(out / f"dcp-{i}"), save_distributed=True))
+
+    result = _timed_snapshots(take, lambda: None)
+    mine = out / "dcp-0" / f"shard-{rank + 1:05d}-model-00001-of-00001.safetensors"
+    return {**result, "written_mb": (mine.stat().st_size if mine.exists() else 0) / 2**20}
+
+
+MEASUREMENTS: dict[str, Callable[..., dict]] = {
+    "gather": measure_gather,
+    "gather-old": measure_gather_old,
+    "sharded": measure_sharded,
+    "dcp": measure_dcp,
+}
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One torchrun process: build the sharded model, run one method, write this rank's result."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_model(args)
+    dtype = None if args.save_dtype == "float32" else getattr(torch, args.save_dtype)
+    out = Path(args.out) / args.method
+    result = MEASUREMENTS[args.method](model, out, dtype, rank, world)
+    result["model_mb"] = sum(p.numel() for p in model.parameters()) * 4 / 2**20
+    Path(args.out, f"{args.method}-rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+# Driver
+# ---------------------------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(args: argparse.Namespace, world: int, method: str, folder: Path) -> list[dict]:
+    """Run one (world size, method) under torchrun; returns the per-rank results."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master-port", str(_free_port()),
+        __file__, "--worker", "--method", method, "--out", str(folder), "--save-dtype", args.save_dtype,
+        "--hidden", str(args.hidden), "--layers", str(args.layers), "--intermediate", str(args.intermediate),
+        "--vocab", str(args.vocab),
+    ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
+    proc = subprocess.run(command, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{method} at world size {world} failed:\n{proc.stderr[-4000:]}")
+    return [json.loads((folder / f"{method}-rank{r}.json").read_text()) for r in range(world)]
+
+
+def table(rows: list[tuple[int, str, list[dict]]], save_dtype: str) -> str:
+    model_mb = rows[0][2][0]["model_mb"]
+    snapshot_mb = model_mb * (0.5 if save_dtype in ("bfloat16", "float16") else 1.0)
+    lines = [
+        f"model: {model_mb:.0f} MB of fp32 parameters; one {save_dtype} snapshot: {snapshot_mb:.0f} MB",
+        "",
+        "| world | method | peak extra MB, rank 0 | peak extra MB, max other rank | x snapshot/world (max rank) | blocked s (mean rank) | written MB per rank (rank 0 / others) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for world, method, ranks in rows:
+        peaks = [r["peak_extra_mb"] for r in ranks]
+        others = max(peaks[1:]) if len(peaks) > 1 else float("nan")
+        ratio = max(peaks) / (snapshot_mb / world)
+        blocked = sum(r["blocked_s"] for r in ranks) / len(ranks)
+        written = [r["written_mb"] for r in ranks]
+        other_written = f"{max(written[1:]):.0f}" if len(written) > 1 else "-"
+        lines.append(
+            f"| {world} | {method} | {peaks[0]:.0f} | {others:.0f} | {ratio:.2f} | {blocked:.2f} | {written[0]:.0f} / {other_written} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--methods", nargs="+", default=["gather-old", "gather", "sharded", "dcp"], choices=sorted(MEASUREMENTS))
+    parser.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    parser.add_argument("--hidden", type=int, default=768)
+    parser.add_argument("--layers", type=int, default=12)
+    parser.add_argument("--intermediate", type=int, default=2048)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--json", help="also write the raw results here")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--method", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    rows = []
+    for world in args.worlds:
+        for method in args.methods:
+            folder = Path(tempfile.mkdtemp(prefix=f"bench-scale-{method}-{world}-"))
+            try:
+                rows.append((world, method, launch(args, world, method, folder)))
+            finally:
+                shutil.rmtree(folder, ignore_errors=True)
+            print(f"done: world {world}, {method}", file=sys.stderr, flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps([{"world": w, "method": m, "ranks": r} for w, m, r in rows], indent=2))
+    print(table(rows, args.save_dtype))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,64 @@
+"""Launched by tests/snapshots/test_sharded.py under ``torchrun --nproc_per_node 2`` when DeepSpeed
+is installed: a tiny Llama under DeepSpeed ZeRO-3 on CPU (gloo), one training step, then one
+sharded snapshot (each rank writes its ``ds_tensor`` partitions, flat ranges) and one gathered
+snapshot (``GatheredParameters``) of the same weights. Rank 0 reports whether they are equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+
+def main() -> None:
+    import deepspeed
+    import torch.distributed as dist
+
+    from hf_pma.core.manifest import SnapshotRecord
+    from hf_pma.merging.engine import merge_state_dict
+    from hf_pma.snapshots.gather import sharding_kind
+    from hf_pma.snapshots.sharded import ShardedSnapshotSink
+    from hf_pma.snapshots.sinks import DiskSnapshotSink
+    from tests.testing_utils import make_tiny_model
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = dist.get_rank()
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": {"stage": 3},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+    }
+    model = make_tiny_model(seed=0, vocab_size=515)
+    engine, *_ = deepspeed.initialize(model=model, config=config, model_parameters=model.parameters())
+    ids = torch.randint(3, 515, (1, 16), generator=torch.Generator().manual_seed(0))
+    engine.backward(engine(input_ids=ids, labels=ids).loss)
+    engine.step()
+    result = {"rank": rank, "kind": sharding_kind(engine)}
+    for sink, name in ((ShardedSnapshotSink(args.out / "sharded", async_write=False), "sharded"),
+                       (DiskSnapshotSink(args.out / "gathered", is_main=rank == 0), "gathered")):
+        sink.open(None)
+        sink.update_manifest()
+        sink.take(engine, SnapshotRecord(path="snapshot-16", tokens=16, step=1))
+        sink.commit()
+        sink.close(engine)
+        result[name] = type(sink).__name__
+    dist.barrier()
+    if rank == 0:
+        sharded = merge_state_dict([args.out / "sharded" / "snapshot-16"])
+        gathered = merge_state_dict([args.out / "gathered" / "snapshot-16"])
+        result["same_names"] = sorted(sharded) == sorted(gathered)
+        result["equal"] = result["same_names"] and all(torch.equal(sharded[k], gathered[k]) for k in gathered)
+        result["layout"] = json.loads((args.out / "sharded" / "manifest.json").read_text())["shard_layout"]
+    (args.out / f"result-rank{rank}.json").write_text(json.dumps(result))
+    dist.barrier()
+
+
+if __name__ == "__main__":
+    main()
