@@ -259,6 +259,41 @@ def table(rows: list[tuple[int, str, list[dict]]], save_dtype: str) -> str:
     return "\n".join(lines)
 
 
+# Assumptions of the projection (state them with the numbers): bf16 snapshots of fp32 master
+# weights, 8 GPUs per node, pinned device-to-host copies at 12 GB/s per GPU, 2 GB/s of disk
+# (or parallel filesystem share) per node.
+GPUS_PER_NODE = 8
+D2H_GBPS = 12.0
+DISK_GBPS_PER_NODE = 2.0
+
+
+def projection_table(models: tuple[float, ...] = (7e9, 70e9), worlds: tuple[int, ...] = (8, 64, 512)) -> str:
+    """Per-snapshot costs projected to real models: S = 2 bytes x P (one bf16 snapshot).
+
+    * sharded: host RAM per rank S/W; training blocked (S/W)/D2H; written per node
+      GPUS_PER_NODE*S/W, all nodes at once, in (GPUS_PER_NODE*S/W)/DISK.
+    * gather (fixed): rank 0 holds S; blocked >= S/D2H (rank 0 copies the whole model to its host);
+      one node writes S in S/DISK.
+    * gather (before the fix): rank 0 held ~8P bytes (fp32 gather 4P + its bf16 cast 2P + the
+      previous snapshot 2P).
+    """
+    lines = [
+        "| model | GPUs | sharded: host GB per rank | sharded: blocked s | sharded: write s | gather: rank-0 host GB | gather: blocked s | gather: write s | old gather: rank-0 host GB |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for params in models:
+        snapshot = 2 * params / 1e9  # GB
+        for world in worlds:
+            per_rank = snapshot / world
+            per_node = per_rank * min(GPUS_PER_NODE, world)
+            lines.append(
+                f"| {params / 1e9:.0f}B | {world} | {per_rank:.2f} | {per_rank / D2H_GBPS:.2f} | "
+                f"{per_node / DISK_GBPS_PER_NODE:.1f} | {snapshot:.0f} | {snapshot / D2H_GBPS:.1f} | "
+                f"{snapshot / DISK_GBPS_PER_NODE:.0f} | {8 * params / 1e9:.0f} |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
@@ -269,12 +304,16 @@ def main() -> None:
     parser.add_argument("--intermediate", type=int, default=2048)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--json", help="also write the raw results here")
+    parser.add_argument("--project-only", action="store_true", help="print the projection to 7B/70B only")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--method", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         worker(args)
+        return
+    if args.project_only:
+        print(projection_table())
         return
     rows = []
     for world in args.worlds:
@@ -288,6 +327,8 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps([{"world": w, "method": m, "ranks": r} for w, m, r in rows], indent=2))
     print(table(rows, args.save_dtype))
+    print()
+    print(projection_table())
 
 
 if __name__ == "__main__":
