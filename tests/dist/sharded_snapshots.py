@@ -166,7 +166,7 @@ def main() -> None:
         die_half_way(args.crash_at)
     result = run(args.out, rank, world, args.resume_at)
     model = result.pop("model")
-    if not args.crash_at and not args.resume_at:
+    if not args.crash_at:
         write_with_dcp(model, args.out / "dcp")
         result["fsdp1"] = check_fsdp1(args.out, rank)
     dist.barrier()

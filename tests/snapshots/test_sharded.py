@@ -4,7 +4,8 @@ The script tests/dist/sharded_snapshots.py saves the same weights sharded (every
 slices) and gathered (rank 0, the full-gather path). Merges of the sharded snapshots must be
 bit-identical to merges of the gathered ones: SMA, WMA, EMA, in float32 and bfloat16, at world
 sizes 2 and 4 and across a world-size change. A rank killed mid-write leaves a manifest that
-lists only complete snapshots, and the resumed run goes on.
+lists only complete snapshots, and the resumed run goes on (the 2-rank run is that resumed run:
+three launches in all).
 """
 
 from __future__ import annotations
@@ -48,12 +49,30 @@ def torchrun(out: Path, nproc: int, *args: str, expect_ok: bool = True, script: 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict:
+    """World size 4: one uninterrupted run. World size 2: a run whose rank 1 is killed half-way
+    through its 3rd rank file (one of the two snapshots at 256 tokens), then resumed from the
+    checkpoint at step 2 (128 tokens); what the crash left is recorded for the fault test."""
     out = {}
-    for world in (2, 4):
-        folder = tmp_path_factory.mktemp(f"w{world}")
-        out[world] = (folder, torchrun(folder, world))
+    folder = tmp_path_factory.mktemp("w4")
+    out[4] = (folder, torchrun(folder, 4))
+    folder = tmp_path_factory.mktemp("w2")
+    torchrun(folder, 2, "--crash-at", "3", expect_ok=False)
+    crashed = {}
+    for name in ("sharded-float32", "sharded-bfloat16"):
+        pma = folder / name
+        listed = [r.tokens for r in manifest_snapshots(pma)]
+        complete = []
+        for tokens in listed:  # what is listed is complete: every slice of every tensor is there
+            merge_state_dict([pma / f"snapshot-{tokens}"])
+            complete.append(tokens)
+        crashed[name] = {
+            "listed": listed,
+            "complete": complete,
+            "entries": sorted(p.name for p in pma.iterdir()),
+        }
+    out["crashed"] = crashed
+    out[2] = (folder, torchrun(folder, 2, "--resume-at", "2"))
     return out
-
 
 def snapshot_folders(run: Path, kind: str) -> list[Path]:
     pma = run / kind
@@ -68,7 +87,7 @@ def assert_identical(a: dict, b: dict) -> None:
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_sharded_merges_are_bit_identical_to_gathered_merges(runs, dtype):
-    per_world = {w: (snapshot_folders(f, f"sharded-{dtype}"), snapshot_folders(f, f"gathered-{dtype}")) for w, (f, _) in runs.items()}
+    per_world = {w: (snapshot_folders(runs[w][0], f"sharded-{dtype}"), snapshot_folders(runs[w][0], f"gathered-{dtype}")) for w in (2, 4)}
     for world, (sharded, gathered) in per_world.items():
         folder, reports = runs[world]
         assert [r["sinks"][f"sharded-{dtype}"] for r in reports] == ["ShardedSnapshotSink"] * world
@@ -107,7 +126,7 @@ def test_sharded_run_folder_merges_and_loads(runs, tmp_path):
 
 
 def test_torch_dcp_folder_and_fsdp1(runs):
-    for folder, reports in runs.values():
+    for folder, reports in (runs[2], runs[4]):
         # A folder written by DCP's HuggingFaceStorageWriter(save_distributed=True), no manifest:
         # the same weights as the last sharded snapshot.
         last = snapshot_folders(folder, "sharded-float32")[-1]
@@ -116,28 +135,23 @@ def test_torch_dcp_folder_and_fsdp1(runs):
         assert reports[0]["fsdp1"] == {"equal": True}, reports[0]["fsdp1"]
 
 
-def test_rank_killed_mid_write_then_resume(tmp_path):
-    # Rank 1 dies half-way through its 3rd rank file (one of the two snapshots at 256 tokens).
-    torchrun(tmp_path, 2, "--crash-at", "3", expect_ok=False)
-    listed = {name: [r.tokens for r in manifest_snapshots(tmp_path / name)] for name in ("sharded-float32", "sharded-bfloat16")}
+def test_rank_killed_mid_write_then_resume(runs):
+    crashed = runs["crashed"]
+    listed = {name: c["listed"] for name, c in crashed.items()}
     assert all(tokens in ([128], [128, 256]) for tokens in listed.values()), listed
     assert [128] in listed.values(), listed  # the snapshot whose rank file was cut is not listed
-    for name, tokens in listed.items():
-        for t in tokens:  # what is listed is complete: every slice of every tensor is there
-            merge_state_dict([tmp_path / name / f"snapshot-{t}"])
-        if tokens == [128]:
-            assert not (tmp_path / name / "snapshot-256").exists()
-            assert any(p.name.startswith(".tmp-snapshot-256") for p in (tmp_path / name).iterdir())
-    # Resumed from the checkpoint at step 2 (128 tokens): leftovers and later snapshots go, the
-    # schedule continues, and the run ends as an uninterrupted one.
-    torchrun(tmp_path, 2, "--resume-at", "2")
+    for c in crashed.values():
+        assert c["complete"] == c["listed"]
+        if c["listed"] == [128]:
+            assert "snapshot-256" not in c["entries"] and ".tmp-snapshot-256" in c["entries"], c
+    # Resumed from the checkpoint at step 2 (128 tokens): leftovers and later snapshots went, the
+    # schedule went on, and the run ends as an uninterrupted one (its merges are checked above).
+    folder, _ = runs[2]
     for dtype in ("float32", "bfloat16"):
         for kind in ("sharded", "gathered"):
-            pma = tmp_path / f"{kind}-{dtype}"
+            pma = folder / f"{kind}-{dtype}"
             assert [r.tokens for r in manifest_snapshots(pma)] == [128, 256, 384]
             assert sorted(p.name for p in pma.iterdir()) == ["manifest.json", "snapshot-128", "snapshot-256", "snapshot-384"]
-        sharded, gathered = snapshot_folders(tmp_path, f"sharded-{dtype}"), snapshot_folders(tmp_path, f"gathered-{dtype}")
-        assert_identical(merge_state_dict(sharded, strategy="ema"), merge_state_dict(gathered, strategy="ema"))
 
 
 @require_deepspeed
@@ -147,3 +161,33 @@ def test_zero3_sharded_snapshot_equals_gathered(tmp_path):
     assert rank0["kind"] == "zero3" and rank0["sharded"] == "ShardedSnapshotSink"
     assert rank0["layout"] == "dcp-hf-safetensors+flat"
     assert rank0["same_names"] and rank0["equal"], rank0
+
+
+def test_trainer_with_forced_sharded_snapshots_and_keep_last(tmp_path):
+    """One process, a real Trainer, ``sharded=True``: rank 0 holds every slice; ``keep_last``
+    deletes whole sharded snapshots; the run folder merges into a loadable model."""
+    from transformers import LlamaForCausalLM, Trainer
+
+    from hf_pma.snapshots.callback import PMACallback
+    from tests.dist.pma_common import TokenDataset, make_args, make_tiny_model, pad_collate
+
+    callback = PMACallback(interval_tokens=2 * 64, keep_last=2, sharded=True, save_dtype="bfloat16")
+    trainer = Trainer(
+        model=make_tiny_model(seed=0),
+        args=make_args(tmp_path, max_steps=8, per_device_train_batch_size=4, learning_rate=1e-3),
+        train_dataset=TokenDataset(n=64, min_len=16, max_len=16),
+        data_collator=pad_collate,
+        callbacks=[callback],
+    )
+    trainer.train()
+    pma = tmp_path / "pma"
+    records = manifest_snapshots(pma)
+    assert [r.tokens for r in records] == [384, 512] and all(r.extra["sharded"] for r in records)
+    assert sorted(p.name for p in pma.iterdir()) == ["manifest.json", "snapshot-384", "snapshot-512"]
+    assert [p.name for p in (pma / "snapshot-512").glob("*.safetensors")] == [rank_file_name(0)]
+    out = merge_checkpoints([pma], tmp_path / "merged", progress=False)
+    model = LlamaForCausalLM.from_pretrained(out)
+    assert model.dtype == torch.bfloat16
+    last = merge_state_dict([pma / "snapshot-512"])
+    live = {k: v.to(torch.bfloat16) for k, v in trainer.model.state_dict().items()}
+    assert_identical(last, {k: live[k] for k in last})
