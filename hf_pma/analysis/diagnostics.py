@@ -49,6 +49,7 @@ from transformers.utils import logging
 
 from hf_pma.core.manifest import find_manifest, is_excluded, manifest_snapshots
 from hf_pma.core.strategies import merge_weights
+from hf_pma.merging.sharded import sharded_weight_files
 from hf_pma.merging.sources import (
     CheckpointSource,
     CheckpointTensors,
@@ -385,7 +386,8 @@ def _folder_bytes(folder: Path) -> int | None:
         found = find_weight_files(folder)
     except ValueError:
         return None
-    return sum(f.stat().st_size for f in found[1]) if found else None
+    files = found[1] if found else sharded_weight_files(folder)  # a sharded snapshot: its rank files
+    return sum(f.stat().st_size for f in files) if files else None
 
 
 def snapshot_rows(run: str | os.PathLike[str]) -> list[dict[str, Any]]:
