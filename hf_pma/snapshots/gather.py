@@ -9,14 +9,25 @@ is :mod:`hf_pma.snapshots.writer`.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from hf_pma.utils.parsing import parse_dtype
 
-__all__ = ["unwrap_model", "sharding_kind", "gather_full_state_dict", "full_state_dict_bytes"]
+__all__ = [
+    "unwrap_model",
+    "sharding_kind",
+    "gather_full_state_dict",
+    "full_state_dict_bytes",
+    "LocalSlice",
+    "local_slices",
+    "zero3_partition",
+]
 
 
 def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
@@ -126,6 +137,151 @@ def _copy_to_cpu(
     return out
 
 
+# ---------------------------------------------------------------------------------------------
+# Which slices does this rank hold?
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class LocalSlice:
+    """The part of one full tensor that this rank holds: where it sits and the live local data.
+
+    ``offsets``/``sizes`` are a box in the full tensor (as DCP records them), or, with
+    ``flat=True``, a range ``[offsets[0], offsets[0] + sizes[0])`` of the flattened full tensor.
+    """
+
+    name: str
+    tensor: torch.Tensor
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    global_shape: tuple[int, ...]
+    flat: bool = False
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.sizes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Which slices does this rank hold?
+# ---------------------------------------------------------------------------------------------
+
+
+def zero3_partition(param: Any, rank: int) -> tuple[int, int]:
+    """``(start, length)``: the flat elements of a ZeRO-3 parameter that ``rank``'s ``ds_tensor`` holds.
+
+    DeepSpeed pads a parameter's ``ds_numel`` elements to ``world * partition`` and gives rank r
+    ``[r * partition, (r + 1) * partition)``, where ``partition = ds_tensor.ds_numel``; the padding
+    at the end (and whole partitions past the end) hold no weights.
+    """
+    partition = int(getattr(param.ds_tensor, "ds_numel", param.ds_tensor.numel()))
+    numel = int(param.ds_numel)
+    start = min(numel, rank * partition)
+    return start, max(0, min(partition, numel - start))
+
+
+def _replica_owner(tensor: Any) -> bool:
+    """For a DTensor: whether this rank is the first replica of its slice (coordinate 0 on every
+    mesh dimension where the tensor is replicated), so that each slice is written once."""
+    from torch.distributed.tensor import Replicate
+
+    coordinate = tensor.device_mesh.get_coordinate()
+    if coordinate is None:
+        return False
+    return all(c == 0 for c, p in zip(coordinate, tensor.placements) if isinstance(p, Replicate))
+
+
+def _slices_of(name: str, value: Any, rank: int) -> list[LocalSlice]:
+    shape = tuple(value.shape)
+    if hasattr(value, "to_local") and hasattr(value, "__create_chunk_list__"):  # DTensor
+        if not _replica_owner(value):
+            return []
+        chunks = value.__create_chunk_list__()
+        local = value.to_local()
+        if len(chunks) != 1:
+            raise ValueError(f"tensor {name!r}: a DTensor with {len(chunks)} local chunks is not supported")
+        chunk = chunks[0]
+        return [LocalSlice(name, local, tuple(chunk.offsets), tuple(chunk.sizes), shape)]
+    if hasattr(value, "local_shards"):  # FSDP1's ShardedTensor
+        return [
+            LocalSlice(name, shard.tensor, tuple(shard.metadata.shard_offsets), tuple(shard.metadata.shard_sizes), shape)
+            for shard in value.local_shards()
+        ]
+    if not isinstance(value, torch.Tensor):
+        return []
+    # An unsharded tensor (a buffer, a replicated parameter): rank 0 writes it.
+    return [LocalSlice(name, value, (0,) * len(shape), shape, shape)] if rank == 0 else []
+
+
+def _kept_names(module: torch.nn.Module, names: Sequence[str], identity: dict[str, int]) -> list[str]:
+    """The names ``save_pretrained`` would store: tied duplicates dropped (the same choice as the
+    full-gather path), decided from the parameters' identity so every rank agrees."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.core_model_loading import revert_weight_conversion
+        from transformers.modeling_utils import remove_tied_weights_from_state_dict
+    except ImportError:  # other transformers versions: keep every key
+        return list(names)
+    if not isinstance(module, PreTrainedModel):
+        return list(names)
+    stand_ins: dict[int, torch.Tensor] = {}
+    state = {n: stand_ins.setdefault(identity[n], torch.empty(1)) for n in names}
+    kept = remove_tied_weights_from_state_dict(dict(state), module)
+    reverted = revert_weight_conversion(module, dict(kept))
+    if set(reverted) != set(kept):
+        raise ValueError(
+            f"{type(module).__name__} converts its weights at load time (e.g. fused experts); sharded snapshots store "
+            "the live tensors and cannot revert that conversion: use PMACallback(sharded=False)"
+        )
+    return [n for n in names if n in kept]
+
+
+def local_slices(model: torch.nn.Module, rank: int | None = None, drop_tied: bool = True) -> list[LocalSlice]:
+    """This rank's slices of every tensor of the state dict, for FSDP1/FSDP2, DeepSpeed ZeRO-3,
+    or an unsharded model (then rank 0 holds everything).
+
+    With ``drop_tied`` only the tensors ``save_pretrained`` would store (tied duplicates dropped,
+    decided from the parameters' identity so every rank agrees).
+    """
+    if rank is None:
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    kind = sharding_kind(model)
+    module = unwrap_model(model)
+    slices: list[LocalSlice] = []
+    if kind == "zero3":
+        import torch.distributed as dist
+
+        params = dict(module.named_parameters(remove_duplicate=False))
+        names = list(module.state_dict(keep_vars=True))  # persistent buffers only
+        for name in names:
+            param = params.get(name)
+            if param is None or not hasattr(param, "ds_tensor"):
+                value = module.get_parameter(name) if param is not None else module.get_buffer(name)
+                slices += _slices_of(name, value.detach(), rank)
+                continue
+            group = getattr(param, "ds_process_group", None)
+            start, length = zero3_partition(param, dist.get_rank(group=group) if group is not None else rank)
+            shape = tuple(int(d) for d in param.ds_shape)
+            local = param.ds_tensor.detach().reshape(-1)[:length]
+            slices.append(LocalSlice(name, local, (start,), (length,), shape, flat=len(shape) != 1))
+    else:
+        if kind == "fsdp":
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
+        else:
+            state = module.state_dict()
+        names = list(state)
+        for name, value in state.items():
+            slices += _slices_of(name, value.detach() if isinstance(value, torch.Tensor) else value, rank)
+    if not drop_tied:
+        return slices
+    identity = _identities(module)
+    identity = {name: identity.get(name, -1 - i) for i, name in enumerate(names)}
+    kept = set(_kept_names(module, names, identity))
+    return [s for s in slices if s.name in kept]
+
+
 def _identities(module: torch.nn.Module) -> dict[str, int]:
     """Name -> identity of the live parameter or buffer (tied weights: one identity, two names)."""
     named = itertools.chain(module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False))
@@ -148,68 +304,81 @@ def _into_buffer(tensor: torch.Tensor, name: str, dtype: torch.dtype | None, buf
 def _gather_fsdp(
     model: torch.nn.Module, dtype: torch.dtype | None, is_main: bool, buffers: dict[str, torch.Tensor] | None
 ) -> dict[str, torch.Tensor] | None:
-    """Full FSDP weights on the main process, one tensor at a time.
+    """Full FSDP1/FSDP2 weights on the main process, one tensor at a time, slice by slice.
 
-    FSDP2 (DTensor parameters): each tensor is all-gathered on its device, cast there, copied
-    into a reused CPU buffer on the main process and dropped, so the host holds one snapshot in
-    the saved dtype plus nothing; tied weights are gathered once and share one copy. FSDP1
-    (``ShardedTensor``): torch's full state dict, cast as it arrives.
+    Every rank casts its slice of a tensor to ``dtype`` on its device and sends it to rank 0,
+    which receives it straight into that tensor's host buffer (reused from one snapshot to the
+    next; through a device buffer of one slice under NCCL). No rank ever builds a full tensor
+    it does not keep, and only the saved dtype travels: rank 0 holds one snapshot in the saved
+    dtype, the others one slice at a time. Tied weights travel once and share one copy.
     """
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    import torch.distributed as dist
 
+    rank, world = dist.get_rank(), dist.get_world_size()
     module = unwrap_model(model)
+    mine: dict[str, list[LocalSlice]] = {}
+    for s in local_slices(model, rank, drop_tied=False):
+        if s.numel:
+            mine.setdefault(s.name, []).append(s)
+    # Where every slice lives (small metadata, once per snapshot): [(name, offsets, sizes, shape, flat, dtype)].
+    meta = [(s.name, s.offsets, s.sizes, s.global_shape, s.flat, str(s.tensor.dtype)) for ss in mine.values() for s in ss]
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, meta)
+    names = list(dict.fromkeys(entry[0] for per_rank in everyone for entry in per_rank))
     identity = _identities(module)
-    state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
-    if any(hasattr(v, "local_shards") for v in state.values()):
-        return _gather_fsdp1(model, dtype, is_main, identity)
     buffers = buffers or {}
     out: dict[str, torch.Tensor] = {}
-    by_identity: dict[int, torch.Tensor | None] = {}  # on every rank: the same collectives everywhere
-    on_cuda = False
-    for name, value in state.items():
-        key = identity.get(name, id(value))
-        if key in by_identity:
+    first: dict[Any, str] = {}
+    device = next((s.tensor.device for ss in mine.values() for s in ss), torch.device("cpu"))
+    for name in names:
+        key = identity.get(name, name)
+        if key in first:  # a tied weight: already gathered under another name
             if is_main:
-                out[name] = by_identity[key]
+                out[name] = out[first[key]]
             continue
-        full = value.full_tensor() if hasattr(value, "full_tensor") else value  # a collective for DTensors
-        by_identity[key] = None
+        first[key] = name
+        entries = [(r, e) for r, per_rank in enumerate(everyone) for e in per_rank if e[0] == name]
+        shape, src_dtype = tuple(entries[0][1][3]), getattr(torch, entries[0][1][5].removeprefix("torch."))
+        target = dtype if (dtype is not None and src_dtype.is_floating_point) else src_dtype
+        buffer = _host_buffer(buffers.get(name), shape, target, device) if is_main else None
+        local = iter(mine.get(name, []))
+        for src, (_, offsets, sizes, _, flat, _) in entries:
+            if src == rank:
+                data = next(local).tensor.detach().reshape(-1)
+                data = data.to(target) if data.dtype != target else data  # cast on the device
+                if is_main:
+                    region = _region(buffer, offsets, sizes, flat)
+                    region.copy_(data.view(region.shape), non_blocking=True)
+                else:
+                    dist.send(data.contiguous(), dst=0)
+            elif is_main:
+                region = _region(buffer, offsets, sizes, flat)
+                if device.type == "cpu" and region.is_contiguous():
+                    dist.recv(region, src=src)
+                else:
+                    received = torch.empty(region.shape, dtype=target, device=device)
+                    dist.recv(received, src=src)
+                    region.copy_(received, non_blocking=True)
         if is_main:
-            on_cuda = on_cuda or full.device.type == "cuda"
-            out[name] = by_identity[key] = _into_buffer(full.detach(), name, dtype, buffers)
-        del full
-    if on_cuda:
+            out[name] = buffer
+    if is_main and device.type == "cuda":
         torch.cuda.synchronize()
     return out if is_main else None
 
 
-def _gather_fsdp1(
-    model: torch.nn.Module, dtype: torch.dtype | None, is_main: bool, identity: dict[str, int]
-) -> dict[str, torch.Tensor] | None:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+def _host_buffer(buffer: torch.Tensor | None, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """``buffer`` when it fits, else a new host tensor (pinned when the weights are on CUDA)."""
+    pinned = device.type == "cuda"
+    if buffer is None or tuple(buffer.shape) != shape or buffer.dtype != dtype or (pinned and not buffer.is_pinned()):
+        buffer = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pinned)
+    return buffer
 
-    # Offload to CPU gathers on rank 0 only; with parameters already on CPU it is skipped
-    # (FSDP1's offload breaks on CPU tensors) and every rank briefly holds the full copy.
-    on_device = any(_local(p).device.type != "cpu" for p in model.parameters())
-    state_dict = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=on_device))
-    if not is_main:
-        return None
-    # cpu_offload gives fresh CPU tensors, except for anything already unsharded on CPU: copy
-    # those so the snapshot cannot alias live parameters. Tied weights share one copy.
-    live = {_storage_ptr(t) for t in itertools.chain(model.parameters(), model.buffers())}
-    out: dict[str, torch.Tensor] = {}
-    by_identity: dict[int, torch.Tensor] = {}
-    for name in list(state_dict):
-        tensor = state_dict.pop(name)
-        key = identity.get(name, id(tensor))
-        if key not in by_identity:
-            if _storage_ptr(tensor) in live:
-                tensor = tensor.clone()
-            if dtype is not None and tensor.is_floating_point():
-                tensor = tensor.to(dtype)
-            by_identity[key] = tensor
-        out[name] = by_identity[key]
-    return out
+
+def _region(buffer: torch.Tensor, offsets: Sequence[int], sizes: Sequence[int], flat: bool) -> torch.Tensor:
+    """The part of a full tensor a slice covers: a box, or a flat range."""
+    if flat:
+        return buffer.view(-1)[offsets[0] : offsets[0] + sizes[0]]
+    return buffer[tuple(slice(o, o + z) for o, z in zip(offsets, sizes))]
 
 
 def _gather_zero3(
@@ -252,16 +421,15 @@ def gather_full_state_dict(
 ) -> dict[str, torch.Tensor] | None:
     """A full copy of the model's weights on CPU in the main process; ``None`` elsewhere.
 
-    Every process must call it: FSDP2 gathers one tensor at a time (``DTensor.full_tensor``),
-    FSDP1 with ``get_model_state_dict(full_state_dict=True, cpu_offload=True)`` (no offload when
-    the parameters already live on CPU) and DeepSpeed ZeRO-3 with ``GatheredParameters``, all
-    collectives; floating tensors are cast to ``dtype`` on their device before the copy to the
+    Every process must call it: under FSDP1/FSDP2 every rank sends its slices of one tensor at a
+    time to rank 0, which receives them into that tensor's host buffer; DeepSpeed ZeRO-3
+    gathers with ``GatheredParameters``, one module at a time; floating tensors are cast to ``dtype`` on their device before the copy to the
     host, and tied weights share one copy. Unsharded models (single process, DDP) are copied
     by the main process alone, the others return at once. The tensors are fresh copies: later
     optimizer steps do not change them. ``dtype`` casts floating tensors (``save_dtype``).
     With ``accelerator`` given and a DeepSpeed engine as ``model``, ``accelerator.get_state_dict``
     gathers instead. ``buffers``: an earlier result that is no longer in use, whose tensors are
-    overwritten instead of allocating new memory (unsharded, FSDP2 and ZeRO-3 models).
+    overwritten instead of allocating new memory.
     """
     dtype = parse_dtype(dtype, "dtype")
     if is_main_process is None:

@@ -36,9 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import json
-import math
 import os
 import time
 from collections.abc import Sequence
@@ -57,6 +55,7 @@ from hf_pma.merging.sharded import (
     SAVED_OFFSETS_KEY,
     rank_file_name,
 )
+from hf_pma.snapshots.gather import LocalSlice, local_slices
 from hf_pma.snapshots.sinks import DiskSnapshotSink
 from hf_pma.utils.fs import TMP_PREFIX, atomic_write_json, fsync_dir, fsync_tree, remove_tree
 
@@ -65,11 +64,8 @@ logger = logging.get_logger(__name__)
 __all__ = [
     "LAYOUT_DCP",
     "LAYOUT_FLAT",
-    "LocalSlice",
     "StagedShard",
     "StagingBuffers",
-    "local_slices",
-    "zero3_partition",
     "write_rank_file",
     "wait_for_rank_files",
     "finish_sharded_snapshot",
@@ -84,143 +80,6 @@ _DCP_VERSION = "1.0"
 _WRITE_CHUNK = 64 * 2**20
 # How long rank 0 waits for the other ranks' files before failing the snapshot.
 DEFAULT_RANK_TIMEOUT_S = 3600.0
-
-
-@dataclasses.dataclass
-class LocalSlice:
-    """The part of one full tensor that this rank holds: where it sits and the live local data.
-
-    ``offsets``/``sizes`` are a box in the full tensor (as DCP records them), or, with
-    ``flat=True``, a range ``[offsets[0], offsets[0] + sizes[0])`` of the flattened full tensor.
-    """
-
-    name: str
-    tensor: torch.Tensor
-    offsets: tuple[int, ...]
-    sizes: tuple[int, ...]
-    global_shape: tuple[int, ...]
-    flat: bool = False
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.sizes)
-
-
-# ---------------------------------------------------------------------------------------------
-# Which slices does this rank hold?
-# ---------------------------------------------------------------------------------------------
-
-
-def zero3_partition(param: Any, rank: int) -> tuple[int, int]:
-    """``(start, length)``: the flat elements of a ZeRO-3 parameter that ``rank``'s ``ds_tensor`` holds.
-
-    DeepSpeed pads a parameter's ``ds_numel`` elements to ``world * partition`` and gives rank r
-    ``[r * partition, (r + 1) * partition)``, where ``partition = ds_tensor.ds_numel``; the padding
-    at the end (and whole partitions past the end) hold no weights.
-    """
-    partition = int(getattr(param.ds_tensor, "ds_numel", param.ds_tensor.numel()))
-    numel = int(param.ds_numel)
-    start = min(numel, rank * partition)
-    return start, max(0, min(partition, numel - start))
-
-
-def _replica_owner(tensor: Any) -> bool:
-    """For a DTensor: whether this rank is the first replica of its slice (coordinate 0 on every
-    mesh dimension where the tensor is replicated), so that each slice is written once."""
-    from torch.distributed.tensor import Replicate
-
-    coordinate = tensor.device_mesh.get_coordinate()
-    if coordinate is None:
-        return False
-    return all(c == 0 for c, p in zip(coordinate, tensor.placements) if isinstance(p, Replicate))
-
-
-def _slices_of(name: str, value: Any, rank: int) -> list[LocalSlice]:
-    shape = tuple(value.shape)
-    if hasattr(value, "to_local") and hasattr(value, "__create_chunk_list__"):  # DTensor
-        if not _replica_owner(value):
-            return []
-        chunks = value.__create_chunk_list__()
-        local = value.to_local()
-        if len(chunks) != 1:
-            raise ValueError(f"tensor {name!r}: a DTensor with {len(chunks)} local chunks is not supported")
-        chunk = chunks[0]
-        return [LocalSlice(name, local, tuple(chunk.offsets), tuple(chunk.sizes), shape)]
-    if hasattr(value, "local_shards"):  # FSDP1's ShardedTensor
-        return [
-            LocalSlice(name, shard.tensor, tuple(shard.metadata.shard_offsets), tuple(shard.metadata.shard_sizes), shape)
-            for shard in value.local_shards()
-        ]
-    if not isinstance(value, torch.Tensor):
-        return []
-    # An unsharded tensor (a buffer, a replicated parameter): rank 0 writes it.
-    return [LocalSlice(name, value, (0,) * len(shape), shape, shape)] if rank == 0 else []
-
-
-def _kept_names(module: torch.nn.Module, names: Sequence[str], identity: dict[str, int]) -> list[str]:
-    """The names ``save_pretrained`` would store: tied duplicates dropped (the same choice as the
-    full-gather path), decided from the parameters' identity so every rank agrees."""
-    try:
-        from transformers import PreTrainedModel
-        from transformers.core_model_loading import revert_weight_conversion
-        from transformers.modeling_utils import remove_tied_weights_from_state_dict
-    except ImportError:  # other transformers versions: keep every key
-        return list(names)
-    if not isinstance(module, PreTrainedModel):
-        return list(names)
-    stand_ins: dict[int, torch.Tensor] = {}
-    state = {n: stand_ins.setdefault(identity[n], torch.empty(1)) for n in names}
-    kept = remove_tied_weights_from_state_dict(dict(state), module)
-    reverted = revert_weight_conversion(module, dict(kept))
-    if set(reverted) != set(kept):
-        raise ValueError(
-            f"{type(module).__name__} converts its weights at load time (e.g. fused experts); sharded snapshots store "
-            "the live tensors and cannot revert that conversion: use PMACallback(sharded=False)"
-        )
-    return [n for n in names if n in kept]
-
-
-def local_slices(model: torch.nn.Module, rank: int | None = None) -> list[LocalSlice]:
-    """This rank's slices of every tensor ``save_pretrained`` would store, for FSDP1/FSDP2,
-    DeepSpeed ZeRO-3, or an unsharded model (then rank 0 holds everything)."""
-    from hf_pma.snapshots.gather import sharding_kind, unwrap_model
-
-    if rank is None:
-        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
-    kind = sharding_kind(model)
-    module = unwrap_model(model)
-    slices: list[LocalSlice] = []
-    if kind == "zero3":
-        import torch.distributed as dist
-
-        params = dict(module.named_parameters(remove_duplicate=False))
-        names = list(module.state_dict(keep_vars=True))  # persistent buffers only
-        for name in names:
-            param = params.get(name)
-            if param is None or not hasattr(param, "ds_tensor"):
-                value = module.get_parameter(name) if param is not None else module.get_buffer(name)
-                slices += _slices_of(name, value.detach(), rank)
-                continue
-            group = getattr(param, "ds_process_group", None)
-            start, length = zero3_partition(param, dist.get_rank(group=group) if group is not None else rank)
-            shape = tuple(int(d) for d in param.ds_shape)
-            local = param.ds_tensor.detach().reshape(-1)[:length]
-            slices.append(LocalSlice(name, local, (start,), (length,), shape, flat=len(shape) != 1))
-    else:
-        if kind == "fsdp":
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-            state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))
-        else:
-            state = module.state_dict()
-        names = list(state)
-        for name, value in state.items():
-            slices += _slices_of(name, value.detach() if isinstance(value, torch.Tensor) else value, rank)
-    live = itertools.chain(module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False))
-    identity = {name: id(tensor) for name, tensor in live}
-    identity = {name: identity.get(name, -1 - i) for i, name in enumerate(names)}
-    kept = set(_kept_names(module, names, identity))
-    return [s for s in slices if s.name in kept]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ from hf_pma.merging.engine import merge_checkpoints, merge_state_dict
 from hf_pma.merging.safetensors_io import CheckpointFormatError
 from hf_pma.merging.sharded import ShardedCheckpointTensors, rank_file_name, sharded_weight_files
 from hf_pma.merging.sources import resolve_sources
-from hf_pma.snapshots.sharded import LocalSlice, StagingBuffers, write_rank_file, zero3_partition
+from hf_pma.snapshots.gather import LocalSlice, zero3_partition
+from hf_pma.snapshots.sharded import StagingBuffers, write_rank_file
 from hf_pma.snapshots.writer import write_model_folder
 from tests.testing_utils import make_tiny_model
 
