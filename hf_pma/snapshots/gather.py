@@ -345,7 +345,8 @@ def _gather_fsdp(
         for src, (_, offsets, sizes, _, flat, _) in entries:
             if src == rank:
                 data = next(local).tensor.detach().reshape(-1)
-                data = data.to(target) if data.dtype != target else data  # cast on the device
+                if data.dtype != target and (data.device.type != "cpu" or not is_main):
+                    data = data.to(target)  # cast on the device; on CPU rank 0 casts while copying
                 if is_main:
                     region = _region(buffer, offsets, sizes, flat)
                     region.copy_(data.view(region.shape), non_blocking=True)
