@@ -23,6 +23,7 @@ import json
 import math
 import os
 import re
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -157,7 +158,7 @@ class ShardedCheckpointTensors:
         self._slices: dict[str, list[_Slice]] = {}
         self._infos: dict[str, TensorInfo] = {}
         self._starts: dict[str, list[int]] = {}
-        self._scratch = torch.empty(0, dtype=torch.uint8)
+        self._local = threading.local()  # per-thread scratch: merge workers read concurrently
         try:
             shapes = self._collect()
             for name, slices in self._slices.items():
@@ -269,7 +270,8 @@ class ShardedCheckpointTensors:
         """Elements ``[start, stop)`` of the full tensor ``name``, flattened, assembled from its slices.
 
         ``buffer`` is an optional uint8 tensor to read into (reused across calls); the result is a
-        view of it. Contiguous slices are read straight into it with one ``pread`` each.
+        view of it. Contiguous slices are read straight into it with one ``pread`` each. Safe to
+        call from several threads at once (each with its own buffer).
         """
         info = self._infos[name]
         stop = info.numel if stop is None else stop
@@ -318,9 +320,10 @@ class ShardedCheckpointTensors:
         # One pread of the slice's elements from run `first` to run `end` (contiguous in the file).
         local_lo, local_hi = first * s.run_len, end * s.run_len
         item = out.element_size()
-        if self._scratch.numel() < (local_hi - local_lo) * item:
-            self._scratch = torch.empty((local_hi - local_lo) * item, dtype=torch.uint8)
-        data = s.reader.read(s.name, local_lo, local_hi, self._scratch)
+        scratch = getattr(self._local, "scratch", None)
+        if scratch is None or scratch.numel() < (local_hi - local_lo) * item:
+            scratch = self._local.scratch = torch.empty((local_hi - local_lo) * item, dtype=torch.uint8)
+        data = s.reader.read(s.name, local_lo, local_hi, scratch)
         for r in range(first, end):
             g = s.run_start(r)
             a, b = max(start, g), min(stop, g + s.run_len)
