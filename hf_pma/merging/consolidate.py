@@ -8,7 +8,6 @@ config, tokenizer files and record; the folder is built aside and renamed into p
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import uuid
@@ -19,7 +18,14 @@ from tqdm.auto import tqdm
 from transformers.utils import logging
 
 from hf_pma.core.manifest import SNAPSHOT_RECORD_NAME
-from hf_pma.merging.engine import _check_output, _copy_support_files, _plan, _publish, _shard
+from hf_pma.merging.engine import (
+    _check_output,
+    _copy_support_files,
+    _publish,
+    plan_output_shards,
+    plan_tensors,
+    write_shard_index,
+)
 from hf_pma.merging.safetensors_io import SafetensorsWriter
 from hf_pma.merging.sources import resolve_sources
 from hf_pma.utils.fs import atomic_write_json, fsync_tree
@@ -57,21 +63,15 @@ def consolidate_snapshot(
     tmp = output_dir.with_name(f".{output_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
     tensors = source.open()
     try:
-        plans = _plan(tensors.infos, out_dtype)
-        shards = _shard(plans, max_bytes)
+        plans = plan_tensors(tensors.infos, out_dtype)
+        shards = plan_output_shards(plans, max_bytes, "model")
         tmp.mkdir(parents=True)
-        names = (
-            ["model.safetensors"]
-            if len(shards) == 1
-            else [f"model-{i:05d}-of-{len(shards):05d}.safetensors" for i in range(1, len(shards) + 1)]
-        )
         read_buf = torch.empty(_CHUNK_ELEMS * 8, dtype=torch.uint8)
         cast_bufs: dict[torch.dtype, torch.Tensor] = {}
-        weight_map: dict[str, str] = {}
         bar = tqdm(total=len(plans), desc="Consolidating", unit="tensor", disable=not progress)
-        for filename, shard in zip(names, shards):
-            writer = SafetensorsWriter(tmp / filename, [(p.name, p.out_dtype, p.shape) for p in shard])
-            for plan in shard:
+        for shard in shards:
+            writer = SafetensorsWriter(tmp / shard.filename, [(p.name, p.out_dtype, p.shape) for p in shard.plans])
+            for plan in shard.plans:
                 for start in range(0, plan.numel, _CHUNK_ELEMS):
                     stop = min(plan.numel, start + _CHUNK_ELEMS)
                     chunk = tensors.read(plan.name, start, stop, read_buf)
@@ -79,14 +79,10 @@ def consolidate_snapshot(
                         cast = cast_bufs.setdefault(plan.out_dtype, torch.empty(_CHUNK_ELEMS, dtype=plan.out_dtype))
                         chunk = cast[: stop - start].copy_(chunk)
                     writer.write(plan.name, chunk)
-                weight_map[plan.name] = filename
                 bar.update(1)
             writer.close()
         bar.close()
-        if len(shards) > 1:
-            total = sum(p.out_bytes for p in plans)
-            index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-            (tmp / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        write_shard_index(tmp, "model", shards)
         _copy_support_files(source, tmp, out_dtype)
         record = dict(source.record)
         if record:

@@ -152,7 +152,7 @@ def test_merges_of_sharded_folders_equal_merges_of_full_folders(tmp_path, models
     a, b = merge_state_dict(full_bf16, strategy="ema"), merge_state_dict(bf16, strategy="ema")
     assert all(v.dtype == torch.bfloat16 and torch.equal(v, b[k]) for k, v in a.items())
     # merge_checkpoints writes a normal HF folder that from_pretrained loads.
-    out = merge_checkpoints(folders, tmp_path / "merged", strategy="wma", progress=False)
+    out = merge_checkpoints(folders, tmp_path / "merged", strategy="wma", progress=False, workers=2)  # readers shared by threads
     from transformers import LlamaForCausalLM
 
     merged = LlamaForCausalLM.from_pretrained(out).state_dict()
@@ -183,7 +183,8 @@ def test_consolidate_command_writes_a_loadable_folder(tmp_path, models, capsys):
 
     folder = write_sharded(tmp_path / "snapshot-64", models["states"][1], LAYOUTS["boxes-2x2"], config_from=models["folders"][1])
     out = tmp_path / "consolidated"
-    assert main(["consolidate", str(folder), "-o", str(out), "--dtype", "bfloat16", "-q"]) == 0
+    assert main(["consolidate", str(folder), "-o", str(out), "--dtype", "bfloat16", "--max-shard-size", "20KB", "-q"]) == 0
+    assert (out / "model.safetensors.index.json").is_file()
     from transformers import LlamaForCausalLM
 
     loaded = LlamaForCausalLM.from_pretrained(out).state_dict()
