@@ -246,15 +246,18 @@ def table(rows: list[tuple[int, str, list[dict]]], save_dtype: str) -> str:
         "| world | method | peak extra MB, rank 0 | peak extra MB, max other rank | x snapshot/world (max rank) | blocked s (mean rank) | written MB per rank (rank 0 / others) |",
         "|---|---|---|---|---|---|---|",
     ]
+    def mb(value: float) -> str:
+        return "-" if value != value else f"{value:.0f}"  # NaN: not measured
+
     for world, method, ranks in rows:
         peaks = [r["peak_extra_mb"] for r in ranks]
         others = max(peaks[1:]) if len(peaks) > 1 else float("nan")
         ratio = max(peaks) / (snapshot_mb / world)
         blocked = sum(r["blocked_s"] for r in ranks) / len(ranks)
         written = [r["written_mb"] for r in ranks]
-        other_written = f"{max(written[1:]):.0f}" if len(written) > 1 else "-"
+        other_written = mb(max(written[1:])) if len(written) > 1 else "-"
         lines.append(
-            f"| {world} | {method} | {peaks[0]:.0f} | {others:.0f} | {ratio:.2f} | {blocked:.2f} | {written[0]:.0f} / {other_written} |"
+            f"| {world} | {method} | {mb(peaks[0])} | {mb(others)} | {ratio:.2f} | {blocked:.2f} | {mb(written[0])} / {other_written} |"
         )
     return "\n".join(lines)
 
