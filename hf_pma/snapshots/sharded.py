@@ -269,8 +269,8 @@ class ShardedSnapshotSink(DiskSnapshotSink):
     truncation, ``keep_last``, exclusions, listing) is :class:`DiskSnapshotSink`'s, on whole folders.
 
     Args:
-        rank, world_size: this process and the number of processes (default: from
-            ``torch.distributed``).
+        rank: this process (default: from ``torch.distributed``).
+        world_size: the number of processes (default: from ``torch.distributed``).
         rank_timeout_s: how long rank 0 waits for the other ranks' files before failing the snapshot.
     """
 
