@@ -34,7 +34,7 @@ from hf_pma import __version__
 from hf_pma.core.manifest import PMA_SUBDIR, SnapshotRecord, snapshot_dirname
 from hf_pma.core.schedule import RunPlan, SnapshotSchedule, StepTick, plan_run, positive_int_or_none
 from hf_pma.snapshots.budget import DiskBudget, SnapshotBudgetError, SnapshotCost, TimeBudget
-from hf_pma.snapshots.gather import sharding_kind
+from hf_pma.snapshots.gather import sharding_kind, unwrap_model
 from hf_pma.snapshots.loss import StepLossTracker
 from hf_pma.snapshots.lr_probe import first_group_value, peak_lr, planned_lrs
 from hf_pma.snapshots.online import ONLINE_KINDS, OnlineAverage
@@ -47,7 +47,7 @@ from hf_pma.snapshots.sinks import (
     SnapshotSink,
 )
 from hf_pma.snapshots.writer import SnapshotWriter
-from hf_pma.utils.distributed import check_folder_shared
+from hf_pma.utils.distributed import check_folder_shared, is_peft_model
 from hf_pma.utils.parsing import parse_dtype, parse_size
 
 logger = logging.get_logger(__name__)
@@ -82,8 +82,8 @@ class PMACallback(TrainerCallback, ExportableState):
         sharded: ``"auto"`` (default): under FSDP1/FSDP2 or DeepSpeed ZeRO-3 every rank writes
             only its own slices of the weights (one file per rank in ``snapshot-<tokens>/``, no
             rank gathers the model; every hf-pma reader takes such folders, and
-            ``hf-pma consolidate`` turns one into a plain model folder); otherwise full folders.
-            ``True``/``False`` force it.
+            ``hf-pma consolidate`` turns one into a plain model folder); otherwise (and for PEFT
+            models, whose snapshots are their adapters) full folders. ``True``/``False`` force it.
 
     The tokens come from the Trainer's ``state.num_input_tokens_seen``; counting is turned on
     (``"all"``) when ``include_num_input_tokens_seen`` is ``"no"``, and ``"non_padding"`` is
@@ -374,7 +374,10 @@ class PMACallback(TrainerCallback, ExportableState):
         }
         if self.online is not None:
             return OnlineAverageSink(self._pma_dir, online=self.online, alpha=self.online_alpha, **common)
-        if self.sharded is True or (self.sharded == "auto" and model is not None and sharding_kind(model) is not None):
+        adapter = model is not None and is_peft_model(unwrap_model(model))
+        if self.sharded is True and adapter:
+            raise ValueError("sharded=True stores full weights; a PEFT model's snapshots are its adapter: use sharded=False")
+        if self.sharded is True or (self.sharded == "auto" and not adapter and model is not None and sharding_kind(model)):
             return ShardedSnapshotSink(self._pma_dir, keep_last=self.keep_last, **common)
         return DiskSnapshotSink(self._pma_dir, keep_last=self.keep_last, **common)
 
