@@ -453,7 +453,11 @@ def main(argv: list[str] | None = None) -> int:
     """Run the whole job; returns the exit code."""
     started = time.time()
     argv = sys.argv[1:] if argv is None else argv
-    model_args, data, comparison, args = parse_arguments(argv)
+    try:
+        model_args, data, comparison, args = parse_arguments(argv)
+    except ValueError as err:  # bad arguments: one line, before anything is trained or written
+        print(f"pretrain.py: error: {err}", file=sys.stderr)
+        return 2
     # hf-pma's own progress at INFO; transformers' at WARNING (it logs every config it saves).
     logging.set_verbosity_warning()
     logging.enable_explicit_format()

@@ -37,4 +37,5 @@ def _minimal_args(command: str) -> list[str]:
         "push": ["folder", "--repo-id", "org/name"],
         "sweep": ["run"],
         "inspect": ["run"],
+        "consolidate": ["snapshot", "-o", "out"],
     }[command]

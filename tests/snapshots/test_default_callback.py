@@ -160,7 +160,7 @@ def test_pretrain_script_applies_the_disk_budget(tmp_path):
     script = [
         sys.executable, str(REPO_ROOT / "scripts" / "pretrain.py"), str(REPO_ROOT / "scripts" / "configs" / "tiny.yaml"),
         "--output_dir", str(tmp_path / "script"), "--max_steps", "20", "--default_corpus_bytes", "200000",
-        "--vocab_size", "512", "--block_size", "64", "--pma_max_disk_bytes", "10KB",
+        "--vocab_size", "512", "--block_size", "64", "--pma_max_disk_bytes", "10KB", "--anneal_steps", "0",
     ]
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(script, capture_output=True, text=True, timeout=300, env=env)
