@@ -56,6 +56,7 @@ from hf_pma.merging.sources import (
     open_all,
     resolve_sources,
 )
+from hf_pma.utils.fs import atomic_write_file
 
 logger = logging.get_logger(__name__)
 
@@ -579,9 +580,7 @@ def plot_diagnostics(
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     output_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output_path.with_name(f".{output_path.name}.tmp")
-    fig.savefig(tmp, format="png")
-    os.replace(tmp, output_path)
+    atomic_write_file(output_path, lambda tmp: fig.savefig(tmp, format="png"))
     return output_path
 
 

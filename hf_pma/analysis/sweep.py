@@ -32,6 +32,7 @@ from transformers.utils import logging
 
 from hf_pma.core.strategies import merge_weights
 from hf_pma.merging.sources import CheckpointSource, resolve_sources
+from hf_pma.utils.fs import atomic_write_file
 
 logger = logging.get_logger(__name__)
 
@@ -456,9 +457,7 @@ def plot_sweep(report: Mapping[str, Any], output_path: str | os.PathLike[str], d
     fig.suptitle(f"{report['metric']} of merges (last snapshot: {_fmt(base)})", fontsize=10)
     output_path = Path(output_path)
     output_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output_path.with_name(f".{output_path.name}.tmp")
-    fig.savefig(tmp, format="png")
-    os.replace(tmp, output_path)
+    atomic_write_file(output_path, lambda tmp: fig.savefig(tmp, format="png"))
     return output_path
 
 

@@ -86,10 +86,9 @@ def run(args: argparse.Namespace) -> int:
     from hf_pma.analysis.sweep import parse_metric, plot_sweep, run_sweep, sweep_table, write_best
     from hf_pma.core.strategies import merge_weights
     from hf_pma.evaluation.corpus import load_documents
-    from hf_pma.evaluation.generated_tasks import check_output_folder
     from hf_pma.merging.hub_revisions import parse_hub_spec
     from hf_pma.merging.sources import resolve_sources
-    from hf_pma.utils.fs import atomic_write_json
+    from hf_pma.utils.fs import atomic_write_json, check_output_folder
     from hf_pma.utils.logs import enable_logging
 
     if not getattr(args, "verbose", False):

@@ -16,13 +16,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from hf_pma.utils.fs import DELETING_PREFIX, TMP_PREFIX, atomic_write_json, read_json, remove_tree
+from hf_pma.utils.fs import (
+    LEGACY_PREFIXES,
+    atomic_write_json,
+    read_json,
+    remove_path,
+    remove_stale_temporaries,
+    remove_tree,
+)
 
 __all__ = [
     "MANIFEST_NAME",
@@ -232,20 +238,19 @@ def drop_snapshots_after(pma_dir: str | os.PathLike[str], tokens: int) -> list[S
 
 
 def clean_incomplete(pma_dir: str | os.PathLike[str]) -> list[Path]:
-    """Delete leftovers of interrupted writes and deletes (``.tmp-*``, ``.deleting-*``, and
-    the temporary file of an interrupted manifest replacement)."""
-    removed = []
+    """Delete the leftovers of interrupted writes and deletes in ``pma_dir``; returns them.
+
+    Removes the stale temporaries of this library (snapshot and merge folders, the manifest's
+    temporary file; see :func:`hf_pma.utils.fs.is_stale_temporary`: never one that a live
+    process still owns) and the ``.tmp-*`` / ``.deleting-*`` names of earlier versions.
+    """
     pma_dir = Path(pma_dir)
-    if not pma_dir.is_dir():
-        return removed
-    for child in sorted(pma_dir.iterdir()):
-        interrupted_json = child.name.startswith(f".{MANIFEST_NAME}.") and child.name.endswith(".tmp")
-        if child.name.startswith((TMP_PREFIX, DELETING_PREFIX)) or interrupted_json:
-            if child.is_dir():
-                shutil.rmtree(child, ignore_errors=True)
-            else:
-                child.unlink(missing_ok=True)
-            removed.append(child)
+    removed = remove_stale_temporaries(pma_dir)
+    if pma_dir.is_dir():
+        for child in sorted(pma_dir.glob(".*")):
+            if child.name.startswith(LEGACY_PREFIXES):
+                remove_path(child)
+                removed.append(child)
     return removed
 
 

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from transformers.utils import logging
 
 from hf_pma.core.manifest import EVAL_RECORD_NAME, MANIFEST_NAME, PMA_SUBDIR
-from hf_pma.utils.distributed import run_on_main_process
+from hf_pma.utils.distributed import require_unsharded_model, run_on_main_process
 from hf_pma.utils.fs import atomic_write_json, read_json
 
 logger = logging.get_logger(__name__)
@@ -38,7 +38,6 @@ __all__ = [
     "LM_TASK",
     "plan_windows",
     "context_length",
-    "unwrap_model",
     "evaluate_language_modeling",
     "evaluate_model",
     "check_tokenizer",
@@ -103,25 +102,6 @@ def context_length(model: Any, tokenizer: Any = None) -> int:
         logger.warning(f"the model's context length is unknown: using {_DEFAULT_CONTEXT}")
         limit = _DEFAULT_CONTEXT
     return limit
-
-
-def unwrap_model(model: Any) -> Any:
-    """The module inside a ``DistributedDataParallel`` wrapper (whose forward would wait for the
-    other ranks); ``ValueError`` for a sharded model, which rank 0 alone cannot run."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    while isinstance(model, DistributedDataParallel):
-        model = model.module
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - old torch
-        DTensor = ()  # noqa: N806
-    if any(isinstance(p, DTensor) for p in model.parameters()) or type(model).__name__ == "FullyShardedDataParallel":
-        raise ValueError(
-            "the model is sharded (FSDP/DTensor): evaluation runs on the main process alone; evaluate a full copy "
-            "(e.g. a saved snapshot folder) instead"
-        )
-    return model
 
 
 def _prefix_token_id(tokenizer: Any) -> int | None:
@@ -193,7 +173,7 @@ def _evaluate_language_modeling(
 ) -> dict[str, Any]:
     from hf_pma.evaluation.metrics import load_metric
 
-    model = unwrap_model(model)
+    model = require_unsharded_model(model)
     prefix = _prefix_token_id(tokenizer)
     if prefix is None:
         logger.warning("the tokenizer has neither a BOS nor an EOS token: the first token of each text is not scored")

@@ -175,9 +175,9 @@ def _run_lm_eval(
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
-    from hf_pma.evaluation.evaluator import unwrap_model
+    from hf_pma.utils.distributed import require_unsharded_model
 
-    model = unwrap_model(model)
+    model = require_unsharded_model(model)
     was_training = model.training
     try:
         with _quiet("lm_eval.models.huggingface"):

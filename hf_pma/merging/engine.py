@@ -23,7 +23,6 @@ import json
 import os
 import shutil
 import time
-import uuid
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,7 @@ from hf_pma.core.manifest import MERGE_RECORD_NAME
 from hf_pma.core.strategies import merge_weights
 from hf_pma.merging.safetensors_io import SafetensorsWriter, TensorInfo
 from hf_pma.merging.sources import CheckpointSource, CheckpointTensors, open_all, resolve_sources
-from hf_pma.utils.fs import atomic_write_json, fsync_dir, fsync_tree
+from hf_pma.utils.fs import atomic_write_json, check_output_folder, write_folder_atomically
 from hf_pma.utils.parsing import parse_dtype, parse_size
 
 logger = logging.get_logger(__name__)
@@ -302,15 +301,7 @@ def _check_output(output_dir: Path, sources: Sequence[CheckpointSource], overwri
         src = source.path.resolve()
         if out == src or out in src.parents or src in out.parents:
             raise ValueError(f"output folder {output_dir} overlaps source {source.path}; choose another output folder")
-    if output_dir.exists():
-        if not output_dir.is_dir():
-            raise FileExistsError(f"output path {output_dir} exists and is not a folder")
-        if any(output_dir.iterdir()) and not overwrite:
-            raise FileExistsError(f"output folder {output_dir} is not empty; pass overwrite=True (--overwrite) to replace it")
-    if not output_dir.parent.exists():
-        output_dir.parent.mkdir(parents=True, exist_ok=True)
-    if not os.access(output_dir.parent, os.W_OK):
-        raise PermissionError(f"cannot write to {output_dir.parent}")
+    check_output_folder(output_dir, overwrite)
 
 
 def _copy_support_files(newest: CheckpointSource, dest: Path, out_dtype: torch.dtype | None) -> None:
@@ -408,18 +399,6 @@ def _write_shards(
         (tmp / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-def _publish(tmp: Path, output_dir: Path) -> None:
-    """Move the finished folder into place; an old output is removed only after that."""
-    old = None
-    if output_dir.exists():
-        old = output_dir.with_name(f".{output_dir.name}.old-{uuid.uuid4().hex[:8]}")
-        os.replace(output_dir, old)
-    os.replace(tmp, output_dir)
-    fsync_dir(output_dir.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def merge_checkpoints(
     sources: Sequence[str | os.PathLike[str] | CheckpointSource] | str | os.PathLike[str],
     output_dir: str | os.PathLike[str],
@@ -461,28 +440,25 @@ def merge_checkpoints(
     _check_output(output_dir, srcs, overwrite)
 
     opened = open_all(srcs)
-    tmp = output_dir.with_name(f".{output_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
     try:
         plans = _plan(_validate(srcs, opened), out_dtype)
         logger.info(
             f"Merging {len(srcs)} checkpoints ({srcs[0].name} ... {srcs[-1].name}) with "
             f"{'explicit weights' if weights is not None else strategy} into {output_dir}"
         )
-        tmp.mkdir(parents=True)
-        merger = _ChunkMerger(srcs, opened, coefs, accumulate_dtype, chunk_bytes)
-        with _single_threaded():
-            _write_shards(tmp, srcs[-1].prefix, _shard(plans, max_bytes), merger, progress)
-        _copy_support_files(srcs[-1], tmp, out_dtype)
-        out_dtypes = sorted({str(p.out_dtype).removeprefix("torch.") for p in plans if p.averaged})
-        record = _merge_record(
-            srcs, coefs, strategy, alpha, weights is not None, ",".join(out_dtypes), accumulate_dtype, output_dir
-        )
-        atomic_write_json(tmp / MERGE_RECORD_NAME, record)
-        fsync_tree(tmp)
-        _publish(tmp, output_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+        def write(tmp: Path) -> None:
+            merger = _ChunkMerger(srcs, opened, coefs, accumulate_dtype, chunk_bytes)
+            with _single_threaded():
+                _write_shards(tmp, srcs[-1].prefix, _shard(plans, max_bytes), merger, progress)
+            _copy_support_files(srcs[-1], tmp, out_dtype)
+            out_dtypes = sorted({str(p.out_dtype).removeprefix("torch.") for p in plans if p.averaged})
+            record = _merge_record(
+                srcs, coefs, strategy, alpha, weights is not None, ",".join(out_dtypes), accumulate_dtype, output_dir
+            )
+            atomic_write_json(tmp / MERGE_RECORD_NAME, record)
+
+        write_folder_atomically(output_dir, write, needed=sum(p.out_bytes for p in plans))
     finally:
         for tensors in opened:
             tensors.close()

@@ -19,7 +19,6 @@ import bisect
 import dataclasses
 import math
 import os
-import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ from transformers.utils import logging
 
 from hf_pma.core.manifest import PLOT_NAME
 from hf_pma.publishing.records import FolderRecords, label_rank, load_records
+from hf_pma.utils.fs import atomic_write_file
 
 logger = logging.get_logger(__name__)
 
@@ -270,13 +270,6 @@ def plot_training(
         )
     if not output_path.parent.is_dir():
         raise FileNotFoundError(f"plot_training: the folder of {output_path.name} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{output_path.name}.", suffix=".tmp", dir=output_path.parent)
-    os.close(fd)
-    try:
-        _draw(data, Path(tmp), dpi)
-        os.replace(tmp, output_path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_file(output_path, lambda tmp: _draw(data, tmp, dpi))
     logger.info(f"Wrote the training plot {output_path.name}")
     return output_path
