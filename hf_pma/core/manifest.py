@@ -242,13 +242,15 @@ def clean_incomplete(pma_dir: str | os.PathLike[str]) -> list[Path]:
 
     Removes the stale temporaries of this library (snapshot and merge folders, the manifest's
     temporary file; see :func:`hf_pma.utils.fs.is_stale_temporary`: never one that a live
-    process still owns) and the ``.tmp-*`` / ``.deleting-*`` names of earlier versions.
+    process still owns) and the names that earlier versions gave their temporaries
+    (``.tmp-*``, ``.deleting-*``, ``.manifest.json.*.tmp``).
     """
     pma_dir = Path(pma_dir)
     removed = remove_stale_temporaries(pma_dir)
     if pma_dir.is_dir():
         for child in sorted(pma_dir.glob(".*")):
-            if child.name.startswith(LEGACY_PREFIXES):
+            legacy_manifest_tmp = child.name.startswith(f".{MANIFEST_NAME}.") and child.name.endswith(".tmp")
+            if child.name.startswith(LEGACY_PREFIXES) or legacy_manifest_tmp:
                 remove_path(child)
                 removed.append(child)
     return removed

@@ -350,7 +350,7 @@ def write_folder_atomically(
     final_dir = Path(final_dir)
     final_dir.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_temporaries(final_dir.parent, final_dir.name)
-    raise_if_no_space(final_dir.parent, needed)
+    raise_if_no_space(final_dir, needed)
     tmp = temporary_path(final_dir)
     try:
         with _space_errors(final_dir, needed):
