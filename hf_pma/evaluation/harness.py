@@ -196,7 +196,7 @@ def _run_lm_eval(
         try:
             results = simple_evaluate(model=lm, tasks=names, task_manager=task_manager, **kwargs)
         except ConnectionError as err:
-            raise TaskDataUnreachableError(names, task_manager, err) from err
+            raise TaskDataUnreachableError.from_error(names, task_manager, err) from err
     finally:
         model.train(was_training)
     if results is None:  # simple_evaluate answers on its rank 0 only
@@ -211,18 +211,27 @@ class TaskDataUnreachableError(ConnectionError):
     The message names the task(s) and the dataset, and how to run offline.
     """
 
-    def __init__(self, names: Sequence[str], task_manager: Any, cause: BaseException) -> None:
-        match = re.search(r"reach '([^']+)'", str(cause))
-        dataset = match[1] if match else None
-        tasks = [n for n in names if dataset is not None and _dataset_path(task_manager, n) == dataset] or list(names)
-        self.tasks, self.dataset = tasks, dataset
+    def __init__(self, tasks: Sequence[str], dataset: str | None, reason: str) -> None:
+        self.tasks, self.dataset, self.reason = list(tasks), dataset, reason
         needs = f"needs the dataset {dataset!r}" if dataset else "needs a dataset"
         super().__init__(
-            f"lm-eval task {', '.join(tasks)} {needs} from the Hugging Face Hub, which is not reachable ({cause}); "
+            f"lm-eval task {', '.join(self.tasks)} {needs} from the Hugging Face Hub, which is not reachable ({reason}); "
             "to evaluate offline, use local YAML tasks (--include-path DIR, e.g. from `hf-pma make-tasks`), or a "
             "local copy of the data: a task YAML whose dataset_path points to local files, or the datasets cache "
             "filled once while online"
         )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.tasks, self.dataset, self.reason)
+
+    @classmethod
+    def from_error(cls, names: Sequence[str], task_manager: Any, error: BaseException) -> TaskDataUnreachableError:
+        """The error for ``datasets``' ``ConnectionError`` while building ``names``: the dataset
+        is read from its message, the task(s) from the task manager's index."""
+        match = re.search(r"reach '([^']+)'", str(error))
+        dataset = match[1] if match else None
+        tasks = [n for n in names if dataset is not None and _dataset_path(task_manager, n) == dataset] or list(names)
+        return cls(tasks, dataset, str(error))
 
 
 def _dataset_path(task_manager: Any, name: str) -> str | None:

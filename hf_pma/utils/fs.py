@@ -195,6 +195,10 @@ class NoSpaceError(OSError):
     def __str__(self) -> str:
         return str(self.strerror)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Sent between ranks (hf_pma.utils.distributed.run_on_main_process) as it was built.
+        return type(self), (self.path, self.needed, self.free)
+
 
 def _bytes(n: int) -> str:
     for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import pickle
 import socket
 import subprocess
 import sys
@@ -136,6 +137,8 @@ def test_no_space_left_names_the_target_and_leaves_nothing(small_filesystem):
     assert info.value.needed == 10**7 and info.value.free <= 256 * 1024 and info.value.path == target
     assert str(info.value).startswith(f"no space left on the device to write {target}; it needs 10.0 MB (10,000,000 bytes); ")
     assert isinstance(info.value, OSError) and list(small_filesystem.iterdir()) == []
+    # It reaches the other ranks intact (run_on_main_process pickles it).
+    assert str(pickle.loads(pickle.dumps(info.value))) == str(info.value)
 
     # Unknown size: the disk fills up during the write.
     def write(tmp):
