@@ -56,7 +56,7 @@ from hf_pma.merging.sources import (
     open_all,
     resolve_sources,
 )
-from hf_pma.utils.formatting import format_number, markdown_table
+from hf_pma.utils.formatting import format_bytes, format_number, markdown_table
 from hf_pma.utils.fs import atomic_write_file
 
 logger = logging.get_logger(__name__)
@@ -437,16 +437,6 @@ def snapshot_rows(run: str | os.PathLike[str]) -> list[dict[str, Any]]:
     ]
 
 
-def _size(num_bytes: int | None) -> str:
-    if num_bytes is None:
-        return "-"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if num_bytes < 1000 or unit == "TB":
-            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
-        num_bytes /= 1000
-    return "-"  # pragma: no cover
-
-
 def snapshot_table(rows: Sequence[dict[str, Any]]) -> str:
     """A plain-text table of :func:`snapshot_rows`."""
     body = []
@@ -456,7 +446,7 @@ def snapshot_table(rows: Sequence[dict[str, Any]]) -> str:
             note = "missing folder"
         body.append(
             [r["name"], format_number(r["tokens"], ","), format_number(r["step"], ","), format_number(r["lr"], ".3g"),
-             format_number(r["phase"]), format_number(r["loss"]), _size(r["bytes"]), note]
+             format_number(r["phase"]), format_number(r["loss"]), format_bytes(r["bytes"]), note]
         )
     return markdown_table(["snapshot", "tokens", "step", "lr", "phase", "loss", "size", "note"], body, align="lrrrlrrl")
 

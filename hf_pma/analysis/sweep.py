@@ -177,7 +177,10 @@ class SweepEvaluator:
         texts: held-out texts (loss, perplexity, bits per byte).
         options: what else to run and how (:class:`~hf_pma.evaluation.options.EvalOptions`, or
             its fields as keywords: ``tasks=``, ``include_path=``, ``block_size=``...).
-        tokenizer, device: as :func:`hf_pma.evaluation.evaluator.load_model_for_eval`.
+        tokenizer: as :func:`hf_pma.evaluation.evaluator.load_model_for_eval` (default: the
+            skeleton's own, or its run folder's).
+        device: where the model runs (default: cuda if available, else cpu).
+        progress: show progress bars while evaluating.
     """
 
     def __init__(

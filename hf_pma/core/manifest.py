@@ -40,6 +40,7 @@ __all__ = [
     "TRAINING_RECORD_NAME",
     "PLOT_NAME",
     "CARD_NAME",
+    "MODEL_SUPPORT_FILES",
     "SnapshotRecord",
     "snapshot_dirname",
     "read_manifest",
@@ -67,6 +68,26 @@ EVAL_RECORD_NAME = "pma_eval.json"
 TRAINING_RECORD_NAME = "pma_training.json"
 PLOT_NAME = "pma_training.png"
 CARD_NAME = "README.md"
+# The files of a model folder besides its weights (config, tokenizer, processor): what a merge
+# copies from its newest source, and what is downloaded with a Hub revision's weights.
+MODEL_SUPPORT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "adapter_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+)
 
 PHASES = ("warmup", "stable", "decay")
 

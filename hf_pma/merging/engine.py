@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 from transformers.utils import logging
 
 from hf_pma import __version__
-from hf_pma.core.manifest import MERGE_RECORD_NAME
+from hf_pma.core.manifest import MERGE_RECORD_NAME, MODEL_SUPPORT_FILES
 from hf_pma.core.strategies import merge_weights
 from hf_pma.merging.safetensors_io import SafetensorsWriter, TensorInfo
 from hf_pma.merging.sources import CheckpointSource, CheckpointTensors, open_all, resolve_sources
@@ -51,24 +51,7 @@ __all__ = [
 ]
 
 # Files copied from the newest source so that the merge is a self-contained model folder.
-SUPPORT_FILES = (
-    "config.json",
-    "generation_config.json",
-    "adapter_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "tokenizer.model",
-    "spiece.model",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "preprocessor_config.json",
-    "processor_config.json",
-)
+SUPPORT_FILES = MODEL_SUPPORT_FILES
 # Accumulator chunk: a chunk read from a source is still in the CPU cache when it is added.
 _DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
 

@@ -13,7 +13,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["MISSING", "format_number", "format_metric", "markdown_table"]
+__all__ = ["MISSING", "format_bytes", "format_number", "format_metric", "markdown_table"]
 
 MISSING = "-"
 
@@ -41,6 +41,18 @@ def format_metric(value: Any, stderr: Any = None, missing: str = MISSING) -> str
     if value is not None and stderr is not None:
         text += f" ± {format_number(stderr)}"
     return text
+
+
+def format_bytes(num_bytes: Any, missing: str = MISSING) -> str:
+    """A size in decimal units: ``512 B``, ``1.5 KB``, ``2.0 GB`` (``None`` is ``missing``)."""
+    if num_bytes is None:
+        return missing
+    n = float(num_bytes)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{num_bytes} B"  # pragma: no cover
 
 
 def _cell(value: Any) -> str:

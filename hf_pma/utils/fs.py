@@ -38,6 +38,7 @@ __all__ = [
     "atomic_write_json",
     "atomic_write_text",
     "check_output_folder",
+    "free_bytes",
     "fsync_dir",
     "fsync_tree",
     "is_stale_temporary",
@@ -187,9 +188,9 @@ class NoSpaceError(OSError):
         self.path, self.needed, self.free = Path(path), needed, free
         parts = [f"no space left on the device to write {self.path}"]
         if needed is not None:
-            parts.append(f"it needs {_bytes(needed)}")
+            parts.append(f"it needs {_sized(needed)}")
         if free is not None:
-            parts.append(f"{_bytes(free)} free in {_existing_parent(self.path)}")
+            parts.append(f"{_sized(free)} free in {_existing_parent(self.path)}")
         super().__init__(errno.ENOSPC, "; ".join(parts) + " (free some space or choose another folder)")
 
     def __str__(self) -> str:
@@ -200,11 +201,10 @@ class NoSpaceError(OSError):
         return type(self), (self.path, self.needed, self.free)
 
 
-def _bytes(n: int) -> str:
-    for unit, scale in (("GB", 10**9), ("MB", 10**6), ("kB", 10**3)):
-        if n >= scale:
-            return f"{n / scale:.1f} {unit} ({n:,} bytes)"
-    return f"{n:,} bytes"
+def _sized(n: int) -> str:
+    from hf_pma.utils.formatting import format_bytes
+
+    return f"{format_bytes(n)} ({n:,} bytes)"
 
 
 def _existing_parent(path: Path) -> Path:
@@ -214,7 +214,9 @@ def _existing_parent(path: Path) -> Path:
     return Path(".")
 
 
-def _free_bytes(path: Path) -> int | None:
+def free_bytes(path: str | os.PathLike[str]) -> int | None:
+    """Bytes free for this user on the filesystem of ``path`` (or of its nearest existing parent)."""
+    path = Path(path)
     try:
         return shutil.disk_usage(_existing_parent(path.absolute())).free
     except OSError:
@@ -226,7 +228,7 @@ def raise_if_no_space(path: str | os.PathLike[str], needed: int | None) -> None:
     (checked before a long write; the write itself still handles a disk that fills up meanwhile)."""
     if needed is None:
         return
-    free = _free_bytes(Path(path))
+    free = free_bytes(Path(path))
     if free is not None and free < needed:
         raise NoSpaceError(path, needed, free)
 
@@ -241,7 +243,7 @@ def _space_errors(target: Path, needed: int | None) -> Iterator[None]:
     except OSError as err:
         if err.errno not in _NO_SPACE_ERRNOS:
             raise
-        raise NoSpaceError(target, needed, _free_bytes(target)) from err
+        raise NoSpaceError(target, needed, free_bytes(target)) from err
 
 
 # ---------------------------------------------------------------- durable writes

@@ -72,3 +72,10 @@ def test_eval_and_sweep_print_a_metric_the_same_way():
     assert rows[0][:3] == ["merge", "snapshots", "lm/loss"] and rows[1][0] == BASELINE_LABEL
     assert eval_cell == rows[1][2] == rows[2][2] == "1,234.6"
     assert rows[2][0] == "* sma N=2 k=1" and rows[2][3] == "+0.0000"
+
+
+@pytest.mark.parametrize("num_bytes, expected", [(512, "512 B"), (1500, "1.5 KB"), (336_512, "336.5 KB"), (2 * 10**9, "2.0 GB"), (None, "-")])
+def test_format_bytes(num_bytes, expected):
+    from hf_pma.utils.formatting import format_bytes
+
+    assert format_bytes(num_bytes) == expected

@@ -152,7 +152,7 @@ def test_no_space_left_names_the_target_and_leaves_nothing(small_filesystem):
     manifest = small_filesystem / "manifest.json"
     atomic_write_text(manifest, "old")
     _fill(small_filesystem, 8 * 1024)
-    with pytest.raises(NoSpaceError, match=f"to write {manifest}; it needs 40.0 kB"):
+    with pytest.raises(NoSpaceError, match=f"to write {manifest}; it needs 40.0 KB"):
         atomic_write_text(manifest, "y" * 40_000)
     assert manifest.read_text() == "old"
     assert sorted(p.name for p in small_filesystem.iterdir()) == ["filler", "manifest.json"]
