@@ -55,9 +55,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     hf_logging.enable_default_handler()
     hf_logging.enable_explicit_format()
     enable_logging(level)
+    from hf_pma.utils.fs import NoSpaceError
+
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, FileExistsError, PermissionError) as err:
+    except (ValueError, FileNotFoundError, FileExistsError, PermissionError, NoSpaceError, ConnectionError) as err:
         # Bad input: one clear line, no traceback (use -v for the traceback).
         if args.verbose:
             raise

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import subprocess
 
 import pytest
 import torch
@@ -47,3 +48,18 @@ def tiny_tokenizer():
     return train_tiny_tokenizer()
 
 
+@pytest.fixture
+def small_filesystem(tmp_path):
+    """A folder on a freshly mounted 256 kB tmpfs (unmounted afterwards): writes there run out
+    of space for real. Needs root (CI runs as root)."""
+    mount_point = tmp_path / "small-fs"
+    mount_point.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k,mode=0755", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.strip()}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=False)

@@ -135,3 +135,27 @@ def quiet_args(**overrides) -> dict:
     )
     base.update(overrides)
     return base
+
+
+def markdown_rows(text: str) -> list[list[str]]:
+    """The rows of the markdown tables in ``text`` (header rows included, rule rows left out),
+    each a list of stripped cells."""
+    rows = []
+    for line in text.splitlines():
+        line = line.strip()
+        if not (line.startswith("|") and line.endswith("|")):
+            continue
+        cells = [c.strip() for c in line[1:-1].split(" | ")]
+        if all(c and set(c) <= set(":-") for c in cells):
+            continue
+        rows.append(cells)
+    return rows
+
+
+def hf_pma_command() -> str:
+    """The ``hf-pma`` console script of the running Python."""
+    import os
+    import sys
+
+    return os.path.join(os.path.dirname(sys.executable), "hf-pma")
+

@@ -57,6 +57,8 @@ from hf_pma.merging.sources import (
     open_all,
     resolve_sources,
 )
+from hf_pma.utils.formatting import format_bytes, format_number, markdown_table
+from hf_pma.utils.fs import atomic_write_file
 
 logger = logging.get_logger(__name__)
 
@@ -437,35 +439,6 @@ def snapshot_rows(run: str | os.PathLike[str]) -> list[dict[str, Any]]:
     ]
 
 
-def _fmt(value: Any, spec: str = "") -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "-"
-    if isinstance(value, float):
-        return format(value, spec or ".4g")
-    if isinstance(value, int) and spec == ",":
-        return f"{value:,}"
-    return str(value)
-
-
-def _size(num_bytes: int | None) -> str:
-    if num_bytes is None:
-        return "-"
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if num_bytes < 1000 or unit == "TB":
-            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
-        num_bytes /= 1000
-    return "-"  # pragma: no cover
-
-
-def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(str(c).ljust(w) if i == 0 else str(c).rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-
-    return "\n".join([line(header), "  ".join("-" * w for w in widths), *(line(r) for r in rows)])
-
-
 def snapshot_table(rows: Sequence[dict[str, Any]]) -> str:
     """A plain-text table of :func:`snapshot_rows`."""
     body = []
@@ -474,10 +447,10 @@ def snapshot_table(rows: Sequence[dict[str, Any]]) -> str:
         if r.get("missing"):
             note = "missing folder"
         body.append(
-            [r["name"], _fmt(r["tokens"], ","), _fmt(r["step"]), _fmt(r["lr"], ".3g"), _fmt(r["phase"]),
-             _fmt(r["loss"], ".4f"), _size(r["bytes"]), note]
+            [r["name"], format_number(r["tokens"], ","), format_number(r["step"], ","), format_number(r["lr"], ".3g"),
+             format_number(r["phase"]), format_number(r["loss"]), format_bytes(r["bytes"]), note]
         )
-    return _table(["snapshot", "tokens", "step", "lr", "phase", "loss", "size", "note"], body)
+    return markdown_table(["snapshot", "tokens", "step", "lr", "phase", "loss", "size", "note"], body, align="lrrrlrrl")
 
 
 def diagnostics_table(names: Sequence[str], diag: WindowDiagnostics) -> str:
@@ -488,12 +461,12 @@ def diagnostics_table(names: Sequence[str], diag: WindowDiagnostics) -> str:
     for a, i in enumerate(diag.indices):
         body.append(
             [f"[{a}] {names[i]}", f"{diag.weights[a]:.3f}", f"{diag.deviation_norms[a]:.4g}",
-             f"{diag.distances_to_merge[a]:.4g}", *[_fmt(diag.cosine[a][b], "+.2f") for b in range(n)]]
+             f"{diag.distances_to_merge[a]:.4g}", *[format_number(diag.cosine[a][b], "+.2f") for b in range(n)]]
         )
-    lines = [_table(header, body), ""]
+    lines = [markdown_table(header, body), ""]
     lines.append(
-        f"mean off-diagonal cosine {_fmt(diag.mean_cosine, '+.3f')} (pure oscillation: {-1 / (n - 1) if n > 1 else math.nan:+.3f}); "
-        f"straightness {_fmt(diag.straightness, '.3f')} (1 = straight drift, {1 / (n - 1) if n > 1 else math.nan:.3f} ~ oscillation)"
+        f"mean off-diagonal cosine {format_number(diag.mean_cosine, '+.3f')} (pure oscillation: {-1 / (n - 1) if n > 1 else math.nan:+.3f}); "
+        f"straightness {format_number(diag.straightness, '.3f')} (1 = straight drift, {1 / (n - 1) if n > 1 else math.nan:.3f} ~ oscillation)"
     )
     lines.append(
         f"spread (RMS |dev|) {diag.spread:.4g}; merge shift |M - newest| {diag.merge_shift:.4g}; "
@@ -503,7 +476,7 @@ def diagnostics_table(names: Sequence[str], diag: WindowDiagnostics) -> str:
         ref = diag.reference
         lines.append(
             f"reference: |M - ref| {ref['merge_to_reference']:.4g} vs |newest - ref| {ref['newest_to_reference']:.4g}; "
-            f"|M - ref| / RMS |member - ref| = {_fmt(ref['ratio'], '.3f')}"
+            f"|M - ref| / RMS |member - ref| = {format_number(ref['ratio'], '.3f')}"
         )
     return "\n".join(lines)
 
@@ -581,9 +554,7 @@ def plot_diagnostics(
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     output_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output_path.with_name(f".{output_path.name}.tmp")
-    fig.savefig(tmp, format="png")
-    os.replace(tmp, output_path)
+    atomic_write_file(output_path, lambda tmp: fig.savefig(tmp, format="png"))
     return output_path
 
 

@@ -31,7 +31,10 @@ import torch
 from transformers.utils import logging
 
 from hf_pma.core.strategies import merge_weights
+from hf_pma.evaluation.options import EvalOptions
 from hf_pma.merging.sources import CheckpointSource, resolve_sources
+from hf_pma.utils.formatting import format_number, markdown_table
+from hf_pma.utils.fs import atomic_write_file
 
 logger = logging.get_logger(__name__)
 
@@ -171,43 +174,41 @@ class SweepEvaluator:
     Args:
         skeleton: a model folder to load the architecture (and default tokenizer) from,
             typically the newest snapshot.
-        texts: held-out texts (loss, perplexity, bits per byte) and/or ``tasks`` (lm-eval names,
-            with ``include_path`` for local YAML tasks).
-        Other arguments: as :func:`hf_pma.evaluation.evaluator.evaluate_model` (``bootstrap_iters`` is
-            1000 here: it only affects the stderr of non-mean lm-eval metrics, not the ranking).
+        texts: held-out texts (loss, perplexity, bits per byte).
+        options: what else to run and how (:class:`~hf_pma.evaluation.options.EvalOptions`, or
+            its fields as keywords: ``tasks=``, ``include_path=``, ``block_size=``...).
+        tokenizer: as :func:`hf_pma.evaluation.evaluator.load_model_for_eval` (default: the
+            skeleton's own, or its run folder's).
+        device: where the model runs (default: cuda if available, else cpu).
+        progress: show progress bars while evaluating.
     """
 
     def __init__(
         self,
         skeleton: str | os.PathLike[str],
         texts: Sequence[str] | None = None,
-        tasks: str | Sequence[str] | None = None,
-        include_path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
+        options: EvalOptions | None = None,
+        *,
         tokenizer: str | os.PathLike[str] | None = None,
-        limit: int | None = None,
-        batch_size: int = 8,
-        block_size: int | None = None,
-        stride: int | None = None,
-        num_fewshot: int | None = None,
-        bootstrap_iters: int = 1000,
         device: str | torch.device | None = None,
         progress: bool = False,
+        **option_fields: Any,
     ) -> None:
         from hf_pma.evaluation.evaluator import load_model_for_eval
 
-        if not texts and not tasks:
+        options = EvalOptions.build(options, **option_fields)
+        if not texts and not options.tasks:
             raise ValueError("nothing to evaluate: give held-out texts and/or tasks")
         self.texts = list(texts) if texts else None
         self.tasks, self.task_manager = None, None
-        if tasks:
+        if options.tasks:
             from hf_pma.evaluation.harness import load_task_manager
 
-            self.tasks, self.task_manager = load_task_manager(tasks, include_path)  # checks the names now
+            self.tasks, self.task_manager = load_task_manager(options.tasks, options.include_path)  # checks the names now
+            options = options.replace(tasks=self.tasks)
         self.model, self.tokenizer = load_model_for_eval(skeleton, tokenizer, dtype="auto", device=device)
-        self.options = dict(
-            limit=limit, batch_size=batch_size, block_size=block_size, stride=stride, num_fewshot=num_fewshot,
-            bootstrap_iters=bootstrap_iters, progress=progress,
-        )
+        self.options = options
+        self.progress = progress
         self.evaluations = 0
 
     def evaluate_state(self, state: Mapping[str, torch.Tensor], origin: str = "merged weights") -> dict[str, Any]:
@@ -217,8 +218,7 @@ class SweepEvaluator:
 
         load_weights(self.model, state, origin=origin)
         out = evaluate_model(
-            self.model, self.tokenizer, texts=self.texts, tasks=self.tasks, task_manager=self.task_manager,
-            **self.options,
+            self.model, self.tokenizer, self.texts, self.options, task_manager=self.task_manager, progress=self.progress
         )
         self.evaluations += 1
         return out["results"]
@@ -253,20 +253,15 @@ def run_sweep(
     strategies: Sequence[str] = DEFAULT_STRATEGIES,
     alpha: float = 0.2,
     texts: Sequence[str] | None = None,
-    tasks: str | Sequence[str] | None = None,
-    include_path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
+    options: EvalOptions | None = None,
+    *,
     metric: str | None = None,
     higher_is_better: bool | None = None,
     tokenizer: str | os.PathLike[str] | None = None,
-    limit: int | None = None,
-    batch_size: int = 8,
-    block_size: int | None = None,
-    stride: int | None = None,
-    num_fewshot: int | None = None,
-    bootstrap_iters: int = 1000,
     device: str | torch.device | None = None,
     eval_dataset: str | None = None,
     progress: bool = True,
+    **option_fields: Any,
 ) -> dict[str, Any]:
     """Evaluate the merges of a run's snapshots for every ``(window, every, strategy)``.
 
@@ -274,7 +269,9 @@ def run_sweep(
     checkpoints (ordered by training progress, as :func:`hf_pma.merging.sources.resolve_sources` does).
     The newest snapshot alone is evaluated first as the baseline (``"last snapshot"``).
     ``metric`` (``task/name``, default ``lm/loss`` with texts, else the first task's accuracy)
-    picks the best merge; ``higher_is_better`` defaults from its name.
+    picks the best merge; ``higher_is_better`` defaults from its name. ``options`` (or its
+    fields as keywords) say how each merge is evaluated, as for
+    :func:`hf_pma.evaluation.evaluator.evaluate_model`.
 
     Returns a JSON-ready report: ``snapshots``, ``baseline``, ``combinations`` (each with its
     snapshots, weights, results, ``delta`` on the metric against the baseline, and
@@ -294,9 +291,7 @@ def run_sweep(
             f"no combination fits the run's {len(sources)} snapshot(s): use smaller --window or --every values"
         )
     evaluator = SweepEvaluator(
-        sources[-1].path, texts=texts, tasks=tasks, include_path=include_path, tokenizer=tokenizer, limit=limit,
-        batch_size=batch_size, block_size=block_size, stride=stride, num_fewshot=num_fewshot,
-        bootstrap_iters=bootstrap_iters, device=device,
+        sources[-1].path, texts, EvalOptions.build(options, **option_fields), tokenizer=tokenizer, device=device
     )
     unique = {c.key() for c in combos}
     logger.info(
@@ -338,7 +333,7 @@ def run_sweep(
                 "duplicate_of": duplicate_of,
             }
         )
-        logger.info(f"{combo.label}: {metric} = {_fmt(value)}" + (f" (same merge as {duplicate_of})" if duplicate_of else ""))
+        logger.info(f"{combo.label}: {metric} = {format_number(value)}" + (f" (same merge as {duplicate_of})" if duplicate_of else ""))
 
     scored = [e for e in entries if e["value"] is not None and math.isfinite(e["value"])]
     best = (max if higher else min)(scored, key=lambda e: e["value"]) if scored else None
@@ -363,16 +358,6 @@ def run_sweep(
 # ---------------------------------------------------------------- presentation
 
 
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        if not math.isfinite(value):
-            return str(value)
-        return f"{value:.4f}"
-    return str(value)
-
-
 def _metric_columns(report: Mapping[str, Any]) -> list[str]:
     columns = []
     for entry in [report["baseline"], *report["combinations"]]:
@@ -387,28 +372,22 @@ def _metric_columns(report: Mapping[str, Any]) -> list[str]:
 
 
 def sweep_table(report: Mapping[str, Any]) -> str:
-    """A plain-text table: one row per combination (the baseline first), one column per metric,
+    """A markdown table: one row per combination (the baseline first), one column per metric,
     with the change of the ranking metric against the last snapshot; ``*`` marks the best."""
     columns = _metric_columns(report)
     header = ["merge", "snapshots", *columns, f"Δ {report['metric']}", "note"]
     rows = [[BASELINE_LABEL, report["baseline"]["snapshot"],
-             *(_fmt(_metric_value(report["baseline"]["results"], c)) for c in columns), "", ""]]
+             *(format_number(_metric_value(report["baseline"]["results"], c)) for c in columns), "", ""]]
     for e in report["combinations"]:
         span = e["snapshots"][0] if len(e["snapshots"]) == 1 else f"{e['snapshots'][0]}..{e['snapshots'][-1]}"
-        note = ("best " if e["label"] == report["best"] else "") + (f"= {e['duplicate_of']}" if e["duplicate_of"] else "")
-        delta = "-" if e["delta"] is None else f"{e['delta']:+.4f}"
-        rows.append([("* " if e["label"] == report["best"] else "  ") + e["label"], span,
-                     *(_fmt(_metric_value(e["results"], c)) for c in columns), delta, note.strip()])
-    rows[0][0] = "  " + rows[0][0]
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if i < 2 or i == len(cells) - 1 else c.rjust(w)
-                         for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-
+        best = e["label"] == report["best"]
+        note = ("best " if best else "") + (f"= {e['duplicate_of']}" if e["duplicate_of"] else "")
+        rows.append([("* " if best else "") + e["label"], span,
+                     *(format_number(_metric_value(e["results"], c)) for c in columns),
+                     format_number(e["delta"], "+.4f"), note.strip()])
     direction = "higher" if report["higher_is_better"] else "lower"
     footer = f"{report['metric']}: {direction} is better; best: {report['best']}"
-    return "\n".join([line(header), "  ".join("-" * w for w in widths), *(line(r) for r in rows), footer])
+    return markdown_table(header, rows, align="ll" + "r" * (len(columns) + 1) + "l") + "\n\n" + footer
 
 
 def plot_sweep(report: Mapping[str, Any], output_path: str | os.PathLike[str], dpi: int = 110) -> Path:
@@ -453,12 +432,10 @@ def plot_sweep(report: Mapping[str, Any], output_path: str | os.PathLike[str], d
     if image is not None:
         fig.colorbar(image, ax=list(axes), fraction=0.03, label="better than the last snapshot by")
     base = report["baseline"]["value"]
-    fig.suptitle(f"{report['metric']} of merges (last snapshot: {_fmt(base)})", fontsize=10)
+    fig.suptitle(f"{report['metric']} of merges (last snapshot: {format_number(base)})", fontsize=10)
     output_path = Path(output_path)
     output_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = output_path.with_name(f".{output_path.name}.tmp")
-    fig.savefig(tmp, format="png")
-    os.replace(tmp, output_path)
+    atomic_write_file(output_path, lambda tmp: fig.savefig(tmp, format="png"))
     return output_path
 
 

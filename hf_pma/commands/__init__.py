@@ -1,8 +1,13 @@
-"""Sub-commands of the ``hf-pma`` CLI (see :mod:`hf_pma.cli`), and the argument types they share."""
+"""Sub-commands of the ``hf-pma`` CLI (see :mod:`hf_pma.cli`), and the arguments they share."""
 
 from __future__ import annotations
 
 import argparse
+from typing import Any
+
+from hf_pma.utils.argtypes import positive_int
+
+__all__ = ["positive_int", "add_revision_arguments", "add_heldout_arguments", "load_heldout", "set_verbosity"]
 
 
 def add_revision_arguments(p: argparse.ArgumentParser, every: bool = True) -> None:
@@ -18,12 +23,42 @@ def add_revision_arguments(p: argparse.ArgumentParser, every: bool = True) -> No
     p.add_argument("--cache-dir", metavar="DIR", help="where Hub revisions are downloaded (default: the Hugging Face cache)")
 
 
-def positive_int(text: str) -> int:
-    """An ``argparse`` type: a positive integer, with a one-line error otherwise."""
-    try:
-        value = int(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from err
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
+def add_heldout_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--eval-file``, ``--text-column``, ``--eval-split``: the held-out text of ``eval`` and ``sweep``."""
+    parser.add_argument(
+        "--eval-file",
+        metavar="FILE",
+        help="held-out text: .txt (one document), .jsonl/.json/.csv/.parquet (--text-column), a folder of text "
+        "files, or a dataset name[:config]",
+    )
+    parser.add_argument("--text-column", default="text", help="column of the text in --eval-file tables (default: text)")
+    parser.add_argument("--eval-split", default="test", help="split of a --eval-file dataset (default: test)")
+
+
+def load_heldout(args: argparse.Namespace) -> list[str] | None:
+    """The documents of ``--eval-file`` (at most ``--limit``), ``None`` without it; ``ValueError``
+    when it holds no text."""
+    if not args.eval_file:
+        return None
+    from hf_pma.evaluation.corpus import load_documents
+
+    texts = load_documents(args.eval_file, text_column=args.text_column, split=args.eval_split, limit=args.limit)
+    if not any(texts):
+        raise ValueError(f"--eval-file {args.eval_file} holds no text")
+    return texts
+
+
+def set_verbosity(args: Any) -> None:
+    """Quiet transformers' loading messages (noise next to a command's tables; ``-v`` shows them),
+    and with ``-q`` hf-pma's info logs and progress bars too."""
+    import logging as std_logging
+
+    from transformers.utils import logging
+
+    from hf_pma.utils.logs import enable_logging
+
+    if not getattr(args, "verbose", False):
+        logging.set_verbosity_warning()
+    if getattr(args, "quiet", False):
+        enable_logging(std_logging.WARNING)
+        logging.disable_progress_bar()

@@ -6,7 +6,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from hf_pma.commands import add_revision_arguments, positive_int
+from hf_pma.commands import (
+    add_heldout_arguments,
+    add_revision_arguments,
+    load_heldout,
+    positive_int,
+    set_verbosity,
+)
+from hf_pma.evaluation.options import EvalOptions
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -25,28 +32,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("models", nargs="+", metavar="MODEL", help="model folder, Hub model id or Hub revision (org/model@REV)")
     add_revision_arguments(p)
     p.add_argument("--last", type=positive_int, help="with --revisions: only the newest N matching revisions")
-    p.add_argument("--tasks", help="comma-separated lm-eval task, group or tag names (e.g. hellaswag,arc_easy)")
-    p.add_argument(
-        "--include-path", action="append", metavar="DIR", help="folder of local lm-eval YAML tasks (repeatable)"
-    )
-    p.add_argument(
-        "--eval-file",
-        metavar="FILE",
-        help="held-out text: .txt (one document), .jsonl/.json/.csv/.parquet (--text-column), a folder of text "
-        "files, or a dataset name[:config]",
-    )
-    p.add_argument("--text-column", default="text", help="column of the text in --eval-file tables (default: text)")
-    p.add_argument("--eval-split", default="test", help="split of a --eval-file dataset (default: test)")
+    EvalOptions.add_arguments(p)
+    add_heldout_arguments(p)
     p.add_argument("--tokenizer", help="tokenizer for every model (default: each model folder's own)")
     p.add_argument("--labels", help="comma-separated column labels, one per model (default: folder names)")
-    p.add_argument("--limit", type=positive_int, help="at most K examples per task and K held-out documents")
-    p.add_argument("--batch-size", type=positive_int, default=8, help="batch size (default: 8)")
-    p.add_argument("--block-size", type=positive_int, help="held-out LM window (default: the model's context)")
-    p.add_argument("--stride", type=positive_int, help="held-out LM window step (default: block size / 2)")
-    p.add_argument("--num-fewshot", type=int, help="few-shot examples for lm-eval tasks (default: the task's)")
-    p.add_argument(
-        "--bootstrap-iters", type=int, default=100_000, help="lm-eval bootstrap iterations for stderr (default: 100000)"
-    )
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", help="device (default: cuda if available, else cpu)")
     p.add_argument("-o", "--output", metavar="FILE", help="write the results as JSON here")
@@ -97,17 +86,11 @@ def _hub_models(args: argparse.Namespace) -> tuple[list[str], list[str] | None]:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``hf-pma eval``."""
-    from transformers.utils import logging
-
-    from hf_pma.evaluation.corpus import load_documents
     from hf_pma.evaluation.evaluator import evaluate_models, results_table, write_eval_record
     from hf_pma.utils.distributed import is_main_process
     from hf_pma.utils.fs import atomic_write_json
 
-    if args.quiet or not getattr(args, "verbose", False):
-        # transformers logs every config and weight file it loads at info level: noise next to
-        # the table (-v shows it).
-        logging.set_verbosity_warning()
+    set_verbosity(args)
     if not args.tasks and not args.eval_file:
         raise ValueError("nothing to evaluate: give --tasks and/or --eval-file")
     labels = [label.strip() for label in args.labels.split(",")] if args.labels else None
@@ -115,11 +98,7 @@ def run(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"--record folder {args.record} does not exist")
     if args.output and not Path(args.output).absolute().parent.is_dir():
         raise FileNotFoundError(f"the folder of --output {args.output} does not exist")
-    texts = None
-    if args.eval_file:
-        texts = load_documents(args.eval_file, text_column=args.text_column, split=args.eval_split, limit=args.limit)
-        if not any(texts):
-            raise ValueError(f"--eval-file {args.eval_file} holds no text")
+    texts = load_heldout(args)
 
     models, hub_labels = _hub_models(args)
     report = evaluate_models(
@@ -128,14 +107,7 @@ def run(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
         texts=texts,
         eval_dataset=_eval_dataset_name(args.eval_file) if args.eval_file else None,
-        tasks=args.tasks,
-        include_path=args.include_path,
-        limit=args.limit,
-        batch_size=args.batch_size,
-        block_size=args.block_size,
-        stride=args.stride,
-        num_fewshot=args.num_fewshot,
-        bootstrap_iters=args.bootstrap_iters,
+        options=EvalOptions.from_args(args),
         dtype=args.dtype,
         device=args.device,
         progress=not args.quiet,

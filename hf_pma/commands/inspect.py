@@ -6,8 +6,11 @@ import argparse
 import sys
 from pathlib import Path
 
-from hf_pma.commands import add_revision_arguments, positive_int
+from hf_pma.commands import add_revision_arguments, positive_int, set_verbosity
 from hf_pma.core.strategies import STRATEGIES
+
+# Where the diagnostics plot goes by default: the run folder, never the current directory.
+PLOT_NAME = "inspect.png"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -31,7 +34,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--alpha", type=float, default=0.2, help="EMA smoothing factor (default: 0.2)")
     p.add_argument("--last", type=positive_int, help="read only the newest K snapshots (default: all, for the series)")
     p.add_argument("--reference", metavar="MODEL", help="a model folder standing for the optimum, e.g. the annealed model")
-    p.add_argument("--plot", default="inspect.png", metavar="FILE", help="PNG of the diagnostics (default: inspect.png)")
+    p.add_argument("--plot", metavar="FILE", help="PNG of the diagnostics (default: RUN/inspect.png for a local run folder)")
+    p.add_argument("--no-plot", action="store_true", help="do not draw the diagnostics")
     p.add_argument("-o", "--output", metavar="FILE", help="write the table and diagnostics as JSON here")
     p.add_argument("--no-diagnostics", action="store_true", help="only list the snapshots (reads no weights)")
     p.add_argument("--chunk-mb", type=positive_int, default=64, help="memory for the Gram matrix chunks (default: 64)")
@@ -41,8 +45,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``hf-pma inspect``."""
-    import logging as std_logging
-
     from transformers.utils import logging
 
     from hf_pma.analysis.diagnostics import (
@@ -58,17 +60,19 @@ def run(args: argparse.Namespace) -> int:
     )
     from hf_pma.merging.hub_revisions import parse_hub_spec
     from hf_pma.merging.sources import resolve_sources
+    from hf_pma.utils.formatting import format_number, markdown_table
     from hf_pma.utils.fs import atomic_write_json
-    from hf_pma.utils.logs import enable_logging
 
-    if not getattr(args, "verbose", False):
-        logging.set_verbosity_warning()  # transformers' loading messages: noise next to the tables (-v shows them)
-    if args.quiet:
-        enable_logging(std_logging.WARNING)
-        logging.disable_progress_bar()
+    set_verbosity(args)
     log = logging.get_logger("hf_pma.inspect")
     weights_fn = strategy_weights(args.strategy, args.alpha)
-    for flag, path in (("--plot", args.plot), ("--output", args.output)):
+    no_plot = args.no_plot or args.no_diagnostics or args.plot == ""
+    if not no_plot and not args.plot and not Path(args.run).is_dir():
+        if Path(args.run).exists() or not parse_hub_spec(args.run):
+            raise FileNotFoundError(f"run folder {args.run} does not exist")
+        raise ValueError(f"{args.run} is a Hub repo: give --plot FILE (the plot goes to RUN/{PLOT_NAME} for a local run) or --no-plot")
+    plot = None if no_plot else Path(args.plot) if args.plot else Path(args.run) / PLOT_NAME
+    for flag, path in (("--plot", plot), ("--output", args.output)):
         if path and not Path(path).absolute().parent.is_dir():
             raise FileNotFoundError(f"the folder of {flag} {path} does not exist")
     if args.reference and not Path(args.reference).is_dir():
@@ -114,19 +118,21 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write(diagnostics_table(gram.names, diag) + "\n")
         if len(series) > 1:
             sys.stdout.write("\nOver training (window ending at each snapshot):\n")
-            header = f"{'window end':<24}{'mean cos':>10}{'straight':>10}{'spread':>12}{'merge shift':>13}"
-            header += f"{'|M - ref|':>12}{'|new - ref|':>13}" if reference is not None else ""
-            lines = [header]
+            header = ["window end", "mean cos", "straight", "spread", "merge shift"]
+            header += ["|M - ref|", "|new - ref|"] if reference is not None else []
+            body = []
             for i, d in zip(ends, series):
-                line = f"{gram.names[i]:<24}{d.mean_cosine:>+10.3f}{d.straightness:>10.3f}{d.spread:>12.4g}{d.merge_shift:>13.4g}"
+                row = [gram.names[i], format_number(d.mean_cosine, "+.3f"), format_number(d.straightness, ".3f"),
+                       format_number(d.spread, ".4g"), format_number(d.merge_shift, ".4g")]
                 if d.reference is not None:
-                    line += f"{d.reference['merge_to_reference']:>12.4g}{d.reference['newest_to_reference']:>13.4g}"
-                lines.append(line)
-            sys.stdout.write("\n".join(lines) + "\n")
-        if args.plot:
+                    row += [format_number(d.reference["merge_to_reference"], ".4g"),
+                            format_number(d.reference["newest_to_reference"], ".4g")]
+                body.append(row)
+            sys.stdout.write(markdown_table(header, body) + "\n")
+        if plot is not None:
             title = f"{Path(args.run).name}: {args.strategy} window of {len(indices)} (every {args.every})"
-            plot_diagnostics(args.plot, gram.names, diag, series, xs, "tokens" if use_tokens else "step", title)
-            sys.stdout.write(f"\nplot: {args.plot}\n")
+            plot_diagnostics(plot, gram.names, diag, series, xs, "tokens" if use_tokens else "step", title)
+            sys.stdout.write(f"\nplot: {plot}\n")
         report.update(
             window=diag.to_dict() | {"names": [gram.names[i] for i in indices], "strategy": args.strategy, "every": args.every},
             series=[d.to_dict() | {"end": gram.names[i], "x": x} for d, i, x in zip(series, ends, xs)],

@@ -54,12 +54,8 @@ def run(args: argparse.Namespace) -> int:
     from transformers.utils import logging
 
     from hf_pma.evaluation.corpus import load_documents
-    from hf_pma.evaluation.generated_tasks import (
-        TaskOptions,
-        check_output_folder,
-        check_task_settings,
-        make_tasks,
-    )
+    from hf_pma.evaluation.generated_tasks import TaskOptions, check_task_settings, make_tasks
+    from hf_pma.utils.fs import check_output_folder
 
     if args.quiet:
         logging.set_verbosity_warning()

@@ -6,8 +6,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from hf_pma.commands import add_revision_arguments, positive_int
+from hf_pma.commands import (
+    add_heldout_arguments,
+    add_revision_arguments,
+    load_heldout,
+    positive_int,
+    set_verbosity,
+)
 from hf_pma.core.strategies import STRATEGIES
+from hf_pma.evaluation.options import EvalOptions
 
 
 def _int_list(text: str) -> list[int]:
@@ -52,23 +59,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--every", type=_int_list, default=[1, 2, 4], help="take every k-th snapshot (default: 1,2,4)")
     p.add_argument("--strategy", type=_strategy_list, default=["sma", "wma", "ema"], help="strategies (default: sma,wma,ema)")
     p.add_argument("--alpha", type=float, default=0.2, help="EMA smoothing factor (default: 0.2)")
-    p.add_argument("--eval-file", metavar="FILE", help="held-out text (as hf-pma eval --eval-file)")
-    p.add_argument("--text-column", default="text", help="column of the text in --eval-file tables (default: text)")
-    p.add_argument("--eval-split", default="test", help="split of a --eval-file dataset (default: test)")
-    p.add_argument("--tasks", help="comma-separated lm-eval task, group or tag names")
-    p.add_argument("--include-path", action="append", metavar="DIR", help="folder of local lm-eval YAML tasks (repeatable)")
+    EvalOptions.add_arguments(p)
+    add_heldout_arguments(p)
     p.add_argument("--metric", help="TASK/METRIC that picks the best merge (default: lm/loss, else the first task's acc)")
     direction = p.add_mutually_exclusive_group()
     direction.add_argument("--higher-is-better", dest="higher_is_better", action="store_true", default=None)
     direction.add_argument("--lower-is-better", dest="higher_is_better", action="store_false")
     p.add_argument("--tokenizer", help="tokenizer (default: the newest snapshot's, or its run folder's)")
-    p.add_argument("--limit", type=positive_int, help="at most K examples per task and K held-out documents")
-    p.add_argument("--batch-size", type=positive_int, default=8, help="batch size (default: 8)")
-    p.add_argument("--block-size", type=positive_int, help="held-out LM window (default: the model's context)")
-    p.add_argument("--stride", type=positive_int, help="held-out LM window step (default: block size / 2)")
-    p.add_argument("--num-fewshot", type=int, help="few-shot examples for lm-eval tasks")
     p.add_argument("--device", help="device (default: cuda if available, else cpu)")
-    p.add_argument("-o", "--output", default="sweep.json", metavar="FILE", help="results as JSON (default: sweep.json)")
+    p.add_argument("-o", "--output", metavar="FILE", help="results as JSON (default: RUN/sweep.json)")
     p.add_argument("--plot", metavar="FILE", help="heatmap PNG (default: the --output path with .png)")
     p.add_argument("--no-plot", action="store_true", help="do not draw the heatmap")
     p.add_argument("--best", metavar="DIR", help="write the best merge as a model folder here")
@@ -79,31 +78,22 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``hf-pma sweep``."""
-    import logging as std_logging
-
-    from transformers.utils import logging
-
     from hf_pma.analysis.sweep import parse_metric, plot_sweep, run_sweep, sweep_table, write_best
     from hf_pma.core.strategies import merge_weights
-    from hf_pma.evaluation.corpus import load_documents
-    from hf_pma.evaluation.generated_tasks import check_output_folder
     from hf_pma.merging.hub_revisions import parse_hub_spec
     from hf_pma.merging.sources import resolve_sources
-    from hf_pma.utils.fs import atomic_write_json
-    from hf_pma.utils.logs import enable_logging
+    from hf_pma.utils.fs import atomic_write_json, check_output_folder
 
-    if not getattr(args, "verbose", False):
-        logging.set_verbosity_warning()  # transformers' loading messages: noise next to the tables (-v shows them)
-    if args.quiet:
-        enable_logging(std_logging.WARNING)
-        logging.disable_progress_bar()
+    set_verbosity(args)
     # Everything that can be checked is checked before the first model is loaded.
     if not args.tasks and not args.eval_file:
         raise ValueError("nothing to evaluate: give --eval-file and/or --tasks")
     merge_weights(2, "ema", args.alpha)
     if args.metric:
         parse_metric(args.metric)
-    output = Path(args.output)
+    if args.output is None and (len(args.run) > 1 or not Path(args.run[0]).is_dir()):
+        raise ValueError("give --output: the results go to RUN/sweep.json only when RUN is one run folder")
+    output = Path(args.output) if args.output else Path(args.run[0]) / "sweep.json"
     if not output.absolute().parent.is_dir():
         raise FileNotFoundError(f"the folder of --output {output} does not exist")
     plot = None if args.no_plot else Path(args.plot) if args.plot else output.with_suffix(".png")
@@ -111,11 +101,7 @@ def run(args: argparse.Namespace) -> int:
         raise FileNotFoundError(f"the folder of --plot {plot} does not exist")
     if args.best:
         check_output_folder(args.best, args.overwrite)
-    texts = None
-    if args.eval_file:
-        texts = load_documents(args.eval_file, text_column=args.text_column, split=args.eval_split, limit=args.limit)
-        if not any(texts):
-            raise ValueError(f"--eval-file {args.eval_file} holds no text")
+    texts = load_heldout(args)
 
     run = args.run if len(args.run) > 1 else args.run[0]
     if args.revisions or args.last or any(not Path(r).exists() and parse_hub_spec(r) for r in args.run):
@@ -127,16 +113,10 @@ def run(args: argparse.Namespace) -> int:
         strategies=args.strategy,
         alpha=args.alpha,
         texts=texts,
-        tasks=args.tasks,
-        include_path=args.include_path,
+        options=EvalOptions.from_args(args),
         metric=args.metric,
         higher_is_better=args.higher_is_better,
         tokenizer=args.tokenizer,
-        limit=args.limit,
-        batch_size=args.batch_size,
-        block_size=args.block_size,
-        stride=args.stride,
-        num_fewshot=args.num_fewshot,
         device=args.device,
         eval_dataset=Path(args.eval_file).name if args.eval_file else None,
         progress=not args.quiet,

@@ -16,13 +16,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from hf_pma.utils.fs import DELETING_PREFIX, TMP_PREFIX, atomic_write_json, read_json, remove_tree
+from hf_pma.utils.fs import (
+    LEGACY_PREFIXES,
+    atomic_write_json,
+    read_json,
+    remove_path,
+    remove_stale_temporaries,
+    remove_tree,
+)
 
 __all__ = [
     "MANIFEST_NAME",
@@ -34,6 +40,7 @@ __all__ = [
     "TRAINING_RECORD_NAME",
     "PLOT_NAME",
     "CARD_NAME",
+    "MODEL_SUPPORT_FILES",
     "SnapshotRecord",
     "snapshot_dirname",
     "read_manifest",
@@ -61,6 +68,26 @@ EVAL_RECORD_NAME = "pma_eval.json"
 TRAINING_RECORD_NAME = "pma_training.json"
 PLOT_NAME = "pma_training.png"
 CARD_NAME = "README.md"
+# The files of a model folder besides its weights (config, tokenizer, processor): what a merge
+# copies from its newest source, and what is downloaded with a Hub revision's weights.
+MODEL_SUPPORT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "adapter_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "vocab.txt",
+    "merges.txt",
+    "tokenizer.model",
+    "spiece.model",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+)
 
 PHASES = ("warmup", "stable", "decay")
 
@@ -232,20 +259,21 @@ def drop_snapshots_after(pma_dir: str | os.PathLike[str], tokens: int) -> list[S
 
 
 def clean_incomplete(pma_dir: str | os.PathLike[str]) -> list[Path]:
-    """Delete leftovers of interrupted writes and deletes (``.tmp-*``, ``.deleting-*``, and
-    the temporary file of an interrupted manifest replacement)."""
-    removed = []
+    """Delete the leftovers of interrupted writes and deletes in ``pma_dir``; returns them.
+
+    Removes the stale temporaries of this library (snapshot and merge folders, the manifest's
+    temporary file; see :func:`hf_pma.utils.fs.is_stale_temporary`: never one that a live
+    process still owns) and the names that earlier versions gave their temporaries
+    (``.tmp-*``, ``.deleting-*``, ``.manifest.json.*.tmp``).
+    """
     pma_dir = Path(pma_dir)
-    if not pma_dir.is_dir():
-        return removed
-    for child in sorted(pma_dir.iterdir()):
-        interrupted_json = child.name.startswith(f".{MANIFEST_NAME}.") and child.name.endswith(".tmp")
-        if child.name.startswith((TMP_PREFIX, DELETING_PREFIX)) or interrupted_json:
-            if child.is_dir():
-                shutil.rmtree(child, ignore_errors=True)
-            else:
-                child.unlink(missing_ok=True)
-            removed.append(child)
+    removed = remove_stale_temporaries(pma_dir)
+    if pma_dir.is_dir():
+        for child in sorted(pma_dir.glob(".*")):
+            legacy_manifest_tmp = child.name.startswith(f".{MANIFEST_NAME}.") and child.name.endswith(".tmp")
+            if child.name.startswith(LEGACY_PREFIXES) or legacy_manifest_tmp:
+                remove_path(child)
+                removed.append(child)
     return removed
 
 

@@ -17,7 +17,6 @@ from a folder), not FSDP/ZeRO-3 shards.
 from __future__ import annotations
 
 import gc
-import math
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
@@ -28,7 +27,10 @@ from tqdm.auto import tqdm
 from transformers.utils import logging
 
 from hf_pma.core.manifest import EVAL_RECORD_NAME, MANIFEST_NAME, PMA_SUBDIR
-from hf_pma.utils.distributed import run_on_main_process
+from hf_pma.evaluation.harness import flatten_lm_eval_results, jsonable, load_task_manager, run_lm_eval
+from hf_pma.evaluation.options import EvalOptions
+from hf_pma.utils.distributed import require_unsharded_model, run_on_main_process
+from hf_pma.utils.formatting import MISSING, format_metric, markdown_table
 from hf_pma.utils.fs import atomic_write_json, read_json
 
 logger = logging.get_logger(__name__)
@@ -38,7 +40,6 @@ __all__ = [
     "LM_TASK",
     "plan_windows",
     "context_length",
-    "unwrap_model",
     "evaluate_language_modeling",
     "evaluate_model",
     "check_tokenizer",
@@ -103,25 +104,6 @@ def context_length(model: Any, tokenizer: Any = None) -> int:
         logger.warning(f"the model's context length is unknown: using {_DEFAULT_CONTEXT}")
         limit = _DEFAULT_CONTEXT
     return limit
-
-
-def unwrap_model(model: Any) -> Any:
-    """The module inside a ``DistributedDataParallel`` wrapper (whose forward would wait for the
-    other ranks); ``ValueError`` for a sharded model, which rank 0 alone cannot run."""
-    from torch.nn.parallel import DistributedDataParallel
-
-    while isinstance(model, DistributedDataParallel):
-        model = model.module
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - old torch
-        DTensor = ()  # noqa: N806
-    if any(isinstance(p, DTensor) for p in model.parameters()) or type(model).__name__ == "FullyShardedDataParallel":
-        raise ValueError(
-            "the model is sharded (FSDP/DTensor): evaluation runs on the main process alone; evaluate a full copy "
-            "(e.g. a saved snapshot folder) instead"
-        )
-    return model
 
 
 def _prefix_token_id(tokenizer: Any) -> int | None:
@@ -194,7 +176,7 @@ def _evaluate_language_modeling(
 ) -> dict[str, Any]:
     from hf_pma.evaluation.metrics import load_metric
 
-    model = unwrap_model(model)
+    model = require_unsharded_model(model)
     prefix = _prefix_token_id(tokenizer)
     if prefix is None:
         logger.warning("the tokenizer has neither a BOS nor an EOS token: the first token of each text is not scored")
@@ -259,59 +241,49 @@ def evaluate_model(
     model: Any,
     tokenizer: Any,
     texts: Sequence[str] | None = None,
-    tasks: str | Sequence[str] | None = None,
-    include_path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
-    limit: int | None = None,
-    batch_size: int = 8,
-    block_size: int | None = None,
-    stride: int | None = None,
-    num_fewshot: int | None = None,
-    bootstrap_iters: int = 100_000,
+    options: EvalOptions | None = None,
+    *,
     task_manager: Any = None,
     progress: bool = True,
+    **option_fields: Any,
 ) -> dict[str, Any]:
-    """Held-out LM metrics on ``texts`` and/or lm-eval ``tasks`` for one in-memory model.
+    """Held-out LM metrics on ``texts`` and/or lm-eval tasks for one in-memory model.
 
-    Returns ``{"results": {"lm": {loss, perplexity, bits_per_byte}, task: {metric: value, ...}},
+    ``options`` (:class:`~hf_pma.evaluation.options.EvalOptions`; its fields may also be given
+    as keywords: ``tasks=``, ``include_path=``, ``limit=``, ``batch_size=``, ``block_size=``,
+    ``stride=``, ``num_fewshot=``, ``bootstrap_iters=``) says what to run. Returns
+    ``{"results": {"lm": {loss, perplexity, bits_per_byte}, task: {metric: value, ...}},
     "lm": <evaluate_language_modeling's full dict> | None, "lm_eval": <lm-eval's results
-    without per-sample logs> | None}``. ``limit`` caps the examples per task (lm-eval). Under
-    several processes this runs on the main process only.
+    without per-sample logs> | None}``. Pass a ``task_manager`` from
+    :func:`hf_pma.evaluation.harness.load_task_manager` to reuse it across models. Under several
+    processes this runs on the main process only.
     """
-    if not texts and not tasks:
+    options = EvalOptions.build(options, **option_fields)
+    if not texts and not options.tasks:
         raise ValueError("nothing to evaluate: give texts (held-out LM metrics) and/or tasks (lm-eval)")
+    tasks = options.tasks
     if tasks and task_manager is None:
-        from hf_pma.evaluation.harness import load_task_manager
-
-        tasks, task_manager = load_task_manager(tasks, include_path)
+        tasks, task_manager = load_task_manager(tasks, options.include_path)
     return run_on_main_process(
-        _evaluate_model,
-        model,
-        tokenizer,
-        texts,
-        tasks,
-        task_manager,
-        dict(limit=limit, batch_size=batch_size, block_size=block_size, stride=stride, num_fewshot=num_fewshot,
-             bootstrap_iters=bootstrap_iters, progress=progress),
+        _evaluate_model, model, tokenizer, texts, options.replace(tasks=tasks), task_manager, progress
     )
 
 
 def _evaluate_model(
-    model: Any, tokenizer: Any, texts: Sequence[str] | None, tasks: Any, task_manager: Any, opts: dict[str, Any]
+    model: Any, tokenizer: Any, texts: Sequence[str] | None, options: EvalOptions, task_manager: Any, progress: bool
 ) -> dict[str, Any]:
     flat: dict[str, dict[str, float | None]] = {}
     lm = raw = None
     if texts:
         lm = evaluate_language_modeling(
-            model, tokenizer, texts, block_size=opts["block_size"], stride=opts["stride"],
-            batch_size=opts["batch_size"], progress=opts["progress"],
+            model, tokenizer, texts, block_size=options.block_size, stride=options.stride,
+            batch_size=options.batch_size, progress=progress,
         )
         flat[LM_TASK] = {name: lm[name] for name in _LM_METRICS}
-    if tasks:
-        from hf_pma.evaluation.harness import flatten_lm_eval_results, jsonable, run_lm_eval
-
+    if options.tasks:
         results = run_lm_eval(
-            model, tokenizer, tasks, limit=opts["limit"], batch_size=opts["batch_size"],
-            num_fewshot=opts["num_fewshot"], bootstrap_iters=opts["bootstrap_iters"], task_manager=task_manager,
+            model, tokenizer, options.tasks, limit=options.limit, batch_size=options.batch_size,
+            num_fewshot=options.num_fewshot, bootstrap_iters=options.bootstrap_iters, task_manager=task_manager,
         )
         flat.update(flatten_lm_eval_results(results))
         raw = jsonable(results)
@@ -467,47 +439,33 @@ def evaluate_models(
     tokenizer: str | os.PathLike[str] | None = None,
     texts: Sequence[str] | None = None,
     eval_dataset: str | None = None,
-    tasks: str | Sequence[str] | None = None,
-    include_path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
-    limit: int | None = None,
-    batch_size: int = 8,
-    block_size: int | None = None,
-    stride: int | None = None,
-    num_fewshot: int | None = None,
-    bootstrap_iters: int = 100_000,
+    options: EvalOptions | None = None,
+    *,
     dtype: str | torch.dtype = "auto",
     device: str | torch.device | None = None,
     progress: bool = True,
+    **option_fields: Any,
 ) -> dict[str, Any]:
     """Evaluate several models (folders or Hub ids) one after the other, one in memory at a time.
 
-    Everything is checked before the first model is evaluated: the task names, every model
-    folder and its tokenizer. Returns ``{"results": {label: flat results}, "eval_dataset":
-    eval_dataset, "models": {label: model}, "lm": {label: LM details}, "lm_eval": {label:
-    lm-eval results}}``: its ``results`` and ``eval_dataset`` form the ``pma_eval.json`` record
+    ``options`` (or its fields as keywords) as :func:`evaluate_model`. Everything is checked
+    before the first model is evaluated: the task names, every model folder and its tokenizer.
+    Returns ``{"results": {label: flat results}, "eval_dataset": eval_dataset, "models":
+    {label: model}, "lm": {label: LM details}, "lm_eval": {label: lm-eval results}}``: its
+    ``results`` and ``eval_dataset`` form the ``pma_eval.json`` record
     (:func:`write_eval_record`). Under several processes this runs on the main process only.
     """
+    options = EvalOptions.build(options, **option_fields)
     models = [str(m) for m in models]
     if not models:
         raise ValueError("no model to evaluate")
     labels = list(labels) if labels else model_labels(models)
     if len(labels) != len(models) or len(set(labels)) != len(labels):
         raise ValueError(f"need one distinct label per model: {len(models)} models, labels {labels}")
-    if not texts and not tasks:
+    if not texts and not options.tasks:
         raise ValueError("nothing to evaluate: give texts (held-out LM metrics) and/or tasks (lm-eval)")
     return run_on_main_process(
-        _evaluate_models,
-        models,
-        labels,
-        tokenizer,
-        texts,
-        eval_dataset,
-        tasks,
-        include_path,
-        dict(limit=limit, batch_size=batch_size, block_size=block_size, stride=stride, num_fewshot=num_fewshot,
-             bootstrap_iters=bootstrap_iters, progress=progress),
-        dtype,
-        device,
+        _evaluate_models, models, labels, tokenizer, texts, eval_dataset, options, dtype, device, progress
     )
 
 
@@ -517,17 +475,15 @@ def _evaluate_models(
     tokenizer: Any,
     texts: Sequence[str] | None,
     eval_dataset: str | None,
-    tasks: Any,
-    include_path: Any,
-    opts: dict[str, Any],
+    options: EvalOptions,
     dtype: Any,
     device: Any,
+    progress: bool,
 ) -> dict[str, Any]:
     task_manager = None
-    if tasks:
-        from hf_pma.evaluation.harness import load_task_manager
-
-        tasks, task_manager = load_task_manager(tasks, include_path)
+    if options.tasks:
+        tasks, task_manager = load_task_manager(options.tasks, options.include_path)
+        options = options.replace(tasks=tasks)
     for model in models:  # fail on a bad folder or tokenizer now, not after hours of evaluation
         name, tok_name = _resolve(model, tokenizer)
         if Path(name).exists():
@@ -540,7 +496,7 @@ def _evaluate_models(
         logger.info(f"[{index}/{len(models)}] evaluating {label} ({model})")
         loaded, tok = load_model_for_eval(model, tokenizer, dtype=dtype, device=device)
         try:
-            out = evaluate_model(loaded, tok, texts=texts, tasks=tasks, task_manager=task_manager, **opts)
+            out = evaluate_model(loaded, tok, texts, options, task_manager=task_manager, progress=progress)
         finally:
             del loaded
             gc.collect()
@@ -616,18 +572,8 @@ def read_eval_record(folder: str | os.PathLike[str]) -> dict[str, Any]:
     return data
 
 
-def _fmt(value: float | None) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float) and (math.isinf(value) or math.isnan(value)):
-        return str(value)
-    if abs(value) >= 1000:
-        return f"{value:,.1f}"
-    return f"{value:.4f}"
-
-
 def results_table(results: Mapping[str, Mapping[str, Mapping[str, float | None]]]) -> str:
-    """A plain-text table of flat results: one row per ``task/metric``, one column per model
+    """A markdown table of flat results: one row per ``task/metric``, one column per model
     label; a metric's stderr is shown beside it (``0.3120 ± 0.0140``)."""
     labels = list(results)
     rows: dict[tuple[str, str], dict[str, str]] = {}
@@ -638,14 +584,6 @@ def results_table(results: Mapping[str, Mapping[str, Mapping[str, float | None]]
                 if base.endswith("_stderr"):
                     continue
                 stderr = metrics.get(f"{base}_stderr{',' + filt if filt else ''}")
-                cell = _fmt(value) + (f" ± {_fmt(stderr)}" if stderr is not None else "")
-                rows.setdefault((task, metric), {})[label] = cell
-    header = ["metric", *labels]
-    body = [[f"{task}/{metric}", *(cells.get(label, "-") for label in labels)] for (task, metric), cells in rows.items()]
-    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
-
-    def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths))).rstrip()
-
-    rule = "  ".join("-" * w for w in widths)
-    return "\n".join([line(header), rule, *(line(r) for r in body)])
+                rows.setdefault((task, metric), {})[label] = format_metric(value, stderr)
+    body = [[f"{task}/{metric}", *(cells.get(label, MISSING) for label in labels)] for (task, metric), cells in rows.items()]
+    return markdown_table(["metric", *labels], body)

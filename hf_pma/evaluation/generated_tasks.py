@@ -24,8 +24,6 @@ import json
 import os
 import random
 import re
-import shutil
-import uuid
 from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
@@ -36,7 +34,7 @@ from transformers.utils import logging
 from hf_pma import __version__
 from hf_pma.evaluation.corpus import document_id, split_documents
 from hf_pma.evaluation.task_options import TASK_KINDS, TaskOptions
-from hf_pma.utils.fs import atomic_write_json, fsync_dir, fsync_tree, remove_tree
+from hf_pma.utils.fs import atomic_write_json, check_output_folder, write_folder_atomically
 
 logger = logging.get_logger(__name__)
 
@@ -52,7 +50,6 @@ __all__ = [
     "find_leaks",
     "task_yaml",
     "check_task_settings",
-    "check_output_folder",
     "make_tasks",
     "make_tasks_from_split",
     "fits_context",
@@ -295,29 +292,6 @@ def check_task_settings(kinds: Sequence[str], prefix: str, options: TaskOptions)
         raise ValueError(f"prefix {prefix!r} must be letters, digits and underscores, starting with a letter")
 
 
-def check_output_folder(output_dir: str | os.PathLike[str], overwrite: bool) -> None:
-    """``FileExistsError`` when ``output_dir`` is a file, or a non-empty folder without ``overwrite``."""
-    output_dir = Path(output_dir)
-    if output_dir.exists():
-        if not output_dir.is_dir():
-            raise FileExistsError(f"{output_dir} exists and is not a folder")
-        if any(output_dir.iterdir()) and not overwrite:
-            raise FileExistsError(f"{output_dir} is not empty; pass overwrite=True (--overwrite) to replace it")
-
-
-def _prepare_output(output_dir: Path, overwrite: bool) -> None:
-    check_output_folder(output_dir, overwrite)
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
-
-
-def _publish(tmp: Path, output_dir: Path) -> None:
-    fsync_tree(tmp)
-    if output_dir.exists():
-        remove_tree(output_dir)
-    os.replace(tmp, output_dir)
-    fsync_dir(output_dir.parent)
-
-
 def _write_tasks(
     train: Sequence[str],
     heldout: Sequence[str],
@@ -334,7 +308,7 @@ def _write_tasks(
     check_task_settings(kinds, prefix, options)
     if not heldout:
         raise ValueError("no held-out documents to make tasks from")
-    _prepare_output(output_dir, overwrite)
+    check_output_folder(output_dir, overwrite)
 
     candidates = {line.strip() for doc in heldout for line in doc.splitlines() if _usable(line, options)}
     seen_in_train = _lines_seen_in(candidates, train)
@@ -364,35 +338,34 @@ def _write_tasks(
             logger.warning(f"{kind}: only {len(items)} items (asked for {options.num_items})")
         generated[kind] = items
 
-    tmp = output_dir.with_name(f".{output_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
-    tmp.mkdir()
-    try:
-        tasks = {}
+    tasks = {
+        f"{prefix}_{kind}": {"kind": kind, "items": len(items), "num_choices": options.num_choices}
+        for kind, items in generated.items()
+    }
+    record = {
+        "hf_pma_version": __version__,
+        **info,
+        "seed": seed,
+        "num_train_documents": len(train),
+        "num_heldout_documents": len(heldout),
+        "options": dataclasses.asdict(options),
+        "tasks": tasks,
+        "tag": f"{prefix}_tasks",
+        "heldout_ids": [document_id(doc) for doc in heldout],
+    }
+
+    def write(tmp: Path) -> None:
         for kind, items in generated.items():
             name = f"{prefix}_{kind}"
             _write_jsonl(tmp / f"{name}.jsonl", items)
             config = task_yaml(name, output_dir / f"{name}.jsonl", kind, tag=f"{prefix}_tasks")
             (tmp / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False, allow_unicode=True), encoding="utf-8")
-            tasks[name] = {"kind": kind, "items": len(items), "num_choices": options.num_choices}
         _write_jsonl(tmp / HELDOUT_NAME, ({"text": doc} for doc in heldout))
         if write_train:
             _write_jsonl(tmp / TRAIN_NAME, ({"text": doc} for doc in train))
-        record = {
-            "hf_pma_version": __version__,
-            **info,
-            "seed": seed,
-            "num_train_documents": len(train),
-            "num_heldout_documents": len(heldout),
-            "options": dataclasses.asdict(options),
-            "tasks": tasks,
-            "tag": f"{prefix}_tasks",
-            "heldout_ids": [document_id(doc) for doc in heldout],
-        }
         atomic_write_json(tmp / TASKS_INFO_NAME, record)
-        _publish(tmp, output_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+
+    write_folder_atomically(output_dir, write)
     summary = ", ".join(f"{name} ({task['items']} items)" for name, task in tasks.items())
     logger.info(f"Wrote {summary} to {output_dir}")
     return record

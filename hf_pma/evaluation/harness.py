@@ -14,6 +14,7 @@ import difflib
 import json
 import logging as std_logging
 import os
+import re
 from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -21,12 +22,21 @@ from typing import TYPE_CHECKING, Any
 
 from transformers.utils import logging
 
+from hf_pma.evaluation.options import DEFAULT_BOOTSTRAP_ITERS
+
 if TYPE_CHECKING:
     from lm_eval.tasks import TaskManager
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["parse_task_names", "load_task_manager", "run_lm_eval", "flatten_lm_eval_results", "jsonable"]
+__all__ = [
+    "TaskDataUnreachableError",
+    "parse_task_names",
+    "load_task_manager",
+    "run_lm_eval",
+    "flatten_lm_eval_results",
+    "jsonable",
+]
 
 
 def _import_lm_eval() -> None:
@@ -116,7 +126,7 @@ def run_lm_eval(
     limit: int | float | None = None,
     batch_size: int = 8,
     num_fewshot: int | None = None,
-    bootstrap_iters: int = 100_000,
+    bootstrap_iters: int = DEFAULT_BOOTSTRAP_ITERS,
     log_samples: bool = False,
     task_manager: TaskManager | None = None,
     max_length: int | None = None,
@@ -175,20 +185,60 @@ def _run_lm_eval(
     from lm_eval import simple_evaluate
     from lm_eval.models.huggingface import HFLM
 
-    from hf_pma.evaluation.evaluator import unwrap_model
+    from hf_pma.utils.distributed import require_unsharded_model
 
-    model = unwrap_model(model)
+    model = require_unsharded_model(model)
     was_training = model.training
     try:
         with _quiet("lm_eval.models.huggingface"):
             lm = HFLM(pretrained=model, tokenizer=tokenizer, **hflm_kwargs)
         logger.info(f"lm-eval: {', '.join(names)}")
-        results = simple_evaluate(model=lm, tasks=names, task_manager=task_manager, **kwargs)
+        try:
+            results = simple_evaluate(model=lm, tasks=names, task_manager=task_manager, **kwargs)
+        except ConnectionError as err:
+            raise TaskDataUnreachableError.from_error(names, task_manager, err) from err
     finally:
         model.train(was_training)
     if results is None:  # simple_evaluate answers on its rank 0 only
         raise RuntimeError("lm_eval.simple_evaluate returned no results on the main process")
     return results
+
+
+class TaskDataUnreachableError(ConnectionError):
+    """An lm-eval task needs a dataset from the Hugging Face Hub, which cannot be reached (no
+    network, or ``HF_HUB_OFFLINE`` / ``HF_DATASETS_OFFLINE`` set) and is not in the local cache.
+
+    The message names the task(s) and the dataset, and how to run offline.
+    """
+
+    def __init__(self, tasks: Sequence[str], dataset: str | None, reason: str) -> None:
+        self.tasks, self.dataset, self.reason = list(tasks), dataset, reason
+        needs = f"needs the dataset {dataset!r}" if dataset else "needs a dataset"
+        super().__init__(
+            f"lm-eval task {', '.join(self.tasks)} {needs} from the Hugging Face Hub, which is not reachable ({reason}); "
+            "to evaluate offline, use local YAML tasks (--include-path DIR, e.g. from `hf-pma make-tasks`), or a "
+            "local copy of the data: a task YAML whose dataset_path points to local files, or the datasets cache "
+            "filled once while online"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return type(self), (self.tasks, self.dataset, self.reason)
+
+    @classmethod
+    def from_error(cls, names: Sequence[str], task_manager: Any, error: BaseException) -> TaskDataUnreachableError:
+        """The error for ``datasets``' ``ConnectionError`` while building ``names``: the dataset
+        is read from its message, the task(s) from the task manager's index."""
+        match = re.search(r"reach '([^']+)'", str(error))
+        dataset = match[1] if match else None
+        tasks = [n for n in names if dataset is not None and _dataset_path(task_manager, n) == dataset] or list(names)
+        return cls(tasks, dataset, str(error))
+
+
+def _dataset_path(task_manager: Any, name: str) -> str | None:
+    """The ``dataset_path`` of a task in lm-eval's index, when it is known without loading the task."""
+    entry = getattr(task_manager, "task_index", {}).get(name)
+    config = getattr(entry, "cfg", None)
+    return config.get("dataset_path") if isinstance(config, dict) else None
 
 
 def flatten_lm_eval_results(results: dict[str, Any]) -> dict[str, dict[str, float | None]]:

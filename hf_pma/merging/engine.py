@@ -19,7 +19,6 @@ import json
 import os
 import shutil
 import time
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ import torch
 from transformers.utils import logging
 
 from hf_pma import __version__
-from hf_pma.core.manifest import MERGE_RECORD_NAME
+from hf_pma.core.manifest import MERGE_RECORD_NAME, MODEL_SUPPORT_FILES
 from hf_pma.core.strategies import merge_weights
 from hf_pma.merging.chunks import (
     DEFAULT_CHUNK_BYTES,
@@ -42,7 +41,15 @@ from hf_pma.merging.chunks import (
 from hf_pma.merging.safetensors_io import SafetensorsWriter, TensorInfo
 from hf_pma.merging.sources import CheckpointSource, CheckpointTensors, open_all, resolve_sources
 from hf_pma.utils.distributed import all_ranks_checked, distributed_rank_and_size, local_world_size
-from hf_pma.utils.fs import atomic_write_json, fsync_dir, fsync_tree
+from hf_pma.utils.fs import (
+    atomic_write_json,
+    check_output_folder,
+    no_space_errors,
+    publish_folder,
+    raise_if_no_space,
+    remove_stale_temporaries,
+    temporary_path,
+)
 from hf_pma.utils.parsing import parse_dtype, parse_size
 
 logger = logging.get_logger(__name__)
@@ -61,24 +68,7 @@ __all__ = [
 ]
 
 # Files copied from the newest source so that the merge is a self-contained model folder.
-SUPPORT_FILES = (
-    "config.json",
-    "generation_config.json",
-    "adapter_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "tokenizer.model",
-    "spiece.model",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "preprocessor_config.json",
-    "processor_config.json",
-)
+SUPPORT_FILES = MODEL_SUPPORT_FILES
 
 
 def validate_sources(sources: Sequence[CheckpointSource], opened: Sequence[CheckpointTensors]) -> dict[str, TensorInfo]:
@@ -214,15 +204,7 @@ def _check_output(output_dir: Path, sources: Sequence[CheckpointSource], overwri
         src = source.path.resolve()
         if out == src or out in src.parents or src in out.parents:
             raise ValueError(f"output folder {output_dir} overlaps source {source.path}; choose another output folder")
-    if output_dir.exists():
-        if not output_dir.is_dir():
-            raise FileExistsError(f"output path {output_dir} exists and is not a folder")
-        if any(output_dir.iterdir()) and not overwrite:
-            raise FileExistsError(f"output folder {output_dir} is not empty; pass overwrite=True (--overwrite) to replace it")
-    if not output_dir.parent.exists():
-        output_dir.parent.mkdir(parents=True, exist_ok=True)
-    if not os.access(output_dir.parent, os.W_OK):
-        raise PermissionError(f"cannot write to {output_dir.parent}")
+    check_output_folder(output_dir, overwrite)
 
 
 def _copy_support_files(newest: CheckpointSource, dest: Path, out_dtype: torch.dtype | None) -> None:
@@ -340,18 +322,6 @@ def write_shard_index(folder: Path, prefix: str, shards: Sequence[OutputShard]) 
     (folder / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-def _publish(tmp: Path, output_dir: Path) -> None:
-    """Move the finished folder into place; an old output is removed only after that."""
-    old = None
-    if output_dir.exists():
-        old = output_dir.with_name(f".{output_dir.name}.old-{uuid.uuid4().hex[:8]}")
-        os.replace(output_dir, old)
-    os.replace(tmp, output_dir)
-    fsync_dir(output_dir.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-
-
 def merge_checkpoints(
     sources: Sequence[str | os.PathLike[str] | CheckpointSource] | str | os.PathLike[str],
     output_dir: str | os.PathLike[str],
@@ -408,8 +378,10 @@ def merge_checkpoints(
         if rank != 0:
             return None
         _check_output(output_dir, srcs, overwrite)
-        tmp = output_dir.with_name(f".{output_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
-        tmp.mkdir(parents=True)
+        output_dir.parent.mkdir(parents=True, exist_ok=True)
+        remove_stale_temporaries(output_dir.parent, output_dir.name)  # of a killed earlier merge
+        tmp = temporary_path(output_dir)
+        tmp.mkdir()
         return tmp
 
     tmp = checked(begin, f"preparing the merge into {output_dir}")[0]
@@ -421,6 +393,8 @@ def merge_checkpoints(
         plans = plan_tensors(validate_sources(srcs, opened), out_dtype)
         shards = plan_output_shards(plans, max_bytes, srcs[-1].prefix)
         planned.update(plans=plans, shards=shards)
+        if rank == 0:
+            raise_if_no_space(output_dir, sum(p.out_bytes for p in plans))
         if rank == 0:
             logger.info(
                 f"Merging {len(srcs)} checkpoints ({srcs[0].name} ... {srcs[-1].name}) with "
@@ -440,12 +414,12 @@ def merge_checkpoints(
             srcs, coefs, strategy, alpha, weights is not None, ",".join(out_dtypes), accumulate_dtype, output_dir
         )
         atomic_write_json(tmp / MERGE_RECORD_NAME, record)
-        fsync_tree(tmp)
-        _publish(tmp, output_dir)
+        publish_folder(tmp, output_dir)
 
     try:
-        checked(write_mine, f"writing the merged shards into {tmp}")
-        checked(finish, f"finishing the merge into {output_dir}")
+        with no_space_errors(output_dir, None):
+            checked(write_mine, f"writing the merged shards into {tmp}")
+            checked(finish, f"finishing the merge into {output_dir}")
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)

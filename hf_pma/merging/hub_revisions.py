@@ -26,13 +26,16 @@ import dataclasses
 import datetime
 import fnmatch
 import re
-import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
 from transformers.utils import logging
+
+from hf_pma.core.manifest import MODEL_SUPPORT_FILES
+from hf_pma.utils.formatting import format_bytes
+from hf_pma.utils.fs import free_bytes
 
 logger = logging.get_logger(__name__)
 
@@ -77,23 +80,7 @@ BIN_WEIGHT_PATTERNS = (
     "pytorch_model.bin.index.json",
     "adapter_model.bin",
 )
-SUPPORT_PATTERNS = (
-    "config.json",
-    "generation_config.json",
-    "adapter_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "tokenizer.model",
-    "spiece.model",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-    "*.py",
-)
+SUPPORT_PATTERNS = (*MODEL_SUPPORT_FILES, "*.py")
 DOWNLOAD_PATTERNS = WEIGHT_PATTERNS + BIN_WEIGHT_PATTERNS + SUPPORT_PATTERNS
 
 
@@ -390,21 +377,6 @@ def _cache_dir(cache_dir: str | Path | None) -> Path:
     return Path(cache_dir if cache_dir is not None else constants.HF_HUB_CACHE).expanduser()
 
 
-def _free_bytes(folder: Path) -> int:
-    for candidate in (folder, *folder.parents):
-        if candidate.exists():
-            return shutil.disk_usage(candidate).free
-    return shutil.disk_usage(Path.cwd()).free
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1000
-    return f"{n} B"
-
-
 def _is_cached(repo_id: str, commit: str, path: str, cache_dir: Path) -> bool:
     from huggingface_hub import try_to_load_from_cache
 
@@ -439,12 +411,12 @@ def check_disk_space(revisions: Sequence[HubRevision], cache_dir: str | Path | N
     need, count, unknown = _missing_bytes(revisions, folder)
     if unknown:
         logger.warning(f"The Hub gives no size for {_examples(unknown)}: the disk-space check leaves them out")
-    free = _free_bytes(folder)
+    free = free_bytes(folder) or 0
     if need > free:
         repos = sorted({r.repo_id for r in revisions})
         raise NotEnoughDiskSpaceError(
-            f"downloading {len(revisions)} revision(s) of {', '.join(repos)} needs {_human(need)} ({need} bytes, "
-            f"{count} files) in {folder} but only {_human(free)} ({free} bytes) is free: free some space, pick fewer "
+            f"downloading {len(revisions)} revision(s) of {', '.join(repos)} needs {format_bytes(need)} ({need} bytes, "
+            f"{count} files) in {folder} but only {format_bytes(free)} ({free} bytes) is free: free some space, pick fewer "
             f"revisions (--last) or use another --cache-dir"
         )
     return need
@@ -485,7 +457,7 @@ def download_revisions(
     folder = _cache_dir(cache_dir)
     need = check_disk_space(revisions, folder)
     if need:
-        logger.info(f"Downloading {_human(need)} for {len(revisions)} revision(s) into {folder}")
+        logger.info(f"Downloading {format_bytes(need)} for {len(revisions)} revision(s) into {folder}")
     disable = True if progress is False or are_progress_bars_disabled() else (None if progress is None else False)
     bar = tqdm(revisions, desc="Downloading revisions", unit="revision", disable=disable)
     out = []

@@ -29,6 +29,7 @@ from transformers.utils import logging
 from hf_pma import __version__
 from hf_pma.core.manifest import CARD_NAME, PLOT_NAME, PMA_SUBDIR
 from hf_pma.publishing.records import FolderRecords, label_rank, load_records, sanitize_text
+from hf_pma.utils.formatting import format_metric, format_number
 from hf_pma.utils.fs import atomic_write_text
 
 if TYPE_CHECKING:
@@ -124,10 +125,6 @@ def _fmt_duration(seconds: Any) -> str:
     return f"{secs} s"
 
 
-def _fmt_metric(value: float) -> str:
-    return f"{value:.4f}" if abs(value) < 1000 else f"{value:,.1f}"
-
-
 def _is_hub_id(value: Any) -> bool:
     """True for a plausible Hub repo id ("org/name" or "name"), not a local file or path."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
@@ -204,10 +201,10 @@ def eval_table(eval_record: dict[str, Any] | None) -> tuple[list[str], list[dict
                 values.append(_MISSING)
                 continue
             value, stderr = by_label[label]
-            values.append(_fmt_metric(value) + (f" ± {stderr:.4f}" if stderr is not None else ""))
+            values.append(format_metric(value, stderr))
         if with_delta:
             if last in by_label and merged in by_label:
-                values.append(f"{by_label[merged][0] - by_label[last][0]:+.4f}")
+                values.append(format_number(by_label[merged][0] - by_label[last][0], "+.4f"))
             else:
                 values.append(_MISSING)
         rows.append({"task": task, "metric": _metric_display(*_split_metric(key)), "values": values})

@@ -27,7 +27,17 @@ logger = logging.get_logger(__name__)
 __all__ = ["HubAuthError", "check_model_folder", "check_repo_id", "resolve_token", "push_folder_to_hub"]
 
 # Temporary files of interrupted atomic writes never go to the Hub.
-DEFAULT_IGNORE_PATTERNS = ["*.tmp", "**/*.tmp", ".deleting-*", ".deleting-*/**"]
+# (hf_pma.utils.fs names them ``.<name>.tmp-*`` / ``.<name>.deleting-*``; the others are older names).
+DEFAULT_IGNORE_PATTERNS = [
+    ".*.tmp-*",
+    "**/.*.tmp-*",
+    ".*.deleting-*",
+    "**/.*.deleting-*",
+    "*.tmp",
+    "**/*.tmp",
+    ".deleting-*",
+    ".deleting-*/**",
+]
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 _LOGIN_HELP = "set the HF_TOKEN environment variable, run `hf auth login`, or pass token="

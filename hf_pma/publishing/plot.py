@@ -28,7 +28,7 @@ from transformers.utils import logging
 
 from hf_pma.core.manifest import PLOT_NAME
 from hf_pma.publishing.records import FolderRecords, label_rank, load_records
-from hf_pma.utils.fs import atomic_write_bytes
+from hf_pma.utils.fs import atomic_write_file
 
 logger = logging.get_logger(__name__)
 
@@ -275,6 +275,7 @@ def plot_training(
         )
     if not output_path.parent.is_dir():
         raise FileNotFoundError(f"plot_training: the folder of {output_path.name} does not exist")
-    atomic_write_bytes(output_path, _draw(data, dpi))  # readable by others, never half-written
+    png = _draw(data, dpi)
+    atomic_write_file(output_path, lambda tmp: tmp.write_bytes(png), needed=len(png))  # readable by others, never half-written
     logger.info(f"Wrote the training plot {output_path.name}")
     return output_path

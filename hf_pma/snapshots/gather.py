@@ -3,7 +3,8 @@
 :func:`gather_full_state_dict` returns a full CPU copy of the weights on the main process, from a
 plain, DDP, FSDP1/FSDP2 or DeepSpeed ZeRO-3 model. Every rank must call it (sharded models
 gather collectively); other ranks get ``None``. :func:`sharding_kind` says which case a model
-is, :func:`unwrap_model` finds the model inside its wrappers. Nothing here writes files: that
+is, :func:`unwrap_model` finds the model inside its wrappers (both from
+:mod:`hf_pma.utils.distributed`). Nothing here writes files: that
 is :mod:`hf_pma.snapshots.writer`.
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from hf_pma.utils.distributed import sharding_kind, unwrap_model
 from hf_pma.utils.parsing import parse_dtype
 
 __all__ = [
@@ -28,44 +30,6 @@ __all__ = [
     "local_slices",
     "zero3_partition",
 ]
-
-
-def unwrap_model(model: torch.nn.Module) -> torch.nn.Module:
-    """The model inside DDP / DataParallel / DeepSpeed / ``torch.compile`` wrappers.
-
-    FSDP2 modules are the model itself (``fully_shard`` works in place); for FSDP1 this is the
-    wrapped module, which carries the config (its parameters stay sharded: gather with
-    :func:`gather_full_state_dict`, never ``state_dict()`` of the result).
-    """
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel, FullyShardedDataParallel)
-    seen = set()
-    while id(model) not in seen:
-        seen.add(id(model))
-        if hasattr(model, "_orig_mod"):  # torch.compile
-            model = model._orig_mod
-        elif isinstance(model, wrappers):
-            model = model.module
-        elif type(model).__name__ in ("DeepSpeedEngine", "PipelineEngine") and hasattr(model, "module"):
-            model = model.module
-    return model
-
-
-def sharding_kind(model: torch.nn.Module) -> str | None:
-    """``"fsdp"`` (FSDP1 or FSDP2), ``"zero3"`` (DeepSpeed ZeRO-3) or ``None`` (full weights here)."""
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
-
-    # Wrappers (DDP, DeepSpeed engine) are modules too: their modules() include the model's.
-    for module in model.modules():
-        if isinstance(module, (FSDPModule, FullyShardedDataParallel)):
-            return "fsdp"
-    for param in itertools.islice(model.parameters(), 64):
-        if hasattr(param, "ds_id"):
-            return "zero3"
-        if type(param.data).__name__ == "DTensor":
-            return "fsdp"
-    return None
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

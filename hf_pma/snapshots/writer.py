@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import itertools
 import json
 import os
 import threading
@@ -43,9 +42,8 @@ from hf_pma.core.manifest import (
     snapshot_path,
     write_manifest,
 )
-from hf_pma.snapshots.gather import unwrap_model
-from hf_pma.utils.distributed import is_peft_model
-from hf_pma.utils.fs import TMP_PREFIX, atomic_write_json, fsync_dir, fsync_tree, remove_tree
+from hf_pma.utils.distributed import is_peft_model, unwrap_model
+from hf_pma.utils.fs import atomic_write_json, remove_tree, write_folder_atomically
 from hf_pma.utils.parsing import parse_size
 
 logger = logging.get_logger(__name__)
@@ -250,32 +248,6 @@ def write_model_folder(
     return num_bytes
 
 
-_tmp_counter = itertools.count()
-
-
-def write_folder_atomically(final_dir: str | os.PathLike[str], write: Callable[[Path], Any]) -> Path:
-    """Run ``write(tmp)`` on a temporary folder beside ``final_dir``, fsync it, rename it into place.
-
-    ``final_dir`` either does not exist or is complete: a crash leaves at most a ``.tmp-*``
-    folder, never a half-written ``final_dir``. An existing ``final_dir`` is replaced.
-    """
-    final_dir = Path(final_dir)
-    final_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = final_dir.with_name(f"{TMP_PREFIX}{final_dir.name}-{os.getpid()}-{next(_tmp_counter)}")
-    try:
-        tmp.mkdir()
-        write(tmp)
-        fsync_tree(tmp)
-        if final_dir.exists():
-            remove_tree(final_dir)
-        os.replace(tmp, final_dir)
-    except BaseException:
-        remove_tree(tmp)
-        raise
-    fsync_dir(final_dir.parent)
-    return final_dir
-
-
 def write_snapshot(job: SnapshotJob, pma_dir: str | os.PathLike[str], max_shard_size: int | str = "5GB") -> SnapshotRecord:
     """Write ``job`` as ``<pma_dir>/<job.name>/`` durably; the manifest is not touched.
 
@@ -297,7 +269,8 @@ def write_snapshot(job: SnapshotJob, pma_dir: str | os.PathLike[str], max_shard_
         )
         atomic_write_json(tmp / SNAPSHOT_RECORD_NAME, record.to_dict())
 
-    write_folder_atomically(Path(pma_dir) / job.name, write)
+    needed = sum(t.numel() * t.element_size() for t in job.state_dict.values())
+    write_folder_atomically(Path(pma_dir) / job.name, write, needed=needed)
     return record
 
 

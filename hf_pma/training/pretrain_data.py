@@ -15,6 +15,8 @@ from pathlib import Path
 
 from transformers.utils import logging
 
+from hf_pma.utils.fs import write_folder_atomically
+
 logger = logging.get_logger(__name__)
 
 __all__ = ["stdlib_documents", "train_bpe_tokenizer", "pack_dataset"]
@@ -81,13 +83,8 @@ def train_bpe_tokenizer(texts: Sequence[str], vocab_size: int = 4096, cache_dir:
     )
     tok.train_from_iterator(texts, trainer=trainer)
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
-    if cached is not None:
-        tmp = cached.with_name(cached.name + f".tmp-{os.getpid()}")
-        tokenizer.save_pretrained(tmp)
-        try:
-            os.replace(tmp, cached)
-        except OSError:  # another process cached it first
-            pass
+    if cached is not None and not (cached / "tokenizer.json").is_file():  # another process may have cached it
+        write_folder_atomically(cached, tokenizer.save_pretrained)
     return tokenizer
 
 

@@ -38,6 +38,10 @@ __all__ = [
     "is_main_process",
     "run_locally",
     "run_on_main_process",
+    "unwrap_model",
+    "sharding_kind",
+    "require_unsharded_model",
+    "is_peft_model",
 ]
 
 T = TypeVar("T")
@@ -270,3 +274,57 @@ def is_peft_model(model: Any) -> bool:
     except ImportError:
         return False
     return isinstance(model, PeftModel)
+
+
+def unwrap_model(model: Any) -> Any:
+    """The model inside DDP / DataParallel / DeepSpeed / ``torch.compile`` wrappers.
+
+    FSDP2 modules are the model itself (``fully_shard`` works in place); for FSDP1 this is the
+    wrapped module, which carries the config (its parameters stay sharded: gather them with
+    :func:`hf_pma.snapshots.writer.gather_full_state_dict`, never ``state_dict()`` of the result).
+    """
+    import torch
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    wrappers = (torch.nn.parallel.DistributedDataParallel, torch.nn.DataParallel, FullyShardedDataParallel)
+    seen = set()
+    while id(model) not in seen:
+        seen.add(id(model))
+        if hasattr(model, "_orig_mod"):  # torch.compile
+            model = model._orig_mod
+        elif isinstance(model, wrappers):
+            model = model.module
+        elif type(model).__name__ in ("DeepSpeedEngine", "PipelineEngine") and hasattr(model, "module"):
+            model = model.module
+    return model
+
+
+def sharding_kind(model: Any) -> str | None:
+    """``"fsdp"`` (FSDP1 or FSDP2), ``"zero3"`` (DeepSpeed ZeRO-3) or ``None`` (full weights here)."""
+    import itertools
+
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    # Wrappers (DDP, DeepSpeed engine) are modules too: their modules() include the model's.
+    for module in model.modules():
+        if isinstance(module, (FSDPModule, FullyShardedDataParallel)):
+            return "fsdp"
+    for param in itertools.islice(model.parameters(), 64):
+        if hasattr(param, "ds_id"):
+            return "zero3"
+        if type(param.data).__name__ == "DTensor":
+            return "fsdp"
+    return None
+
+
+def require_unsharded_model(model: Any) -> Any:
+    """The full model that this process can run alone: :func:`unwrap_model`'s result, or
+    ``ValueError`` for a sharded model (FSDP1/FSDP2, DTensor parameters, DeepSpeed ZeRO-3),
+    whose forward needs every rank (evaluation runs on the main process only)."""
+    kind = sharding_kind(model)
+    if kind is not None:
+        raise ValueError(
+            f"the model is sharded ({'FSDP/DTensor' if kind == 'fsdp' else 'DeepSpeed ZeRO-3'}): evaluation runs on "
+            "the main process alone; evaluate a full copy (e.g. a saved snapshot folder) instead"
+        )
+    return unwrap_model(model)

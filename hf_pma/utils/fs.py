@@ -1,16 +1,252 @@
-"""Atomic, durable file and folder writes: the one write path of hf-pma."""
+"""Atomic, durable file and folder writes: the one write path of hf-pma.
+
+Every file or folder hf-pma publishes is written under a temporary name beside its target,
+fsynced, and renamed into place, so a reader sees either the old target or the complete new
+one. Temporary names follow one scheme, ``.<target name>.<kind>-<host>-<pid>-<n>`` (``kind``
+is ``tmp`` for something being written, ``deleting`` for something being removed), so that the
+leftovers of a process that died (SIGKILL, power cut, OOM kill) are recognised and removed by
+:func:`remove_stale_temporaries`, which runs before every folder publish and in
+:func:`hf_pma.core.manifest.clean_incomplete`. A temporary is never removed while the process
+that owns it may still be alive: on this host, while its pid is alive; from another host
+(a shared filesystem), only once nothing in it changed for :data:`FOREIGN_STALE_AFTER_S`.
+
+A write that runs out of space (``ENOSPC``, or ``EDQUOT`` on a quota) raises
+:class:`NoSpaceError`, which names the target, the bytes needed (when known) and the bytes
+free; the temporary is removed first, so nothing half-written is left behind.
+"""
 
 from __future__ import annotations
 
+import errno
+import itertools
 import json
 import os
+import re
 import shutil
-import tempfile
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-TMP_PREFIX = ".tmp-"
-DELETING_PREFIX = ".deleting-"
+__all__ = [
+    "FOREIGN_STALE_AFTER_S",
+    "NoSpaceError",
+    "TEMP_KINDS",
+    "atomic_write_file",
+    "atomic_write_json",
+    "atomic_write_text",
+    "check_output_folder",
+    "free_bytes",
+    "fsync_dir",
+    "fsync_tree",
+    "is_stale_temporary",
+    "parse_temporary",
+    "publish_folder",
+    "raise_if_no_space",
+    "read_json",
+    "remove_path",
+    "remove_stale_temporaries",
+    "remove_tree",
+    "temporary_path",
+    "write_folder_atomically",
+]
+
+T = TypeVar("T")
+
+# Kinds of temporaries: being written, being deleted.
+TEMP_KINDS = ("tmp", "deleting")
+# A temporary written from another host is only removed once nothing in it changed for this
+# long: its pid cannot be checked from here, and a live writer touches its files far more often.
+FOREIGN_STALE_AFTER_S = 6 * 3600
+# Names of earlier hf-pma versions (``.tmp-<name>-<pid>-<n>``, ``.deleting-<name>-<pid>``),
+# recognised by clean_incomplete inside a PMA folder only.
+LEGACY_PREFIXES = (".tmp-", ".deleting-")
+_NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
+_counter = itertools.count()
+_TEMP_RE = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|deleting)-(?P<host>[A-Za-z0-9_.-]+)-(?P<pid>\d+)-(?P<n>\d+)$")
+
+
+# ---------------------------------------------------------------- temporary names
+
+
+def _logger() -> Any:
+    # Imported on use: this module stays free of heavy imports (the CLI's parser loads it).
+    from transformers.utils import logging
+
+    return logging.get_logger(__name__)
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "localhost"
+
+
+def temporary_path(target: str | os.PathLike[str], kind: str = "tmp") -> Path:
+    """A fresh temporary name beside ``target``: ``.<name>.<kind>-<host>-<pid>-<n>``."""
+    if kind not in TEMP_KINDS:
+        raise ValueError(f"kind must be one of {TEMP_KINDS}, got {kind!r}")
+    target = Path(target)
+    return target.with_name(f".{target.name}.{kind}-{_host()}-{os.getpid()}-{next(_counter)}")
+
+
+def parse_temporary(name: str) -> dict[str, Any] | None:
+    """``{"name", "kind", "host", "pid"}`` of a temporary name of this library; ``None`` otherwise."""
+    match = _TEMP_RE.match(name)
+    if match is None:
+        return None
+    return {"name": match["name"], "kind": match["kind"], "host": match["host"], "pid": int(match["pid"])}
+
+
+def _pid_alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, owned by another user
+        return True
+    except OSError:
+        return True  # unknown: keep
+    return True
+
+
+def _last_change(path: Path) -> float:
+    """The newest mtime of ``path`` and of the entries directly inside it (a live writer's files)."""
+    newest = path.lstat().st_mtime
+    if path.is_dir() and not path.is_symlink():
+        with os.scandir(path) as entries:
+            for entry in entries:
+                try:
+                    newest = max(newest, entry.stat(follow_symlinks=False).st_mtime)
+                except OSError:
+                    pass
+    return newest
+
+
+def is_stale_temporary(path: str | os.PathLike[str], now: float | None = None) -> bool:
+    """Whether ``path`` is a temporary of this library whose owner is gone.
+
+    Same host: its pid is no longer alive (a reused pid keeps it, which errs on the safe
+    side). Another host: nothing in it changed for :data:`FOREIGN_STALE_AFTER_S` seconds.
+    """
+    path = Path(path)
+    info = parse_temporary(path.name)
+    if info is None:
+        return False
+    if info["host"] == _host():
+        return not _pid_alive(info["pid"])
+    try:
+        age = (time.time() if now is None else now) - _last_change(path)
+    except OSError:
+        return False
+    return age > FOREIGN_STALE_AFTER_S
+
+
+def remove_path(path: str | os.PathLike[str]) -> None:
+    """Remove a file or a whole folder (no error when it is already gone)."""
+    path = Path(path)
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def remove_stale_temporaries(folder: str | os.PathLike[str], name: str | None = None) -> list[Path]:
+    """Remove the stale temporaries in ``folder`` (see :func:`is_stale_temporary`); returns them.
+
+    With ``name``, only those of the target ``folder/name`` (``.<name>.tmp-*``,
+    ``.<name>.deleting-*``). Other files and the temporaries of live processes are left alone.
+    """
+    folder = Path(folder)
+    if not folder.is_dir():
+        return []
+    with os.scandir(folder) as entries:
+        candidates = sorted(Path(e.path) for e in entries if e.name.startswith("."))
+    removed = []
+    for path in candidates:
+        info = parse_temporary(path.name)
+        if info is None or (name is not None and info["name"] != name) or not is_stale_temporary(path):
+            continue
+        remove_path(path)
+        _logger().info(f"hf-pma: removed {path}, left by an interrupted write")
+        removed.append(path)
+    return removed
+
+
+# ---------------------------------------------------------------- no space left
+
+
+class NoSpaceError(OSError):
+    """The filesystem is full (or a quota is reached) while writing ``path``.
+
+    The message names the target, the bytes it needs (when known) and the bytes free there.
+    """
+
+    def __init__(self, path: str | os.PathLike[str], needed: int | None = None, free: int | None = None) -> None:
+        self.path, self.needed, self.free = Path(path), needed, free
+        parts = [f"no space left on the device to write {self.path}"]
+        if needed is not None:
+            parts.append(f"it needs {_sized(needed)}")
+        if free is not None:
+            parts.append(f"{_sized(free)} free in {_existing_parent(self.path)}")
+        super().__init__(errno.ENOSPC, "; ".join(parts) + " (free some space or choose another folder)")
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Sent between ranks (hf_pma.utils.distributed.run_on_main_process) as it was built.
+        return type(self), (self.path, self.needed, self.free)
+
+
+def _sized(n: int) -> str:
+    from hf_pma.utils.formatting import format_bytes
+
+    return f"{format_bytes(n)} ({n:,} bytes)"
+
+
+def _existing_parent(path: Path) -> Path:
+    for candidate in (path, *path.parents):
+        if candidate.exists():
+            return candidate
+    return Path(".")
+
+
+def free_bytes(path: str | os.PathLike[str]) -> int | None:
+    """Bytes free for this user on the filesystem of ``path`` (or of its nearest existing parent)."""
+    path = Path(path)
+    try:
+        return shutil.disk_usage(_existing_parent(path.absolute())).free
+    except OSError:
+        return None
+
+
+def raise_if_no_space(path: str | os.PathLike[str], needed: int | None) -> None:
+    """:class:`NoSpaceError` now when the filesystem of ``path`` has less than ``needed`` bytes free
+    (checked before a long write; the write itself still handles a disk that fills up meanwhile)."""
+    if needed is None:
+        return
+    free = free_bytes(Path(path))
+    if free is not None and free < needed:
+        raise NoSpaceError(path, needed, free)
+
+
+@contextmanager
+def no_space_errors(target: Path, needed: int | None) -> Iterator[None]:
+    """Turn ``ENOSPC`` / ``EDQUOT`` raised inside the block into :class:`NoSpaceError`."""
+    try:
+        yield
+    except NoSpaceError:
+        raise
+    except OSError as err:
+        if err.errno not in _NO_SPACE_ERRNOS:
+            raise
+        raise NoSpaceError(target, needed, free_bytes(target)) from err
+
+
+# ---------------------------------------------------------------- durable writes
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -36,31 +272,36 @@ def fsync_tree(path: str | os.PathLike[str]) -> None:
         fsync_dir(root)
 
 
-def atomic_write_bytes(path: str | os.PathLike[str], data: bytes) -> None:
-    """Write bytes to ``path`` atomically: a temporary file beside it, fsync, rename, fsync dir.
-    The file is readable by others (0644), like every file hf-pma writes."""
+def atomic_write_file(path: str | os.PathLike[str], write: Callable[[Path], T], needed: int | None = None) -> T:
+    """Run ``write(tmp)`` on a temporary file name beside ``path``, fsync it, rename it into place.
+
+    ``write`` creates the file (a plot's ``savefig``, ...). On any error the temporary is
+    removed; running out of space raises :class:`NoSpaceError`. The file is readable by others
+    (mode 0644 less the umask), like a file that ``open()`` creates. Returns ``write``'s result.
+    """
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = temporary_path(path)
     try:
-        os.fchmod(fd, 0o644)  # mkstemp makes it private; manifests, cards and plots are read by other tools and users
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
+        with no_space_errors(path, needed):
+            result = write(tmp)
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+    return result
 
 
 def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
-    """Write UTF-8 text to ``path`` atomically (see :func:`atomic_write_bytes`)."""
-    atomic_write_bytes(path, text.encode("utf-8"))
+    """Write text to ``path`` atomically (see :func:`atomic_write_file`)."""
+    data = text.encode("utf-8")
+    atomic_write_file(path, lambda tmp: tmp.write_bytes(data), needed=len(data))
 
 
 def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
-    """Write JSON to ``path`` atomically (see :func:`atomic_write_text`)."""
+    """Write JSON to ``path`` atomically (see :func:`atomic_write_file`)."""
     atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
@@ -79,7 +320,64 @@ def remove_tree(path: str | os.PathLike[str]) -> None:
     path = Path(path)
     if not path.exists():
         return
-    doomed = path.with_name(f"{DELETING_PREFIX}{path.name}-{os.getpid()}")
+    doomed = temporary_path(path, "deleting")
     os.replace(path, doomed)
     fsync_dir(path.parent)
     shutil.rmtree(doomed, ignore_errors=True)
+
+
+def publish_folder(tmp: str | os.PathLike[str], final_dir: str | os.PathLike[str]) -> Path:
+    """Rename the complete folder ``tmp`` to ``final_dir`` durably; an old ``final_dir`` is moved
+    aside first and deleted only after the new one is in place."""
+    tmp, final_dir = Path(tmp), Path(final_dir)
+    fsync_tree(tmp)
+    old = None
+    if final_dir.exists():
+        old = temporary_path(final_dir, "deleting")
+        os.replace(final_dir, old)
+    os.replace(tmp, final_dir)
+    fsync_dir(final_dir.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return final_dir
+
+
+def write_folder_atomically(
+    final_dir: str | os.PathLike[str], write: Callable[[Path], Any], needed: int | None = None
+) -> Path:
+    """Run ``write(tmp)`` on a temporary folder beside ``final_dir``, fsync it, rename it into place.
+
+    ``final_dir`` either does not exist or is complete: a crash leaves at most a temporary
+    folder, removed by the next write to ``final_dir`` (:func:`remove_stale_temporaries`), never a
+    half-written ``final_dir``. An existing ``final_dir`` is replaced. ``needed`` (bytes, when
+    known) is checked against the free space first; running out of space raises
+    :class:`NoSpaceError` and leaves nothing behind.
+    """
+    final_dir = Path(final_dir)
+    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(final_dir.parent, final_dir.name)
+    raise_if_no_space(final_dir, needed)
+    tmp = temporary_path(final_dir)
+    try:
+        with no_space_errors(final_dir, needed):
+            tmp.mkdir()
+            write(tmp)
+            publish_folder(tmp, final_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return final_dir
+
+
+def check_output_folder(output_dir: str | os.PathLike[str], overwrite: bool) -> None:
+    """Check that ``output_dir`` can be written now: ``FileExistsError`` when it is a file, or a
+    non-empty folder without ``overwrite``; ``PermissionError`` when its parent is not writable."""
+    output_dir = Path(output_dir)
+    if output_dir.exists():
+        if not output_dir.is_dir():
+            raise FileExistsError(f"output path {output_dir} exists and is not a folder")
+        if any(output_dir.iterdir()) and not overwrite:
+            raise FileExistsError(f"output folder {output_dir} is not empty; pass overwrite=True (--overwrite) to replace it")
+    parent = _existing_parent(output_dir.absolute().parent)
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise PermissionError(f"cannot write to {output_dir.parent}")

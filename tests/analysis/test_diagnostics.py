@@ -25,6 +25,7 @@ from hf_pma.analysis.diagnostics import (
 from hf_pma.core.strategies import merge_weights
 from hf_pma.merging.sources import resolve_sources
 from tests.snapshot_runs import INTERVAL, noise_deviation, write_run
+from tests.testing_utils import markdown_rows
 
 
 def _gram(points: torch.Tensor) -> torch.Tensor:
@@ -158,10 +159,10 @@ def test_inspect_cli(tmp_path):
     out = _hf_pma("inspect", run, "--window", "4", "--plot", tmp_path / "i.png", "-o", tmp_path / "i.json",
                   "--reference", reference, "-q")
     assert out.returncode == 0, out.stderr
-    lines = out.stdout.splitlines()
-    assert lines[0].split()[:7] == ["snapshot", "tokens", "step", "lr", "phase", "loss", "size"]
-    row = next(line for line in lines if line.startswith("snapshot-3000 "))
-    assert "3,000" in row and "stable" in row and "excluded (loss spike at step 99)" in row
+    rows = markdown_rows(out.stdout)
+    assert rows[0][:7] == ["snapshot", "tokens", "step", "lr", "phase", "loss", "size"]
+    row = next(r for r in rows if r[0] == "snapshot-3000")
+    assert row[1] == "3,000" and row[4] == "stable" and row[7] == "excluded (loss spike at step 99)"
     assert "mean off-diagonal cosine" in out.stdout and "Over training" in out.stdout
     assert (tmp_path / "i.png").stat().st_size > 10_000
     report = json.loads((tmp_path / "i.json").read_text())
@@ -195,3 +196,32 @@ def test_inspect_cli_listing_and_errors(tmp_path, capsys):
     # A window larger than the run shrinks to the run (with a warning), and still reports.
     assert main(["inspect", str(run), "--window", "10", "--plot", str(tmp_path / "p.png"), "-q"]) == 0
     assert "Window: 3 snapshots" in capsys.readouterr().out
+
+
+def test_inspect_plot_goes_to_the_run_folder_and_a_full_disk_leaves_nothing(tmp_path, small_filesystem):
+    run, _ = write_run(tmp_path / "run", 3, noise_deviation())
+    elsewhere = tmp_path / "cwd"
+    elsewhere.mkdir()
+    exe = os.path.join(os.path.dirname(sys.executable), "hf-pma")
+    done = subprocess.run([exe, "inspect", str(run), "--window", "2", "-q"], cwd=elsewhere, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (run / "inspect.png").stat().st_size > 10_000 and f"plot: {run / 'inspect.png'}" in done.stdout
+    assert list(elsewhere.iterdir()) == []  # nothing in the folder the user stands in
+
+    # A full disk: one line naming the plot, nothing half-written beside it.
+    filler = small_filesystem / "filler"
+    with pytest.raises(OSError):
+        with open(filler, "wb") as fh:
+            while True:
+                fh.write(b"x" * 4096)
+                fh.flush()
+    filler.write_bytes(filler.read_bytes()[: -12 * 1024])  # 12 kB free: less than the plot
+    done = subprocess.run([exe, "inspect", str(run), "--window", "2", "-q", "--plot", str(small_filesystem / "i.png")],
+                          cwd=elsewhere, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    error = done.stderr.strip().splitlines()
+    assert len(error) == 1 and error[0].startswith("hf-pma inspect: error: no space left on the device to write")
+    assert str(small_filesystem / "i.png") in error[0] and "free in" in error[0]
+    assert sorted(p.name for p in small_filesystem.iterdir()) == ["filler"]
+

@@ -15,7 +15,7 @@ from hf_pma.evaluation.evaluator import evaluate_models, read_eval_record
 from hf_pma.merging.engine import merge_checkpoints
 from hf_pma.merging.sources import resolve_sources
 from tests.snapshot_runs import INTERVAL, noise_deviation, write_run
-from tests.testing_utils import sample_text
+from tests.testing_utils import markdown_rows, sample_text
 
 
 def _texts() -> list[str]:
@@ -114,9 +114,10 @@ def test_sweep_cli_with_tasks_writes_table_json_heatmap_and_best(tmp_path, tiny_
     assert {(s["strategy"], s["window"], s["every"]) for s in report["skipped"]} == {("sma", 3, 2), ("wma", 3, 2)}
     assert report["evaluations"] == 3
     assert (tmp_path / "sweep.png").stat().st_size > 5_000
-    lines = out.stdout.splitlines()
-    assert lines[0].split()[:3] == ["merge", "snapshots", "pma_next_line/acc"]
-    assert any(line.startswith("* ") for line in lines) and "higher is better" in out.stdout
+    rows = markdown_rows(out.stdout)
+    assert rows[0][:3] == ["merge", "snapshots", "pma_next_line/acc"]
+    assert [row[0] for row in rows if row[0].startswith("* ")] == [f"* {report['best']}"]
+    assert "higher is better" in out.stdout
     # The best merge on disk: its record says how it was chosen, and evaluated on its own it
     # gives the sweep's numbers.
     best = next(c for c in report["combinations"] if c["label"] == report["best"])

@@ -16,7 +16,7 @@ from hf_pma.cli import main
 from hf_pma.core.manifest import write_manifest
 from hf_pma.evaluation.evaluator import evaluate_language_modeling, load_model_for_eval
 from hf_pma.evaluation.generated_tasks import TaskOptions, make_tasks
-from tests.testing_utils import REPO_ROOT, make_tiny_model, sample_text, save_model_folder
+from tests.testing_utils import REPO_ROOT, make_tiny_model, markdown_rows, sample_text, save_model_folder
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +58,9 @@ def test_two_models_side_by_side(setup, capsys):
         "-q",
     ]
     assert main(args) == 0
-    table = capsys.readouterr().out.strip().splitlines()
-    assert table[0].split() == ["metric", "snapshot-100", "merged"]
-    rows = {line.split()[0]: line.split()[1:] for line in table[2:]}
+    table = markdown_rows(capsys.readouterr().out)
+    assert table[0] == ["metric", "snapshot-100", "merged"]
+    rows = {row[0]: row[1:] for row in table[1:]}
     assert set(rows) == {
         "lm/loss",
         "lm/perplexity",

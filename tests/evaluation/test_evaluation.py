@@ -18,7 +18,7 @@ from hf_pma.evaluation.evaluator import (
 from hf_pma.evaluation.generated_tasks import TaskOptions, make_tasks
 from hf_pma.evaluation.harness import flatten_lm_eval_results, load_task_manager, run_lm_eval
 from hf_pma.evaluation.metrics import load_metric, metric_path
-from tests.testing_utils import make_tiny_model, sample_text
+from tests.testing_utils import make_tiny_model, markdown_rows, sample_text
 
 TEXTS = [
     "def add(a, b):\n    return a + b\n",
@@ -255,8 +255,9 @@ def test_results_table_rows_are_metrics_columns_are_models():
             "merged": {"lm": {"perplexity": 11.0}, "t": {"acc": 0.5, "acc_stderr": None}},
         }
     )
-    lines = table.splitlines()
-    assert lines[0].split() == ["metric", "snapshot-100", "merged"]
-    assert lines[2].split() == ["lm/perplexity", "12.3456", "11.0000"]
-    assert lines[3].split() == ["t/acc", "0.2500", "±", "0.0500", "0.5000"]
-    assert len(lines) == 4
+    assert markdown_rows(table) == [
+        ["metric", "snapshot-100", "merged"],
+        ["lm/perplexity", "12.3456", "11.0000"],
+        ["t/acc", "0.2500 ± 0.0500", "0.5000"],
+    ]
+    assert table.splitlines()[1].startswith("| :---")  # a markdown table: labels left, numbers right

@@ -284,9 +284,9 @@ def test_crash_mid_write_leaves_a_valid_manifest_and_resume_repairs(tmp_path):
     for record in listed:  # everything listed is complete and readable
         with safe_open(pma_dir / record.path / "model.safetensors", framework="pt") as fh:
             assert len(list(fh.keys())) > 0
-    leftovers = [p.name for p in pma_dir.iterdir() if p.name.startswith(".tmp-snapshot-576")]
+    leftovers = [p.name for p in pma_dir.iterdir() if p.name.startswith(".snapshot-576.tmp-")]
     assert len(leftovers) == 1  # the half-written one, never listed
-    half = next(pma_dir.glob(".tmp-snapshot-576*/model.safetensors"))
+    half = next(pma_dir.glob(".snapshot-576.tmp-*/model.safetensors"))
     with pytest.raises(Exception):  # noqa: B017 - any reader error: the file is truncated
         with safe_open(half, framework="pt") as fh:
             [fh.get_tensor(k) for k in fh.keys()]

@@ -1,0 +1,84 @@
+"""How hf-pma shows numbers and tables: one number formatter, one markdown table.
+
+Every command (``eval``, ``sweep``, ``inspect``) and the model card show a metric the same way
+(:func:`format_number`: ``0.3120``, ``1,234.5``), a metric with its standard error as
+``0.3120 ± 0.0140`` (:func:`format_metric`), and tables as GitHub markdown with padded columns
+(:func:`markdown_table`), which read as plain text in a terminal and paste into an issue, a
+model card or the docs as they are.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["MISSING", "format_bytes", "format_number", "format_metric", "markdown_table"]
+
+MISSING = "-"
+
+
+def format_number(value: Any, spec: str | None = None, missing: str = MISSING) -> str:
+    """A number as text: ``spec`` (a format spec such as ``".3g"``, ``"+.4f"``, ``","``) when
+    given, else the metric format: 4 decimals (``0.3120``), or thousands separators and one
+    decimal from 1000 on (``1,234.5``). ``None`` is ``missing``; NaN and infinities print as
+    ``nan`` / ``inf`` / ``-inf``; booleans and non-numbers are shown as they are.
+    """
+    if value is None:
+        return missing
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return str(value)
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if spec is not None:
+        return format(value, spec)
+    return f"{value:,.1f}" if abs(value) >= 1000 else f"{value:.4f}"
+
+
+def format_metric(value: Any, stderr: Any = None, missing: str = MISSING) -> str:
+    """A metric value, with its standard error when known: ``0.3120 ± 0.0140``."""
+    text = format_number(value, missing=missing)
+    if value is not None and stderr is not None:
+        text += f" ± {format_number(stderr)}"
+    return text
+
+
+def format_bytes(num_bytes: Any, missing: str = MISSING) -> str:
+    """A size in decimal units: ``512 B``, ``1.5 KB``, ``2.0 GB`` (``None`` is ``missing``)."""
+    if num_bytes is None:
+        return missing
+    n = float(num_bytes)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{num_bytes} B"  # pragma: no cover
+
+
+def _cell(value: Any) -> str:
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(header: Sequence[Any], rows: Sequence[Sequence[Any]], align: str | None = None) -> str:
+    """A GitHub markdown table with padded columns.
+
+    ``align`` has one letter per column, ``l`` (left) or ``r`` (right); default: the first
+    column left, the others right (labels, then numbers). Cells are converted with ``str``
+    (format numbers with :func:`format_number` first); ``|`` in a cell is escaped.
+    """
+    header = [_cell(h) for h in header]
+    body = [[_cell(c) for c in row] for row in rows]
+    for row in body:
+        if len(row) != len(header):
+            raise ValueError(f"table row {row} has {len(row)} cells, the header has {len(header)}")
+    align = align or "l" + "r" * (len(header) - 1)
+    if len(align) != len(header) or set(align) - {"l", "r"}:
+        raise ValueError(f"align must be one 'l' or 'r' per column ({len(header)}), got {align!r}")
+    widths = [max(3, *(len(r[i]) for r in [header, *body])) for i in range(len(header))]
+
+    def line(cells: Sequence[str]) -> str:
+        padded = (c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(cells, widths, align))
+        return "| " + " | ".join(padded) + " |"
+
+    rule = "| " + " | ".join(":" + "-" * (w - 1) if a == "l" else "-" * (w - 1) + ":" for w, a in zip(widths, align)) + " |"
+    return "\n".join([line(header), rule, *(line(r) for r in body)])

@@ -1,0 +1,95 @@
+"""The package's layout: subpackages import downward only, no module imports in a cycle, and no
+module points at files outside the repository."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from tests.testing_utils import REPO_ROOT
+
+PACKAGE = REPO_ROOT / "hf_pma"
+# Bottom to top: a subpackage may import its own modules and those of the subpackages below it.
+LAYERS = ["utils", "core", "merging", "snapshots", "evaluation", "publishing", "analysis", "training", "commands"]
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO_ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in sorted(PACKAGE.rglob("*.py"))}
+
+
+def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
+    """Every hf_pma module that ``path`` imports, at module level or inside functions."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            # ``from hf_pma.x import y``: y may be a module of its own.
+            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+        else:
+            continue
+        found.update(t for t in targets if t == "hf_pma" or t.startswith("hf_pma."))
+    return found
+
+
+def _layer(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (len(parts) == 2 and parts[1] in LAYERS) else None
+
+
+def test_subpackages_import_downward_only():
+    modules = _modules()
+    assert {_layer(m) for m in modules} - {None} == set(LAYERS), "a subpackage is missing from LAYERS"
+    upward = []
+    for module, path in modules.items():
+        layer = _layer(module)
+        if layer is None:  # hf_pma/__init__ (lazy exports) and cli.py sit on top
+            continue
+        for target in _imports(path, modules):
+            if target == "hf_pma":
+                continue  # ``from hf_pma import __version__``
+            target_layer = _layer(target)
+            if target_layer is None or LAYERS.index(target_layer) > LAYERS.index(layer):
+                upward.append(f"{module} imports {target}")
+    assert not upward, "imports that go up the layers:\n" + "\n".join(upward)
+
+
+def test_no_import_cycle_between_modules():
+    modules = _modules()
+    graph = {m: {t for t in _imports(p, modules) if t in modules and t != m and t != "hf_pma"} for m, p in modules.items()}
+    cycles = []
+    state: dict[str, int] = {}
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                cycles.append(" -> ".join([*stack[stack.index(nxt):], nxt]))
+            elif nxt not in state:
+                visit(nxt, [*stack, nxt])
+        state[node] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module, [module])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_no_module_points_outside_the_repository():
+    offenders = [
+        str(path.relative_to(REPO_ROOT))
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if "shared/" in path.read_text()
+    ]
+    assert not offenders, f"modules that cite shared/ (developer notes users do not have): {offenders}"

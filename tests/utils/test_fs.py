@@ -1,0 +1,158 @@
+"""The one write path: temporary names, stale temporaries (never a live writer's), full disks."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+from hf_pma.core.manifest import clean_incomplete
+from hf_pma.utils.fs import (
+    FOREIGN_STALE_AFTER_S,
+    NoSpaceError,
+    atomic_write_text,
+    is_stale_temporary,
+    parse_temporary,
+    remove_stale_temporaries,
+    temporary_path,
+    write_folder_atomically,
+)
+
+
+def _dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+@pytest.fixture
+def live_pid():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+def _temporary(folder, name, host, pid, kind="tmp", files=1):
+    path = folder / f".{name}.{kind}-{host}-{pid}-0"
+    path.mkdir()
+    for i in range(files):
+        (path / f"f{i}").write_text("x")
+    return path
+
+
+def test_temporary_names_round_trip():
+    path = temporary_path("/data/run/pma/merged")
+    info = parse_temporary(path.name)
+    assert path.parent.as_posix() == "/data/run/pma" and path.name.startswith(".merged.tmp-")
+    assert info["name"] == "merged" and info["kind"] == "tmp" and info["pid"] == os.getpid()
+    assert temporary_path("/x/merged") != temporary_path("/x/merged")  # a counter: never the same twice
+    assert parse_temporary(".snapshot-12.deleting-my-host.example-77-3") == {
+        "name": "snapshot-12", "kind": "deleting", "host": "my-host.example", "pid": 77}
+    for other in ("merged", ".merged", ".merged.tmp", ".tmp-merged-12-0", ".merged.old-1234abcd"):
+        assert parse_temporary(other) is None
+
+
+def test_stale_temporaries_are_removed_and_live_ones_kept(tmp_path, live_pid):
+    host = socket.gethostname()
+    dead = _temporary(tmp_path, "merged", host, _dead_pid())
+    dead_file = tmp_path / f".merged.tmp-{host}-{_dead_pid()}-4"
+    dead_file.write_text("half a file")
+    deleting = _temporary(tmp_path, "merged", host, _dead_pid(), kind="deleting")
+    live = _temporary(tmp_path, "merged", host, live_pid)
+    mine = _temporary(tmp_path, "merged", host, os.getpid())
+    other_target = _temporary(tmp_path, "snapshot-5", host, _dead_pid())
+    foreign_recent = _temporary(tmp_path, "merged", "elsewhere-node-7", 1234)
+    foreign_old = _temporary(tmp_path, "merged", "elsewhere-node-8", 1234, files=2)
+    long_ago = time.time() - FOREIGN_STALE_AFTER_S - 60
+    for path in (foreign_old, *foreign_old.iterdir()):
+        os.utime(path, (long_ago, long_ago))
+    # A foreign writer that still touches one of its files is alive.
+    foreign_busy = _temporary(tmp_path, "merged", "elsewhere-node-9", 1234, files=2)
+    os.utime(foreign_busy, (long_ago, long_ago))
+    os.utime(foreign_busy / "f0", (long_ago, long_ago))
+    unrelated = tmp_path / ".merged.backup"
+    unrelated.mkdir()
+
+    assert not is_stale_temporary(live) and not is_stale_temporary(mine) and is_stale_temporary(dead)
+    removed = remove_stale_temporaries(tmp_path, "merged")
+    assert sorted(removed) == sorted([dead, dead_file, deleting, foreign_old])
+    left = {p.name for p in tmp_path.iterdir()}
+    assert left == {p.name for p in (live, mine, other_target, foreign_recent, foreign_busy, unrelated)}
+    assert remove_stale_temporaries(tmp_path) == [other_target]  # every target's, without a name
+
+
+def test_write_folder_atomically_removes_a_dead_writers_folder_and_replaces_the_old(tmp_path, live_pid):
+    target = tmp_path / "out"
+    dead = _temporary(tmp_path, "out", socket.gethostname(), _dead_pid())
+    live = _temporary(tmp_path, "out", socket.gethostname(), live_pid)
+    write_folder_atomically(target, lambda tmp: (tmp / "a.txt").write_text("first"))
+    assert (target / "a.txt").read_text() == "first" and not dead.exists() and live.exists()
+    write_folder_atomically(target, lambda tmp: (tmp / "b.txt").write_text("second"))
+    assert sorted(p.name for p in target.iterdir()) == ["b.txt"]
+
+    def fail(tmp):
+        (tmp / "c.txt").write_text("half")
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        write_folder_atomically(target, fail)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", live.name])
+    assert (target / "b.txt").read_text() == "second"
+
+
+def test_clean_incomplete_keeps_a_live_writers_temporaries(tmp_path, live_pid):
+    host = socket.gethostname()
+    dead = _temporary(tmp_path, "snapshot-64", host, _dead_pid())
+    dead_manifest = tmp_path / f".manifest.json.tmp-{host}-{_dead_pid()}-0"
+    dead_manifest.write_text('{"snapshots": [')
+    live = _temporary(tmp_path, "snapshot-128", host, live_pid)
+    legacy = tmp_path / ".tmp-snapshot-32-99-0"
+    legacy.mkdir()
+    assert sorted(clean_incomplete(tmp_path)) == sorted([dead, dead_manifest, legacy])
+    assert [p.name for p in tmp_path.iterdir()] == [live.name]
+
+
+def _fill(folder, leave: int) -> None:
+    """Fill the filesystem of ``folder`` up to ``leave`` free bytes."""
+    filler = folder / "filler"
+    with pytest.raises(OSError):
+        with open(filler, "wb") as fh:
+            while True:
+                fh.write(b"x" * 4096)
+                fh.flush()
+    filler.write_bytes(filler.read_bytes()[:-leave])
+
+
+def test_no_space_left_names_the_target_and_leaves_nothing(small_filesystem):
+    target = small_filesystem / "model"
+    # Known size, checked before anything is written.
+    with pytest.raises(NoSpaceError) as info:
+        write_folder_atomically(target, lambda tmp: pytest.fail("written despite the check"), needed=10**7)
+    assert info.value.needed == 10**7 and info.value.free <= 256 * 1024 and info.value.path == target
+    assert str(info.value).startswith(f"no space left on the device to write {target}; it needs 10.0 MB (10,000,000 bytes); ")
+    assert isinstance(info.value, OSError) and list(small_filesystem.iterdir()) == []
+    # It reaches the other ranks intact (run_on_main_process pickles it).
+    assert str(pickle.loads(pickle.dumps(info.value))) == str(info.value)
+
+    # Unknown size: the disk fills up during the write.
+    def write(tmp):
+        (tmp / "weights.bin").write_bytes(b"\0" * 400 * 1024)
+
+    with pytest.raises(NoSpaceError, match="no space left on the device to write .*model; .* free in"):
+        write_folder_atomically(target, write)
+    assert list(small_filesystem.iterdir()) == []
+
+    # A file: the same error, and the old content stays.
+    manifest = small_filesystem / "manifest.json"
+    atomic_write_text(manifest, "old")
+    _fill(small_filesystem, 8 * 1024)
+    with pytest.raises(NoSpaceError, match=f"to write {manifest}; it needs 40.0 KB"):
+        atomic_write_text(manifest, "y" * 40_000)
+    assert manifest.read_text() == "old"
+    assert sorted(p.name for p in small_filesystem.iterdir()) == ["filler", "manifest.json"]
