@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import uuid
 from pathlib import Path
 
 import torch
@@ -21,14 +20,13 @@ from hf_pma.core.manifest import SNAPSHOT_RECORD_NAME
 from hf_pma.merging.engine import (
     _check_output,
     _copy_support_files,
-    _publish,
     plan_output_shards,
     plan_tensors,
     write_shard_index,
 )
 from hf_pma.merging.safetensors_io import SafetensorsWriter
 from hf_pma.merging.sources import resolve_sources
-from hf_pma.utils.fs import atomic_write_json, fsync_tree
+from hf_pma.utils.fs import atomic_write_json, publish_folder, remove_stale_temporaries, temporary_path
 from hf_pma.utils.parsing import parse_dtype, parse_size
 
 logger = logging.get_logger(__name__)
@@ -60,7 +58,9 @@ def consolidate_snapshot(
     if source is None or not source.sharded:
         raise ValueError(f"{snapshot} is not a sharded snapshot (no per-rank shard-*-model-*.safetensors files)")
     _check_output(output_dir, [source], overwrite)
-    tmp = output_dir.with_name(f".{output_dir.name}.tmp-{uuid.uuid4().hex[:8]}")
+    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(output_dir.parent, output_dir.name)  # of a killed earlier run
+    tmp = temporary_path(output_dir)
     tensors = source.open()
     try:
         plans = plan_tensors(tensors.infos, out_dtype)
@@ -93,8 +93,7 @@ def consolidate_snapshot(
             if out_dtype is not None:
                 record["dtype"] = str(out_dtype).removeprefix("torch.")
             atomic_write_json(tmp / SNAPSHOT_RECORD_NAME, record)
-        fsync_tree(tmp)
-        _publish(tmp, output_dir)
+        publish_folder(tmp, output_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -57,7 +57,7 @@ from hf_pma.merging.sharded import (
 )
 from hf_pma.snapshots.gather import LocalSlice, local_slices
 from hf_pma.snapshots.sinks import DiskSnapshotSink
-from hf_pma.utils.fs import TMP_PREFIX, atomic_write_json, fsync_dir, fsync_tree, remove_tree
+from hf_pma.utils.fs import LEGACY_PREFIXES, atomic_write_json, fsync_dir, fsync_tree, remove_tree
 
 logger = logging.get_logger(__name__)
 
@@ -196,8 +196,11 @@ def write_rank_file(path: str | os.PathLike[str], staged: StagedShard) -> int:
 
 
 def sharded_tmp_dir(pma_dir: str | os.PathLike[str], name: str) -> Path:
-    """The folder where the ranks write snapshot ``name`` before rank 0 renames it into place."""
-    return Path(pma_dir) / f"{TMP_PREFIX}{name}"
+    """The folder where the ranks write snapshot ``name`` before rank 0 renames it into place.
+
+    Every rank must find it without talking to the others, so the name carries no host or pid:
+    it is the ``.tmp-<name>`` form that ``clean_incomplete`` removes when a run (re)starts."""
+    return Path(pma_dir) / f"{LEGACY_PREFIXES[0]}{name}"
 
 
 def wait_for_rank_files(folder: Path, world_size: int, timeout_s: float = DEFAULT_RANK_TIMEOUT_S) -> list[Path]:

@@ -14,18 +14,18 @@ from hf_pma.merging import safetensors_io
 
 
 def stall_mid_write() -> None:
-    """Make the output writer write half of its first chunk, report it, and wait to be killed."""
-    original = safetensors_io.SafetensorsWriter.write
+    """Make the output writer write half of its first chunk, report it, and wait to be killed
+    (the merge engine writes in place with ``write_at``)."""
+    original = safetensors_io.SafetensorsWriter.write_at
 
-    def write(self, name, chunk):
-        original(self, name, chunk[: max(1, chunk.numel() // 2)])
-        self._fh.flush()
+    def write_at(self, name, start, chunk):
+        original(self, name, start, chunk[: max(1, chunk.numel() // 2)])
         sys.stdout.write(f"STALLED {self.path}\n")
         sys.stdout.flush()
         time.sleep(600)
         raise SystemExit("the merge should have been killed while stalled")
 
-    safetensors_io.SafetensorsWriter.write = write
+    safetensors_io.SafetensorsWriter.write_at = write_at
 
 
 if __name__ == "__main__":
