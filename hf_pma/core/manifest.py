@@ -24,6 +24,7 @@ from typing import Any
 from hf_pma.utils.fs import (
     LEGACY_PREFIXES,
     atomic_write_json,
+    is_library_folder,
     read_json,
     remove_path,
     remove_stale_temporaries,
@@ -41,8 +42,11 @@ __all__ = [
     "PLOT_NAME",
     "CARD_NAME",
     "MODEL_SUPPORT_FILES",
+    "ManifestError",
     "SnapshotRecord",
+    "SNAPSHOT_DIR_PATTERN",
     "snapshot_dirname",
+    "is_snapshot_folder",
     "read_manifest",
     "write_manifest",
     "manifest_snapshots",
@@ -90,10 +94,17 @@ MODEL_SUPPORT_FILES = (
 )
 
 PHASES = ("warmup", "stable", "decay")
+# The name of a snapshot folder that this library writes (see :func:`snapshot_dirname`).
+SNAPSHOT_DIR_PATTERN = r"snapshot-\d+"
 
 # A record whose ``extra[EXCLUDED_KEY]`` is true stays on disk but is left out of merges
 # (for example a snapshot taken during a loss spike).
 EXCLUDED_KEY = "excluded"
+
+
+class ManifestError(ValueError):
+    """A manifest or snapshot record that hf-pma refuses to use: the one-line message names the
+    file, the entry and the field (the CLI reports it and exits with status 2)."""
 
 
 @dataclasses.dataclass
@@ -136,6 +147,23 @@ class SnapshotRecord:
 def snapshot_dirname(tokens: int) -> str:
     """Folder name of the snapshot taken at ``tokens`` global tokens."""
     return f"snapshot-{int(tokens)}"
+
+
+def is_snapshot_folder(path: str | os.PathLike[str], pma_dir: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a snapshot folder that hf-pma wrote in ``pma_dir``: a real folder (not a
+    symlink) directly inside it, named ``snapshot-<tokens>``, holding its record ``pma.json``.
+
+    Only such folders are ever deleted (``keep_last``, resume); anything else that a manifest
+    names stays on disk.
+    """
+    path = Path(path)
+    try:
+        direct_child = path.parent.resolve() == Path(pma_dir).resolve()
+    except (OSError, RuntimeError, ValueError):
+        return False
+    return direct_child and is_library_folder(
+        path, SNAPSHOT_RECORD_NAME, within=pma_dir, name_pattern=SNAPSHOT_DIR_PATTERN
+    )
 
 
 def find_manifest(path: str | os.PathLike[str]) -> Path | None:

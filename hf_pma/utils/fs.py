@@ -38,9 +38,12 @@ __all__ = [
     "atomic_write_json",
     "atomic_write_text",
     "check_output_folder",
+    "confined_path",
     "free_bytes",
     "fsync_dir",
     "fsync_tree",
+    "is_confined",
+    "is_library_folder",
     "is_stale_temporary",
     "parse_temporary",
     "publish_folder",
@@ -173,6 +176,84 @@ def remove_stale_temporaries(folder: str | os.PathLike[str], name: str | None = 
         _logger().info(f"hf-pma: removed {path}, left by an interrupted write")
         removed.append(path)
     return removed
+
+
+# ---------------------------------------------------------------- confinement
+
+
+def is_confined(
+    path: str | os.PathLike[str], folder: str | os.PathLike[str], allow_self: bool = False
+) -> bool:
+    """Whether ``path`` resolves, after every symlink, strictly inside ``folder`` (or is ``folder``
+    itself, with ``allow_self``). A path that cannot be resolved (a symlink loop) is not confined."""
+    try:
+        resolved = Path(path).resolve()
+        root = Path(folder).resolve()
+    except (OSError, RuntimeError, ValueError):
+        return False
+    if resolved == root:
+        return allow_self
+    return resolved.is_relative_to(root)
+
+
+def confined_path(folder: str | os.PathLike[str], relative: Any) -> Path:
+    """``folder / relative`` for a path read from a file, when it stays inside ``folder``.
+
+    ``relative`` must be a non-empty relative path string without ``..`` components, naming
+    something strictly inside ``folder`` after every symlink. Otherwise ``ValueError`` says why
+    in a few words (the caller adds which file and entry it came from). Nothing is read.
+    """
+    if not isinstance(relative, str) or not relative.strip():
+        raise ValueError(f"expected a non-empty relative path, got {_shown(relative)}")
+    if "\x00" in relative:
+        raise ValueError(f"the path {_shown(relative)} holds a NUL character")
+    parts = relative.replace("\\", "/").split("/")
+    if relative.startswith(("/", "\\")) or os.path.isabs(relative) or re.match(r"^[A-Za-z]:", relative):
+        raise ValueError(f"the path {_shown(relative)} is absolute; it must be relative to {folder}")
+    if ".." in parts:
+        raise ValueError(f"the path {_shown(relative)} leaves {folder} ('..')")
+    path = Path(folder) / relative
+    try:
+        target, root = path.resolve(), Path(folder).resolve()
+    except (OSError, RuntimeError, ValueError) as err:  # a symlink loop, an unencodable name
+        raise ValueError(f"the path {_shown(relative)} cannot be resolved ({err})") from None
+    if target == root:
+        raise ValueError(f"the path {_shown(relative)} names {folder} itself, not a folder inside it")
+    if not target.is_relative_to(root):
+        raise ValueError(f"the path {_shown(relative)} resolves to {target}, outside {folder} (a symlink)")
+    return path
+
+
+def is_library_folder(
+    path: str | os.PathLike[str],
+    marker: str | tuple[str, ...],
+    within: str | os.PathLike[str] | None = None,
+    name_pattern: str | re.Pattern[str] | None = None,
+) -> bool:
+    """Whether ``path`` is a folder that hf-pma created, as far as its files can tell.
+
+    It must be a real folder (not a symlink), hold ``marker`` (or one of several) as a regular
+    file (not a symlink), have a name matching ``name_pattern`` (a full match) when one is given,
+    and lie strictly inside ``within`` (after symlinks) when that is given. What deletes or
+    replaces folders asks this first: anything else is the user's and stays as it is.
+    """
+    path = Path(path)
+    markers = (marker,) if isinstance(marker, str) else tuple(marker)
+    try:
+        if path.is_symlink() or not path.is_dir():
+            return False
+        if name_pattern is not None and re.fullmatch(name_pattern, path.name) is None:
+            return False
+        if within is not None and not is_confined(path, within):
+            return False
+        return any((path / m).is_file() and not (path / m).is_symlink() for m in markers)
+    except OSError:
+        return False
+
+
+def _shown(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # ---------------------------------------------------------------- no space left

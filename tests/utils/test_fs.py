@@ -16,6 +16,9 @@ from hf_pma.utils.fs import (
     FOREIGN_STALE_AFTER_S,
     NoSpaceError,
     atomic_write_text,
+    confined_path,
+    is_confined,
+    is_library_folder,
     is_stale_temporary,
     parse_temporary,
     remove_stale_temporaries,
@@ -156,3 +159,61 @@ def test_no_space_left_names_the_target_and_leaves_nothing(small_filesystem):
         atomic_write_text(manifest, "y" * 40_000)
     assert manifest.read_text() == "old"
     assert sorted(p.name for p in small_filesystem.iterdir()) == ["filler", "manifest.json"]
+
+
+# ---------------------------------------------------------------- confinement
+
+
+def test_confined_path_refuses_what_leaves_the_folder(tmp_path):
+    root, outside = tmp_path / "run", tmp_path / "elsewhere"
+    (root / "inside").mkdir(parents=True)
+    outside.mkdir()
+    (root / "to_inside").symlink_to(root / "inside")
+    (root / "to_outside").symlink_to(outside)
+    (root / "loop").symlink_to(root / "loop")
+    assert confined_path(root, "inside") == root / "inside"
+    assert confined_path(root, "to_inside") == root / "to_inside"
+    assert confined_path(root, "not/yet/there") == root / "not/yet/there"
+    refused = {
+        "../elsewhere": "leaves",
+        "inside/../../elsewhere": "leaves",
+        str(outside): "is absolute",
+        "to_outside": "resolves to .*elsewhere, outside",
+        "to_outside/model": "outside",
+        ".": "itself",
+        "": "non-empty",
+        "a\x00b": "NUL",
+        "loop": "cannot be resolved",
+        "\ud800": "cannot be resolved",
+    }
+    for relative, why in refused.items():
+        with pytest.raises(ValueError, match=why) as info:
+            confined_path(root, relative)
+        assert "\n" not in str(info.value)
+    for value in (5, None, ["inside"], True):
+        with pytest.raises(ValueError, match="non-empty relative path"):
+            confined_path(root, value)
+    assert is_confined(root / "inside", root) and not is_confined(root / "to_outside", root)
+    assert not is_confined(root, root) and is_confined(root, root, allow_self=True)
+
+
+def test_is_library_folder_needs_a_real_folder_its_marker_and_its_name(tmp_path):
+    run = tmp_path / "run"
+    ours = run / "snapshot-10"
+    ours.mkdir(parents=True)
+    (ours / "pma.json").write_text("{}")
+    assert is_library_folder(ours, "pma.json", within=run, name_pattern=r"snapshot-\d+")
+    assert is_library_folder(ours, ("pma_merge.json", "pma.json"))
+    assert not is_library_folder(ours, "pma.json", within=ours)  # not strictly inside
+    assert not is_library_folder(ours, "pma.json", name_pattern=r"checkpoint-\d+")
+    assert not is_library_folder(ours, "pma_merge.json")
+    # A symlink to one of ours, a marker that is a symlink, a file, nothing.
+    (run / "snapshot-20").symlink_to(ours)
+    assert not is_library_folder(run / "snapshot-20", "pma.json")
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / "pma.json").symlink_to(ours / "pma.json")
+    assert not is_library_folder(user, "pma.json")
+    (run / "file").write_text("x")
+    assert not is_library_folder(run / "file", "pma.json")
+    assert not is_library_folder(run / "missing", "pma.json")
