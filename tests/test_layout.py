@@ -10,7 +10,7 @@ from tests.testing_utils import REPO_ROOT
 
 PACKAGE = REPO_ROOT / "hf_pma"
 # Bottom to top: a subpackage may import its own modules and those of the subpackages below it.
-LAYERS = ["utils", "core", "merging", "snapshots", "evaluation", "publishing", "analysis", "training", "commands"]
+LAYERS = ["utils", "io", "core", "merging", "snapshots", "evaluation", "publishing", "analysis", "training", "commands"]
 
 
 def _module_name(path: Path) -> str:
@@ -93,3 +93,21 @@ def test_no_module_points_outside_the_repository():
         if "shared/" in path.read_text()
     ]
     assert not offenders, f"modules that cite shared/ (developer notes users do not have): {offenders}"
+
+
+# Layers that sit side by side on the IO layer: neither imports the other (the snapshot writers
+# and the merge share the safetensors reader/writer and the sharded layout of hf_pma.io).
+SIBLINGS = [("snapshots", "merging")]
+
+
+def test_snapshots_and_merging_share_only_the_io_layer():
+    modules = _modules()
+    crossing = []
+    for module, path in modules.items():
+        layer = _layer(module)
+        for a, b in SIBLINGS:
+            if layer not in (a, b):
+                continue
+            other = b if layer == a else a
+            crossing += [f"{module} imports {t}" for t in _imports(path, modules) if _layer(t) == other]
+    assert not crossing, "imports between sibling layers (move what both need to hf_pma.io):\n" + "\n".join(crossing)

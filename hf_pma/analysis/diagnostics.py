@@ -49,7 +49,7 @@ from transformers.utils import logging
 
 from hf_pma.core.manifest import find_manifest, is_excluded, manifest_snapshots
 from hf_pma.core.strategies import merge_weights
-from hf_pma.merging.sharded import sharded_weight_files
+from hf_pma.io.sharded import sharded_weight_files
 from hf_pma.merging.sources import (
     CheckpointSource,
     CheckpointTensors,
@@ -132,7 +132,7 @@ def _float_tensors(sources: Sequence[CheckpointSource], opened: Sequence[Checkpo
                     f"tensor {name!r} has shape {list(infos[name].shape)} in {source.path} "
                     f"but {list(info.shape)} in {sources[0].path}"
                 )
-    return [(name, ref[name].numel) for name in sorted(ref) if ref[name].dtype.is_floating_point]
+    return [(name, ref[name].numel) for name in sorted(ref) if ref[name].is_floating_point]
 
 
 def compute_gram(

@@ -319,7 +319,7 @@ def _find_tokenizer_folder(folder: Path) -> Path | None:
 
 
 def _check_model_folder(path: Path) -> None:
-    from hf_pma.merging.sharded import sharded_weight_files
+    from hf_pma.io.sharded import sharded_weight_files
     from hf_pma.merging.sources import find_weight_files
 
     if not path.is_dir():
@@ -391,8 +391,8 @@ def load_model_for_eval(
     """
     from transformers import AutoModelForCausalLM
 
+    from hf_pma.io.sharded import sharded_weight_files
     from hf_pma.merging.consolidate import load_sharded_model
-    from hf_pma.merging.sharded import sharded_weight_files
 
     tok_obj = None if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)) else tokenizer
     if tok_obj is not None:

@@ -1,7 +1,7 @@
 """Turn one sharded snapshot (one file per rank) into a plain Hugging Face model folder.
 
 Streams tensor by tensor in bounded memory (flat element ranges assembled from the ranks'
-slices, see :mod:`hf_pma.merging.sharded`), optionally casting floating tensors, into
+slices, see :mod:`hf_pma.io.sharded`), optionally casting floating tensors, into
 ``model.safetensors`` or ``model-0000x-of-0000y.safetensors`` + index, with the snapshot's
 config, tokenizer files and record; the folder is built aside and renamed into place.
 """
@@ -17,6 +17,8 @@ from tqdm.auto import tqdm
 from transformers.utils import logging
 
 from hf_pma.core.manifest import SNAPSHOT_RECORD_NAME
+from hf_pma.io.safetensors import SafetensorsWriter
+from hf_pma.io.torch_adapters import safetensors_dtype, tensor_bytes
 from hf_pma.merging.engine import (
     _check_output,
     _copy_support_files,
@@ -24,7 +26,6 @@ from hf_pma.merging.engine import (
     plan_tensors,
     write_shard_index,
 )
-from hf_pma.merging.safetensors_io import SafetensorsWriter
 from hf_pma.merging.sources import resolve_sources
 from hf_pma.utils.fs import atomic_write_json, publish_folder, remove_stale_temporaries, temporary_path
 from hf_pma.utils.parsing import parse_dtype, parse_size
@@ -70,7 +71,7 @@ def consolidate_snapshot(
         cast_bufs: dict[torch.dtype, torch.Tensor] = {}
         bar = tqdm(total=len(plans), desc="Consolidating", unit="tensor", disable=not progress)
         for shard in shards:
-            writer = SafetensorsWriter(tmp / shard.filename, [(p.name, p.out_dtype, p.shape) for p in shard.plans])
+            writer = SafetensorsWriter(tmp / shard.filename, [(p.name, safetensors_dtype(p.out_dtype), p.shape) for p in shard.plans])
             for plan in shard.plans:
                 for start in range(0, plan.numel, _CHUNK_ELEMS):
                     stop = min(plan.numel, start + _CHUNK_ELEMS)
@@ -78,7 +79,7 @@ def consolidate_snapshot(
                     if plan.out_dtype != plan.in_dtype:
                         cast = cast_bufs.setdefault(plan.out_dtype, torch.empty(_CHUNK_ELEMS, dtype=plan.out_dtype))
                         chunk = cast[: stop - start].copy_(chunk)
-                    writer.write(plan.name, chunk)
+                    writer.write(plan.name, tensor_bytes(chunk))
                 bar.update(1)
             writer.close()
         bar.close()
@@ -88,7 +89,7 @@ def consolidate_snapshot(
         if record:
             extra = dict(record.get("extra") or {})
             layout = {k: extra.pop(k) for k in ("sharded", "world_size", "layout") if k in extra}
-            extra["consolidated_from"] = {**layout, "num_rank_files": tensors.num_ranks}
+            extra["consolidated_from"] = {**layout, "num_rank_files": len(source.files)}
             record["extra"] = extra
             if out_dtype is not None:
                 record["dtype"] = str(out_dtype).removeprefix("torch.")
@@ -99,7 +100,7 @@ def consolidate_snapshot(
         raise
     finally:
         tensors.close()
-    logger.info(f"Consolidated {source.path} ({tensors.num_ranks} rank files) into {output_dir}")
+    logger.info(f"Consolidated {source.path} ({len(source.files)} rank files) into {output_dir}")
     return output_dir
 
 

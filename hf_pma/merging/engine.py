@@ -1,7 +1,7 @@
 """The streaming merge engine: ``M = sum_i w_i * M_i`` over N checkpoints, in bounded memory.
 
 Tensors are cut into chunks of at most ``chunk_bytes`` of accumulator, read straight from the
-source files (see :mod:`hf_pma.merging.safetensors_io`) and accumulated in float32 (or
+source files (see :mod:`hf_pma.io.safetensors`) and accumulated in float32 (or
 float64) by several worker threads (see :mod:`hf_pma.merging.chunks`: reads overlap the
 arithmetic, and the result is bit-identical for any number of workers); each merged chunk is
 written at its place in output shards planned up front. Peak memory is a few chunk buffers
@@ -29,6 +29,8 @@ from transformers.utils import logging
 from hf_pma import __version__
 from hf_pma.core.manifest import MERGE_RECORD_NAME, MODEL_SUPPORT_FILES
 from hf_pma.core.strategies import merge_weights
+from hf_pma.io.safetensors import SafetensorsWriter, TensorInfo
+from hf_pma.io.torch_adapters import DTYPE_FROM_SAFETENSORS, safetensors_dtype, tensor_bytes
 from hf_pma.merging.chunks import (
     DEFAULT_CHUNK_BYTES,
     MergeError,
@@ -38,7 +40,6 @@ from hf_pma.merging.chunks import (
     default_workers,
     run_chunks,
 )
-from hf_pma.merging.safetensors_io import SafetensorsWriter, TensorInfo
 from hf_pma.merging.sources import CheckpointSource, CheckpointTensors, open_all, resolve_sources
 from hf_pma.utils.distributed import all_ranks_checked, distributed_rank_and_size, local_world_size
 from hf_pma.utils.fs import (
@@ -102,8 +103,9 @@ def plan_tensors(infos: dict[str, TensorInfo], dtype: torch.dtype | None) -> lis
     plans = []
     for name in sorted(infos):
         info = infos[name]
-        out = dtype if (dtype is not None and info.dtype.is_floating_point) else info.dtype
-        plans.append(TensorPlan(name, info.shape, info.dtype, out))
+        in_dtype = DTYPE_FROM_SAFETENSORS[info.dtype]
+        out = dtype if (dtype is not None and info.is_floating_point) else in_dtype
+        plans.append(TensorPlan(name, info.shape, in_dtype, out))
     return plans
 
 
@@ -285,7 +287,7 @@ def write_output_shards(
     progress: bool = False,
 ) -> None:
     """Merge the tensors of ``shards`` and write each shard file into ``folder`` (fsynced)."""
-    writers = [SafetensorsWriter(folder / s.filename, [(p.name, p.out_dtype, p.shape) for p in s.plans]) for s in shards]
+    writers = [SafetensorsWriter(folder / s.filename, [(p.name, safetensors_dtype(p.out_dtype), p.shape) for p in s.plans]) for s in shards]
     try:
         chunk_elems = chunk_elements(chunk_bytes, accumulate_dtype)
         tasks = (
@@ -308,7 +310,7 @@ def write_output_shards(
 
 def _write_into(writer: SafetensorsWriter, name: str):
     def sink(start: int, chunk: torch.Tensor) -> None:
-        writer.write_at(name, start, chunk)
+        writer.write_at(name, start, tensor_bytes(chunk))
 
     return sink
 

@@ -31,13 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from tqdm.auto import tqdm
-from transformers.utils import logging
 
 from hf_pma.core.manifest import MODEL_SUPPORT_FILES
 from hf_pma.utils.formatting import format_bytes
 from hf_pma.utils.fs import free_bytes
+from hf_pma.utils.logs import get_logger
 
-logger = logging.get_logger(__name__)
+logger = get_logger(__name__)
 
 __all__ = [
     "HubRevision",

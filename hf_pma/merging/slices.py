@@ -30,6 +30,7 @@ import torch
 from transformers.utils import logging
 
 from hf_pma.core.strategies import merge_weights
+from hf_pma.io.torch_adapters import DTYPE_FROM_SAFETENSORS
 from hf_pma.merging.chunks import DEFAULT_CHUNK_BYTES, TensorPlan, chunk_elements, chunk_tasks, run_chunks
 from hf_pma.merging.engine import validate_sources
 from hf_pma.merging.sources import CheckpointSource, CheckpointTensors, open_all, resolve_sources
@@ -259,7 +260,7 @@ class SliceSwap:
             )
             with torch.no_grad():
                 run_chunks(tasks, [str(s.path) for s in srcs], opened, coefs, accumulate_dtype, chunk_bytes, workers)
-            self.bytes_read = len(srcs) * sum(s.numel * infos[s.name].dtype.itemsize for s in mine)
+            self.bytes_read = len(srcs) * sum(s.numel * infos[s.name].itemsize for s in mine)
 
         try:
             all_ranks_checked(merge_mine, "merging the snapshots into this process's shards")
@@ -304,7 +305,8 @@ class SliceSwap:
 
 def _plan(name: str, infos: dict[str, Any]) -> TensorPlan:
     info = infos[name]
-    return TensorPlan(name, tuple(info.shape), info.dtype, info.dtype)
+    dtype = DTYPE_FROM_SAFETENSORS[info.dtype]
+    return TensorPlan(name, tuple(info.shape), dtype, dtype)
 
 
 def _into(slot: LocalSlot):

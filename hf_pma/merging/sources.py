@@ -7,7 +7,7 @@ that is known, and :meth:`CheckpointSource.open` gives tensor-level read access 
 folder's weight files (single-file or sharded safetensors, or ``.bin`` through
 ``torch.load(weights_only=True)``), or, for a folder of per-rank files (a sharded snapshot,
 or what torch DCP's ``HuggingFaceStorageWriter(save_distributed=True)`` writes), the same access
-assembled from the ranks' slices (:mod:`hf_pma.merging.sharded`). Hub sources (``org/model``,
+assembled from the ranks' slices (:mod:`hf_pma.io.sharded`). Hub sources (``org/model``,
 ``org/model@REV``, or a repo's revisions matching a pattern) are found, ordered and selected
 before anything is downloaded (see :mod:`hf_pma.merging.hub_revisions`).
 """
@@ -21,12 +21,11 @@ import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
-
-import torch
-from transformers.utils import logging
+from typing import TYPE_CHECKING, Any
 
 from hf_pma.core.manifest import SNAPSHOT_RECORD_NAME, find_manifest, manifest_snapshots, read_manifest
+from hf_pma.io.safetensors import CheckpointFormatError, SafetensorsCheckpoint, TensorInfo
+from hf_pma.io.sharded import ShardedCheckpointTensors, sharded_weight_files
 from hf_pma.merging.hub_revisions import (
     HubRevision,
     download_revisions,
@@ -34,10 +33,12 @@ from hf_pma.merging.hub_revisions import (
     parse_hub_spec,
     resolve_revision,
 )
-from hf_pma.merging.safetensors_io import CheckpointFormatError, SafetensorsReader, TensorInfo
-from hf_pma.merging.sharded import ShardedCheckpointTensors, sharded_weight_files
+from hf_pma.utils.logs import get_logger
 
-logger = logging.get_logger(__name__)
+if TYPE_CHECKING:
+    import torch
+
+logger = get_logger(__name__)
 
 __all__ = [
     "CheckpointSource",
@@ -45,6 +46,7 @@ __all__ = [
     "resolve_sources",
     "select_newest",
     "open_all",
+    "open_weight_files",
     "find_weight_files",
     "WEIGHT_PREFIXES",
 ]
@@ -72,62 +74,100 @@ def find_weight_files(folder: Path) -> tuple[str, list[Path]] | None:
                 files = [folder / name for name in dict.fromkeys(weight_map.values())]
                 missing = [f.name for f in files if not f.is_file()]
                 if missing:
-                    raise CheckpointFormatError(f"{index} lists shard(s) that do not exist: {', '.join(missing)}")
+                    raise CheckpointFormatError(
+                        f"{index} lists shard(s) that do not exist: {', '.join(missing)}"
+                    )
                 return prefix, files
             if single.is_file():
                 return prefix, [single]
     return None
 
 
-class _BinReader:
-    """A ``.bin`` state dict loaded with ``torch.load(weights_only=True, mmap=True)``."""
+class _BinCheckpoint:
+    """``.bin`` state dicts loaded with ``torch.load(weights_only=True, mmap=True)``; ``read`` gives torch tensors."""
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except Exception as err:  # noqa: BLE001 - any unpickling failure is a bad file
-            raise CheckpointFormatError(f"{path} could not be read as a PyTorch state dict: {err}") from err
-        if not isinstance(state, dict):
-            raise CheckpointFormatError(f"{path} does not hold a state dict (got {type(state).__name__})")
-        self._state = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
-        self.tensors = {
-            k: TensorInfo(k, v.dtype, tuple(v.shape), 0, v.numel() * v.element_size()) for k, v in self._state.items()
-        }
+    def __init__(self, files: Sequence[Path]) -> None:
+        import torch
 
-    def read(self, name: str, start: int = 0, stop: int | None = None, buffer: torch.Tensor | None = None) -> torch.Tensor:
+        from hf_pma.io.torch_adapters import safetensors_dtype
+
+        self._state: dict[str, Any] = {}
+        self._infos: dict[str, TensorInfo] = {}
+        for path in files:
+            try:
+                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as err:  # noqa: BLE001 - any unpickling failure is a bad file
+                raise CheckpointFormatError(
+                    f"{path} could not be read as a PyTorch state dict: {err}"
+                ) from err
+            if not isinstance(state, dict):
+                raise CheckpointFormatError(f"{path} does not hold a state dict (got {type(state).__name__})")
+            for name, tensor in state.items():
+                if not isinstance(tensor, torch.Tensor):
+                    continue
+                if name in self._state:
+                    raise CheckpointFormatError(f"tensor {name!r} appears in two shards: {path} and another")
+                dtype = safetensors_dtype(tensor.dtype, name)
+                self._state[name] = tensor
+                self._infos[name] = TensorInfo(
+                    name, dtype, tuple(tensor.shape), 0, tensor.numel() * tensor.element_size()
+                )
+
+    @property
+    def infos(self) -> dict[str, TensorInfo]:
+        return self._infos
+
+    def read(self, name: str, start: int = 0, stop: int | None = None, buffer: Any = None) -> Any:
         return self._state[name].reshape(-1)[start:stop]
 
     def close(self) -> None:
         self._state = {}
 
 
-class CheckpointTensors:
-    """Read access to every tensor of one checkpoint folder, across its weight files."""
+def open_weight_files(
+    files: Sequence[Path], sharded: bool = False
+) -> SafetensorsCheckpoint | ShardedCheckpointTensors:
+    """Raw (torch-free) read access to safetensors weight files: bytes by element ranges.
 
-    def __init__(self, files: Sequence[Path]) -> None:
-        self._readers: list[Any] = []
-        self._owner: dict[str, Any] = {}
-        try:
-            for path in files:
-                reader = SafetensorsReader(path) if path.suffix == ".safetensors" else _BinReader(path)
-                self._readers.append(reader)
-                for name in reader.tensors:
-                    if name in self._owner:
-                        raise CheckpointFormatError(f"tensor {name!r} appears in two shards: {self._owner[name].path} and {path}")
-                    self._owner[name] = reader
-        except BaseException:
-            self.close()
-            raise
+    ``sharded``: the files are one per rank (DCP layout). ``.bin`` files need torch
+    (:class:`CheckpointTensors`); ``ValueError`` here.
+    """
+    if sharded:
+        return ShardedCheckpointTensors(files)
+    if any(Path(f).suffix != ".safetensors" for f in files):
+        raise ValueError("reading .bin weights needs torch; open them with CheckpointTensors")
+    return SafetensorsCheckpoint(files)
+
+
+class CheckpointTensors:
+    """Read access to every tensor of one checkpoint folder, across its weight files, as torch tensors.
+
+    Safetensors files (plain, sharded by an index, or one per rank with ``sharded``) are read by
+    byte ranges (:mod:`hf_pma.io`); ``.bin`` files are loaded with
+    ``torch.load(weights_only=True, mmap=True)``. torch is imported on first use.
+    """
+
+    def __init__(self, files: Sequence[Path], sharded: bool = False) -> None:
+        from hf_pma.io.torch_adapters import TorchTensors
+
+        files = [Path(f) for f in files]
+        self._bin = not sharded and any(f.suffix != ".safetensors" for f in files)
+        self.raw = _BinCheckpoint(files) if self._bin else open_weight_files(files, sharded)
+        self._torch = TorchTensors(self.raw)
 
     @property
     def infos(self) -> dict[str, TensorInfo]:
-        """Name -> dtype, shape and location of every tensor."""
-        return {name: reader.tensors[name] for name, reader in self._owner.items()}
+        """Name -> dtype (a safetensors name), shape and location of every tensor."""
+        return self.raw.infos
 
-    def read(self, name: str, start: int = 0, stop: int | None = None, buffer: torch.Tensor | None = None) -> torch.Tensor:
-        """Elements ``[start, stop)`` of tensor ``name``, flattened."""
-        return self._owner[name].read(name, start, stop, buffer)
+    def read(
+        self, name: str, start: int = 0, stop: int | None = None, buffer: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Elements ``[start, stop)`` of tensor ``name``, flattened (a view of ``buffer``, a uint8
+        tensor, when given)."""
+        if self._bin:
+            return self.raw.read(name, start, stop)
+        return self._torch.read(name, start, stop, buffer)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Every tensor, loaded and reshaped (for small models and tests)."""
@@ -135,9 +175,7 @@ class CheckpointTensors:
 
     def close(self) -> None:
         """Close every file."""
-        for reader in self._readers:
-            reader.close()
-        self._readers = []
+        self.raw.close()
 
     def __enter__(self) -> CheckpointTensors:
         return self
@@ -170,12 +208,19 @@ class CheckpointSource:
         """True for a PEFT adapter folder (``adapter_model.*``)."""
         return self.prefix == "adapter_model"
 
-    def open(self) -> CheckpointTensors | ShardedCheckpointTensors:
-        """Open the weight files for reading (validates their headers; a sharded folder's slices
-        must cover every tensor exactly once)."""
-        if self.sharded:
-            return ShardedCheckpointTensors(self.files)
-        return CheckpointTensors(self.files)
+    @property
+    def needs_torch(self) -> bool:
+        """True when the weights are ``.bin`` pickles (only torch reads them)."""
+        return not self.sharded and any(f.suffix != ".safetensors" for f in self.files)
+
+    def open(self) -> CheckpointTensors:
+        """Open the weight files for reading as torch tensors (validates their headers; a sharded
+        folder's slices must cover every tensor exactly once)."""
+        return CheckpointTensors(self.files, self.sharded)
+
+    def open_raw(self) -> SafetensorsCheckpoint | ShardedCheckpointTensors:
+        """Open safetensors weight files for torch-free reading (bytes by element ranges)."""
+        return open_weight_files(self.files, self.sharded)
 
     def num_bytes(self) -> int:
         """Total size of the weight files."""
@@ -203,12 +248,13 @@ def _progress_of(folder: Path) -> tuple[int | None, int | None, dict[str, Any]]:
     return None, None, {}
 
 
-def open_all(sources: Sequence[CheckpointSource]) -> list[CheckpointTensors | ShardedCheckpointTensors]:
-    """Open every source (headers validated); on a failure, close the ones already opened."""
-    opened: list[CheckpointTensors] = []
+def open_all(sources: Sequence[CheckpointSource], raw: bool = False) -> list[Any]:
+    """Open every source (headers validated; ``raw``: torch-free, see :meth:`CheckpointSource.open_raw`);
+    on a failure, close the ones already opened."""
+    opened: list[Any] = []
     try:
         for source in sources:
-            opened.append(source.open())
+            opened.append(source.open_raw() if raw else source.open())
     except BaseException:
         for tensors in opened:
             tensors.close()
@@ -233,7 +279,9 @@ def _sharded_files(folder: Path) -> list[Path] | None:
     return files
 
 
-def _source_from_folder(folder: Path, tokens: int | None = None, step: int | None = None, record=None) -> CheckpointSource:
+def _source_from_folder(
+    folder: Path, tokens: int | None = None, step: int | None = None, record=None
+) -> CheckpointSource:
     found = find_weight_files(folder)
     sharded = found is None and (files := _sharded_files(folder)) is not None
     if sharded:
@@ -268,11 +316,15 @@ def _expand_manifest(manifest: Path) -> list[CheckpointSource]:
 
 
 def _expand_checkpoints(folder: Path) -> list[CheckpointSource]:
-    found = [(int(m.group(1)), p) for p in folder.iterdir() if p.is_dir() and (m := _CHECKPOINT_RE.match(p.name))]
+    found = [
+        (int(m.group(1)), p) for p in folder.iterdir() if p.is_dir() and (m := _CHECKPOINT_RE.match(p.name))
+    ]
     return [_source_from_folder(p) for _, p in sorted(found)]
 
 
-def _expand(item: str | os.PathLike[str], revisions: str | None = None, endpoint: str | None = None) -> list[Any]:
+def _expand(
+    item: str | os.PathLike[str], revisions: str | None = None, endpoint: str | None = None
+) -> list[Any]:
     """The checkpoints an item names: local sources now, Hub revisions still to download."""
     path = Path(item)
     if not path.exists():
@@ -299,7 +351,9 @@ def _expand(item: str | os.PathLike[str], revisions: str | None = None, endpoint
     )
 
 
-def _download(items: list[Any], cache_dir: str | os.PathLike[str] | None, endpoint: str | None) -> list[CheckpointSource]:
+def _download(
+    items: list[Any], cache_dir: str | os.PathLike[str] | None, endpoint: str | None
+) -> list[CheckpointSource]:
     """Download the selected Hub revisions (one disk-space check, one progress bar) into sources."""
     hub = [x for x in items if isinstance(x, HubRevision)]
     if not hub:
@@ -339,7 +393,9 @@ def order_by_progress(sources: list[CheckpointSource]) -> list[CheckpointSource]
     if all(s.step is not None for s in sources):
         return sorted(sources, key=lambda s: (s.record.get("stage") or 0, s.step))
     if len(sources) > 1:
-        logger.info("Training progress is unknown for some sources: merging them in the order given (oldest first).")
+        logger.info(
+            "Training progress is unknown for some sources: merging them in the order given (oldest first)."
+        )
     return sources
 
 
@@ -372,19 +428,29 @@ def resolve_sources(
     if revisions is not None and not any(
         not Path(i).exists() and (spec := parse_hub_spec(i)) is not None and spec[1] is None for i in inputs
     ):
-        raise ValueError(f"--revisions {revisions!r} applies to a Hub repo given as org/model, and no source is one")
+        raise ValueError(
+            f"--revisions {revisions!r} applies to a Hub repo given as org/model, and no source is one"
+        )
     items = [x for item in inputs for x in _expand(item, revisions, endpoint)]
     seen: dict[Any, Any] = {}
     for x in items:
         if _key(x) in seen:
             what = x.spec if isinstance(x, HubRevision) else x.path
-            raise ValueError(f"source {what} is given twice (directly, through a run folder or as the same commit)")
+            raise ValueError(
+                f"source {what} is given twice (directly, through a run folder or as the same commit)"
+            )
         seen[_key(x)] = x
     local_prefixes = {x.prefix for x in items if isinstance(x, CheckpointSource)}
     if len(local_prefixes) > 1:
-        raise ValueError("cannot merge full models with PEFT adapters: " + ", ".join(f"{x.path} ({x.prefix})" for x in items))
+        raise ValueError(
+            "cannot merge full models with PEFT adapters: "
+            + ", ".join(f"{x.path} ({x.prefix})" for x in items)
+        )
     sources = _download(select_newest(order_by_progress(items), last, every), cache_dir, endpoint)
     prefixes = {s.prefix for s in sources}
     if len(prefixes) > 1:
-        raise ValueError("cannot merge full models with PEFT adapters: " + ", ".join(f"{s.name} ({s.prefix})" for s in sources))
+        raise ValueError(
+            "cannot merge full models with PEFT adapters: "
+            + ", ".join(f"{s.name} ({s.prefix})" for s in sources)
+        )
     return sources

@@ -12,7 +12,7 @@ torchtitan writes): each file stores its slices under the full tensor names, wit
 ``__metadata__["DCP_SHARDING_INFO"]`` giving each slice's ``saved_offsets``, so DCP and
 torchtitan tooling read it too. A ZeRO-3 partition is a flat range of the flattened tensor,
 which DCP's layout cannot express: it is stored flat, and ``hf_pma_global_shapes`` (written
-for every tensor) gives the full shapes. :mod:`hf_pma.merging.sharded` reads both.
+for every tensor) gives the full shapes. :mod:`hf_pma.io.sharded` reads both.
 
 How a snapshot is taken (:class:`ShardedSnapshotSink`), on every rank:
 
@@ -47,14 +47,15 @@ import torch
 from transformers.utils import logging
 
 from hf_pma.core.manifest import SNAPSHOT_RECORD_NAME, SnapshotRecord, add_snapshot
-from hf_pma.merging.safetensors_io import SAFETENSORS_FROM_DTYPE, SafetensorsWriter
-from hf_pma.merging.sharded import (
+from hf_pma.io.safetensors import SafetensorsWriter
+from hf_pma.io.sharded import (
     DCP_SHARDING_INFO_KEY,
     DCP_VERSION_KEY,
     GLOBAL_SHAPES_KEY,
     SAVED_OFFSETS_KEY,
     rank_file_name,
 )
+from hf_pma.io.torch_adapters import SAFETENSORS_FROM_DTYPE, safetensors_dtype, tensor_bytes
 from hf_pma.snapshots.gather import LocalSlice, local_slices
 from hf_pma.snapshots.sinks import DiskSnapshotSink
 from hf_pma.utils.fs import LEGACY_PREFIXES, atomic_write_json, fsync_dir, fsync_tree, remove_tree
@@ -176,14 +177,14 @@ def write_rank_file(path: str | os.PathLike[str], staged: StagedShard) -> int:
         GLOBAL_SHAPES_KEY: json.dumps(shapes),
         "format": "pt",
     }
-    plan = [(s.name, b.dtype, (s.numel,) if s.flat else tuple(s.sizes)) for s, b in zip(staged.slices, staged.buffers)]
+    plan = [(s.name, safetensors_dtype(b.dtype, s.name), (s.numel,) if s.flat else tuple(s.sizes)) for s, b in zip(staged.slices, staged.buffers)]
     partial = path.with_name(path.name + ".partial")
     writer = SafetensorsWriter(partial, plan, metadata=metadata)
     try:
         for s, buffer in zip(staged.slices, staged.buffers):
             step = max(1, _WRITE_CHUNK // buffer.element_size())
             for start in range(0, buffer.numel(), step):
-                writer.write(s.name, buffer[start : start + step])
+                writer.write(s.name, tensor_bytes(buffer[start : start + step]))
         writer.close()
     except BaseException:
         with contextlib.suppress(Exception):

@@ -178,19 +178,17 @@ def write_safetensors(
     calls that release the GIL, so a background write does not stall the training thread
     (``save_file`` serializes the whole file while holding it).
     """
-    from hf_pma.merging.safetensors_io import SAFETENSORS_FROM_DTYPE, SafetensorsWriter
+    from hf_pma.io.safetensors import SafetensorsWriter
+    from hf_pma.io.torch_adapters import safetensors_dtype, tensor_bytes
 
-    for name, tensor in tensors.items():
-        if tensor.dtype not in SAFETENSORS_FROM_DTYPE:
-            raise ValueError(f"tensor {name!r} has dtype {tensor.dtype}, which safetensors cannot store")
-    plan = [(name, t.dtype, tuple(t.shape)) for name, t in tensors.items()]
+    plan = [(name, safetensors_dtype(t.dtype, name), tuple(t.shape)) for name, t in tensors.items()]
     writer = SafetensorsWriter(path, plan, metadata=metadata or {"format": "pt"})
     try:
         for name, tensor in tensors.items():
             flat = tensor.detach().to("cpu").contiguous().reshape(-1)
             step = max(1, _WRITE_CHUNK // max(1, flat.element_size()))
             for start in range(0, flat.numel(), step):
-                writer.write(name, flat[start : start + step])
+                writer.write(name, tensor_bytes(flat[start : start + step]))
     except BaseException:
         with contextlib.suppress(Exception):  # the write error is the one to report
             writer.close()

@@ -10,16 +10,13 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import sys
 from pathlib import Path
 
 import torch
-
-
-from tests.dist.pma_common import TokenDataset, make_args, make_tiny_model, pad_collate  # noqa: E402
 from transformers import Trainer  # noqa: E402
 
 from hf_pma.snapshots.callback import PMACallback  # noqa: E402
+from tests.dist.pma_common import TokenDataset, make_args, make_tiny_model, pad_collate  # noqa: E402
 
 SEQ_LEN = 16
 BATCH = 4
@@ -47,7 +44,7 @@ def make_trainer(out: Path, callbacks: list) -> tuple[Trainer, PMACallback]:
 
 def die_mid_write() -> None:
     """Make the writer thread kill the process after writing half of a tensor of the N-th file."""
-    from hf_pma.merging import safetensors_io
+    from hf_pma.io import safetensors as safetensors_io
 
     original = safetensors_io.SafetensorsWriter.write
     files: list[Path] = []
@@ -56,7 +53,7 @@ def die_mid_write() -> None:
         if self.path not in files:
             files.append(self.path)
         if len(files) == CRASH_AT_SNAPSHOT:
-            original(self, name, chunk[: max(1, chunk.numel() // 2)])
+            original(self, name, chunk[: max(1, len(chunk) // 2)])
             self._fh.flush()
             os.kill(os.getpid(), signal.SIGKILL)
         return original(self, name, chunk)

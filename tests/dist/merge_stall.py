@@ -10,7 +10,7 @@ import sys
 import time
 
 from hf_pma.cli import main
-from hf_pma.merging import safetensors_io
+from hf_pma.io import safetensors as safetensors_io
 
 
 def stall_mid_write() -> None:
@@ -19,7 +19,7 @@ def stall_mid_write() -> None:
     original = safetensors_io.SafetensorsWriter.write_at
 
     def write_at(self, name, start, chunk):
-        original(self, name, start, chunk[: max(1, chunk.numel() // 2)])
+        original(self, name, start, chunk[: max(1, len(chunk) // 2)])
         sys.stdout.write(f"STALLED {self.path}\n")
         sys.stdout.flush()
         time.sleep(600)

@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from hf_pma.core.manifest import SnapshotRecord, write_manifest
 from hf_pma.core.strategies import STRATEGIES, merge_weights
+from hf_pma.io.safetensors import CheckpointFormatError
 from hf_pma.merging.engine import MergeError, merge_checkpoints, merge_state_dict
-from hf_pma.merging.safetensors_io import CheckpointFormatError
 from hf_pma.utils.parsing import parse_size
 from tests.testing_utils import make_tiny_model, save_model_folder
 
@@ -251,7 +251,7 @@ def test_different_names_shapes_dtypes(tmp_path):
     cases = {
         "names": ({"w": torch.ones(2), "v": torch.ones(2)}, {"w": torch.ones(2), "u": torch.ones(2)}, r"different tensor names: .*/b lacks 1 tensor.*v"),
         "shape": ({"w": torch.ones(2)}, {"w": torch.ones(3)}, r"tensor 'w' has shape \[3\] in .*/b but \[2\]"),
-        "dtype": ({"w": torch.ones(2)}, {"w": torch.ones(2, dtype=torch.float16)}, r"tensor 'w' is torch.float16 in .*/b"),
+        "dtype": ({"w": torch.ones(2)}, {"w": torch.ones(2, dtype=torch.float16)}, r"tensor 'w' is F16 in .*/b"),
     }
     for key, (a, b, match) in cases.items():
         _assert_fails_cleanly(_two(tmp_path / key, a, b), tmp_path / f"out-{key}", MergeError, match)

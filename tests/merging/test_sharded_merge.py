@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from hf_pma.io.safetensors import CheckpointFormatError
+from hf_pma.io.sharded import rank_file_name, sharded_weight_files
 from hf_pma.merging.engine import merge_checkpoints, merge_state_dict
-from hf_pma.merging.safetensors_io import CheckpointFormatError
-from hf_pma.merging.sharded import ShardedCheckpointTensors, rank_file_name, sharded_weight_files
-from hf_pma.merging.sources import resolve_sources
+from hf_pma.merging.sources import CheckpointTensors, resolve_sources
 from hf_pma.snapshots.gather import LocalSlice, zero3_partition
 from hf_pma.snapshots.sharded import StagingBuffers, write_rank_file
 from hf_pma.snapshots.writer import write_model_folder
@@ -117,7 +117,7 @@ LAYOUTS = {
 def test_reader_assembles_every_layout(tmp_path, models, layout):
     state = models["states"][0]
     folder = write_sharded(tmp_path / layout, state, LAYOUTS[layout])
-    with ShardedCheckpointTensors(sharded_weight_files(folder)) as tensors:
+    with CheckpointTensors(sharded_weight_files(folder), sharded=True) as tensors:
         assert {n: i.shape for n, i in tensors.infos.items()} == {n: tuple(t.shape) for n, t in state.items()}
         loaded = tensors.state_dict()
         assert all(torch.equal(loaded[n], state[n]) for n in state)

@@ -21,8 +21,8 @@ import pytest
 import torch
 
 from hf_pma.core.manifest import manifest_snapshots
+from hf_pma.io.sharded import rank_file_name
 from hf_pma.merging.engine import merge_checkpoints, merge_state_dict
-from hf_pma.merging.sharded import rank_file_name
 from tests.snapshots.test_callback_distributed import free_port
 
 DIST_DIR = Path(__file__).resolve().parents[1] / "dist"

@@ -1,4 +1,4 @@
-"""Read sharded snapshots (one safetensors file per rank) as if they were one checkpoint.
+"""The sharded layout (one safetensors file per rank), and reading it as if it were one checkpoint.
 
 A sharded folder holds ``shard-<r>-model-00001-of-00001.safetensors`` files, one per rank, in
 the layout torch DCP's ``HuggingFaceStorageWriter(save_distributed=True)`` writes (what
@@ -7,12 +7,14 @@ and its ``__metadata__["DCP_SHARDING_INFO"]`` gives each slice's ``saved_offsets
 tensor. hf-pma's own sharded snapshots add ``hf_pma_global_shapes`` (the full shapes) so that
 a slice may also be a flat element range of the full tensor (DeepSpeed ZeRO-3 partitions).
 
-:class:`ShardedCheckpointTensors` gives the same interface as
-:class:`hf_pma.merging.sources.CheckpointTensors`: ``infos`` with the *full* shapes, and
-``read(name, start, stop, buffer)`` returning elements ``[start, stop)`` of the flattened full
-tensor, assembled from the slices that cover them with ``pread`` (each slice read once, no
-full tensor ever built). So every reader (merge, sweep, inspect, eval, PMA-init) works on
-sharded folders, and snapshots taken at different world sizes mix.
+:func:`rank_file_name` and the metadata keys describe the layout (the snapshot writer writes it);
+:class:`ShardedCheckpointTensors` reads it with the interface of
+:class:`~hf_pma.io.safetensors.SafetensorsReader`: ``infos`` with the *full* shapes, and
+``read(name, start, stop, buffer)`` returning the bytes of elements ``[start, stop)`` of the
+flattened full tensor, assembled from the slices that cover them with ``pread`` (each slice read
+once, no full tensor ever built). So every reader (merge, sweep, inspect, eval, PMA-init) works
+on sharded folders, and snapshots taken at different world sizes mix. No torch here
+(:mod:`hf_pma.io.torch_adapters` gives torch tensors).
 """
 
 from __future__ import annotations
@@ -27,9 +29,9 @@ import threading
 from collections.abc import Sequence
 from pathlib import Path
 
-import torch
+import numpy as np
 
-from hf_pma.merging.safetensors_io import CheckpointFormatError, SafetensorsReader, TensorInfo
+from hf_pma.io.safetensors import DTYPE_ITEMSIZE, CheckpointFormatError, SafetensorsReader, TensorInfo
 
 __all__ = [
     "DCP_SHARDING_INFO_KEY",
@@ -189,7 +191,9 @@ class ShardedCheckpointTensors:
                 else:
                     entry = info.get(name)
                     if not isinstance(entry, dict) or not isinstance(entry.get(SAVED_OFFSETS_KEY), list):
-                        raise CheckpointFormatError(f"{path}: tensor {name!r} has no {SAVED_OFFSETS_KEY} in {DCP_SHARDING_INFO_KEY}")
+                        raise CheckpointFormatError(
+                            f"{path}: tensor {name!r} has no {SAVED_OFFSETS_KEY} in {DCP_SHARDING_INFO_KEY}"
+                        )
                     offsets = tuple(int(o) for o in entry[SAVED_OFFSETS_KEY])
                 if len(offsets) != len(tensor.shape) or any(o < 0 for o in offsets):
                     raise CheckpointFormatError(
@@ -201,13 +205,24 @@ class ShardedCheckpointTensors:
     def _finish_tensor(self, name: str, slices: list[_Slice], shape: tuple[int, ...] | None) -> None:
         dtypes = {s.reader.tensors[name].dtype for s in slices}
         if len(dtypes) > 1:
-            raise CheckpointFormatError(f"tensor {name!r} is stored with different dtypes {sorted(map(str, dtypes))} in {self._where(slices)}")
+            raise CheckpointFormatError(
+                f"tensor {name!r} is stored with different dtypes {sorted(dtypes)} in {self._where(slices)}"
+            )
         dtype = dtypes.pop()
         if shape is None:
             ndim = {len(s.sizes) for s in slices}
             if len(ndim) > 1:
-                raise CheckpointFormatError(f"tensor {name!r} has slices of different ranks in {self._where(slices)}")
-            shape = tuple(max(dims) for dims in zip(*[tuple(o + z for o, z in zip(s.offsets, s.sizes)) for s in slices])) if slices[0].sizes else ()
+                raise CheckpointFormatError(
+                    f"tensor {name!r} has slices of different ranks in {self._where(slices)}"
+                )
+            shape = (
+                tuple(
+                    max(dims)
+                    for dims in zip(*[tuple(o + z for o, z in zip(s.offsets, s.sizes)) for s in slices])
+                )
+                if slices[0].sizes
+                else ()
+            )
         numel = math.prod(shape)
         kept: dict[tuple, _Slice] = {}
         for s in slices:
@@ -229,7 +244,7 @@ class ShardedCheckpointTensors:
         self._slices[name] = ordered
         # Disjoint sorted spans allow a binary search; interleaved (multi-dim) slices are all scanned.
         self._starts[name] = [s.first for s in ordered] if all(s.contiguous for s in ordered) else []
-        self._infos[name] = TensorInfo(name, dtype, shape, 0, numel * dtype.itemsize)
+        self._infos[name] = TensorInfo(name, dtype, shape, 0, numel * DTYPE_ITEMSIZE[dtype])
 
     def _check_coverage(self, name: str, shape: tuple[int, ...], numel: int, slices: list[_Slice]) -> None:
         stored = sum(s.numel for s in slices)
@@ -242,7 +257,9 @@ class ShardedCheckpointTensors:
             else:
                 if position == numel:
                     return
-        elif stored == numel and all(len(s.sizes) == len(shape) for s in slices) and not _boxes_overlap(slices):
+        elif (
+            stored == numel and all(len(s.sizes) == len(shape) for s in slices) and not _boxes_overlap(slices)
+        ):
             return
         raise CheckpointFormatError(
             f"the slices of tensor {name!r} ({len(slices)} of them, {stored} elements in {self._where(slices)}) do not "
@@ -266,22 +283,27 @@ class ShardedCheckpointTensors:
         """How many rank files the folder holds."""
         return len(self.files)
 
-    def read(self, name: str, start: int = 0, stop: int | None = None, buffer: torch.Tensor | None = None) -> torch.Tensor:
-        """Elements ``[start, stop)`` of the full tensor ``name``, flattened, assembled from its slices.
+    def read(
+        self, name: str, start: int = 0, stop: int | None = None, buffer: np.ndarray | None = None
+    ) -> np.ndarray:
+        """The bytes of elements ``[start, stop)`` of the full tensor ``name`` (flattened), as a
+        ``uint8`` array assembled from its slices.
 
-        ``buffer`` is an optional uint8 tensor to read into (reused across calls); the result is a
+        ``buffer`` is an optional ``uint8`` array to read into (reused across calls); the result is a
         view of it. Contiguous slices are read straight into it with one ``pread`` each. Safe to
         call from several threads at once (each with its own buffer).
         """
         info = self._infos[name]
         stop = info.numel if stop is None else stop
         if not 0 <= start <= stop <= info.numel:
-            raise IndexError(f"elements [{start}, {stop}) are outside tensor {name!r} of {info.numel} elements")
-        item = info.dtype.itemsize
+            raise IndexError(
+                f"elements [{start}, {stop}) are outside tensor {name!r} of {info.numel} elements"
+            )
+        item = info.itemsize
         nbytes = (stop - start) * item
-        if buffer is None or buffer.numel() < nbytes:
-            buffer = torch.empty(nbytes, dtype=torch.uint8)
-        out = buffer[:nbytes].view(info.dtype)
+        if buffer is None or buffer.size < nbytes:
+            buffer = np.empty(nbytes, dtype=np.uint8)
+        out = buffer[:nbytes]
         slices, starts = self._slices[name], self._starts[name]
         i = max(0, bisect.bisect_right(starts, start) - 1) if starts else 0
         while i < len(slices) and slices[i].first < stop:
@@ -291,13 +313,15 @@ class ShardedCheckpointTensors:
                 continue
             if s.contiguous:
                 lo, hi = max(start, s.first), min(stop, s.last)
-                s.reader.read(name, lo - s.first, hi - s.first, out[lo - start : hi - start].view(torch.uint8))
+                s.reader.read(
+                    name, lo - s.first, hi - s.first, out[(lo - start) * item : (hi - start) * item]
+                )
             else:
-                self._read_runs(s, start, stop, out)
+                self._read_runs(s, start, stop, out, item)
         return out
 
-    def _read_runs(self, s: _Slice, start: int, stop: int, out: torch.Tensor) -> None:
-        """Copy the runs of a non-contiguous slice that fall in ``[start, stop)`` into ``out``."""
+    def _read_runs(self, s: _Slice, start: int, stop: int, out: np.ndarray, item: int) -> None:
+        """Copy the runs of a non-contiguous slice that fall in ``[start, stop)`` into ``out`` (bytes)."""
         # Runs are in increasing full-tensor order: find the first and last that intersect.
         lo, hi = 0, s.runs
         while lo < hi:  # first run ending after start
@@ -319,20 +343,15 @@ class ShardedCheckpointTensors:
             return
         # One pread of the slice's elements from run `first` to run `end` (contiguous in the file).
         local_lo, local_hi = first * s.run_len, end * s.run_len
-        item = out.element_size()
         scratch = getattr(self._local, "scratch", None)
-        if scratch is None or scratch.numel() < (local_hi - local_lo) * item:
-            scratch = self._local.scratch = torch.empty((local_hi - local_lo) * item, dtype=torch.uint8)
+        if scratch is None or scratch.size < (local_hi - local_lo) * item:
+            scratch = self._local.scratch = np.empty((local_hi - local_lo) * item, dtype=np.uint8)
         data = s.reader.read(s.name, local_lo, local_hi, scratch)
         for r in range(first, end):
             g = s.run_start(r)
             a, b = max(start, g), min(stop, g + s.run_len)
             src = (r - first) * s.run_len + (a - g)
-            out[a - start : b - start].copy_(data[src : src + (b - a)])
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """Every full tensor, loaded and reshaped (for small models and tests)."""
-        return {n: self.read(n).clone().reshape(i.shape) for n, i in self._infos.items()}
+            out[(a - start) * item : (b - start) * item] = data[src * item : (src + b - a) * item]
 
     def close(self) -> None:
         """Close every file."""
@@ -354,6 +373,9 @@ def _boxes_overlap(slices: Sequence[_Slice]) -> bool:
         for b in boxes[i + 1 :]:
             if b.offsets[0] >= a.offsets[0] + a.sizes[0]:
                 break
-            if all(bo < ao + az and ao < bo + bz for ao, az, bo, bz in zip(a.offsets, a.sizes, b.offsets, b.sizes)):
+            if all(
+                bo < ao + az and ao < bo + bz
+                for ao, az, bo, bz in zip(a.offsets, a.sizes, b.offsets, b.sizes)
+            ):
                 return True
     return False

@@ -1,0 +1,373 @@
+"""Bounded-memory safetensors IO without torch: read byte ranges of tensors, write a file chunk by chunk.
+
+The ``safetensors`` library memory-maps whole files; with N sources open at once every page
+touched stays resident, so a merge's RSS would grow with N. Here a tensor (or a slice of its
+elements) is read with ``pread`` into a reusable buffer, and an output file is written from a
+header planned up front, so peak memory is a few chunk buffers whatever N and the model size.
+
+Dtypes are the format's own names (``"F32"``, ``"BF16"``, ...; :data:`DTYPE_ITEMSIZE`) and
+data are raw bytes (numpy ``uint8`` arrays, or anything with the buffer protocol), so this
+module needs neither torch nor ``ml_dtypes``; :mod:`hf_pma.io.torch_adapters` maps both to
+torch for the code that computes with torch.
+
+Format (https://github.com/huggingface/safetensors): 8-byte little-endian header length, a JSON
+header ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}``, then
+the tensor bytes, offsets relative to the end of the header. As the ``safetensors`` library
+does, a header is refused unless the tensors' byte ranges tile the data section exactly: no
+overlap, no gap, nothing outside the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import struct
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "CheckpointFormatError",
+    "DTYPE_ITEMSIZE",
+    "FLOAT_DTYPES",
+    "TensorInfo",
+    "SafetensorsCheckpoint",
+    "SafetensorsReader",
+    "SafetensorsWriter",
+]
+
+# Every dtype the safetensors format names, and its bytes per element.
+DTYPE_ITEMSIZE: dict[str, int] = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U64": 8,
+    "U32": 4,
+    "U16": 2,
+    "U8": 1,
+    "BOOL": 1,
+}
+# The floating-point dtypes (averaged by a merge; the others must be equal in every source).
+FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
+
+# A header larger than this is not a real checkpoint (safetensors itself caps it at 100 MB).
+_MAX_HEADER_BYTES = 100 * 1024 * 1024
+
+
+class CheckpointFormatError(ValueError):
+    """A checkpoint file is missing, truncated, corrupt or inconsistent; the message names it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor lives in a file: dtype (a safetensors name), shape and absolute byte range."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    @property
+    def itemsize(self) -> int:
+        """Bytes per element."""
+        return DTYPE_ITEMSIZE[self.dtype]
+
+    @property
+    def is_floating_point(self) -> bool:
+        """Whether the dtype is a floating-point one."""
+        return self.dtype in FLOAT_DTYPES
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+class SafetensorsReader:
+    """Read tensors, or element ranges of them, from one safetensors file with ``pread``.
+
+    The header is validated on open: every tensor must have exactly the bytes its dtype and
+    shape need, and the tensors' byte ranges must tile the data section (no overlap, no gap,
+    nothing past the end of the file), so a truncated or corrupt file fails here, in one line
+    naming the file and the tensor(s), before any merge work starts.
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._fd = -1
+        try:
+            self._fd = os.open(self.path, os.O_RDONLY)
+        except FileNotFoundError as err:
+            raise CheckpointFormatError(f"weights file {self.path} does not exist") from err
+        except IsADirectoryError as err:
+            raise CheckpointFormatError(f"weights file {self.path} is a directory") from err
+        try:
+            self.metadata, self.tensors = self._read_header()
+        except BaseException:
+            self.close()
+            raise
+
+    def _fail(self, why: str) -> CheckpointFormatError:
+        return CheckpointFormatError(f"{self.path} is not a valid safetensors file: {why}")
+
+    def _read_header(self) -> tuple[dict[str, str], dict[str, TensorInfo]]:
+        size = os.fstat(self._fd).st_size
+        if size < 8:
+            raise self._fail(f"file is {size} bytes long (truncated?)")
+        (header_len,) = struct.unpack("<Q", os.pread(self._fd, 8, 0))
+        if header_len > min(_MAX_HEADER_BYTES, size - 8):
+            raise self._fail(
+                f"header length {header_len} does not fit in a {size}-byte file (truncated or corrupt)"
+            )
+        try:
+            header = json.loads(os.pread(self._fd, header_len, 8))
+        except (UnicodeDecodeError, ValueError, RecursionError) as err:
+            raise self._fail(f"header is not valid JSON ({str(err)[:200]})") from err
+        if not isinstance(header, dict):
+            raise self._fail("header is not a JSON object")
+        metadata = header.pop("__metadata__", None)
+        if metadata is None:
+            metadata = {}
+        if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+            raise self._fail("__metadata__ is not an object of strings")
+        data_start = 8 + header_len
+        tensors = {name: self._entry(name, entry, data_start) for name, entry in header.items()}
+        self._check_layout(tensors, data_start, size - data_start)
+        return metadata, tensors
+
+    def _entry(self, name: str, entry: Any, data_start: int) -> TensorInfo:
+        """One header entry, checked for types and for the byte count its dtype and shape need."""
+        if not isinstance(entry, dict):
+            raise self._fail(f"tensor {name!r} has a malformed header entry {str(entry)[:200]}")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if not isinstance(dtype, str) or dtype not in DTYPE_ITEMSIZE:
+            raise self._fail(f"tensor {name!r} has an unknown dtype {str(dtype)[:50]!r}")
+        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+            raise self._fail(f"tensor {name!r} has an invalid shape {str(shape)[:200]}")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
+            raise self._fail(f"tensor {name!r} has invalid data_offsets {str(offsets)[:200]}")
+        begin, end = offsets
+        expected = math.prod(shape) * DTYPE_ITEMSIZE[dtype]
+        if end < begin or end - begin != expected:
+            raise self._fail(
+                f"tensor {name!r} spans {end - begin} bytes, but {dtype}{shape} needs {expected}"
+            )
+        return TensorInfo(name, dtype, tuple(shape), data_start + begin, data_start + end)
+
+    def _check_layout(self, tensors: dict[str, TensorInfo], data_start: int, data_bytes: int) -> None:
+        """The byte ranges must tile the data section: sorted, each starting where the last ended."""
+        position, previous = 0, None
+        for info in sorted(tensors.values(), key=lambda t: (t.begin, t.end)):
+            begin, end = info.begin - data_start, info.end - data_start
+            if begin != position:
+                if previous is None:
+                    why = f"tensor {info.name!r} starts at byte {begin} of the data, not at 0"
+                elif begin < position:
+                    why = f"tensors {previous!r} and {info.name!r} overlap (bytes {begin}..{position})"
+                else:
+                    why = f"{begin - position} bytes between tensors {previous!r} and {info.name!r} belong to none"
+                raise self._fail(f"invalid offset: {why}")
+            if end > data_bytes:
+                raise self._fail(
+                    f"tensor {info.name!r} ends at byte {end} of the data but the file holds only {data_bytes} (truncated)"
+                )
+            position, previous = end, info.name
+        if position != data_bytes:
+            raise self._fail(
+                f"{data_bytes - position} bytes after the last tensor belong to no tensor (corrupt)"
+            )
+
+    @property
+    def infos(self) -> dict[str, TensorInfo]:
+        """Name -> dtype, shape and location of every tensor."""
+        return self.tensors
+
+    def read(
+        self, name: str, start: int = 0, stop: int | None = None, buffer: np.ndarray | None = None
+    ) -> np.ndarray:
+        """The bytes of elements ``[start, stop)`` of tensor ``name`` (flattened), as a ``uint8`` array.
+
+        ``buffer`` is an optional ``uint8`` array to read into (reused across calls to keep memory
+        flat); the result is a view of it.
+        """
+        info = self.tensors[name]
+        stop = info.numel if stop is None else stop
+        item = info.itemsize
+        nbytes = (stop - start) * item
+        if buffer is None or buffer.size < nbytes:
+            buffer = np.empty(nbytes, dtype=np.uint8)
+        raw = buffer[:nbytes]
+        view = memoryview(raw)
+        offset, done = info.begin + start * item, 0
+        while done < nbytes:
+            got = os.preadv(self._fd, [view[done:]], offset + done)
+            if got == 0:
+                raise self._fail(f"unexpected end of file while reading tensor {name!r}")
+            done += got
+        return raw
+
+    def close(self) -> None:
+        """Close the file."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+    def __enter__(self) -> SafetensorsReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if getattr(self, "_fd", -1) >= 0:
+            self.close()
+
+
+class SafetensorsCheckpoint:
+    """Every tensor of one checkpoint stored in one or more safetensors files (the shards of an index).
+
+    The same interface as :class:`SafetensorsReader`: ``infos`` and ``read``; a tensor in two
+    files is refused.
+    """
+
+    def __init__(self, files: Sequence[str | os.PathLike[str]]) -> None:
+        self._readers: list[SafetensorsReader] = []
+        self._owner: dict[str, SafetensorsReader] = {}
+        try:
+            for path in files:
+                reader = SafetensorsReader(path)
+                self._readers.append(reader)
+                for name in reader.tensors:
+                    if name in self._owner:
+                        raise CheckpointFormatError(
+                            f"tensor {name!r} appears in two shards: {self._owner[name].path} and {reader.path}"
+                        )
+                    self._owner[name] = reader
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def infos(self) -> dict[str, TensorInfo]:
+        """Name -> dtype, shape and location of every tensor."""
+        return {name: reader.tensors[name] for name, reader in self._owner.items()}
+
+    def read(
+        self, name: str, start: int = 0, stop: int | None = None, buffer: np.ndarray | None = None
+    ) -> np.ndarray:
+        """The bytes of elements ``[start, stop)`` of tensor ``name`` (see :meth:`SafetensorsReader.read`)."""
+        return self._owner[name].read(name, start, stop, buffer)
+
+    def close(self) -> None:
+        """Close every file."""
+        for reader in self._readers:
+            reader.close()
+        self._readers = []
+
+    def __enter__(self) -> SafetensorsCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SafetensorsWriter:
+    """Write a safetensors file whose tensors are known in advance, one chunk at a time.
+
+    ``tensors`` are ``(name, dtype, shape)`` with safetensors dtype names. The header (names,
+    dtypes, shapes, offsets) is written first, then the bytes of each tensor in the planned
+    order (:meth:`write`), or of any element range of any tensor at its place, from several
+    threads at once (:meth:`write_at`); :meth:`close` checks that every byte was written.
+    Chunks are anything with the buffer protocol holding the tensor's raw bytes (a contiguous
+    numpy array, ``bytes``, a ``memoryview``).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        tensors: Sequence[tuple[str, str, tuple[int, ...]]],
+        metadata: dict[str, str] | None = None,
+    ) -> None:
+        self.path = Path(path)
+        header: dict[str, object] = {"__metadata__": dict(metadata or {"format": "pt"})}
+        offset = 0
+        self._sizes: list[tuple[str, int]] = []
+        self._places: dict[str, tuple[int, int, int]] = {}  # name -> (offset, bytes, itemsize)
+        for name, dtype, shape in tensors:
+            if dtype not in DTYPE_ITEMSIZE:
+                raise ValueError(f"tensor {name!r} has dtype {dtype!r}, which safetensors cannot store")
+            nbytes = math.prod(shape) * DTYPE_ITEMSIZE[dtype]
+            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+            self._sizes.append((name, nbytes))
+            self._places[name] = (offset, nbytes, DTYPE_ITEMSIZE[dtype])
+            offset += nbytes
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
+        self._fh = open(self.path, "wb")  # noqa: SIM115 - closed in close()
+        self._fh.write(struct.pack("<Q", len(blob)))
+        self._fh.write(blob)
+        self._fh.flush()
+        self._data_start = 8 + len(blob)
+        self._total = offset
+        self._placed = 0  # bytes written by write_at
+        self._lock = threading.Lock()
+        self._index = 0
+        self._left = self._sizes[0][1] if self._sizes else 0
+
+    def write(self, name: str, chunk: Any) -> None:
+        """Append the next bytes of tensor ``name`` (the tensors must come in planned order)."""
+        while self._left == 0 and self._index < len(self._sizes) - 1:
+            self._index += 1
+            self._left = self._sizes[self._index][1]
+        expected = self._sizes[self._index][0] if self._sizes else None
+        if name != expected:
+            raise RuntimeError(f"{self.path}: expected data for tensor {expected!r}, got {name!r}")
+        data = memoryview(chunk).cast("B")
+        if data.nbytes > self._left:
+            raise RuntimeError(f"{self.path}: too many bytes for tensor {name!r}")
+        self._fh.write(data)
+        self._left -= data.nbytes
+
+    def write_at(self, name: str, start: int, chunk: Any) -> None:
+        """Write ``chunk``'s bytes as elements ``start, start + 1, ...`` of tensor ``name`` (thread-safe).
+
+        Ranges must not overlap, and this mode must not be mixed with :meth:`write`.
+        """
+        offset, nbytes, itemsize = self._places[name]
+        data = memoryview(chunk).cast("B")
+        if start < 0 or start * itemsize + data.nbytes > nbytes:
+            raise RuntimeError(
+                f"{self.path}: elements {start}..{start + data.nbytes // itemsize} lie outside tensor {name!r}"
+            )
+        pos, done = self._data_start + offset + start * itemsize, 0
+        while done < data.nbytes:
+            done += os.pwrite(self._fh.fileno(), data[done:], pos + done)
+        with self._lock:
+            self._placed += data.nbytes
+
+    def close(self) -> None:
+        """Flush, fsync and close; fail if a planned tensor did not get all its bytes."""
+        sequential = self._left == 0 and all(n == 0 for _, n in self._sizes[self._index + 1 :])
+        written_all = sequential if self._placed == 0 else self._placed == self._total
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+        self._fh.close()
+        if not written_all:
+            raise RuntimeError(f"{self.path}: closed before every tensor was written")
