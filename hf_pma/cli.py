@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import logging
 import sys
 from collections.abc import Sequence
 
@@ -35,33 +34,48 @@ def build_parser() -> argparse.ArgumentParser:
         description="Pre-trained Model Averaging (PMA) for Hugging Face models: merge, evaluate and publish snapshots.",
     )
     parser.add_argument("--version", action="version", version=f"hf-pma {__version__}")
-    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages")
+    parser.add_argument("-v", "--verbose", action="store_true", help=VERBOSE_HELP)
+    parser.add_argument("-q", "--quiet", action="store_true", help=QUIET_HELP)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module in COMMANDS.values():
         importlib.import_module(f"hf_pma.commands.{module}").add_parser(subparsers)
+    for sub in subparsers.choices.values():
+        _add_verbosity_flags(sub)
     return parser
+
+
+VERBOSE_HELP = "debug logs of hf-pma and transformers, and tracebacks on errors"
+QUIET_HELP = "warnings and errors only: no info logs, no progress bars"
+
+
+def _add_verbosity_flags(sub: argparse.ArgumentParser) -> None:
+    """``-v``/``-q`` after the sub-command too (``hf-pma merge -q``), as well as before it.
+
+    Their default is ``SUPPRESS``, so that a flag given before the sub-command is not reset by
+    the sub-command's own default (argparse copies a sub-parser's values over the parent's).
+    """
+    for short, long, text in (("-v", "--verbose", VERBOSE_HELP), ("-q", "--quiet", QUIET_HELP)):
+        own = [action for action in sub._actions if long in action.option_strings]
+        for action in own:
+            action.default = argparse.SUPPRESS
+        if not own:
+            sub.add_argument(short, long, action="store_true", default=argparse.SUPPRESS, help=text)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``hf-pma``; returns the process exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    from transformers.utils import logging as hf_logging
+    from hf_pma.utils.logs import set_cli_verbosity
 
-    from hf_pma.utils.logs import enable_logging
-
-    level = logging.DEBUG if args.verbose else logging.INFO
-    hf_logging.set_verbosity(level)
-    hf_logging.enable_default_handler()
-    hf_logging.enable_explicit_format()
-    enable_logging(level)
+    set_cli_verbosity(quiet=bool(getattr(args, "quiet", False)), verbose=bool(getattr(args, "verbose", False)))
     from hf_pma.utils.fs import NoSpaceError
 
     try:
         return int(args.func(args) or 0)
     except (ValueError, FileNotFoundError, FileExistsError, PermissionError, NoSpaceError, ConnectionError) as err:
         # Bad input: one clear line, no traceback (use -v for the traceback).
-        if args.verbose:
+        if getattr(args, "verbose", False):
             raise
         sys.stderr.write(f"hf-pma {args.command}: error: {err}\n")
         return 2

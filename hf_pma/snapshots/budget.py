@@ -21,6 +21,8 @@ from pathlib import Path
 
 from transformers.utils import logging
 
+from hf_pma.utils.logs import notice
+
 logger = logging.get_logger(__name__)
 
 __all__ = [
@@ -84,12 +86,12 @@ class DiskBudget:
             return max(0, self.max_disk_bytes - used_bytes), "max_disk_bytes"
         return free_bytes(self.folder), f"free space of {self.folder}"
 
-    def check_plan(self, snapshot_bytes: int, folders: int, snapshots: int, what: str, used_bytes: int = 0) -> int:
+    def check_plan(self, snapshot_bytes: int, folders: int, snapshots: int, what: str, used_bytes: int = 0) -> str:
         """Raise :class:`SnapshotBudgetError` when ``folders`` snapshots of ``snapshot_bytes`` would not fit.
 
         ``snapshots`` is how many will be taken and ``what`` where that count comes from (both
         for the message); ``used_bytes`` what the run's snapshots take already (a resumed run).
-        Returns the projected bytes.
+        Returns the plan in words (logged at INFO; :class:`hf_pma.PMACallback` shows it once).
         """
         projected = snapshot_bytes * folders
         available, source = self.available(used_bytes)
@@ -101,11 +103,12 @@ class DiskBudget:
                 f"{human_bytes(snapshot_bytes)}, {kept}; {what}) but the {source} is {human_bytes(available)}. "
                 f"Change {_KNOBS}. Nothing was written."
             )
-        logger.info(
-            f"hf-pma: disk budget: {snapshots} snapshots of {human_bytes(snapshot_bytes)} ({kept}; {what}) take "
+        plan = (
+            f"{snapshots} snapshots of {human_bytes(snapshot_bytes)} ({kept}; {what}) take "
             f"{human_bytes(projected)} of {human_bytes(available)} ({source})"
         )
-        return projected
+        logger.info(f"hf-pma: disk budget: {plan}")
+        return plan
 
     def check_next(self, snapshot_bytes: int, extra_folders: int, remaining: int, used_bytes: int) -> None:
         """As snapshots land: an error when the next snapshot does not fit, a warning (once) when
@@ -181,7 +184,7 @@ class TimeBudget:
             f"{steps_between:.1f} steps of {step_s:.3f}s ({interval_s:.1f}s): {100 * share:.1f}% of training time"
         )
         if share <= self.limit:
-            logger.info(message)
+            notice(logger, message)  # what a user must know, shown to a plain script too
             return message
         steps_needed = max(lost / (self.limit * step_s) if step_s > 0 else math.inf, cost.write_s / step_s if step_s > 0 else 0)
         if math.isfinite(steps_needed):

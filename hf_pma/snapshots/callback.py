@@ -33,7 +33,7 @@ from transformers.utils import logging
 from hf_pma import __version__
 from hf_pma.core.manifest import PMA_SUBDIR, SnapshotRecord, snapshot_dirname
 from hf_pma.core.schedule import RunPlan, SnapshotSchedule, StepTick, plan_run, positive_int_or_none
-from hf_pma.snapshots.budget import DiskBudget, SnapshotBudgetError, SnapshotCost, TimeBudget
+from hf_pma.snapshots.budget import DiskBudget, SnapshotBudgetError, SnapshotCost, TimeBudget, human_bytes
 from hf_pma.snapshots.gather import sharding_kind, unwrap_model
 from hf_pma.snapshots.loss import StepLossTracker
 from hf_pma.snapshots.lr_probe import first_group_value, peak_lr, planned_lrs
@@ -48,6 +48,7 @@ from hf_pma.snapshots.sinks import (
 )
 from hf_pma.snapshots.writer import SnapshotWriter
 from hf_pma.utils.distributed import check_folder_shared, is_peft_model
+from hf_pma.utils.logs import notice
 from hf_pma.utils.parsing import parse_dtype, parse_size
 
 logger = logging.get_logger(__name__)
@@ -274,7 +275,7 @@ class PMACallback(TrainerCallback, ExportableState):
         if self._is_main:
             self._warn_without_constant_phase(args)
             if not resumed:  # before anything is written; a resumed run is checked at its first step
-                error = self._check_disk_plan(model, None, state)
+                error, _ = self._check_disk_plan(model, None, state)
         self._raise_together(args, error)
         resume = None
         if resumed:
@@ -292,8 +293,6 @@ class PMACallback(TrainerCallback, ExportableState):
         check_folder_shared(self._pma_dir, "snapshot folder")  # multi-node: every rank reads what rank 0 writes
         self._sink.warm_up(model)
         self._sync_from_main(args)
-        if self.interval_tokens is not None:
-            logger.info(f"hf-pma: a snapshot every {self.interval_tokens:,} tokens into {self._pma_dir}")
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._commit(control.should_save)
@@ -321,8 +320,10 @@ class PMACallback(TrainerCallback, ExportableState):
             self._choose_interval(args, tick.step_tokens)
         if not self._disk_checked:  # the first step of this train() (every process): the count is known now
             self._disk_checked = True
-            error = self._check_disk_plan(model, tick.step_tokens, state) if self._is_main else None
+            error, plan = self._check_disk_plan(model, tick.step_tokens, state) if self._is_main else (None, None)
             self._raise_together(args, error)
+            if self._is_main:
+                self._announce(tick.step_tokens, plan)
         self._report_cost(tick.step_tokens)
         self._warn_small_interval(tick.step_tokens)
         boundary = self.schedule.due(tick)
@@ -353,6 +354,8 @@ class PMACallback(TrainerCallback, ExportableState):
         if self.interval_tokens is not None and self.schedule.tokens > self.schedule.tokens_at_begin:
             steps = max(1, state.global_step - self._plan_step0)
             self._report_cost(max(1, (self.schedule.tokens - self.schedule.tokens_at_begin) // steps))
+        if self._is_main and isinstance(self._sink, DiskSnapshotSink):
+            self._announce_end()
 
     # ------------------------------------------------------------------ internals
 
@@ -446,7 +449,7 @@ class PMACallback(TrainerCallback, ExportableState):
         """The automatic V, from the first step's tokens and the planned run (same on every rank)."""
         choice = self.schedule.choose_automatically(tokens_per_step, self._plan)
         if self._is_main:
-            logger.warning(
+            logger.info(
                 f"hf-pma: interval_tokens not given: chose {choice.interval_tokens:,} tokens (every "
                 f"{choice.steps_between:.2f} steps of {tokens_per_step:,} tokens; {choice.reason}): about "
                 f"{choice.expected_snapshots} snapshots in the {'/'.join(self.phases)} phases "
@@ -468,8 +471,9 @@ class PMACallback(TrainerCallback, ExportableState):
         count = remaining * tokens_per_step // self.interval_tokens
         return count, f"{remaining} steps snapshot, {self.interval_tokens:,} tokens apart at {tokens_per_step:,} a step"
 
-    def _check_disk_plan(self, model: Any, tokens_per_step: int | None, state: Any) -> str | None:
-        """Main process: the disk budget for the rest of the run; the error message, or ``None``.
+    def _check_disk_plan(self, model: Any, tokens_per_step: int | None, state: Any) -> tuple[str | None, str | None]:
+        """Main process: the disk budget for the rest of the run: the error message (or ``None``)
+        and the plan in words (``None`` when over budget or unknown).
 
         Checked at train begin when the count is known then (automatic interval, ``keep_last``,
         online average), and at the end of the first optimizer step with its real token count,
@@ -479,15 +483,45 @@ class PMACallback(TrainerCallback, ExportableState):
         listed = self._sink.snapshots() if state.global_step > 0 else []
         folders = self._sink.kept_on_disk(len(listed) + count if count is not None else None)
         if folders is None:
-            return None
+            return None, None
         used = sum(r.num_bytes or 0 for r, _ in listed)
         try:
-            self._disk.check_plan(
+            plan = self._disk.check_plan(
                 self._sink.snapshot_bytes(model), max(0, folders - len(listed)), count or folders, what, used
             )
         except SnapshotBudgetError as err:
-            return str(err)
-        return None
+            return str(err), None
+        return None, plan
+
+    def _announce(self, tokens_per_step: int, disk_plan: str | None) -> None:
+        """Main process, once per ``train()``: where the snapshots go, how often, what they take.
+
+        Through :func:`hf_pma.utils.logs.notice`, so that a plain script (warnings only) shows it.
+        """
+        steps = self.interval_tokens / tokens_per_step
+        chosen = "; chosen automatically, see Choosing V in the docs" if self.interval_choice else ""
+        if isinstance(self._sink, OnlineAverageSink):
+            where = f"into an online {self.online} average, saved at the end to {self._pma_dir / f'online-{self.online}'}"
+        else:
+            where = f"into {self._pma_dir}"
+        disk = f"; disk: {disk_plan}" if disk_plan else ""
+        notice(
+            logger,
+            f"hf-pma: a snapshot every {self.interval_tokens:,} tokens ({steps:.1f} steps{chosen}) in the "
+            f"{'/'.join(self.phases)} phases {where}{disk}",
+        )
+
+    def _announce_end(self) -> None:
+        """Main process, at train end: how many snapshots there are and how to merge them."""
+        listed = self._sink.snapshots()
+        if not listed:
+            return
+        size = human_bytes(sum(r.num_bytes or 0 for r, _ in listed))
+        notice(
+            logger,
+            f"hf-pma: {len(listed)} snapshots ({size}) in {self._pma_dir}; `hf-pma merge {self._pma_dir} --last N "
+            "-o MERGED` averages the last N",
+        )
 
     def _recheck_disk(self, model: Any, state: Any, tick: StepTick) -> None:
         """Main process, before a snapshot is written: does it fit, do the rest still fit?"""

@@ -58,6 +58,7 @@ from hf_pma.io.sharded import (
 from hf_pma.io.torch_adapters import SAFETENSORS_FROM_DTYPE, safetensors_dtype, tensor_bytes
 from hf_pma.snapshots.gather import LocalSlice, local_slices
 from hf_pma.snapshots.sinks import DiskSnapshotSink
+from hf_pma.snapshots.writer import write_metadata_files
 from hf_pma.utils.fs import LEGACY_PREFIXES, atomic_write_json, fsync_dir, fsync_tree, remove_tree
 
 logger = logging.get_logger(__name__)
@@ -341,12 +342,7 @@ class ShardedSnapshotSink(DiskSnapshotSink):
         config, generation_config, processing_class = extras
 
         def write_extras(folder: Path) -> None:
-            if config is not None:
-                config.save_pretrained(folder)
-            if generation_config is not None:
-                generation_config.save_pretrained(folder)
-            if processing_class is not None:
-                processing_class.save_pretrained(folder)
+            write_metadata_files(folder, config, generation_config, processing_class)
 
         with self.writer.lock:
             record, deleted = finish_sharded_snapshot(

@@ -44,6 +44,7 @@ from hf_pma.core.manifest import (
 )
 from hf_pma.utils.distributed import is_peft_model, unwrap_model
 from hf_pma.utils.fs import atomic_write_json, remove_tree, write_folder_atomically
+from hf_pma.utils.logs import quiet_info
 from hf_pma.utils.parsing import parse_size
 
 logger = logging.get_logger(__name__)
@@ -55,6 +56,7 @@ __all__ = [
     "model_metadata",
     "prepare_snapshot",
     "write_safetensors",
+    "write_metadata_files",
     "write_model_folder",
     "write_folder_atomically",
     "write_snapshot",
@@ -197,6 +199,21 @@ def write_safetensors(
     return os.path.getsize(path)
 
 
+def write_metadata_files(
+    folder: str | os.PathLike[str],
+    config: Any | None = None,
+    generation_config: Any | None = None,
+    processing_class: Any | None = None,
+) -> None:
+    """``save_pretrained`` of the config, generation config and processing class (those given)
+    into ``folder``, without their "... saved in <file>" INFO lines (see
+    :func:`hf_pma.utils.logs.quiet_info`): hf-pma reports the folder once instead."""
+    with quiet_info(config, generation_config, processing_class):
+        for item in (config, generation_config, processing_class):
+            if item is not None:
+                item.save_pretrained(folder)
+
+
 def write_model_folder(
     folder: str | os.PathLike[str],
     state_dict: dict[str, torch.Tensor],
@@ -217,12 +234,7 @@ def write_model_folder(
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    if config is not None:
-        config.save_pretrained(folder)
-    if generation_config is not None:
-        generation_config.save_pretrained(folder)
-    if processing_class is not None:
-        processing_class.save_pretrained(folder)
+    write_metadata_files(folder, config, generation_config, processing_class)
     split = split_torch_state_dict_into_shards(
         state_dict,
         filename_pattern=weights_prefix + "{suffix}.safetensors",

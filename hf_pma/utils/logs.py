@@ -1,18 +1,28 @@
-"""Show hf-pma's log records the way transformers shows its own.
+"""How hf-pma's log records reach a user, the way transformers shows its own.
 
 hf-pma's modules log to loggers named ``hf_pma.*`` (through ``transformers.utils.logging``, or
 :func:`get_logger` in the modules that must not import transformers: the same loggers), which
 are not children of the ``transformers`` logger, so ``transformers.logging.set_verbosity_info()``
 alone does not show them. The CLI, the scripts and :class:`hf_pma.PMATrainer` call
 :func:`enable_logging`; a library user can too, or configure the ``hf_pma`` logger themselves.
+
+* :func:`notice`: what a user must see (where the snapshots go, what they cost) reaches a plain
+  script, whose logging shows warnings only (transformers' default verbosity).
+* :func:`quiet_info`: the INFO lines of ``save_pretrained`` ("Configuration saved in ...") are
+  dropped while hf-pma writes its own folders, in the writing thread only.
+* :func:`set_cli_verbosity`: the ``-q``/``-v`` levels of the ``hf-pma`` command.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+import threading
+from collections.abc import Iterator
+from typing import Any
 
-__all__ = ["enable_logging", "get_logger"]
+__all__ = ["enable_logging", "get_logger", "notice", "quiet_info", "set_cli_verbosity"]
 
 _HANDLER_NAME = "hf_pma_default_handler"
 
@@ -42,3 +52,85 @@ def get_logger(name: str) -> logging.Logger:
     ``transformers.utils.logging.get_logger(name)`` returns for an ``hf_pma.*`` name); for the
     modules of the torch-free merge path."""
     return logging.getLogger(name)
+
+
+def notice(logger: logging.Logger, message: str) -> None:
+    """Log information a user must see: at INFO where ``logger`` shows INFO, else at WARNING.
+
+    A plain script shows warnings only (Python's and transformers' default), so what a user must
+    know (where the snapshots go, what the first one cost) is promoted to WARNING there; once the
+    user shows hf-pma's INFO (:func:`enable_logging`, ``logging.basicConfig(level=logging.INFO)``)
+    it is an INFO line like the others. Nothing is logged when transformers' verbosity is above
+    WARNING (``transformers.logging.set_verbosity_error()``: the user asked for quiet).
+    """
+    from transformers.utils import logging as hf_logging
+
+    if logger.isEnabledFor(logging.INFO):
+        logger.info(message)
+    elif hf_logging.get_verbosity() <= logging.WARNING:
+        logger.warning(message)
+
+
+class _QuietThreadFilter(logging.Filter):
+    """Drops records below WARNING that a thread logs inside :func:`quiet_info`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.WARNING or not getattr(_QUIET, "depth", 0)
+
+
+_QUIET = threading.local()
+_FILTER = _QuietThreadFilter()
+_FILTER_LOCK = threading.Lock()
+
+
+def _module_loggers(obj: Any) -> Iterator[logging.Logger]:
+    """The module-level ``logger`` of every module defining a class of ``obj`` (its MRO)."""
+    for cls in type(obj).__mro__:
+        module_logger = getattr(sys.modules.get(cls.__module__), "logger", None)
+        if isinstance(module_logger, logging.Logger):
+            yield module_logger
+
+
+@contextlib.contextmanager
+def quiet_info(*objects: Any) -> Iterator[None]:
+    """Drop the INFO (and DEBUG) records that the ``save_pretrained`` of ``objects`` log, in this thread.
+
+    Configs, generation configs and tokenizers log one "... saved in <file>" line per file at
+    INFO; for snapshots written every few steps that is noise, even for a user who turned
+    transformers' verbosity up. The records are filtered on the loggers of the modules that
+    define the objects' classes, and only those logged by the calling thread inside the block:
+    the training thread's own records (a Trainer checkpoint) pass. Warnings always pass.
+    """
+    with _FILTER_LOCK:
+        for obj in objects:
+            if obj is None:
+                continue
+            for module_logger in _module_loggers(obj):
+                if _FILTER not in module_logger.filters:
+                    module_logger.addFilter(_FILTER)
+    _QUIET.depth = getattr(_QUIET, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _QUIET.depth -= 1
+
+
+def set_cli_verbosity(quiet: bool = False, verbose: bool = False) -> None:
+    """The levels of the ``hf-pma`` command.
+
+    Default: hf-pma's INFO (what a command does) and transformers' warnings. ``quiet``: warnings
+    only, and no progress bars. ``verbose`` (wins over ``quiet``): DEBUG for both, tracebacks on
+    errors.
+    """
+    from transformers.utils import logging as hf_logging
+
+    if verbose:
+        hf_level, level = logging.DEBUG, logging.DEBUG
+    else:
+        hf_level, level = logging.WARNING, logging.WARNING if quiet else logging.INFO
+    hf_logging.set_verbosity(hf_level)
+    hf_logging.enable_default_handler()
+    hf_logging.enable_explicit_format()
+    if quiet and not verbose:
+        hf_logging.disable_progress_bar()
+    enable_logging(level)

@@ -1,0 +1,158 @@
+"""What a user sees in their terminal: a plain Trainer script with ``PMACallback`` (default
+logging shows warnings only) is told where the snapshots go and what they cost, and never sees
+``save_pretrained``'s chatter for snapshot files; the ``hf-pma`` command's ``-q``/``-v``."""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from transformers import LlamaConfig
+from transformers.utils import logging as hf_logging
+
+from hf_pma.utils.logs import notice, quiet_info
+from tests.testing_utils import REPO_ROOT, make_tiny_model, save_model_folder
+
+# A user's script: nothing about logging, a tokenizer as processing_class (so snapshot folders
+# get tokenizer files), a checkpoint at the end from the training thread.
+PLAIN_SCRIPT = """
+import sys
+import transformers
+from transformers import Trainer, TrainingArguments
+from hf_pma import PMACallback
+from tests.testing_utils import lm_setup, quiet_args
+
+out, verbosity = sys.argv[1], sys.argv[2]
+if verbosity == "info":
+    transformers.logging.set_verbosity_info()
+model, tokenizer, train, _, collator = lm_setup()
+args = TrainingArguments(output_dir=out, max_steps=8, **quiet_args())
+trainer = Trainer(model, args, train_dataset=train, data_collator=collator, processing_class=tokenizer,
+                  callbacks=[PMACallback(interval_tokens=2 * 4 * 32)])
+trainer.train()
+trainer.save_model(out + "/final")
+"""
+
+
+def run_plain_script(out: Path, verbosity: str) -> str:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", PLAIN_SCRIPT, str(out), verbosity],
+        capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert len(list((out / "pma").glob("snapshot-*"))) == 4  # steps 2, 4, 6, 8
+    return proc.stderr
+
+
+def test_plain_script_default_logging_shows_the_summary_and_no_save_chatter(tmp_path):
+    err = run_plain_script(tmp_path, "default")
+    pma = str((tmp_path / "pma").absolute())
+    start = [line for line in err.splitlines() if "hf-pma: a snapshot every 256 tokens" in line]
+    assert len(start) == 1, err
+    assert pma in start[0] and "2.0 steps" in start[0] and "disk:" in start[0] and "free space of" in start[0]
+    assert sum("the first snapshot cost" in line for line in err.splitlines()) == 1
+    end = [line for line in err.splitlines() if "hf-pma: 4 snapshots" in line]
+    assert len(end) == 1 and f"hf-pma merge {pma}" in end[0]
+    assert "saved in" not in err
+
+
+def test_save_chatter_is_silenced_for_snapshots_only_even_at_info(tmp_path):
+    err = run_plain_script(tmp_path, "info")
+    # transformers' own INFO is shown: the Trainer's banner and the final save_model's files...
+    assert "***** Running training *****" in err
+    final = str(tmp_path / "final")
+    assert f"Configuration saved in {final}/config.json" in err
+    # ...but not one line for the snapshot folders (config, generation config, tokenizer).
+    saved = [line for line in err.splitlines() if "saved in" in line]
+    assert saved and all(final in line for line in saved), saved
+    assert "hf-pma: a snapshot every 256 tokens" in err
+
+
+class Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def test_quiet_info_drops_only_the_calling_threads_records():
+    config = LlamaConfig()
+    module_logger = logging.getLogger("transformers.configuration_utils")  # where "Configuration saved in" goes
+    collect = Collect()
+    module_logger.addHandler(collect)
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_info()
+    inside, leave = threading.Event(), threading.Event()
+
+    def writer() -> None:
+        with quiet_info(config):
+            module_logger.info("from the writer")
+            module_logger.warning("a writer's warning")
+            inside.set()
+            leave.wait(10)
+
+    try:
+        thread = threading.Thread(target=writer)
+        thread.start()
+        inside.wait(10)
+        module_logger.info("from the training thread")  # while the writer is inside the block
+        leave.set()
+        thread.join()
+        module_logger.info("after the block")
+    finally:
+        hf_logging.set_verbosity(previous)
+        module_logger.removeHandler(collect)
+    assert collect.messages == ["a writer's warning", "from the training thread", "after the block"]
+
+
+def test_notice_is_a_warning_for_plain_scripts_and_info_where_info_is_shown(caplog):
+    logger = logging.getLogger("hf_pma.test_notice")
+    with caplog.at_level(logging.WARNING, logger="hf_pma"):
+        notice(logger, "one")
+    with caplog.at_level(logging.INFO, logger="hf_pma"):
+        notice(logger, "two")
+    previous = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the user asked transformers to be quiet
+    try:
+        with caplog.at_level(logging.WARNING, logger="hf_pma"):
+            notice(logger, "three")
+    finally:
+        hf_logging.set_verbosity(previous)
+    got = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == logger.name]
+    assert got == [("WARNING", "one"), ("INFO", "two")]
+
+
+def run_cli(*argv: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "hf_pma.cli", *argv], capture_output=True, text=True, timeout=120, env=env
+    )
+
+
+def test_cli_quiet_and_verbose(tmp_path):
+    sources = [str(save_model_folder(tmp_path / f"m{i}", make_tiny_model(seed=i))) for i in range(2)]
+    default = run_cli("merge", *sources, "-o", str(tmp_path / "a"))
+    assert default.returncode == 0, default.stderr
+    assert "[INFO|hf_pma.merging.engine]" in default.stderr and "DEBUG" not in default.stderr
+    assert "saved in" not in default.stderr  # transformers' own INFO stays hidden by default
+    for quiet in (["merge", "-q"], ["-q", "merge"]):
+        out = tmp_path / f"q{len(quiet[0])}"
+        proc = run_cli(*quiet, *sources, "-o", str(out))
+        assert proc.returncode == 0, proc.stderr
+        assert (out / "model.safetensors").is_file()
+        assert proc.stderr == "", proc.stderr  # nothing: no info logs, no progress bar
+    verbose = run_cli("merge", "-v", *sources, "-o", str(tmp_path / "v"))
+    assert verbose.returncode == 0, verbose.stderr
+    assert "[INFO|hf_pma.merging.engine]" in verbose.stderr
+    # -v shows the traceback of a bad input, without it one line.
+    bad = run_cli("merge", str(tmp_path / "missing"), "-o", str(tmp_path / "b"))
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
+    bad_v = run_cli("merge", "-v", str(tmp_path / "missing"), "-o", str(tmp_path / "b"))
+    assert bad_v.returncode != 0 and "Traceback" in bad_v.stderr
