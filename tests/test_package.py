@@ -39,3 +39,15 @@ def _minimal_args(command: str) -> list[str]:
         "inspect": ["run"],
         "consolidate": ["snapshot", "-o", "out"],
     }[command]
+
+
+def test_version_is_the_changelogs_top_heading():
+    # "## 0.2.0 (unreleased)" -> "0.2.0.dev0"; once released ("## 0.2.0") the version is "0.2.0".
+    from packaging.version import Version
+
+    from tests.testing_utils import REPO_ROOT
+
+    heading = next(line for line in (REPO_ROOT / "CHANGELOG.md").read_text().splitlines() if line.startswith("## "))
+    number, _, rest = heading[3:].partition(" ")
+    expected = Version(f"{number}.dev0") if "unreleased" in rest else Version(number)
+    assert Version(hf_pma.__version__) == expected, (hf_pma.__version__, heading)

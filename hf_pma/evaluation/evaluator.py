@@ -30,7 +30,7 @@ from hf_pma.core.manifest import EVAL_RECORD_NAME, MANIFEST_NAME, PMA_SUBDIR
 from hf_pma.evaluation.harness import flatten_lm_eval_results, jsonable, load_task_manager, run_lm_eval
 from hf_pma.evaluation.options import EvalOptions
 from hf_pma.utils.distributed import require_unsharded_model, run_on_main_process
-from hf_pma.utils.formatting import MISSING, format_metric, markdown_table
+from hf_pma.utils.formatting import MISSING, format_metric, markdown_table, metric_label
 from hf_pma.utils.fs import atomic_write_json, read_json
 
 logger = logging.get_logger(__name__)
@@ -585,5 +585,8 @@ def results_table(results: Mapping[str, Mapping[str, Mapping[str, float | None]]
                     continue
                 stderr = metrics.get(f"{base}_stderr{',' + filt if filt else ''}")
                 rows.setdefault((task, metric), {})[label] = format_metric(value, stderr)
-    body = [[f"{task}/{metric}", *(cells.get(label, MISSING) for label in labels)] for (task, metric), cells in rows.items()]
+    body = [
+        [f"{task}/{metric_label(task, metric)}", *(cells.get(label, MISSING) for label in labels)]
+        for (task, metric), cells in rows.items()
+    ]
     return markdown_table(["metric", *labels], body)

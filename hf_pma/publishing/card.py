@@ -29,7 +29,7 @@ from transformers.utils import logging
 from hf_pma import __version__
 from hf_pma.core.manifest import CARD_NAME, PLOT_NAME, PMA_SUBDIR
 from hf_pma.publishing.records import FolderRecords, label_rank, load_records, sanitize_text
-from hf_pma.utils.formatting import format_metric, format_number
+from hf_pma.utils.formatting import format_metric, format_number, metric_label
 from hf_pma.utils.fs import atomic_write_text
 
 if TYPE_CHECKING:
@@ -207,7 +207,8 @@ def eval_table(eval_record: dict[str, Any] | None) -> tuple[list[str], list[dict
                 values.append(format_number(by_label[merged][0] - by_label[last][0], "+.4f"))
             else:
                 values.append(_MISSING)
-        rows.append({"task": task, "metric": _metric_display(*_split_metric(key)), "values": values})
+        base, filt = _split_metric(key)
+        rows.append({"task": task, "metric": _metric_display(metric_label(task, base), filt), "values": values})
     return columns, rows
 
 
@@ -235,7 +236,7 @@ def comparison_table(comparison: dict[str, Any] | None) -> str:
     tokens = _fmt_int(comparison.get("tokens")) if _is_number(comparison.get("tokens")) else None
     docs = comparison.get("documents")
     lines = [
-        f"| model{f' (all at {tokens} tokens)' if tokens and anneal else ''} | held-out loss "
+        f"| model{f' (all at {tokens} tokens)' if tokens and anneal else ''} | held-out loss per document "
         f"(mean of {docs} documents) | difference from the {reference} (± paired SE) | share of the annealing gain |",
         "|---|---:|---:|---:|",
     ]

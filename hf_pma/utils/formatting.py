@@ -13,9 +13,15 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["MISSING", "format_bytes", "format_number", "format_metric", "markdown_table"]
+__all__ = ["MISSING", "format_bytes", "format_number", "format_metric", "markdown_table", "metric_label"]
 
 MISSING = "-"
+
+
+def metric_label(task: str, metric: str) -> str:
+    """How a table names a metric: the held-out language-modelling ``loss`` (task ``lm``) says that
+    it is per token (over all held-out tokens), unlike the per-document means shown beside it."""
+    return f"{metric} (per token)" if task == "lm" and metric == "loss" else metric
 
 
 def format_number(value: Any, spec: str | None = None, missing: str = MISSING) -> str:

@@ -62,7 +62,7 @@ def test_card_describes_the_merge_training_and_evaluation(merged):
     assert "| training time | 3 min 05 s |" in text
     # The evaluation: last snapshot, merge, annealed, and the difference merge - last.
     assert "| task | metric | last snapshot | PMA merge | annealed | merge − last |" in text
-    assert _table_rows(text, "lm")[0] == ["lm", "loss", "4.1642", "4.0523", "4.0481", "-0.1119"]
+    assert _table_rows(text, "lm")[0] == ["lm", "loss (per token)", "4.1642", "4.0523", "4.0481", "-0.1119"]
     assert _table_rows(text, "py_syntax")[0] == ["py_syntax", "acc", "0.4125 ± 0.0211", "0.4475 ± 0.0208", "–", "+0.0350"]
     # How to load it, and how to reproduce it.
     assert 'AutoModelForCausalLM.from_pretrained("my-org/tiny-pma")' in text
@@ -168,7 +168,7 @@ def test_card_notes_ema_custom_weights_and_phases(tmp_path):
 def test_eval_table_orders_models_and_pairs_stderr():
     columns, rows = eval_table({"results": {"annealed": {"lm": {"loss": 1.0}}, "PMA merge": {"lm": {"loss": 2.0}}}})
     assert columns == ["PMA merge", "annealed"]  # no last snapshot: no difference column
-    assert rows == [{"task": "lm", "metric": "loss", "values": ["2.0000", "1.0000"]}]
+    assert rows == [{"task": "lm", "metric": "loss (per token)", "values": ["2.0000", "1.0000"]}]
 
 
 COMPARISON = {
@@ -194,7 +194,7 @@ def test_card_shows_the_matched_comparison(merged):
     (merged / "pma_eval.json").write_text(json.dumps(record))
     text = build_model_card(merged).text
     assert "The merge against the last snapshot and an annealed model" in text
-    assert "| model (all at 1,024,000 tokens) | held-out loss (mean of 32 documents) |" in text
+    assert "| model (all at 1,024,000 tokens) | held-out loss per document (mean of 32 documents) |" in text
     # last snapshot first, then the merge, then the annealed model; paired SE and share of the gain
     assert _table_rows(text, "last snapshot (constant LR)") == [["last snapshot (constant LR)", "4.2000", "", ""]]
     assert _table_rows(text, "PMA merge")[-1] == ["PMA merge", "4.0800", "-0.1200 ± 0.0120 (10.0 SE)", "80%"]

@@ -79,3 +79,13 @@ def test_format_bytes(num_bytes, expected):
     from hf_pma.utils.formatting import format_bytes
 
     assert format_bytes(num_bytes) == expected
+
+
+def test_the_held_out_loss_says_it_is_per_token():
+    from hf_pma.evaluation.evaluator import results_table
+    from hf_pma.utils.formatting import metric_label
+
+    assert metric_label("lm", "loss") == "loss (per token)"
+    assert metric_label("lm", "perplexity") == "perplexity" and metric_label("t", "loss") == "loss"
+    rows = markdown_rows(results_table({"m": {"lm": {"loss": 3.9, "perplexity": 49.4}}}))
+    assert [row[0] for row in rows] == ["metric", "lm/loss (per token)", "lm/perplexity"]
