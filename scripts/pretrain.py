@@ -21,8 +21,11 @@ replaces it, and flags after it override the file.
 
 from __future__ import annotations
 
+import ast
+import contextlib
 import dataclasses
 import json
+import logging as stdlib_logging
 import math
 import os
 import shlex
@@ -109,7 +112,10 @@ class DataArguments:
     )
     block_size: int = dataclasses.field(default=128, metadata={"help": "Tokens per training sequence (texts are packed)."})
     eval_fraction: float = dataclasses.field(default=0.05, metadata={"help": "Share of documents held out for evaluation."})
-    max_eval_blocks: int = dataclasses.field(default=64, metadata={"help": "Held-out blocks in the Trainer's evaluations."})
+    max_eval_blocks: int = dataclasses.field(
+        default=64,
+        metadata={"help": "Held-out blocks in the Trainer's evaluations: spread evenly over the final evaluation's text."},
+    )
     max_eval_texts: int = dataclasses.field(
         default=40, metadata={"help": "Held-out documents in the final loss / bits-per-byte evaluation."}
     )
@@ -255,8 +261,9 @@ def train_annealed_fork(
         push_to_hub=False,
         resume_from_checkpoint=None,
     )
+    model = build_model(model_args, tokenizer, block_size)
     trainer = Trainer(
-        build_model(model_args, tokenizer, block_size),
+        model,
         fork_args,
         train_dataset=train_ds,
         data_collator=DataCollatorForLanguageModeling(tokenizer, mlm=False),
@@ -266,9 +273,76 @@ def train_annealed_fork(
         f"Annealed fork: from step {args.max_steps - comparison.anneal_steps}, {comparison.anneal_decay_type} decay "
         f"to 0 over {comparison.anneal_steps} steps"
     )
-    trainer.train(resume_from_checkpoint=str(checkpoint))
+    with tied_keys_not_missing(model):
+        trainer.train(resume_from_checkpoint=str(checkpoint))
     trainer.save_model(str(out))
     return out
+
+
+class _TiedKeysFilter(stdlib_logging.Filter):
+    """Drops the Trainer's "There were missing keys in the checkpoint model loaded: [...]" when
+    every key it names is a tied duplicate (``lm_head.weight`` tied to the input embeddings):
+    checkpoints do not store those, and loading the embeddings fills them."""
+
+    PREFIX = "There were missing keys in the checkpoint model loaded: "
+
+    def __init__(self, tied: set[str]) -> None:
+        super().__init__()
+        self.tied = tied
+
+    def filter(self, record: stdlib_logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.startswith(self.PREFIX):
+            return True
+        try:
+            missing = ast.literal_eval(message[len(self.PREFIX) :].rstrip("."))
+        except (ValueError, SyntaxError):
+            return True
+        return not (missing and set(missing) <= self.tied)
+
+
+@contextlib.contextmanager
+def tied_keys_not_missing(model):
+    """While resuming ``model`` from a Trainer checkpoint: no warning that its tied weights are
+    missing (transformers' Trainer warns unless they are in ``_keys_to_ignore_on_save``)."""
+    every = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    tied = every - {name for name, _ in model.named_parameters()}
+    trainer_logger = stdlib_logging.getLogger("transformers.trainer")
+    log_filter = _TiedKeysFilter(tied)
+    trainer_logger.addFilter(log_filter)
+    try:
+        yield
+    finally:
+        trainer_logger.removeFilter(log_filter)
+
+
+def launcher_processes() -> int | None:
+    """``--num_processes`` of the ``accelerate launch`` that started this process (Linux: read from
+    the parent's command line), or ``None`` when not started so or not known."""
+    try:
+        parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    if "launch" not in parent[:4] or not any(Path(arg).name == "accelerate" for arg in parent[:3]):
+        return None
+    for i, arg in enumerate(parent):
+        value = arg.partition("=")[2] if arg.startswith("--num_processes=") else None
+        if arg == "--num_processes" and i + 1 < len(parent):
+            value = parent[i + 1]
+        if value is not None:
+            return int(value) if value.isdigit() else None
+    return None
+
+
+def warn_if_fewer_processes(asked: int | None, world_size: int) -> None:
+    """A warning when ``accelerate launch --num_processes N`` (N > 1) started one process: on CPU,
+    ``--cpu`` alone does not make several processes."""
+    if asked is not None and asked > 1 and world_size == 1:
+        logger.warning(
+            f"accelerate launch was asked for {asked} processes but this run has 1 (WORLD_SIZE is not set): on "
+            f"CPU, start them with: ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes {asked} "
+            f"scripts/pretrain.py (or torchrun --nproc_per_node {asked} scripts/pretrain.py)"
+        )
 
 
 def read_documents(data: DataArguments) -> tuple[list[str], str]:
@@ -350,6 +424,18 @@ def reproduce_command(argv: list[str]) -> str:
     return shlex.join(parts)
 
 
+def final_eval_texts(heldout: list[str], data: DataArguments) -> list[str]:
+    """The held-out text of the final evaluation (and, packed, of the Trainer's evaluations)."""
+    return [doc[: data.max_eval_chars] for doc in heldout[: data.max_eval_texts]]
+
+
+def evenly_spaced(total: int, count: int) -> list[int]:
+    """``count`` indices spread evenly over ``range(total)`` (all of them when ``count >= total``)."""
+    if count >= total:
+        return list(range(total))
+    return [i * total // count for i in range(count)]
+
+
 def final_evaluation(
     trainer: PMATrainer,
     heldout: list[str],
@@ -393,7 +479,7 @@ def final_evaluation(
         )
         tasks = ",".join([*info["tasks"], *([data.eval_tasks] if data.eval_tasks else [])])
         include = out / "tasks"
-    texts = [doc[: data.max_eval_chars] for doc in heldout[: data.max_eval_texts]]
+    texts = final_eval_texts(heldout, data)
     return evaluate_models(
         [str(p) for p in models.values()],
         labels=list(models),
@@ -453,15 +539,16 @@ def main(argv: list[str] | None = None) -> int:
     """Run the whole job; returns the exit code."""
     started = time.time()
     argv = sys.argv[1:] if argv is None else argv
+    # hf-pma's own progress at INFO; transformers' at WARNING (it logs every config it saves).
+    logging.set_verbosity_warning()
+    logging.enable_explicit_format()
+    enable_logging(logging.INFO)
+    warn_if_fewer_processes(launcher_processes(), int(os.environ.get("WORLD_SIZE", "1")))
     try:
         model_args, data, comparison, args = parse_arguments(argv)
     except ValueError as err:  # bad arguments: one line, before anything is trained or written
         print(f"pretrain.py: error: {err}", file=sys.stderr)
         return 2
-    # hf-pma's own progress at INFO; transformers' at WARNING (it logs every config it saves).
-    logging.set_verbosity_warning()
-    logging.enable_explicit_format()
-    enable_logging(logging.INFO)
     set_seed(args.seed)
 
     if args.push_to_hub:  # a missing token or a bad repo id fails now, not after training
@@ -480,8 +567,10 @@ def main(argv: list[str] | None = None) -> int:
     cache_dir = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hf_pma" / "tokenizers"
     tokenizer = run_on_main_process(build_tokenizer, model_args, train_docs, cache_dir)
     train_ds = full_batches(pack_dataset(train_docs, tokenizer, data.block_size), args)
-    eval_ds = pack_dataset(heldout, tokenizer, data.block_size)
-    eval_ds = eval_ds.select(range(min(len(eval_ds), data.max_eval_blocks)))
+    # The Trainer's evaluations read the final evaluation's text, so that their curves and the
+    # final evaluation (the plot's markers) are comparable: evenly spread blocks of it.
+    eval_ds = pack_dataset(final_eval_texts(heldout, data), tokenizer, data.block_size)
+    eval_ds = eval_ds.select(evenly_spaced(len(eval_ds), data.max_eval_blocks))
     if data.token_budget:
         tokens_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size * data.block_size
         args.max_steps = max(1, data.token_budget // tokens_per_step)

@@ -437,7 +437,10 @@ def _plot_description(records: FolderRecords) -> str:
         parts.append("the evaluation loss of the live model (red) and of the PMA merge (green) at each evaluation")
     if data.final_evals:
         labels = [f'"{label}"' for label in sorted(data.final_evals, key=label_rank)]
-        parts.append(f"the final evaluation of {' / '.join(labels)} (stars)")
+        parts.append(
+            f"the final evaluation of {' / '.join(labels)} (large markers, side by side; loss per token on the "
+            "final evaluation's text, comparable with the curves where the Trainer evaluated the same text)"
+        )
     if data.merged_snapshots:
         parts.append("the merged snapshots (orange lines)")
     if data.other_snapshots:

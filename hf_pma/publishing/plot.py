@@ -1,7 +1,8 @@
 """The training plot of a PMA run: one PNG, made with matplotlib's Agg canvas.
 
 It shows, over tokens seen: the training loss, the evaluation loss of the live model and of the
-PMA merge at each evaluation, the final evaluation of the last snapshot and the merge, the
+PMA merge at each evaluation, the final evaluation of the last snapshot, the merge and an annealed
+model (markers side by side, labelled: often on other text than the curves), the
 snapshot positions (the merged ones solid, the run's others dotted) and the learning rate.
 
 The data come from a merged folder's records (:mod:`hf_pma.publishing.records`). The Trainer logs by
@@ -36,8 +37,11 @@ __all__ = ["PlotData", "plot_data", "plot_training"]
 
 _MERGED_EVAL_KEYS = ("eval_pma_loss", "eval_pma/loss", "pma_eval_loss")
 # Final evaluations in the colours of their curves: last snapshot as the live model, the merge
-# as the merged evaluations (ranks of hf_pma.publishing.card's model labels).
+# as the merged evaluations (ranks of hf_pma.publishing.card's model labels), each its own marker.
 _FINAL_COLORS = {0: "C3", 1: "C2", 2: "C4"}
+_FINAL_MARKERS = {0: "o", 1: "*", 2: "D"}
+# Final evaluations at the same position are spread by this share of the x range, side by side.
+_FINAL_SPREAD = 0.018
 
 
 def _num(value: Any) -> float | None:
@@ -59,6 +63,7 @@ class PlotData:
     other_snapshots: list[float]
     final_evals: dict[str, tuple[float, float]]
     title: str
+    final_note: str = ""
 
     def is_empty(self) -> bool:
         """True when there is no curve, no evaluation and no snapshot to draw."""
@@ -160,6 +165,16 @@ def plot_data(records: FolderRecords) -> PlotData:
                 x = end_x if label_rank(str(label)) >= 2 and end_x is not None else max(merged_x)
                 finals[str(label)] = (x, loss)
 
+    final_note = ""
+    if finals:
+        # The final evaluation (hf-pma eval, pma_eval.json) and the Trainer's evaluations during
+        # training may read different text (scripts/pretrain.py uses the same), and then their
+        # levels differ: say what the markers are.
+        dataset = (records.eval or {}).get("eval_dataset")
+        final_note = (
+            f"large markers: final evaluation, loss per token on {dataset or 'its own held-out text'} "
+            "(level comparable with the eval curves only where they read the same text)"
+        )
     merge = records.merge or {}
     title = records.run_name or records.name or "PMA run"
     if merge:
@@ -174,6 +189,7 @@ def plot_data(records: FolderRecords) -> PlotData:
         other_snapshots=other_x,
         final_evals=finals,
         title=title,
+        final_note=final_note,
     )
 
 
@@ -190,8 +206,36 @@ def _loss_limits(data: PlotData) -> tuple[float, float] | None:
     return low - pad, high + pad
 
 
+def _final_markers(data: PlotData) -> list[tuple[str, float, float, str, str]]:
+    """(label, x, y, marker, colour) of the final evaluations, last snapshot first; those at the
+    same position are spread side by side (else the merge's marker hides under the annealed one)."""
+    xs = [x for curve in (data.train_loss, data.eval_live, data.eval_merged) for x, _ in curve]
+    xs += data.merged_snapshots + [x for x, _ in data.final_evals.values()]
+    span = (max(xs) - min(xs)) if len(xs) > 1 else 0.0
+    step = _FINAL_SPREAD * span or 1.0
+    ordered = sorted(data.final_evals.items(), key=lambda kv: label_rank(kv[0]))
+    groups: dict[float, list[str]] = {}
+    for label, (x, _) in ordered:
+        groups.setdefault(x, []).append(label)
+    out = []
+    for label, (x, y) in ordered:
+        group = groups[x]
+        offset = (group.index(label) - (len(group) - 1) / 2) * step if len(group) > 1 else 0.0
+        rank = label_rank(label)
+        out.append((label, x + offset, y, _FINAL_MARKERS.get(rank, "P"), _FINAL_COLORS.get(rank, "C4")))
+    return out
+
+
 def _draw(data: PlotData, dpi: int) -> bytes:
     """The plot as PNG bytes."""
+    fig = _figure(data, dpi)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", bbox_inches="tight")
+    return buffer.getvalue()
+
+
+def _figure(data: PlotData, dpi: int) -> Any:
+    """The plot as a ``matplotlib.figure.Figure`` on the Agg canvas."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import EngFormatter
@@ -208,9 +252,10 @@ def _draw(data: PlotData, dpi: int) -> bytes:
     if data.eval_merged:
         xs, ys = zip(*data.eval_merged)
         ax.plot(xs, ys, "s-", color="C2", markersize=4, linewidth=1, label="eval loss, PMA merge")
-    for label, (x, y) in sorted(data.final_evals.items(), key=lambda kv: label_rank(kv[0])):
-        color = _FINAL_COLORS.get(label_rank(label), "C4")
-        ax.plot([x], [y], marker="*", markersize=12, linestyle="none", color=color, alpha=0.8, label=f"final eval: {label}")
+    for label, x, y, marker, color in _final_markers(data):
+        size = 13 if marker == "*" else 8
+        ax.plot([x], [y], marker=marker, markersize=size, linestyle="none", color=color, markeredgecolor="black",
+                markeredgewidth=0.6, zorder=5, label=f"final eval: {label}")
     for i, x in enumerate(data.merged_snapshots):
         ax.axvline(x, color="C1", linewidth=0.9, alpha=0.7, label="merged snapshots" if i == 0 else None)
     for i, x in enumerate(data.other_snapshots):
@@ -235,10 +280,8 @@ def _draw(data: PlotData, dpi: int) -> bytes:
     if handles:
         # Below the axes: a legend inside would hide the end of the curves, where the merge is.
         ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=4, fontsize=8, frameon=False)
-    ax.set_title(data.title, fontsize=10)
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", bbox_inches="tight")
-    return buffer.getvalue()
+    ax.set_title(f"{data.title}\n{data.final_note}" if data.final_note else data.title, fontsize=9)
+    return fig
 
 
 def plot_training(

@@ -102,3 +102,23 @@ def test_nothing_to_plot_is_a_clear_error(tmp_path):
     assert list(tmp_path.iterdir()) == []
     with pytest.raises(ValueError, match="output_path"):
         plot_training(FolderRecords(training={"log_history": [{"step": 1, "loss": 1.0}]}))
+
+
+def test_final_markers_side_by_side_distinct_and_labelled(merged):
+    from hf_pma.publishing.plot import _figure
+
+    data = plot_data(load_records(merged))
+    # All three final evaluations at one position (as in the default run: the fork ends where the merge does).
+    end = max(data.merged_snapshots)
+    data.final_evals = {label: (end, y) for label, (_, y) in data.final_evals.items()}
+    ax = _figure(data, dpi=50).axes[0]
+    finals = {line.get_label(): line for line in ax.lines if line.get_label().startswith("final eval: ")}
+    assert set(finals) == {"final eval: last snapshot", "final eval: PMA merge", "final eval: annealed"}
+    xs = [float(line.get_xdata()[0]) for line in finals.values()]
+    span = max(x for x, _ in data.train_loss) - min(x for x, _ in data.train_loss)
+    # Side by side: at least 1% of the x range apart, around the position they share.
+    assert min(abs(a - b) for i, a in enumerate(xs) for b in xs[i + 1 :]) > 0.01 * span
+    assert min(xs) < end < max(xs) and sum(xs) / 3 == pytest.approx(end)
+    assert len({line.get_marker() for line in finals.values()}) == 3
+    # The markers say that they are not on the curves' text.
+    assert "final evaluation, loss per token on" in ax.get_title() and "only where they read the same text" in ax.get_title()

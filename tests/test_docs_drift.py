@@ -1,0 +1,97 @@
+"""The numbers that README.md and docs/quickstart.md quote about the default run are those of
+``scripts/configs/tiny.yaml``: model size, vocabulary, V, N, schedule, steps, LR, batch. The
+README is read on GitHub, so it is checked here rather than generated at build time."""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+import sys
+
+import pytest
+import yaml
+
+from tests.testing_utils import REPO_ROOT
+
+CONFIG = yaml.safe_load((REPO_ROOT / "scripts" / "configs" / "tiny.yaml").read_text())
+PAGES = ("README.md", "docs/quickstart.md")
+CONSTANT = CONFIG["lr_scheduler_type"] in ("constant", "constant_with_warmup")
+
+
+def _int(text: str) -> int:
+    return int(text.replace(",", ""))
+
+
+class _Vocabulary:
+    """What the script's build_model reads of a tokenizer: its length and special token ids."""
+
+    pad_token_id, bos_token_id, eos_token_id = 0, 1, 2
+
+    def __len__(self) -> int:
+        return CONFIG["vocab_size"]
+
+
+def _parameters_in_millions(monkeypatch) -> str:
+    spec = importlib.util.spec_from_file_location("pretrain_script", REPO_ROOT / "scripts" / "pretrain.py")
+    script = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, script)
+    spec.loader.exec_module(script)
+    model_args = script.ModelArguments(config_overrides=CONFIG["config_overrides"], vocab_size=CONFIG["vocab_size"])
+    model = script.build_model(model_args, _Vocabulary(), CONFIG["block_size"])
+    return f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}"
+
+
+def _overrides() -> dict[str, int]:
+    return {k: int(v) for k, v in (item.split("=") for item in CONFIG["config_overrides"].split(","))}
+
+
+TOKENS_PER_STEP = CONFIG["per_device_train_batch_size"] * CONFIG["block_size"]
+TOTAL_TOKENS = CONFIG["max_steps"] * TOKENS_PER_STEP
+
+# (what, pattern, what every match must read, per group); each must match somewhere in PAGES.
+CHECKS = [
+    ("V", r"snapshot every ([\d,]+) tokens", [CONFIG["pma_interval_tokens"]]),
+    ("V in steps", r"snapshot every [\d,]+ tokens \((\d+) steps", [CONFIG["pma_interval_tokens"] // TOKENS_PER_STEP]),
+    ("N", r"(?:merges|merge of|SMA of) the last (\d+)", [CONFIG["pma_window"]]),
+    ("steps and batch", r"for ([\d,]+) steps of ([\d,]+) tokens", [CONFIG["max_steps"], TOKENS_PER_STEP]),
+    ("warmup", r"(\d+) warmup steps", [CONFIG["warmup_steps"]]),
+    ("tokens in all", r"same ([\d,]+) tokens", [TOTAL_TOKENS]),
+    ("anneal", r"annealed over its last (\d+) steps", [CONFIG["anneal_steps"]]),
+    ("anneal (steps)", r"decayed linearly to 0 over (\d+) steps", [CONFIG["anneal_steps"]]),
+    ("keep_last", r"the newest (\d+) kept", [CONFIG["pma_keep_last"]]),
+    ("vocabulary", r"BPE tokenizer \(([\d,]+) tokens\)", [CONFIG["vocab_size"]]),
+    ("block size", r"(\d+)-token blocks", [CONFIG["block_size"]]),
+    ("layers and width", r"(\d+)-layer Llama \(hidden size (\d+)", [_overrides()["num_hidden_layers"], _overrides()["hidden_size"]]),
+]
+
+
+def _text() -> dict[str, str]:
+    return {page: (REPO_ROOT / page).read_text() for page in PAGES}
+
+
+@pytest.mark.parametrize("what, pattern, expected", CHECKS, ids=[c[0] for c in CHECKS])
+def test_numbers_quoted_about_the_default_run_match_tiny_yaml(what, pattern, expected):
+    found = [(page, m.groups()) for page, text in _text().items() for m in re.finditer(pattern, text)]
+    assert found, f"{what}: no {pattern!r} in {PAGES}: update this check with the docs"
+    wrong = [(page, groups) for page, groups in found if [_int(g) for g in groups] != expected]
+    assert not wrong, f"{what}: {wrong} in the docs, {expected} in scripts/configs/tiny.yaml"
+
+
+def test_model_size_and_learning_rate_match_tiny_yaml(monkeypatch):
+    millions = _parameters_in_millions(monkeypatch)
+    texts = _text()
+    sizes = [(page, m.group(1)) for page, text in texts.items() for m in re.finditer(r"(\d+\.\d+)M[- ]parameter", text)]
+    assert {page for page, _ in sizes} == set(PAGES)  # every page says the size
+    assert all(size == millions for _, size in sizes), (sizes, millions)
+    rates = [(page, m.group(1)) for page, text in texts.items() for m in re.finditer(r"constant (?:LR )?(\d+(?:\.\d+)?e-\d+)", text)]
+    assert rates and all(float(rate) == CONFIG["learning_rate"] for _, rate in rates), rates
+
+
+def test_schedule_matches_tiny_yaml():
+    for page, text in _text().items():
+        intro = text[text.index("pre-trains a") :][:400]  # the sentence that describes the default run
+        assert ("constant learning rate" in intro) == CONSTANT, (page, intro)
+        for name in re.findall(r"`(constant_with_warmup|constant|warmup_stable_decay|linear|cosine)`", intro):
+            assert name == CONFIG["lr_scheduler_type"], (page, name)
+        if CONSTANT:
+            assert "warmup-stable-decay schedule" not in text, page

@@ -1,0 +1,89 @@
+"""What scripts/pretrain.py tells a newcomer: no false "missing keys" warning when the annealed
+fork resumes a tied model, and a warning when ``accelerate launch --cpu --num_processes 2``
+started one process (with the command that starts two)."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import subprocess
+import sys
+
+from transformers import Trainer, TrainingArguments
+
+from tests.testing_utils import REPO_ROOT, lm_setup, quiet_args
+
+SCRIPT = REPO_ROOT / "scripts" / "pretrain.py"
+
+
+def _load_script(monkeypatch):
+    spec = importlib.util.spec_from_file_location("pretrain_script", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+class Collect(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def _resume_messages(tmp_path, model, train, collator, wrap) -> list[str]:
+    trainer_logger = logging.getLogger("transformers.trainer")
+    collect = Collect()
+    trainer_logger.addHandler(collect)
+    try:
+        args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, **quiet_args(save_strategy="steps", save_steps=2))
+        trainer = Trainer(model, args, train_dataset=train, data_collator=collator)
+        with wrap(model):
+            trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
+    finally:
+        trainer_logger.removeHandler(collect)
+    return [m for m in collect.messages if "missing keys" in m]
+
+
+def test_the_fork_resumes_a_tied_model_without_a_missing_keys_warning(tmp_path, monkeypatch):
+    import contextlib
+
+    script = _load_script(monkeypatch)
+    model, _, train, _, collator = lm_setup()
+    assert model.lm_head.weight is model.get_input_embeddings().weight  # tied
+    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, **quiet_args(save_strategy="steps", save_steps=2))
+    Trainer(model, args, train_dataset=train, data_collator=collator).train()
+    # Without the filter transformers' Trainer warns that the tied lm_head.weight is missing...
+    plain = _resume_messages(tmp_path, lm_setup()[0], train, collator, lambda m: contextlib.nullcontext())
+    assert plain == ["There were missing keys in the checkpoint model loaded: ['lm_head.weight']."]
+    # ...which is not true: the fork resumes it silently, and the weights are the checkpoint's.
+    fresh = lm_setup(seed=1)[0]
+    assert _resume_messages(tmp_path, fresh, train, collator, script.tied_keys_not_missing) == []
+    assert fresh.lm_head.weight is fresh.get_input_embeddings().weight
+    # A real missing key is still reported.
+    keep = script._TiedKeysFilter({"lm_head.weight"})
+    record = logging.LogRecord("t", logging.WARNING, "", 0, keep.PREFIX + "['model.norm.weight'].", None, None)
+    assert keep.filter(record)
+
+
+def _launch(*launcher: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    # Bad arguments: the script stops right after the launcher check, in every process it has.
+    return subprocess.run(
+        ["accelerate", "launch", *launcher, str(SCRIPT), "--anneal_steps", "-1"],
+        capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", **(env or {})},
+    )
+
+
+def test_cpu_num_processes_that_starts_one_process_is_reported(tmp_path):
+    one = _launch("--cpu", "--num_processes", "2")
+    assert one.stderr.count("pretrain.py: error: anneal_steps") == 1  # one process only
+    assert "accelerate launch was asked for 2 processes but this run has 1" in one.stderr
+    assert "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2" in one.stderr
+    # The incantation the warning (and the quickstart) gives starts two processes, and says nothing.
+    two = _launch("--multi_gpu", "--num_processes", "2", env={"ACCELERATE_USE_CPU": "1"})
+    assert two.stderr.count("pretrain.py: error: anneal_steps") == 2, two.stderr[-2000:]
+    assert "was asked for" not in two.stderr
