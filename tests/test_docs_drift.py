@@ -36,7 +36,9 @@ def _parameters_in_millions(monkeypatch) -> str:
     script = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, script)
     spec.loader.exec_module(script)
-    model_args = script.ModelArguments(config_overrides=CONFIG["config_overrides"], vocab_size=CONFIG["vocab_size"])
+    model_args = script.ModelArguments(
+        config_overrides=CONFIG["config_overrides"], vocab_size=CONFIG["vocab_size"]
+    )
     model = script.build_model(model_args, _Vocabulary(), CONFIG["block_size"])
     return f"{sum(p.numel() for p in model.parameters()) / 1e6:.2f}"
 
@@ -51,7 +53,11 @@ TOTAL_TOKENS = CONFIG["max_steps"] * TOKENS_PER_STEP
 # (what, pattern, what every match must read, per group); each must match somewhere in PAGES.
 CHECKS = [
     ("V", r"snapshot every ([\d,]+) tokens", [CONFIG["pma_interval_tokens"]]),
-    ("V in steps", r"snapshot every [\d,]+ tokens \((\d+) steps", [CONFIG["pma_interval_tokens"] // TOKENS_PER_STEP]),
+    (
+        "V in steps",
+        r"snapshot every [\d,]+ tokens \((\d+) steps",
+        [CONFIG["pma_interval_tokens"] // TOKENS_PER_STEP],
+    ),
     ("N", r"(?:merges|merge of|SMA of) the last (\d+)", [CONFIG["pma_window"]]),
     ("steps and batch", r"for ([\d,]+) steps of ([\d,]+) tokens", [CONFIG["max_steps"], TOKENS_PER_STEP]),
     ("warmup", r"(\d+) warmup steps", [CONFIG["warmup_steps"]]),
@@ -61,7 +67,11 @@ CHECKS = [
     ("keep_last", r"the newest (\d+) kept", [CONFIG["pma_keep_last"]]),
     ("vocabulary", r"BPE tokenizer \(([\d,]+) tokens\)", [CONFIG["vocab_size"]]),
     ("block size", r"(\d+)-token blocks", [CONFIG["block_size"]]),
-    ("layers and width", r"(\d+)-layer Llama \(hidden size (\d+)", [_overrides()["num_hidden_layers"], _overrides()["hidden_size"]]),
+    (
+        "layers and width",
+        r"(\d+)-layer Llama \(hidden size (\d+)",
+        [_overrides()["num_hidden_layers"], _overrides()["hidden_size"]],
+    ),
 ]
 
 
@@ -80,10 +90,18 @@ def test_numbers_quoted_about_the_default_run_match_tiny_yaml(what, pattern, exp
 def test_model_size_and_learning_rate_match_tiny_yaml(monkeypatch):
     millions = _parameters_in_millions(monkeypatch)
     texts = _text()
-    sizes = [(page, m.group(1)) for page, text in texts.items() for m in re.finditer(r"(\d+\.\d+)M[- ]parameter", text)]
+    sizes = [
+        (page, m.group(1))
+        for page, text in texts.items()
+        for m in re.finditer(r"(\d+\.\d+)M[- ]parameter", text)
+    ]
     assert {page for page, _ in sizes} == set(PAGES)  # every page says the size
     assert all(size == millions for _, size in sizes), (sizes, millions)
-    rates = [(page, m.group(1)) for page, text in texts.items() for m in re.finditer(r"constant (?:LR )?(\d+(?:\.\d+)?e-\d+)", text)]
+    rates = [
+        (page, m.group(1))
+        for page, text in texts.items()
+        for m in re.finditer(r"constant (?:LR )?(\d+(?:\.\d+)?e-\d+)", text)
+    ]
     assert rates and all(float(rate) == CONFIG["learning_rate"] for _, rate in rates), rates
 
 

@@ -47,7 +47,9 @@ def test_version_is_the_changelogs_top_heading():
 
     from tests.testing_utils import REPO_ROOT
 
-    heading = next(line for line in (REPO_ROOT / "CHANGELOG.md").read_text().splitlines() if line.startswith("## "))
+    heading = next(
+        line for line in (REPO_ROOT / "CHANGELOG.md").read_text().splitlines() if line.startswith("## ")
+    )
     number, _, rest = heading[3:].partition(" ")
     expected = Version(f"{number}.dev0") if "unreleased" in rest else Version(number)
     assert Version(hf_pma.__version__) == expected, (hf_pma.__version__, heading)

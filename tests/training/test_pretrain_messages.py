@@ -39,7 +39,9 @@ def _resume_messages(tmp_path, model, train, collator, wrap) -> list[str]:
     collect = Collect()
     trainer_logger.addHandler(collect)
     try:
-        args = TrainingArguments(output_dir=str(tmp_path), max_steps=4, **quiet_args(save_strategy="steps", save_steps=2))
+        args = TrainingArguments(
+            output_dir=str(tmp_path), max_steps=4, **quiet_args(save_strategy="steps", save_steps=2)
+        )
         trainer = Trainer(model, args, train_dataset=train, data_collator=collator)
         with wrap(model):
             trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-2"))
@@ -54,7 +56,9 @@ def test_the_fork_resumes_a_tied_model_without_a_missing_keys_warning(tmp_path, 
     script = _load_script(monkeypatch)
     model, _, train, _, collator = lm_setup()
     assert model.lm_head.weight is model.get_input_embeddings().weight  # tied
-    args = TrainingArguments(output_dir=str(tmp_path), max_steps=2, **quiet_args(save_strategy="steps", save_steps=2))
+    args = TrainingArguments(
+        output_dir=str(tmp_path), max_steps=2, **quiet_args(save_strategy="steps", save_steps=2)
+    )
     Trainer(model, args, train_dataset=train, data_collator=collator).train()
     # Without the filter transformers' Trainer warns that the tied lm_head.weight is missing...
     plain = _resume_messages(tmp_path, lm_setup()[0], train, collator, lambda m: contextlib.nullcontext())
@@ -65,7 +69,9 @@ def test_the_fork_resumes_a_tied_model_without_a_missing_keys_warning(tmp_path, 
     assert fresh.lm_head.weight is fresh.get_input_embeddings().weight
     # A real missing key is still reported.
     keep = script._TiedKeysFilter({"lm_head.weight"})
-    record = logging.LogRecord("t", logging.WARNING, "", 0, keep.PREFIX + "['model.norm.weight'].", None, None)
+    record = logging.LogRecord(
+        "t", logging.WARNING, "", 0, keep.PREFIX + "['model.norm.weight'].", None, None
+    )
     assert keep.filter(record)
 
 
@@ -73,7 +79,10 @@ def _launch(*launcher: str, env: dict[str, str] | None = None) -> subprocess.Com
     # Bad arguments: the script stops right after the launcher check, in every process it has.
     return subprocess.run(
         ["accelerate", "launch", *launcher, str(SCRIPT), "--anneal_steps", "-1"],
-        capture_output=True, text=True, timeout=300, cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO_ROOT,
         env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", **(env or {})},
     )
 

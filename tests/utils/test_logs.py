@@ -42,7 +42,11 @@ def run_plain_script(out: Path, verbosity: str) -> str:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-c", PLAIN_SCRIPT, str(out), verbosity],
-        capture_output=True, text=True, timeout=300, env=env, cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=REPO_ROOT,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert len(list((out / "pma").glob("snapshot-*"))) == 4  # steps 2, 4, 6, 8
@@ -84,7 +88,9 @@ class Collect(logging.Handler):
 
 def test_quiet_info_drops_only_the_calling_threads_records():
     config = LlamaConfig()
-    module_logger = logging.getLogger("transformers.configuration_utils")  # where "Configuration saved in" goes
+    module_logger = logging.getLogger(
+        "transformers.configuration_utils"
+    )  # where "Configuration saved in" goes
     collect = Collect()
     module_logger.addHandler(collect)
     previous = hf_logging.get_verbosity()
