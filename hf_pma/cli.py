@@ -69,6 +69,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hf_pma.utils.logs import set_cli_verbosity
 
     set_cli_verbosity(quiet=bool(getattr(args, "quiet", False)), verbose=bool(getattr(args, "verbose", False)))
+    from hf_pma.utils.threads import fit_cpu_threads
+
+    fit_cpu_threads()  # a shared CPU: the cores others leave free (OMP_NUM_THREADS overrides)
     from hf_pma.utils.fs import NoSpaceError
 
     try:

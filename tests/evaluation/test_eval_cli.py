@@ -62,7 +62,7 @@ def test_two_models_side_by_side(setup, capsys):
     assert table[0] == ["metric", "snapshot-100", "merged"]
     rows = {row[0]: row[1:] for row in table[1:]}
     assert set(rows) == {
-        "lm/loss",
+        "lm/loss (per token)",
         "lm/perplexity",
         "lm/bits_per_byte",
         "pma_next_line/acc",

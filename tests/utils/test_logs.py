@@ -162,3 +162,25 @@ def test_cli_quiet_and_verbose(tmp_path):
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
     bad_v = run_cli("merge", "-v", str(tmp_path / "missing"), "-o", str(tmp_path / "b"))
     assert bad_v.returncode != 0 and "Traceback" in bad_v.stderr
+
+
+def test_cpu_threads_leave_the_busy_cores():
+    from hf_pma.utils.threads import free_core_threads, usable_cores
+
+    assert free_core_threads(2, 2, 0.3) == 2  # an idle machine keeps torch's default
+    assert free_core_threads(2, 2, 1.6) == 1  # another job on one of 2 cores: 1 thread
+    assert free_core_threads(2, 2, 7.0) == 1  # never fewer than 1
+    assert free_core_threads(16, 16, 4.2) == 12
+    assert free_core_threads(4, 16, 2.0) == 4  # never more than torch would use
+    assert 1 <= usable_cores() <= (os.cpu_count() or 1)
+
+
+def test_cli_respects_omp_num_threads():
+    # With OMP_NUM_THREADS set, the command leaves torch's threads alone whatever the load.
+    probe = (
+        "import os, sys, torch; from hf_pma.utils.threads import fit_cpu_threads; "
+        "print(fit_cpu_threads(), torch.get_num_threads())"
+    )
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.split() == ["None", "1"], out.stderr
