@@ -47,7 +47,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers.utils import logging
 
-from hf_pma.core.manifest import find_manifest, is_excluded, manifest_snapshots
+from hf_pma.core.manifest import is_excluded, manifest_snapshots
 from hf_pma.core.strategies import merge_weights
 from hf_pma.io.sharded import sharded_weight_files
 from hf_pma.merging.sources import (
@@ -56,8 +56,9 @@ from hf_pma.merging.sources import (
     find_weight_files,
     open_all,
     resolve_sources,
+    run_layout,
 )
-from hf_pma.utils.formatting import format_bytes, format_number, markdown_table
+from hf_pma.utils.formatting import format_bytes, format_number, text_table
 from hf_pma.utils.fs import atomic_write_file
 
 logger = logging.get_logger(__name__)
@@ -76,6 +77,7 @@ __all__ = [
     "snapshot_rows",
     "snapshot_table",
     "diagnostics_table",
+    "reading",
     "plot_diagnostics",
     "strategy_weights",
 ]
@@ -392,51 +394,54 @@ def _folder_bytes(folder: Path) -> int | None:
     return sum(f.stat().st_size for f in files) if files else None
 
 
-def snapshot_rows(run: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """One row per snapshot of a run (a PMA manifest, or Trainer ``checkpoint-*`` folders),
-    oldest first: name, tokens, step, lr, phase, loss, size in bytes, and whether it is excluded
-    from merges (with the reason)."""
+def snapshot_rows(run: str | os.PathLike[str], include_final: bool = False) -> list[dict[str, Any]]:
+    """One row per snapshot of a run (a PMA manifest, else Trainer ``checkpoint-*`` folders, as
+    :func:`hf_pma.merging.sources.resolve_sources` reads a run folder), oldest first: name,
+    tokens, step, lr, phase, loss, size in bytes, and whether it is excluded from merges (with
+    the reason); with ``include_final``, the final model at the run's top last."""
     run = Path(run)
     if not run.exists():
         raise FileNotFoundError(f"run folder {run} does not exist")
-    manifest = find_manifest(run)
-    if manifest is not None:
-        rows = []
-        for record in manifest_snapshots(manifest.parent):
-            folder = manifest.parent / record.path
-            rows.append(
-                {
-                    "name": Path(record.path).name,
-                    "tokens": record.tokens,
-                    "step": record.step,
-                    "lr": record.lr,
-                    "phase": record.phase,
-                    "loss": record.loss,
-                    "bytes": _folder_bytes(folder) if folder.is_dir() else None,
-                    "excluded": is_excluded(record),
-                    "excluded_reason": record.extra.get("excluded_reason"),
-                    "missing": not folder.is_dir(),
-                }
-            )
-        if not rows:
-            raise ValueError(f"the manifest {manifest} lists no snapshots yet")
-        return rows
-    sources = resolve_sources([run])
-    return [
-        {
-            "name": s.name,
-            "tokens": s.tokens,
-            "step": s.step,
-            "lr": s.record.get("lr"),
-            "phase": s.record.get("phase"),
-            "loss": s.record.get("loss"),
-            "bytes": s.num_bytes(),
-            "excluded": False,
-            "excluded_reason": None,
-            "missing": False,
-        }
-        for s in sources
-    ]
+    manifest = run_layout(run).manifest if run.is_dir() else None
+    if manifest is None:
+        return [_source_row(s) for s in resolve_sources([run], include_final=include_final)]
+    rows = []
+    for record in manifest_snapshots(manifest.parent):
+        folder = manifest.parent / record.path
+        rows.append(
+            {
+                "name": Path(record.path).name,
+                "tokens": record.tokens,
+                "step": record.step,
+                "lr": record.lr,
+                "phase": record.phase,
+                "loss": record.loss,
+                "bytes": _folder_bytes(folder) if folder.is_dir() else None,
+                "excluded": is_excluded(record),
+                "excluded_reason": record.extra.get("excluded_reason"),
+                "missing": not folder.is_dir(),
+            }
+        )
+    if not rows:
+        raise ValueError(f"the manifest {manifest} lists no snapshots yet")
+    if include_final:
+        rows.append(_source_row(resolve_sources([run], include_final=True)[-1]))
+    return rows
+
+
+def _source_row(s: CheckpointSource) -> dict[str, Any]:
+    return {
+        "name": s.name,
+        "tokens": s.tokens,
+        "step": s.step,
+        "lr": s.record.get("lr"),
+        "phase": s.record.get("phase"),
+        "loss": s.record.get("loss"),
+        "bytes": s.num_bytes(),
+        "excluded": False,
+        "excluded_reason": None,
+        "missing": False,
+    }
 
 
 def snapshot_table(rows: Sequence[dict[str, Any]]) -> str:
@@ -450,20 +455,29 @@ def snapshot_table(rows: Sequence[dict[str, Any]]) -> str:
             [r["name"], format_number(r["tokens"], ","), format_number(r["step"], ","), format_number(r["lr"], ".3g"),
              format_number(r["phase"]), format_number(r["loss"]), format_bytes(r["bytes"]), note]
         )
-    return markdown_table(["snapshot", "tokens", "step", "lr", "phase", "loss", "size", "note"], body, align="lrrrlrrl")
+    return text_table(["snapshot", "tokens", "step", "lr", "phase", "loss", "size", "note"], body, align="lrrrlrrl")
 
 
 def diagnostics_table(names: Sequence[str], diag: WindowDiagnostics) -> str:
-    """The window's per-snapshot numbers and its cosine matrix, as plain text."""
+    """The window's per-snapshot numbers and its cosine matrix, as plain text.
+
+    With equal weights (SMA) the merge is the window mean, so each snapshot's distance to the
+    merge equals its deviation from the mean: one column shows both.
+    """
     n = len(diag.indices)
-    header = ["snapshot", "weight", "|dev from mean|", "dist to merge", *[f"cos[{j}]" for j in range(n)]]
+    uniform = max(diag.weights) - min(diag.weights) <= 1e-12
+    distance_header = ["dist to merge (= |dev from mean|)"] if uniform else ["|dev from mean|", "dist to merge"]
+    header = ["snapshot", "weight", *distance_header, *[f"cos[{j}]" for j in range(n)]]
     body = []
     for a, i in enumerate(diag.indices):
+        distances = [f"{diag.distances_to_merge[a]:.4g}"]
+        if not uniform:
+            distances.insert(0, f"{diag.deviation_norms[a]:.4g}")
         body.append(
-            [f"[{a}] {names[i]}", f"{diag.weights[a]:.3f}", f"{diag.deviation_norms[a]:.4g}",
-             f"{diag.distances_to_merge[a]:.4g}", *[format_number(diag.cosine[a][b], "+.2f") for b in range(n)]]
+            [f"[{a}] {names[i]}", f"{diag.weights[a]:.3f}", *distances,
+             *[format_number(diag.cosine[a][b], "+.2f") for b in range(n)]]
         )
-    lines = [markdown_table(header, body), ""]
+    lines = [text_table(header, body), ""]
     lines.append(
         f"mean off-diagonal cosine {format_number(diag.mean_cosine, '+.3f')} (pure oscillation: {-1 / (n - 1) if n > 1 else math.nan:+.3f}); "
         f"straightness {format_number(diag.straightness, '.3f')} (1 = straight drift, {1 / (n - 1) if n > 1 else math.nan:.3f} ~ oscillation)"
@@ -479,6 +493,38 @@ def diagnostics_table(names: Sequence[str], diag: WindowDiagnostics) -> str:
             f"|M - ref| / RMS |member - ref| = {format_number(ref['ratio'], '.3f')}"
         )
     return "\n".join(lines)
+
+
+def reading(diag: WindowDiagnostics) -> str:
+    """One plain-language sentence on what a window's numbers say about its merge.
+
+    The straightness is compared with its values for oscillation around a centre
+    (``1/(N-1)``), a random walk (``1/sqrt(N-1)``) and a straight drift (1); the merge shift
+    with the window's spread; with a reference, the merge's distance to it with the newest's.
+    """
+    n = len(diag.indices)
+    if n < 3 or not math.isfinite(diag.straightness):
+        return f"Reading: a window of {n} snapshot(s) is too small to tell oscillation from drift."
+    s = diag.straightness
+    oscillation, walk = 1 / (n - 1), 1 / math.sqrt(n - 1)
+    if s < (oscillation + walk) / 2:
+        shape = (f"the {n} snapshots oscillate around a common centre (straightness {s:.2f}, near {oscillation:.2f}): "
+                 "averaging cancels their noise, the setting where a merge helps most")
+    elif s < (walk + 1) / 2:
+        shape = (f"the {n} snapshots wander like a random walk (straightness {s:.2f}, a random walk gives ~{walk:.2f}): "
+                 "averaging smooths noise but also lags behind the newest weights")
+    else:
+        shape = (f"the {n} snapshots drift along a nearly straight path (straightness {s:.2f}): the merge mostly lags "
+                 "behind the newest weights; a shorter window (or decay-emulating weights) may do better")
+    text = f"Reading: {shape}; the merge moves the model by {diag.merge_shift:.3g}"
+    if diag.spread > 0:
+        text += f" ({diag.merge_shift / diag.spread:.1f}x the window's spread)"
+    ref = diag.reference
+    if ref is not None:
+        closer = ref["merge_to_reference"] < ref["newest_to_reference"]
+        text += (f", and lands {'closer to' if closer else 'farther from'} the reference than the newest snapshot "
+                 f"({ref['merge_to_reference']:.3g} vs {ref['newest_to_reference']:.3g})")
+    return text + "."
 
 
 # ---------------------------------------------------------------- figure

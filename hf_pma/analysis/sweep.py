@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
+from hf_pma.core.selection import window_by_progress
 from hf_pma.core.strategies import merge_weights
 from hf_pma.evaluation.options import EvalOptions
 from hf_pma.merging.sources import CheckpointSource, resolve_sources
@@ -75,11 +76,14 @@ class Combination:
     strategy: str
     indices: tuple[int, ...]
     weights: tuple[float, ...]
+    # Set for a window in tokens: the snapshots within the last ``window_tokens`` tokens.
+    window_tokens: int | None = None
 
     @property
     def label(self) -> str:
-        """``"sma N=10 k=2"``."""
-        return f"{self.strategy} N={self.window} k={self.every}"
+        """``"sma N=10 k=2"``, or ``"sma T=40960 k=1"`` for a window in tokens."""
+        size = f"T={self.window_tokens}" if self.window_tokens is not None else f"N={self.window}"
+        return f"{self.strategy} {size} k={self.every}"
 
     def key(self) -> tuple[tuple[int, float], ...]:
         """What the merge computes: equal keys, equal models (zero weights dropped, rounding ignored)."""
@@ -103,12 +107,24 @@ def plan_sweep(
     every: Sequence[int] = DEFAULT_EVERY,
     strategies: Sequence[str] = DEFAULT_STRATEGIES,
     alpha: float = 0.2,
+    window_tokens: Sequence[int] = (),
+    tokens: Sequence[int | None] | None = None,
 ) -> tuple[list[Combination], list[dict[str, Any]]]:
     """The combinations that ``count`` snapshots allow, and those they do not (with the reason).
 
-    Pure: no files, no torch. Raises ``ValueError`` for a bad window, stride, strategy or alpha.
+    ``windows`` are counts N; ``window_tokens`` are windows in tokens T (every k-th snapshot
+    counting back from the newest, then those within the last T tokens; see
+    :func:`hf_pma.core.selection.window_by_progress`), which need ``tokens``, the snapshots'
+    token counts (oldest first). Pure: no files, no torch. Raises ``ValueError`` for a bad
+    window, stride, strategy or alpha.
     """
-    windows = _positive_ints(windows, "window")
+    if window_tokens:
+        window_tokens = _positive_ints(window_tokens, "window_tokens")
+        if tokens is None or len(tokens) != count:
+            raise ValueError("windows in tokens need the token count of every snapshot")
+    if not windows and not window_tokens:
+        raise ValueError("give at least one window value (a count N or a number of tokens T)")
+    windows = _positive_ints(windows, "window") if windows else []
     every = _positive_ints(every, "every")
     strategies = list(dict.fromkeys(strategies))
     if not strategies:
@@ -131,6 +147,12 @@ def plan_sweep(
                 indices = tuple(range(first, count, k))
                 weights = tuple(merge_weights(n, strategy if n > 1 else "sma", alpha))
                 combos.append(Combination(n, k, strategy, indices, weights))
+            strided = list(range(count - 1, -1, -k))[::-1]
+            for span in window_tokens:
+                chosen = window_by_progress([tokens[i] for i in strided], span, "tokens")
+                indices = tuple(strided[i] for i in chosen)
+                weights = tuple(merge_weights(len(indices), strategy if len(indices) > 1 else "sma", alpha))
+                combos.append(Combination(len(indices), k, strategy, indices, weights, window_tokens=span))
     return combos, skipped
 
 
@@ -261,9 +283,12 @@ def run_sweep(
     device: str | torch.device | None = None,
     eval_dataset: str | None = None,
     progress: bool = True,
+    window_tokens: Sequence[int] = (),
     **option_fields: Any,
 ) -> dict[str, Any]:
-    """Evaluate the merges of a run's snapshots for every ``(window, every, strategy)``.
+    """Evaluate the merges of a run's snapshots for every ``(window, every, strategy)``, the
+    windows being counts N (``windows``) and numbers of tokens T (``window_tokens``, the
+    snapshots within the last T tokens: the merge's duration, which WSM finds matters most).
 
     ``run`` is a run folder (PMA manifest or Trainer ``checkpoint-*`` folders) or a list of
     checkpoints (ordered by training progress, as :func:`hf_pma.merging.sources.resolve_sources` does).
@@ -281,7 +306,13 @@ def run_sweep(
     from tqdm.auto import tqdm
 
     sources = _source_list(run)
-    combos, skipped = plan_sweep(len(sources), windows, every, strategies, alpha)
+    tokens = [s.tokens for s in sources]
+    if window_tokens and any(t is None for t in tokens):
+        missing = [s.name for s in sources if s.tokens is None]
+        raise ValueError(
+            f"windows in tokens need every snapshot's token count; {len(missing)} have none: {', '.join(missing[:5])}"
+        )
+    combos, skipped = plan_sweep(len(sources), windows, every, strategies, alpha, window_tokens, tokens)
     if metric is not None:
         parse_metric(metric)
     for s in skipped:
@@ -321,6 +352,7 @@ def run_sweep(
             {
                 "label": combo.label,
                 "window": combo.window,
+                "window_tokens": combo.window_tokens,
                 "every": combo.every,
                 "strategy": combo.strategy,
                 "alpha": alpha if combo.strategy == "ema" else None,
@@ -390,6 +422,12 @@ def sweep_table(report: Mapping[str, Any]) -> str:
     return markdown_table(header, rows, align="ll" + "r" * (len(columns) + 1) + "l") + "\n\n" + footer
 
 
+def _column(entry: Mapping[str, Any]) -> tuple[bool, int]:
+    """The heatmap column of a combination: its count N, else (after the counts) its tokens T."""
+    tokens = entry.get("window_tokens")
+    return (True, tokens) if tokens is not None else (False, entry["window"])
+
+
 def plot_sweep(report: Mapping[str, Any], output_path: str | os.PathLike[str], dpi: int = 110) -> Path:
     """A heatmap per strategy: rows ``every`` (k), columns window (N), cells the ranking metric's
     change against the last snapshot (green: better); empty cells did not fit the run."""
@@ -398,7 +436,7 @@ def plot_sweep(report: Mapping[str, Any], output_path: str | os.PathLike[str], d
 
     entries = report["combinations"]
     strategies = list(dict.fromkeys(e["strategy"] for e in entries + report["skipped"]))
-    windows = sorted({e["window"] for e in entries + report["skipped"]})
+    windows = sorted({_column(e) for e in entries + report["skipped"]})
     everies = sorted({e["every"] for e in entries + report["skipped"]})
     sign = 1.0 if report["higher_is_better"] else -1.0
     deltas = [sign * e["delta"] for e in entries if e["delta"] is not None and math.isfinite(e["delta"])]
@@ -414,19 +452,19 @@ def plot_sweep(report: Mapping[str, Any], output_path: str | os.PathLike[str], d
         grid = torch.full((len(everies), len(windows)), float("nan"))
         for e in entries:
             if e["strategy"] == strategy and e["delta"] is not None:
-                r, c = everies.index(e["every"]), windows.index(e["window"])
+                r, c = everies.index(e["every"]), windows.index(_column(e))
                 grid[r, c] = sign * e["delta"]
                 text = f"{e['value']:.3f}\n({e['delta']:+.3f})"
                 weight = "bold" if e["label"] == report["best"] else "normal"
                 ax.text(c, r, text, ha="center", va="center", fontsize=7, fontweight=weight)
         for e in report["skipped"]:
             if e["strategy"] == strategy:
-                r, c = everies.index(e["every"]), windows.index(e["window"])
+                r, c = everies.index(e["every"]), windows.index(_column(e))
                 ax.text(c, r, "too few\nsnapshots", ha="center", va="center", fontsize=6, color="0.5")
         image = ax.imshow(grid.numpy(), cmap="RdYlGn", vmin=-span, vmax=span, aspect="auto")
-        ax.set_xticks(range(len(windows)), [str(n) for n in windows])
+        ax.set_xticks(range(len(windows)), [f"T={n:,}" if tokens else str(n) for tokens, n in windows])
         ax.set_yticks(range(len(everies)), [str(k) for k in everies])
-        ax.set_xlabel("window N")
+        ax.set_xlabel("window: N snapshots, or T tokens")
         ax.set_ylabel("every k-th snapshot")
         ax.set_title(strategy)
     if image is not None:
@@ -462,13 +500,15 @@ def write_best(
     paths = [by_name[name] for name in entry["snapshots"]]
     strategy = entry["strategy"] if len(paths) > 1 else "sma"
     out = merge_checkpoints(
-        paths, output_dir, strategy=strategy, alpha=entry["alpha"] or 0.2, overwrite=overwrite, progress=progress
+        paths, output_dir, strategy=strategy, alpha=entry["alpha"] or 0.2, overwrite=overwrite, progress=progress,
+        window_tokens=entry.get("window_tokens"),
     )
     record = read_json(out / MERGE_RECORD_NAME)
     interval = report.get("interval_tokens")
     record["interval_tokens"] = interval * entry["every"] if interval else record.get("interval_tokens")
     record["sweep"] = {
-        "window": entry["window"], "every": entry["every"], "strategy": entry["strategy"],
+        "window": entry["window"], "window_tokens": entry.get("window_tokens"), "every": entry["every"],
+        "strategy": entry["strategy"],
         "metric": report["metric"], "value": entry["value"], "baseline_value": report["baseline"]["value"],
     }
     atomic_write_json(out / MERGE_RECORD_NAME, record)

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from hf_pma.commands import add_revision_arguments, positive_int
+from hf_pma.utils.argtypes import positive_count
 from hf_pma.core.strategies import STRATEGIES
 
 
@@ -27,7 +29,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "(holding pma/manifest.json or checkpoint-* folders), Hub models (org/model) or Hub revisions "
             "(org/model@REV; or org/model --revisions PATTERN for the branches and tags matching a glob, or a "
             "regex written /.../ or re:...); they are ordered by training progress (tokens, then step, parsed "
-            "from revision names) when known. Only the selected revisions are downloaded."
+            "from revision names) when known. Only the selected revisions are downloaded. "
+            "A run folder is read as its PMA manifest's snapshots (manifest.json or pma/manifest.json), else its "
+            "checkpoint-* folders; the final model a Trainer script saves at the top of its output folder is "
+            "merged only with --include-final, or when its weight file (RUN/model.safetensors) is named. "
+            "Prints which sources were merged (count, first and last, the tokens or steps they span)."
         ),
     )
     p.add_argument("sources", nargs="+", metavar="SOURCE")
@@ -35,7 +41,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--strategy", default="sma", choices=STRATEGIES, help="merge weights (default: sma)")
     p.add_argument("--alpha", type=float, default=0.2, help="EMA smoothing factor (default: 0.2)")
     p.add_argument("--weights", type=_weights, help="explicit weights, oldest first, e.g. 1,1,2 (normalized)")
-    p.add_argument("--last", type=int, help="merge only the newest N sources")
+    window = p.add_mutually_exclusive_group()
+    window.add_argument("--last", type=positive_int, help="merge only the newest N sources")
+    window.add_argument(
+        "--window-tokens",
+        type=positive_count,
+        metavar="T",
+        help="merge the sources within the last T tokens of the newest (e.g. 2M; snapshots every V tokens: T = N*V takes N)",
+    )
+    window.add_argument(
+        "--window-steps",
+        type=positive_count,
+        metavar="S",
+        help="merge the sources within the last S optimizer steps of the newest (checkpoints without token counts)",
+    )
+    p.add_argument(
+        "--include-final",
+        action="store_true",
+        help="with a run folder: also merge the final model saved at its top, as the newest source",
+    )
     add_revision_arguments(p)
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="output dtype (default: input dtype)")
     p.add_argument("--accumulate-dtype", choices=["float32", "float64"], default="float32")
@@ -56,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     from transformers.utils import logging
 
     from hf_pma.merging.engine import merge_checkpoints
-    from hf_pma.merging.sources import resolve_sources
+    from hf_pma.merging.sources import describe_sources, resolve_sources
 
     if args.quiet:
         logging.set_verbosity_warning()
@@ -64,7 +88,14 @@ def run(args: argparse.Namespace) -> int:
     if output.is_dir() and any(output.iterdir()) and not args.overwrite:  # before any download
         raise FileExistsError(f"output folder {output} is not empty; pass --overwrite to replace it")
     sources = resolve_sources(
-        args.sources, last=args.last, every=args.every, revisions=args.revisions, cache_dir=args.cache_dir
+        args.sources,
+        last=args.last,
+        every=args.every,
+        revisions=args.revisions,
+        cache_dir=args.cache_dir,
+        include_final=args.include_final,
+        window_tokens=args.window_tokens,
+        window_steps=args.window_steps,
     )
     merge_checkpoints(
         sources,
@@ -78,5 +109,9 @@ def run(args: argparse.Namespace) -> int:
         accumulate_dtype=getattr(torch, args.accumulate_dtype),
         progress=not args.quiet,
         workers=args.workers,
+        window_tokens=args.window_tokens,
+        window_steps=args.window_steps,
     )
+    how = "explicit weights" if args.weights is not None else args.strategy
+    sys.stdout.write(f"merged {describe_sources(sources)}; {how} -> {output}\n")
     return 0

@@ -27,6 +27,15 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _count_list(text: str) -> list[int]:
+    from hf_pma.utils.argtypes import parse_count
+
+    try:
+        return [parse_count(v) for v in text.split(",") if v.strip()] or [parse_count("")]
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _strategy_list(text: str) -> list[str]:
     values = [v.strip() for v in text.split(",") if v.strip()]
     unknown = [v for v in values if v not in STRATEGIES]
@@ -41,7 +50,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "sweep",
         help="evaluate merges of a run's snapshots over N, V and strategy",
         description=(
-            "For each window N (--window), stride k (--every: take every k-th snapshot counting back from the "
+            "For each window N (--window) or duration in tokens T (--window-tokens), stride k (--every: take every k-th snapshot counting back from the "
             "newest, which emulates snapshots every k*V tokens) and strategy, merge the run's snapshots in memory "
             "and evaluate the merge (held-out text with --eval-file, lm-eval tasks with --tasks). The model is "
             "loaded once and each merge is swapped into it; merges that select the same snapshots with the same "
@@ -55,7 +64,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_revision_arguments(p, every=False)  # --every is the sweep's own stride
     p.add_argument("--last", type=positive_int, help="sweep over the newest N snapshots or revisions only")
-    p.add_argument("--window", type=_int_list, default=[3, 6, 10, 15], help="merge sizes N (default: 3,6,10,15)")
+    p.add_argument("--window", type=_int_list, help="merge sizes N (default: 3,6,10,15 unless --window-tokens is given)")
+    p.add_argument(
+        "--window-tokens",
+        type=_count_list,
+        metavar="T,...",
+        help="merge durations in tokens: the snapshots within the last T tokens (e.g. 20k,40k,80k); swept with --window",
+    )
+    p.add_argument(
+        "--include-final",
+        action="store_true",
+        help="with a run folder: also take the final model saved at its top, as the newest source",
+    )
     p.add_argument("--every", type=_int_list, default=[1, 2, 4], help="take every k-th snapshot (default: 1,2,4)")
     p.add_argument("--strategy", type=_strategy_list, default=["sma", "wma", "ema"], help="strategies (default: sma,wma,ema)")
     p.add_argument("--alpha", type=float, default=0.2, help="EMA smoothing factor (default: 0.2)")
@@ -104,11 +124,15 @@ def run(args: argparse.Namespace) -> int:
     texts = load_heldout(args)
 
     run = args.run if len(args.run) > 1 else args.run[0]
-    if args.revisions or args.last or any(not Path(r).exists() and parse_hub_spec(r) for r in args.run):
-        run = resolve_sources(args.run, last=args.last, revisions=args.revisions, cache_dir=args.cache_dir)
+    if args.revisions or args.last or args.include_final or any(not Path(r).exists() and parse_hub_spec(r) for r in args.run):
+        run = resolve_sources(
+            args.run, last=args.last, revisions=args.revisions, cache_dir=args.cache_dir, include_final=args.include_final
+        )
+    windows = args.window if args.window is not None else ([] if args.window_tokens else [3, 6, 10, 15])
     report = run_sweep(
         run,
-        windows=args.window,
+        windows=windows,
+        window_tokens=args.window_tokens or (),
         every=args.every,
         strategies=args.strategy,
         alpha=args.alpha,

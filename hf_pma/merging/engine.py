@@ -28,6 +28,7 @@ from transformers.utils import logging
 
 from hf_pma import __version__
 from hf_pma.core.manifest import MERGE_RECORD_NAME, MODEL_SUPPORT_FILES
+from hf_pma.core.selection import check_window
 from hf_pma.core.strategies import merge_weights
 from hf_pma.io.safetensors import SafetensorsWriter, TensorInfo
 from hf_pma.io.torch_adapters import DTYPE_FROM_SAFETENSORS, safetensors_dtype, tensor_bytes
@@ -40,7 +41,15 @@ from hf_pma.merging.chunks import (
     default_workers,
     run_chunks,
 )
-from hf_pma.merging.sources import CheckpointSource, CheckpointTensors, open_all, resolve_sources
+from hf_pma.merging.sources import (
+    CheckpointSource,
+    CheckpointTensors,
+    describe_sources,
+    open_all,
+    resolve_sources,
+    select_window,
+    sources_span,
+)
 from hf_pma.utils.distributed import all_ranks_checked, distributed_rank_and_size, local_world_size
 from hf_pma.utils.fs import (
     atomic_write_json,
@@ -140,15 +149,39 @@ def plan_output_shards(plans: Sequence[TensorPlan], max_bytes: int, prefix: str)
     ]
 
 
-def _as_sources(sources: Any, last: int | None) -> list[CheckpointSource]:
+def _as_sources(
+    sources: Any,
+    last: int | None,
+    window_tokens: int | None = None,
+    window_steps: int | None = None,
+    include_final: bool = False,
+) -> list[CheckpointSource]:
     if isinstance(sources, (list, tuple)) and sources and all(isinstance(s, CheckpointSource) for s in sources):
+        check_window(window_tokens, window_steps, last)
         sources = list(sources)
         if last is not None:
             if len(sources) < last:
                 raise ValueError(f"asked for the last {last} sources but got only {len(sources)}")
             sources = sources[-last:]
-        return sources
-    return resolve_sources(sources, last=last)
+        return select_window(sources, window_tokens, window_steps)
+    return resolve_sources(
+        sources, last=last, include_final=include_final, window_tokens=window_tokens, window_steps=window_steps
+    )
+
+
+def _window_record(sources: Sequence[CheckpointSource], window_tokens: int | None, window_steps: int | None) -> dict[str, Any] | None:
+    """The span the merged sources cover (``window`` in the merge record and the card)."""
+    unit = "tokens" if window_tokens is not None else "steps" if window_steps is not None else None
+    span = sources_span(sources, window_tokens if window_tokens is not None else window_steps, unit)
+    return span.to_dict() if span is not None else None
+
+
+def _announce(sources: Sequence[CheckpointSource], what: str) -> None:
+    """Say which sources a merge takes; a merge of one source is a copy, which a user must know."""
+    if len(sources) == 1:
+        logger.warning(f"{what}: only one source, {sources[0].name} ({sources[0].path}): the result is a copy of it")
+    else:
+        logger.info(f"{what}: {describe_sources(sources)}")
 
 
 def _check_accumulate_dtype(dtype: torch.dtype) -> None:
@@ -166,6 +199,10 @@ def merge_state_dict(
     accumulate_dtype: torch.dtype = torch.float32,
     progress: bool = False,
     workers: int | None = None,
+    *,
+    window_tokens: int | None = None,
+    window_steps: int | None = None,
+    include_final: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Merge checkpoints into an in-memory state dict (one model's worth of memory).
 
@@ -174,7 +211,7 @@ def merge_state_dict(
     """
     _check_accumulate_dtype(accumulate_dtype)
     out_dtype = parse_dtype(dtype)
-    srcs = _as_sources(sources, last)
+    srcs = _as_sources(sources, last, window_tokens, window_steps, include_final)
     coefs = merge_weights(len(srcs), strategy, alpha, weights)
     opened = open_all(srcs)
     try:
@@ -240,6 +277,7 @@ def _merge_record(
     out_dtype: str,
     accumulate_dtype: torch.dtype,
     output_dir: Path,
+    window: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     entries = []
     for source, weight in zip(sources, coefs):
@@ -270,6 +308,7 @@ def _merge_record(
         "created": time.time(),
         "interval_tokens": interval,
         "num_sources": len(sources),
+        "window": window,
         "base_model": repos.pop() if len(repos) == 1 and None not in repos else None,
         "sources": entries,
     }
@@ -339,6 +378,10 @@ def merge_checkpoints(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     workers: int | None = None,
     distributed: bool = False,
+    *,
+    window_tokens: int | None = None,
+    window_steps: int | None = None,
+    include_final: bool = False,
 ) -> Path:
     """Merge checkpoints into a new Hugging Face model folder and return its path.
 
@@ -364,13 +407,24 @@ def merge_checkpoints(
             by bytes), rank 0 writes the index, configuration and record and moves the folder
             into place. Waits happen on a gloo group with a long timeout; an error on any rank
             is raised on every rank. The output is identical to a single process's.
+        window_tokens: merge the sources within the last ``window_tokens`` tokens of the newest
+            (progress in ``(newest - T, newest]``: snapshots every V tokens and ``T = N * V``
+            take N); needs every source's token count. Exclusive with ``last``.
+        window_steps: the same in optimizer steps (Trainer checkpoints without token counts).
+        include_final: with a run folder, also merge the final model at its top (as the
+            newest source).
+
+    The sources taken (count, first and last, the tokens or steps they span) are logged, and
+    recorded with the window's span (``window``) in ``pma_merge.json``; a merge of a single
+    source logs a warning.
     """
     _check_accumulate_dtype(accumulate_dtype)
     out_dtype = parse_dtype(dtype)
     max_bytes = parse_size(max_shard_size, "max_shard_size")
     output_dir = Path(output_dir)
-    srcs = _as_sources(sources, last)
+    srcs = _as_sources(sources, last, window_tokens, window_steps, include_final)
     coefs = merge_weights(len(srcs), strategy, alpha, weights)
+    window = _window_record(srcs, window_tokens, window_steps)
     rank, world_size = distributed_rank_and_size() if distributed else (0, 1)
     if workers is None:
         workers = max(1, default_workers() // (local_world_size() if world_size > 1 else 1))
@@ -398,10 +452,10 @@ def merge_checkpoints(
         if rank == 0:
             raise_if_no_space(output_dir, sum(p.out_bytes for p in plans))
         if rank == 0:
-            logger.info(
-                f"Merging {len(srcs)} checkpoints ({srcs[0].name} ... {srcs[-1].name}) with "
-                f"{'explicit weights' if weights is not None else strategy} into {output_dir}"
-                + (f" ({world_size} processes)" if world_size > 1 else "")
+            _announce(
+                srcs,
+                f"Merging with {'explicit weights' if weights is not None else strategy} into {output_dir}"
+                + (f" ({world_size} processes)" if world_size > 1 else ""),
             )
         mine = [shard for shard, owner in zip(shards, _owners(shards, world_size)) if owner == rank]
         write_output_shards(tmp, mine, srcs, opened, coefs, accumulate_dtype, chunk_bytes, workers, progress and rank == 0)
@@ -413,7 +467,7 @@ def merge_checkpoints(
         _copy_support_files(srcs[-1], tmp, out_dtype)
         out_dtypes = sorted({str(p.out_dtype).removeprefix("torch.") for p in planned["plans"] if p.averaged})
         record = _merge_record(
-            srcs, coefs, strategy, alpha, weights is not None, ",".join(out_dtypes), accumulate_dtype, output_dir
+            srcs, coefs, strategy, alpha, weights is not None, ",".join(out_dtypes), accumulate_dtype, output_dir, window
         )
         atomic_write_json(tmp / MERGE_RECORD_NAME, record)
         publish_folder(tmp, output_dir)

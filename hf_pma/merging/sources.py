@@ -23,7 +23,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hf_pma.core.manifest import SNAPSHOT_RECORD_NAME, find_manifest, manifest_snapshots, read_manifest
+from hf_pma.core.manifest import (
+    MANIFEST_NAME,
+    PMA_SUBDIR,
+    SNAPSHOT_RECORD_NAME,
+    manifest_snapshots,
+    read_manifest,
+)
+from hf_pma.core.selection import WindowSpan, check_window, window_by_progress, window_span
 from hf_pma.io.safetensors import CheckpointFormatError, SafetensorsCheckpoint, TensorInfo
 from hf_pma.io.sharded import ShardedCheckpointTensors, sharded_weight_files
 from hf_pma.merging.hub_revisions import (
@@ -43,8 +50,15 @@ logger = get_logger(__name__)
 __all__ = [
     "CheckpointSource",
     "CheckpointTensors",
+    "FINAL_LABEL",
+    "RunLayout",
+    "run_layout",
+    "model_source",
     "resolve_sources",
     "select_newest",
+    "select_window",
+    "sources_span",
+    "describe_sources",
     "open_all",
     "open_weight_files",
     "find_weight_files",
@@ -54,6 +68,8 @@ __all__ = [
 # "model" for full models, "adapter_model" for PEFT adapters.
 WEIGHT_PREFIXES = ("model", "adapter_model")
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+# The name of a run's final model (the weights at the top of its folder) among merge sources.
+FINAL_LABEL = "final"
 
 
 def find_weight_files(folder: Path) -> tuple[str, list[Path]] | None:
@@ -297,7 +313,75 @@ def _source_from_folder(
     return CheckpointSource(folder, prefix, files, tokens, step, dict(record or {}), sharded=sharded)
 
 
-def _expand_manifest(manifest: Path) -> list[CheckpointSource]:
+@dataclasses.dataclass
+class RunLayout:
+    """What a local folder holds, as the sources resolve it: a PMA manifest, Trainer
+    ``checkpoint-*`` subfolders, and weights at its top (a model folder, or a run's final model)."""
+
+    path: Path
+    manifest: Path | None
+    checkpoints: list[Path]
+    top_weights: list[Path]
+
+    @property
+    def is_run(self) -> bool:
+        """True when the folder holds a manifest or ``checkpoint-*`` folders (its own weights,
+        if any, are then the run's final model)."""
+        return self.manifest is not None or bool(self.checkpoints)
+
+    def found(self) -> str:
+        """What the folder holds, in words (for error messages)."""
+        parts = []
+        if self.manifest is not None:
+            parts.append(f"a PMA manifest ({self.manifest.relative_to(self.path)})")
+        if self.checkpoints:
+            names = [p.name for p in self.checkpoints]
+            parts.append(f"{len(names)} checkpoint-* folder(s) ({names[0]} ... {names[-1]})" if len(names) > 1 else names[0])
+        if self.top_weights:
+            parts.append(f"model weights at its top ({self.top_weights[0].name})")
+        return ", ".join(parts) or "nothing usable"
+
+
+def run_layout(path: str | os.PathLike[str]) -> RunLayout:
+    """How the sources read a local folder: a PMA manifest (``manifest.json`` or
+    ``pma/manifest.json``) first, then ``checkpoint-*`` subfolders; weights at its top are a
+    model folder when it holds neither, else the run's final model.
+
+    Raises ``ValueError`` when the rule cannot settle it: two manifests.
+    """
+    path = Path(path)
+    manifests = [c for c in (path / MANIFEST_NAME, path / PMA_SUBDIR / MANIFEST_NAME) if c.is_file()]
+    if len(manifests) > 1:
+        raise ValueError(
+            f"{path} holds two PMA manifests, {manifests[0]} and {manifests[1]}: name the folder of the one to use"
+        )
+    found = [(int(m.group(1)), p) for p in path.iterdir() if p.is_dir() and (m := _CHECKPOINT_RE.match(p.name))]
+    top = find_weight_files(path)
+    top_files = top[1] if top is not None else (sharded_weight_files(path) or [])
+    return RunLayout(path, manifests[0] if manifests else None, [p for _, p in sorted(found)], list(top_files))
+
+
+def model_source(path: str | os.PathLike[str]) -> CheckpointSource:
+    """The model whose weights lie at the top of ``path`` (a model folder, or a run's final
+    model), whatever else the folder holds; a weight file names its folder."""
+    path = Path(path)
+    if path.is_file():
+        path = _folder_of_weight_file(path)
+    return _source_from_folder(path)
+
+
+def _folder_of_weight_file(path: Path) -> Path:
+    """The folder of a weight file named as a source (``RUN/model.safetensors``: the model at
+    RUN's top); ``ValueError`` for any other file."""
+    found = find_weight_files(path.parent)
+    files = found[1] if found else (sharded_weight_files(path.parent) or [])
+    stems = ("model.", "pytorch_model.", "adapter_model.")
+    if path.name in {f.name for f in files} or (files and path.name.endswith(".index.json") and path.name.startswith(stems)):
+        return path.parent
+    raise ValueError(f"source {path} is a file; give the model folder that holds it, or its weight file")
+
+
+def _expand_manifest(manifest: Path, layout: RunLayout) -> list[CheckpointSource]:
     pma_dir = manifest.parent
     interval = read_manifest(pma_dir).get("interval_tokens")
     sources = []
@@ -311,19 +395,56 @@ def _expand_manifest(manifest: Path) -> list[CheckpointSource]:
         data["interval_tokens"] = interval
         sources.append(_source_from_folder(folder, record.tokens, record.step, data))
     if not sources:
-        raise ValueError(f"the manifest {manifest} lists no snapshots yet")
+        others = [x for x in (f"{len(layout.checkpoints)} checkpoint-* folder(s)" if layout.checkpoints else "",
+                              f"a final model ({layout.top_weights[0].name})" if layout.top_weights else "") if x]
+        hint = f"; the folder also holds {' and '.join(others)}: name them explicitly" if others else ""
+        raise ValueError(f"the manifest {manifest} lists no usable snapshots yet{hint}")
     return sources
 
 
-def _expand_checkpoints(folder: Path) -> list[CheckpointSource]:
-    found = [
-        (int(m.group(1)), p) for p in folder.iterdir() if p.is_dir() and (m := _CHECKPOINT_RE.match(p.name))
-    ]
-    return [_source_from_folder(p) for _, p in sorted(found)]
+def _final(layout: RunLayout) -> CheckpointSource:
+    """The run's final model (its top weights), named ``final``; its progress from the
+    ``trainer_state.json`` beside it, when there is one."""
+    source = _source_from_folder(layout.path)
+    source.label = FINAL_LABEL
+    return source
+
+
+def _expand_local(path: Path, include_final: bool) -> list[CheckpointSource]:
+    if path.is_file():
+        if include_final:
+            raise ValueError(f"include_final applies to a run folder, not to the file {path}")
+        return [model_source(path)]
+    layout = run_layout(path)
+    if not layout.is_run:
+        if layout.top_weights:
+            return [_source_from_folder(path)]
+        runs = sorted(p.name for p in path.iterdir() if p.is_dir() and (run_layout(p).is_run or find_weight_files(p)))
+        hint = f"; its subfolders {', '.join(runs[:5])} do: name one" if runs else ""
+        raise FileNotFoundError(
+            f"{path} holds no model weights, no PMA manifest (manifest.json or pma/manifest.json) "
+            f"and no Trainer checkpoint-* folders{hint}"
+        )
+    if layout.manifest is not None:
+        sources = _expand_manifest(layout.manifest, layout)
+        if layout.checkpoints:
+            logger.info(f"{path}: merging the PMA snapshots of {layout.manifest}; its {len(layout.checkpoints)} checkpoint-* folder(s) are left out")
+    else:
+        sources = [_source_from_folder(p) for p in layout.checkpoints]
+    if include_final:
+        if not layout.top_weights:
+            raise ValueError(f"include_final: {path} has no final model at its top (it holds {layout.found()})")
+        sources.append(_final(layout))
+    elif layout.top_weights:
+        logger.info(
+            f"{path}: the final model at its top ({layout.top_weights[0].name}) is left out; "
+            f"pass --include-final (include_final=True) or name {path / layout.top_weights[0].name} to use it"
+        )
+    return sources
 
 
 def _expand(
-    item: str | os.PathLike[str], revisions: str | None = None, endpoint: str | None = None
+    item: str | os.PathLike[str], revisions: str | None = None, endpoint: str | None = None, include_final: bool = False
 ) -> list[Any]:
     """The checkpoints an item names: local sources now, Hub revisions still to download."""
     path = Path(item)
@@ -335,20 +456,7 @@ def _expand(
         if revision is None and revisions is not None:
             return list_revisions(repo_id, revisions, endpoint=endpoint)
         return [resolve_revision(repo_id, revision, endpoint=endpoint)]
-    if path.is_file():
-        raise ValueError(f"source {path} is a file; give the model folder that holds it")
-    if find_weight_files(path) is not None or sharded_weight_files(path) is not None:
-        return [_source_from_folder(path)]
-    manifest = find_manifest(path)
-    if manifest is not None:
-        return _expand_manifest(manifest)
-    checkpoints = _expand_checkpoints(path)
-    if checkpoints:
-        return checkpoints
-    raise FileNotFoundError(
-        f"{path} holds no model weights, no PMA manifest (manifest.json or pma/manifest.json) "
-        f"and no Trainer checkpoint-* folders"
-    )
+    return _expand_local(path, include_final)
 
 
 def _download(
@@ -385,6 +493,52 @@ def select_newest(items: list[Any], last: int | None = None, every: int | None =
     return items
 
 
+def _item_name(item: Any) -> str:
+    return item.spec if isinstance(item, HubRevision) else item.name
+
+
+def select_window(items: list[Any], window_tokens: int | None = None, window_steps: int | None = None) -> list[Any]:
+    """The items (oldest first) whose progress lies within the last ``window_tokens`` tokens or
+    ``window_steps`` optimizer steps of the newest (see :func:`hf_pma.core.selection.window_by_progress`);
+    every item unchanged when neither is given. ``ValueError`` naming the items without a count
+    in that unit."""
+    if window_tokens is None and window_steps is None:
+        return items
+    check_window(window_tokens, window_steps)
+    unit, span = ("tokens", window_tokens) if window_tokens is not None else ("steps", window_steps)
+    positions = [x.tokens if unit == "tokens" else x.step for x in items]
+    try:
+        chosen = window_by_progress(positions, span, unit)
+    except ValueError:
+        missing = [_item_name(x) for x, pos in zip(items, positions) if pos is None]
+        hint = (
+            " (Trainer checkpoints record tokens only with include_num_input_tokens_seen=True): "
+            "give the window in steps (--window-steps, window_steps=)"
+            if unit == "tokens"
+            else ""
+        )
+        raise ValueError(
+            f"a window of {span:,} {unit} needs every source's {unit[:-1]} count; {len(missing)} have none: "
+            f"{', '.join(missing[:5])}{hint}"
+        ) from None
+    return [items[i] for i in chosen]
+
+
+def sources_span(sources: Sequence[Any], requested: int | None = None, unit: str | None = None) -> WindowSpan | None:
+    """The progress the sources span (tokens when all know them, else steps), or ``None``."""
+    return window_span([s.tokens for s in sources], [s.step for s in sources], requested, unit)
+
+
+def describe_sources(sources: Sequence[Any]) -> str:
+    """One line saying which sources a merge takes: count, first and last name, progress span."""
+    if not sources:
+        return "no sources"
+    names = _item_name(sources[0]) if len(sources) == 1 else f"{_item_name(sources[0])} ... {_item_name(sources[-1])}"
+    span = sources_span(sources)
+    where = f", {span.describe()}" if span is not None else ", training progress unknown"
+    return f"{len(sources)} source(s): {names}{where}"
+
+
 def order_by_progress(sources: list[CheckpointSource]) -> list[CheckpointSource]:
     """Sort by tokens when every source knows them, else by step, else keep the given order
     (training stages, like OLMo's, first: their token and step counts restart)."""
@@ -407,13 +561,23 @@ def resolve_sources(
     revisions: str | None = None,
     cache_dir: str | os.PathLike[str] | None = None,
     endpoint: str | None = None,
+    include_final: bool = False,
+    window_tokens: int | None = None,
+    window_steps: int | None = None,
 ) -> list[CheckpointSource]:
     """Expand and order what the user named, oldest first; keep every ``every``-th counting back
-    from the newest, then the newest ``last``.
+    from the newest, then the newest ``last`` (or those within the last ``window_tokens``
+    tokens, or ``window_steps`` steps, of the newest).
+
+    A local folder resolves in this order: a PMA manifest (``manifest.json`` or
+    ``pma/manifest.json``: its usable snapshots), else ``checkpoint-*`` subfolders; weights at
+    the top of a folder that holds either are the run's final model, taken (as the newest
+    source, named ``final``) only with ``include_final`` or when its weight file is named
+    (``RUN/model.safetensors``). A folder with neither is one model. Two manifests, or a
+    manifest without usable snapshots, are errors naming what the folder holds.
 
     ``inputs`` may mix model folders, snapshot folders, Trainer ``checkpoint-*`` folders, run
-    folders holding ``manifest.json`` / ``pma/manifest.json`` or ``checkpoint-*`` subfolders,
-    and Hub models: ``org/model`` (its default branch, or with ``revisions`` its branches and
+    folders, a model's weight file, and Hub models: ``org/model`` (its default branch, or with ``revisions`` its branches and
     tags matching that glob or ``/regex/``) and ``org/model@REV``. Hub revisions are ordered
     and selected first and only the selected ones are downloaded (into ``cache_dir``, default
     the ``huggingface_hub`` cache, from ``endpoint``, default ``HF_ENDPOINT``).
@@ -425,13 +589,12 @@ def resolve_sources(
     for flag, value in (("--last", last), ("--every", every)):
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
             raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+    check_window(window_tokens, window_steps, last)
     if revisions is not None and not any(
         not Path(i).exists() and (spec := parse_hub_spec(i)) is not None and spec[1] is None for i in inputs
     ):
-        raise ValueError(
-            f"--revisions {revisions!r} applies to a Hub repo given as org/model, and no source is one"
-        )
-    items = [x for item in inputs for x in _expand(item, revisions, endpoint)]
+        raise ValueError(f"--revisions {revisions!r} applies to a Hub repo given as org/model, and no source is one")
+    items = [x for item in inputs for x in _expand(item, revisions, endpoint, include_final)]
     seen: dict[Any, Any] = {}
     for x in items:
         if _key(x) in seen:
@@ -442,11 +605,9 @@ def resolve_sources(
         seen[_key(x)] = x
     local_prefixes = {x.prefix for x in items if isinstance(x, CheckpointSource)}
     if len(local_prefixes) > 1:
-        raise ValueError(
-            "cannot merge full models with PEFT adapters: "
-            + ", ".join(f"{x.path} ({x.prefix})" for x in items)
-        )
-    sources = _download(select_newest(order_by_progress(items), last, every), cache_dir, endpoint)
+        raise ValueError("cannot merge full models with PEFT adapters: " + ", ".join(f"{x.path} ({x.prefix})" for x in items))
+    selected = select_window(select_newest(order_by_progress(items), last, every), window_tokens, window_steps)
+    sources = _download(selected, cache_dir, endpoint)
     prefixes = {s.prefix for s in sources}
     if len(prefixes) > 1:
         raise ValueError(

@@ -3,17 +3,18 @@
 Every command (``eval``, ``sweep``, ``inspect``) and the model card show a metric the same way
 (:func:`format_number`: ``0.3120``, ``1,234.5``), a metric with its standard error as
 ``0.3120 ± 0.0140`` (:func:`format_metric`), and tables as GitHub markdown with padded columns
-(:func:`markdown_table`), which read as plain text in a terminal and paste into an issue, a
-model card or the docs as they are.
+(:func:`markdown_table`), which paste into an issue, a model card or the docs as they are.
+What is only read in a terminal (``inspect``'s tables) is a plain-text table
+(:func:`text_table`): no pipes, no escapes.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["MISSING", "format_bytes", "format_number", "format_metric", "markdown_table", "metric_label"]
+__all__ = ["MISSING", "format_bytes", "format_number", "format_metric", "markdown_table", "metric_label", "text_table"]
 
 MISSING = "-"
 
@@ -72,15 +73,7 @@ def markdown_table(header: Sequence[Any], rows: Sequence[Sequence[Any]], align: 
     column left, the others right (labels, then numbers). Cells are converted with ``str``
     (format numbers with :func:`format_number` first); ``|`` in a cell is escaped.
     """
-    header = [_cell(h) for h in header]
-    body = [[_cell(c) for c in row] for row in rows]
-    for row in body:
-        if len(row) != len(header):
-            raise ValueError(f"table row {row} has {len(row)} cells, the header has {len(header)}")
-    align = align or "l" + "r" * (len(header) - 1)
-    if len(align) != len(header) or set(align) - {"l", "r"}:
-        raise ValueError(f"align must be one 'l' or 'r' per column ({len(header)}), got {align!r}")
-    widths = [max(3, *(len(r[i]) for r in [header, *body])) for i in range(len(header))]
+    header, body, align, widths = _aligned(header, rows, align, _cell)
 
     def line(cells: Sequence[str]) -> str:
         padded = (c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(cells, widths, align))
@@ -88,3 +81,33 @@ def markdown_table(header: Sequence[Any], rows: Sequence[Sequence[Any]], align: 
 
     rule = "| " + " | ".join(":" + "-" * (w - 1) if a == "l" else "-" * (w - 1) + ":" for w, a in zip(widths, align)) + " |"
     return "\n".join([line(header), rule, *(line(r) for r in body)])
+
+
+def _aligned(
+    header: Sequence[Any], rows: Sequence[Sequence[Any]], align: str | None, cell: Callable[[Any], str]
+) -> tuple[list[str], list[list[str]], str, list[int]]:
+    """Cells as text, the alignment checked, and each column's width."""
+    header = [cell(h) for h in header]
+    body = [[cell(c) for c in row] for row in rows]
+    for row in body:
+        if len(row) != len(header):
+            raise ValueError(f"table row {row} has {len(row)} cells, the header has {len(header)}")
+    align = align or "l" + "r" * (len(header) - 1)
+    if len(align) != len(header) or set(align) - {"l", "r"}:
+        raise ValueError(f"align must be one 'l' or 'r' per column ({len(header)}), got {align!r}")
+    widths = [max(3, *(len(r[i]) for r in [header, *body])) for i in range(len(header))]
+    return header, body, align, widths
+
+
+def text_table(header: Sequence[Any], rows: Sequence[Sequence[Any]], align: str | None = None) -> str:
+    """A plain-text table for a terminal: padded columns two spaces apart, the header
+    underlined with dashes, cells shown as they are (``|`` included).
+
+    ``align`` as in :func:`markdown_table`; trailing spaces are stripped from each line.
+    """
+    header, body, align, widths = _aligned(header, rows, align, lambda c: str(c).replace("\n", " "))
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(cells, widths, align)).rstrip()
+
+    return "\n".join([line(header), "  ".join("-" * w for w in widths), *(line(r) for r in body)])
