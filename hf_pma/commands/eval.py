@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -15,6 +16,9 @@ from hf_pma.commands import (
 )
 from hf_pma.evaluation.options import EvalOptions
 
+# Where the results go without -o: the current folder (never a model folder, which may be published).
+DEFAULT_OUTPUT = "eval_results.json"
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``hf-pma eval``."""
@@ -25,20 +29,24 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "Evaluate MODELs one at a time (snapshot folders, the merged folder, an annealed run's output, any "
             "Hub model) on held-out text (--eval-file: loss, perplexity, bits-per-byte) and/or lm-eval tasks "
             "(--tasks; local YAML tasks with --include-path, e.g. from `hf-pma make-tasks`), then print one "
-            "table (rows: metrics, columns: models) and write the results as JSON. Under `accelerate launch` "
-            "the main process evaluates and the others wait."
+            "table (rows: metrics, columns: models) and write the results as JSON (-o FILE; default: "
+            f"{DEFAULT_OUTPUT} in the current folder, replaced if present). With --last or --every, a run folder "
+            "(its PMA snapshots, else its checkpoint-* folders) stands for its newest snapshots. Under "
+            "`accelerate launch` the main process evaluates and the others wait."
         ),
     )
     p.add_argument("models", nargs="+", metavar="MODEL", help="model folder, Hub model id or Hub revision (org/model@REV)")
     add_revision_arguments(p)
-    p.add_argument("--last", type=positive_int, help="with --revisions: only the newest N matching revisions")
+    p.add_argument(
+        "--last", type=positive_int, help="with --revisions or a run folder: only the newest N revisions or snapshots"
+    )
     EvalOptions.add_arguments(p)
     add_heldout_arguments(p)
     p.add_argument("--tokenizer", help="tokenizer for every model (default: each model folder's own)")
     p.add_argument("--labels", help="comma-separated column labels, one per model (default: folder names)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", help="device (default: cuda if available, else cpu)")
-    p.add_argument("-o", "--output", metavar="FILE", help="write the results as JSON here")
+    p.add_argument("-o", "--output", metavar="FILE", help=f"write the results as JSON here (default: ./{DEFAULT_OUTPUT})")
     p.add_argument(
         "--record",
         metavar="DIR",
@@ -58,12 +66,23 @@ def _hub_models(args: argparse.Namespace) -> tuple[list[str], list[str] | None]:
     """The models to evaluate, Hub revisions downloaded (labelled ``model@REV``), and their labels
     when any is a revision (``None`` otherwise: the evaluator's labels)."""
     from hf_pma.merging.hub_revisions import parse_hub_spec
-    from hf_pma.merging.sources import resolve_sources
+    from hf_pma.merging.sources import model_source, resolve_sources, run_layout
 
-    if args.revisions is None and (args.last or args.every):
-        raise ValueError("--last and --every select among --revisions: give --revisions PATTERN with a Hub repo")
+    runs = [m for m in args.models if Path(m).is_dir() and run_layout(m).is_run]
+    if args.revisions is None and (args.last or args.every) and not runs:
+        raise ValueError(
+            "--last and --every select among a run folder's snapshots or a Hub repo's --revisions: give one of them"
+        )
     models, labels, any_revision = [], [], False
     for model in args.models:
+        if model in runs and (args.last or args.every):
+            # A run folder stands for its newest snapshots (PMA manifest first, then checkpoint-*).
+            for source in resolve_sources([model], last=args.last, every=args.every):
+                models.append(str(source.path))
+                labels.append(None)
+            continue
+        if Path(model).is_file():
+            model = str(model_source(model).path)  # RUN/model.safetensors: the model at RUN's top
         spec = None if Path(model).exists() else parse_hub_spec(model)
         if spec is None or (spec[1] is None and args.revisions is None):
             models.append(model)
@@ -96,8 +115,11 @@ def run(args: argparse.Namespace) -> int:
     labels = [label.strip() for label in args.labels.split(",")] if args.labels else None
     if args.record and not Path(args.record).is_dir():
         raise FileNotFoundError(f"--record folder {args.record} does not exist")
-    if args.output and not Path(args.output).absolute().parent.is_dir():
+    output = Path(args.output or DEFAULT_OUTPUT)
+    if not output.absolute().parent.is_dir():
         raise FileNotFoundError(f"the folder of --output {args.output} does not exist")
+    if args.output is None and not os.access(output.absolute().parent, os.W_OK):
+        raise PermissionError(f"cannot write {DEFAULT_OUTPUT} in the current folder {Path.cwd()}: give -o FILE")
     texts = load_heldout(args)
 
     models, hub_labels = _hub_models(args)
@@ -115,8 +137,8 @@ def run(args: argparse.Namespace) -> int:
     if args.record:
         write_eval_record(args.record, report["results"], eval_dataset=report["eval_dataset"])
     if is_main_process():
-        if args.output:
-            atomic_write_json(Path(args.output), report)
+        atomic_write_json(output, report)
         sys.stdout.write(results_table(report["results"]) + "\n")
+        sys.stdout.write(f"results: {output}\n")
         sys.stdout.flush()
     return 0

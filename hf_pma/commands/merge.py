@@ -7,8 +7,8 @@ import sys
 from pathlib import Path
 
 from hf_pma.commands import add_revision_arguments, positive_int
-from hf_pma.utils.argtypes import positive_count
 from hf_pma.core.strategies import STRATEGIES
+from hf_pma.utils.argtypes import positive_count
 
 
 def _weights(text: str) -> list[float]:

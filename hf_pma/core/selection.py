@@ -22,15 +22,23 @@ __all__ = ["WINDOW_UNITS", "WindowSpan", "window_by_progress", "window_span", "c
 WINDOW_UNITS = ("tokens", "steps")
 
 
-def check_window(window_tokens: int | None = None, window_steps: int | None = None, last: int | None = None) -> None:
+def check_window(
+    window_tokens: int | None = None, window_steps: int | None = None, last: int | None = None
+) -> None:
     """``ValueError`` for a non-positive window, or for more than one of ``window_tokens``,
     ``window_steps`` and ``last`` (each says on its own how many snapshots to take)."""
-    given = [(n, v) for n, v in (("window_tokens", window_tokens), ("window_steps", window_steps), ("last", last)) if v is not None]
+    given = [
+        (n, v)
+        for n, v in (("window_tokens", window_tokens), ("window_steps", window_steps), ("last", last))
+        if v is not None
+    ]
     for name, value in given:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise ValueError(f"{name} must be a positive integer, got {value!r}")
     if len(given) > 1:
-        raise ValueError(f"give one of {' and '.join(n for n, _ in given)}: each chooses the merge window on its own")
+        raise ValueError(
+            f"give one of {' and '.join(n for n, _ in given)}: each chooses the merge window on its own"
+        )
 
 
 def window_by_progress(positions: Sequence[int | None], span: int, unit: str = "tokens") -> list[int]:
@@ -78,7 +86,13 @@ class WindowSpan:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (the merge record's ``window``)."""
-        return {"unit": self.unit, "first": self.first, "last": self.last, "span": self.span, "requested": self.requested}
+        return {
+            "unit": self.unit,
+            "first": self.first,
+            "last": self.last,
+            "span": self.span,
+            "requested": self.requested,
+        }
 
     def describe(self) -> str:
         """``"tokens 20,480 to 163,840 (span 143,360)"``."""
@@ -89,7 +103,10 @@ class WindowSpan:
 
 
 def window_span(
-    tokens: Sequence[int | None], steps: Sequence[int | None], requested: int | None = None, unit: str | None = None
+    tokens: Sequence[int | None],
+    steps: Sequence[int | None],
+    requested: int | None = None,
+    unit: str | None = None,
 ) -> WindowSpan | None:
     """The span of merged members (oldest first) in ``unit`` (default: tokens when every member
     knows them, else steps), or ``None`` when neither is known for every member."""

@@ -309,6 +309,21 @@ def _interval_text(merge: dict[str, Any], sources: list[dict[str, Any]]) -> str:
     return f"about {_fmt_tokens(statistics.median(gaps))} tokens (median gap; the gaps vary)"
 
 
+def _window_text(merge: dict[str, Any]) -> str | None:
+    """How the merge window was chosen and the progress it spans (the record's ``window``)."""
+    window = merge.get("window")
+    if not isinstance(window, dict) or window.get("unit") not in ("tokens", "steps"):
+        return None
+    unit, requested = window["unit"], window.get("requested")
+    first, last = window.get("first"), window.get("last")
+    if not (_is_number(first) and _is_number(last)):
+        return None
+    span = f"{_fmt_int(first)} to {_fmt_int(last)} {unit}, a span of {_fmt_int(last - first)}"
+    if _is_number(requested):
+        return f"the snapshots within the last {_fmt_int(requested)} {unit} ({span})"
+    return f"the newest {merge.get('num_sources') or len(merge.get('sources') or [])} snapshots ({span})"
+
+
 def _snapshot_rows(sources: list[dict[str, Any]], weights: list[Any]) -> list[dict[str, str]]:
     rows = []
     for i, src in enumerate(sources):
@@ -529,6 +544,7 @@ def build_model_card(
             alpha=merge.get("alpha")
         ),
         "interval_text": _interval_text(merge, sources),
+        "window_text": _window_text(merge),
         "tokens_span_text": f"{_fmt_int(min(tokens))} to {_fmt_int(max(tokens))}" if tokens else _MISSING,
         "dtype_text": f"{merge.get('dtype') or _MISSING} / {merge.get('accumulate_dtype') or _MISSING}",
         "snapshot_rows": _snapshot_rows(sources, weights),

@@ -61,6 +61,13 @@ class PMATrainingArguments(TrainingArguments):
         metadata={"help": "Tokens (global, all processes) between snapshots, V. None: chosen from the planned run."},
     )
     pma_window: int = dataclasses.field(default=10, metadata={"help": "Snapshots merged, N (the paper's compromise: 10)."})
+    pma_window_tokens: int | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "Merge the snapshots within the last T tokens instead of the newest pma_window (the merge's "
+            "duration, which WSM finds matters more than the count); e.g. 10 x pma_interval_tokens."
+        },
+    )
     pma_strategy: str = dataclasses.field(
         default="sma", metadata={"help": "sma, wma, ema, linear-decay, cosine-decay or 1-sqrt-decay."}
     )
@@ -139,6 +146,7 @@ class PMATrainingArguments(TrainingArguments):
 
         positive_int("pma_interval_tokens", allow_none=True)
         positive_int("pma_window")
+        positive_int("pma_window_tokens", allow_none=True)
         positive_int("pma_keep_last", allow_none=True)
         positive_int("pma_spike_window")
         positive_int("pma_recovery_snapshots")
@@ -146,7 +154,7 @@ class PMATrainingArguments(TrainingArguments):
             raise ValueError(f"pma_max_recoveries must be a non-negative integer, got {self.pma_max_recoveries!r}")
         validate_strategy(self.pma_strategy, self.pma_ema_alpha)
         self.pma_phases = list(check_phases(self.pma_phases))
-        if self.pma_keep_last is not None and self.pma_keep_last < self.pma_window:
+        if self.pma_keep_last is not None and self.pma_window_tokens is None and self.pma_keep_last < self.pma_window:
             raise ValueError(
                 f"pma_keep_last ({self.pma_keep_last}) is smaller than pma_window ({self.pma_window}): "
                 f"the merge could never use {self.pma_window} snapshots"

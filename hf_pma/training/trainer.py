@@ -25,10 +25,11 @@ from transformers import Trainer
 from transformers.utils import logging
 
 from hf_pma.core.manifest import PMA_SUBDIR, TRAINING_RECORD_NAME
+from hf_pma.core.selection import window_by_progress
 from hf_pma.merging.chunks import default_workers
 from hf_pma.merging.engine import merge_checkpoints, merge_state_dict
 from hf_pma.merging.slices import SliceSwap
-from hf_pma.merging.sources import resolve_sources
+from hf_pma.merging.sources import resolve_sources, select_window
 from hf_pma.merging.swap import backup_weights, load_weights, restore_weights
 from hf_pma.snapshots.callback import PMACallback
 from hf_pma.training.arguments import PMATrainingArguments
@@ -108,7 +109,9 @@ class PMATrainer(Trainer):
     def _pma_init(model: torch.nn.Module, args: PMATrainingArguments) -> dict[str, Any]:
         """Load the merge named by ``pma_init_from`` into ``model``; return what was used."""
         sources = resolve_sources(args.pma_init_from)
-        if len(args.pma_init_from) == 1 and len(sources) > args.pma_window:
+        if len(args.pma_init_from) == 1 and args.pma_window_tokens is not None:
+            sources = select_window(sources, window_tokens=args.pma_window_tokens)  # a run's last T tokens
+        elif len(args.pma_init_from) == 1 and len(sources) > args.pma_window:
             sources = sources[-args.pma_window :]  # a run folder: merge its newest pma_window
         strategy = args.pma_strategy if len(sources) > 1 else "sma"
         state = merge_state_dict(sources, strategy=strategy, alpha=args.pma_ema_alpha)
@@ -130,18 +133,23 @@ class PMATrainer(Trainer):
         timeout (a snapshot write or a merge may outlast NCCL's); a failure anywhere is raised everywhere."""
         all_ranks_checked(fn or (lambda: None), what)
 
-    def _pma_snapshot_paths(self) -> list[Path]:
-        """Usable snapshot folders, oldest first, identical on every process."""
+    def _pma_snapshot_paths(self, last: int | None = None) -> list[Path]:
+        """Usable snapshot folders, oldest first, identical on every process; with ``last``, the
+        newest ``last``; else, with ``pma_window_tokens``, those within the last T tokens."""
         # The main process finishes the write in flight; the others then read the same manifest.
         self._pma_barrier(self.pma_callback.wait, "waiting for the snapshot being written")
-        return [path for _record, path in self.pma_callback.snapshots()]
+        snapshots = self.pma_callback.snapshots()
+        if last is None and self.args.pma_window_tokens is not None and snapshots:
+            chosen = window_by_progress([record.tokens for record, _ in snapshots], self.args.pma_window_tokens, "tokens")
+            return [snapshots[i][1] for i in chosen]
+        return [path for _record, path in snapshots][-(last or len(snapshots)) :] if snapshots else []
 
     def _pma_workers(self) -> int:
         """Merge threads per process: the usable cores shared by this machine's processes."""
         return max(1, default_workers() // local_world_size())
 
     def _pma_merge_window(self, last: int | None = None) -> tuple[list[Path], str]:
-        paths = self._pma_snapshot_paths()[-(last or self.args.pma_window) :]
+        paths = self._pma_snapshot_paths(last or (None if self.args.pma_window_tokens else self.args.pma_window))
         return paths, (self.args.pma_strategy if len(paths) > 1 else "sma")
 
     def pma_merged_state_dict(self, last: int | None = None, strategy: str | None = None) -> dict[str, torch.Tensor] | None:
@@ -307,12 +315,11 @@ class PMATrainer(Trainer):
         record (``pma_training.json``) beside the weights. Returns the folder, or ``None`` when
         no snapshot was taken.
         """
-        paths = self._pma_snapshot_paths()
+        paths, _ = self._pma_merge_window(last)
         target = Path(output_dir) if output_dir else Path(self.args.output_dir) / PMA_SUBDIR / "merged"
         if not paths:
             logger.warning("No PMA snapshot was taken during training: nothing to merge.")
             return None
-        paths = paths[-(last or self.args.pma_window) :]
         # Every process writes its share of the output shards; the main process the rest.
         merge_checkpoints(
             paths,
@@ -323,6 +330,7 @@ class PMATrainer(Trainer):
             progress=not self.args.disable_tqdm,
             workers=self._pma_workers(),
             distributed=self.args.world_size > 1,
+            window_tokens=None if last else self.args.pma_window_tokens,
         )
 
         def write_records() -> None:
@@ -354,6 +362,7 @@ class PMATrainer(Trainer):
             "train_runtime_s": time.time() - self._pma_train_start,
             "interval_tokens": self.pma_callback.interval_tokens,
             "pma_window": args.pma_window,
+            "pma_window_tokens": args.pma_window_tokens,
             "pma_strategy": args.pma_strategy,
             "pma_init": self.pma_init_record,
             "command": self.pma_command,

@@ -79,7 +79,11 @@ def markdown_table(header: Sequence[Any], rows: Sequence[Sequence[Any]], align: 
         padded = (c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(cells, widths, align))
         return "| " + " | ".join(padded) + " |"
 
-    rule = "| " + " | ".join(":" + "-" * (w - 1) if a == "l" else "-" * (w - 1) + ":" for w, a in zip(widths, align)) + " |"
+    rule = (
+        "| "
+        + " | ".join(":" + "-" * (w - 1) if a == "l" else "-" * (w - 1) + ":" for w, a in zip(widths, align))
+        + " |"
+    )
     return "\n".join([line(header), rule, *(line(r) for r in body)])
 
 
@@ -108,6 +112,8 @@ def text_table(header: Sequence[Any], rows: Sequence[Sequence[Any]], align: str 
     header, body, align, widths = _aligned(header, rows, align, lambda c: str(c).replace("\n", " "))
 
     def line(cells: Sequence[str]) -> str:
-        return "  ".join(c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(cells, widths, align)).rstrip()
+        return "  ".join(
+            c.ljust(w) if a == "l" else c.rjust(w) for c, w, a in zip(cells, widths, align)
+        ).rstrip()
 
     return "\n".join([line(header), "  ".join("-" * w for w in widths), *(line(r) for r in body)])
