@@ -159,3 +159,26 @@ def hf_pma_command() -> str:
 
     return os.path.join(os.path.dirname(sys.executable), "hf-pma")
 
+
+
+def text_rows(text: str) -> list[list[str]]:
+    """The rows of the plain-text tables in ``text`` (``hf_pma.utils.formatting.text_table``):
+    each table's header and body rows, cut at the columns its dashed rule marks, cells stripped."""
+    import re
+
+    lines = text.splitlines()
+    rows = []
+    for k, rule in enumerate(lines):
+        if k == 0 or not rule.strip() or set(rule) - {"-", " "} or "--" not in rule:
+            continue
+        spans = [m.span() for m in re.finditer(r"-+", rule)]
+        starts = [a for a, _ in spans] + [None]
+        table = [lines[k - 1]]
+        for line in lines[k + 1 :]:
+            if not line.strip():
+                break
+            table.append(line)
+        for line in table:
+            rows.append([line[starts[i] : starts[i + 1]].strip() if starts[i + 1] else line[starts[i] :].strip()
+                         for i in range(len(spans))])
+    return rows

@@ -113,5 +113,7 @@ def run(args: argparse.Namespace) -> int:
         window_steps=args.window_steps,
     )
     how = "explicit weights" if args.weights is not None else args.strategy
-    sys.stdout.write(f"merged {describe_sources(sources)}; {how} -> {output}\n")
+    unit = "tokens" if args.window_tokens else "steps" if args.window_steps else None
+    said = describe_sources(sources, args.window_tokens or args.window_steps, unit)
+    sys.stdout.write(f"merged {said}; {how} -> {output}\n")
     return 0

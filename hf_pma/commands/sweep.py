@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 from hf_pma.commands import (
     add_heldout_arguments,
@@ -101,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     from hf_pma.analysis.sweep import parse_metric, plot_sweep, run_sweep, sweep_table, write_best
     from hf_pma.core.strategies import merge_weights
     from hf_pma.merging.hub_revisions import parse_hub_spec
-    from hf_pma.merging.sources import resolve_sources
+    from hf_pma.merging.sources import describe_sources, resolve_sources
     from hf_pma.utils.fs import atomic_write_json, check_output_folder
 
     set_verbosity(args)
@@ -150,6 +151,8 @@ def run(args: argparse.Namespace) -> int:
         plot_sweep(report, plot)
     if args.best:
         write_best(report, args.best, overwrite=args.overwrite, progress=not args.quiet)
+    snapshots = [SimpleNamespace(**s) for s in report["snapshots"]]
+    sys.stdout.write(f"sweep over {describe_sources(snapshots)}\n")
     sys.stdout.write(sweep_table(report) + "\n")
     sys.stdout.write(f"results: {output}" + (f", heatmap: {plot}" if plot else "") + (f", best merge: {args.best}" if args.best else "") + "\n")
     return 0

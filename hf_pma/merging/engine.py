@@ -176,12 +176,13 @@ def _window_record(sources: Sequence[CheckpointSource], window_tokens: int | Non
     return span.to_dict() if span is not None else None
 
 
-def _announce(sources: Sequence[CheckpointSource], what: str) -> None:
+def _announce(sources: Sequence[CheckpointSource], what: str, window: dict[str, Any] | None) -> None:
     """Say which sources a merge takes; a merge of one source is a copy, which a user must know."""
     if len(sources) == 1:
         logger.warning(f"{what}: only one source, {sources[0].name} ({sources[0].path}): the result is a copy of it")
     else:
-        logger.info(f"{what}: {describe_sources(sources)}")
+        window = window or {}
+        logger.info(f"{what}: {describe_sources(sources, window.get('requested'), window.get('unit'))}")
 
 
 def _check_accumulate_dtype(dtype: torch.dtype) -> None:
@@ -456,6 +457,7 @@ def merge_checkpoints(
                 srcs,
                 f"Merging with {'explicit weights' if weights is not None else strategy} into {output_dir}"
                 + (f" ({world_size} processes)" if world_size > 1 else ""),
+                window,
             )
         mine = [shard for shard, owner in zip(shards, _owners(shards, world_size)) if owner == rank]
         write_output_shards(tmp, mine, srcs, opened, coefs, accumulate_dtype, chunk_bytes, workers, progress and rank == 0)

@@ -412,8 +412,6 @@ def _final(layout: RunLayout) -> CheckpointSource:
 
 def _expand_local(path: Path, include_final: bool) -> list[CheckpointSource]:
     if path.is_file():
-        if include_final:
-            raise ValueError(f"include_final applies to a run folder, not to the file {path}")
         return [model_source(path)]
     layout = run_layout(path)
     if not layout.is_run:
@@ -529,12 +527,13 @@ def sources_span(sources: Sequence[Any], requested: int | None = None, unit: str
     return window_span([s.tokens for s in sources], [s.step for s in sources], requested, unit)
 
 
-def describe_sources(sources: Sequence[Any]) -> str:
-    """One line saying which sources a merge takes: count, first and last name, progress span."""
+def describe_sources(sources: Sequence[Any], requested: int | None = None, unit: str | None = None) -> str:
+    """One line saying which sources a merge takes: count, first and last name, progress span
+    (in ``unit``, with the ``requested`` window when the window was asked in tokens or steps)."""
     if not sources:
         return "no sources"
     names = _item_name(sources[0]) if len(sources) == 1 else f"{_item_name(sources[0])} ... {_item_name(sources[-1])}"
-    span = sources_span(sources)
+    span = sources_span(sources, requested, unit)
     where = f", {span.describe()}" if span is not None else ", training progress unknown"
     return f"{len(sources)} source(s): {names}{where}"
 

@@ -25,7 +25,7 @@ from hf_pma.analysis.diagnostics import (
 from hf_pma.core.strategies import merge_weights
 from hf_pma.merging.sources import resolve_sources
 from tests.snapshot_runs import INTERVAL, noise_deviation, write_run
-from tests.testing_utils import markdown_rows
+from tests.testing_utils import text_rows
 
 
 def _gram(points: torch.Tensor) -> torch.Tensor:
@@ -159,8 +159,9 @@ def test_inspect_cli(tmp_path):
     out = _hf_pma("inspect", run, "--window", "4", "--plot", tmp_path / "i.png", "-o", tmp_path / "i.json",
                   "--reference", reference, "-q")
     assert out.returncode == 0, out.stderr
-    rows = markdown_rows(out.stdout)
+    rows = text_rows(out.stdout)
     assert rows[0][:7] == ["snapshot", "tokens", "step", "lr", "phase", "loss", "size"]
+    assert "\\|" not in out.stdout and not any(line.startswith("|") for line in out.stdout.splitlines())  # plain text
     row = next(r for r in rows if r[0] == "snapshot-3000")
     assert row[1] == "3,000" and row[4] == "stable" and row[7] == "excluded (loss spike at step 99)"
     assert "mean off-diagonal cosine" in out.stdout and "Over training" in out.stdout
@@ -198,16 +199,22 @@ def test_inspect_cli_listing_and_errors(tmp_path, capsys):
     assert "Window: 3 snapshots" in capsys.readouterr().out
 
 
-def test_inspect_plot_goes_to_the_run_folder_and_a_full_disk_leaves_nothing(tmp_path, small_filesystem):
+def test_inspect_writes_files_only_where_asked_and_a_full_disk_leaves_nothing(tmp_path, small_filesystem):
     run, _ = write_run(tmp_path / "run", 3, noise_deviation())
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
     elsewhere = tmp_path / "cwd"
     elsewhere.mkdir()
     exe = os.path.join(os.path.dirname(sys.executable), "hf-pma")
     done = subprocess.run([exe, "inspect", str(run), "--window", "2", "-q"], cwd=elsewhere, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr
-    assert (run / "inspect.png").stat().st_size > 10_000 and f"plot: {run / 'inspect.png'}" in done.stdout
-    assert list(elsewhere.iterdir()) == []  # nothing in the folder the user stands in
+    # No plot unless asked: nothing new in the run folder nor in the folder the user stands in.
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before and list(elsewhere.iterdir()) == []
+    assert "plot:" not in done.stdout
+    done = subprocess.run([exe, "inspect", str(run), "--window", "2", "-q", "--plot", "i.png"], cwd=elsewhere,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (elsewhere / "i.png").stat().st_size > 10_000 and "plot: i.png" in done.stdout
 
     # A full disk: one line naming the plot, nothing half-written beside it.
     filler = small_filesystem / "filler"
