@@ -232,3 +232,53 @@ def test_inspect_writes_files_only_where_asked_and_a_full_disk_leaves_nothing(tm
     assert str(small_filesystem / "i.png") in error[0] and "free in" in error[0]
     assert sorted(p.name for p in small_filesystem.iterdir()) == ["filler"]
 
+
+
+def test_inspect_uses_the_runs_own_window_shows_one_distance_for_sma_and_reads_the_numbers(tmp_path, capsys):
+    from hf_pma.cli import main
+
+    run, _ = write_run(tmp_path / "run", 6, noise_deviation())
+    merged = run / "pma" / "merged"
+    merged.mkdir()
+    # No record: the documented default (10, shrunk to the run's 6).
+    assert main(["inspect", str(run), "-q"]) == 0
+    assert "Window: 6 snapshots (the default: the run records no merge window)" in capsys.readouterr().out
+    # The training record's pma_window.
+    (merged / "pma_training.json").write_text(json.dumps({"pma_window": 5}))
+    assert main(["inspect", str(run), "-q"]) == 0
+    assert "Window: 5 snapshots (the run's own, pma/merged/pma_training.json)" in capsys.readouterr().out
+    # The merge record wins: the number of snapshots it merged, or its window in tokens.
+    (merged / "pma_merge.json").write_text(json.dumps({"num_sources": 4, "sources": []}))
+    assert main(["inspect", str(run), "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "Window: 4 snapshots (the run's own, pma/merged/pma_merge.json)" in out
+    window = {"unit": "tokens", "first": 4000, "last": 6000, "span": 2000, "requested": 3 * INTERVAL}
+    (merged / "pma_merge.json").write_text(json.dumps({"num_sources": 3, "window": window}))
+    assert main(["inspect", str(run), "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "Window: 3 snapshots (the last 3,000 tokens; the run's own, pma/merged/pma_merge.json)" in out
+    # SMA: the distance to the merge is the deviation from the mean: one column.
+    header = next(r for r in text_rows(out) if r[0] == "snapshot" and "weight" in r)
+    assert header[:3] == ["snapshot", "weight", "dist to merge (= |dev from mean|)"] and "cos[0]" in header
+    # Independent noise: the snapshots oscillate, and the last line says so in words.
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("Reading: the 3 snapshots") and "oscillate around a common centre" in last
+    # The command line wins; WMA weights differ: two distance columns.
+    assert main(["inspect", str(run), "--window-tokens", "4k", "--strategy", "wma", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert "Window: 4 snapshots (the last 4,000 tokens; --window-tokens)" in out
+    header = next(r for r in text_rows(out) if r[0] == "snapshot" and "weight" in r)
+    assert header[2:4] == ["|dev from mean|", "dist to merge"]
+
+
+def test_reading_tells_drift_from_oscillation():
+    from hf_pma.analysis.diagnostics import reading, window_diagnostics
+
+    # A straight drift: snapshots on a line.
+    points = torch.arange(5, dtype=torch.float64).reshape(5, 1) * torch.tensor([[1.0, 2.0]])
+    gram = points @ points.T
+    assert "drift along a nearly straight path" in reading(window_diagnostics(gram, list(range(5))))
+    # Back and forth along one axis and around a centre: oscillation.
+    points = torch.tensor([[1.0, 0.0], [-1.0, 0.1], [1.0, 0.05], [-1.0, -0.1], [1.0, 0.0]], dtype=torch.float64)
+    assert "oscillate around a common centre" in reading(window_diagnostics(points @ points.T, list(range(5))))
+    assert "too small" in reading(window_diagnostics(gram[:2, :2], [0, 1]))

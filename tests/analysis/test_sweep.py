@@ -45,6 +45,24 @@ def test_plan_sweep_selects_every_kth_snapshot_from_the_newest():
     assert lower_is_better("lm/loss") and lower_is_better("lm/bits_per_byte") and not lower_is_better("pma_cloze/acc")
 
 
+def test_plan_sweep_windows_in_tokens():
+    tokens = [1000 * (i + 1) for i in range(7)]
+    combos, skipped = plan_sweep(7, windows=[3], every=[1, 2], strategies=["sma"], window_tokens=[3000, 4001], tokens=tokens)
+    by = {c.label: c for c in combos}
+    assert set(by) == {"sma N=3 k=1", "sma N=3 k=2", "sma T=3000 k=1", "sma T=4001 k=1", "sma T=3000 k=2", "sma T=4001 k=2"}
+    assert by["sma T=3000 k=1"].indices == (4, 5, 6) and by["sma T=3000 k=1"].key() == by["sma N=3 k=1"].key()
+    assert by["sma T=4001 k=1"].indices == (2, 3, 4, 5, 6) and by["sma T=4001 k=1"].window == 5
+    assert by["sma T=3000 k=2"].indices == (4, 6) and by["sma T=4001 k=2"].indices == (2, 4, 6)
+    assert not skipped
+    # Only windows in tokens; they need every snapshot's tokens.
+    combos, _ = plan_sweep(7, windows=[], every=[1], strategies=["wma"], window_tokens=[2000], tokens=tokens)
+    assert [c.label for c in combos] == ["wma T=2000 k=1"] and combos[0].window_tokens == 2000
+    with pytest.raises(ValueError, match="need the token count of every snapshot"):
+        plan_sweep(7, windows=[], window_tokens=[2000])
+    with pytest.raises(ValueError, match="give at least one window value"):
+        plan_sweep(7, windows=[], window_tokens=[])
+
+
 def test_sweep_numbers_equal_separately_merged_and_evaluated_models(tmp_path, tiny_tokenizer):
     run, _ = write_run(tmp_path / "run", 5, noise_deviation(0.03), tokenizer=tiny_tokenizer)
     texts = _texts()

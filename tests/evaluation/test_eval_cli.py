@@ -92,6 +92,29 @@ def test_two_models_side_by_side(setup, capsys):
     assert record == {"results": report["results"], "eval_dataset": "heldout.jsonl"}
 
 
+def test_results_go_to_the_current_folder_by_default_and_a_run_stands_for_its_newest_snapshots(
+    tmp_path, tiny_tokenizer, capsys, monkeypatch
+):
+    from tests.snapshot_runs import noise_deviation, write_run
+
+    run, _ = write_run(tmp_path / "run", 3, noise_deviation(), tokenizer=tiny_tokenizer)
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text(sample_text(2000))
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    before = sorted(p.relative_to(run) for p in run.rglob("*"))
+    assert main(["eval", str(run), "--last", "2", "--eval-file", str(heldout), "--block-size", "32", "-q"]) == 0
+    out = capsys.readouterr().out
+    assert out.strip().splitlines()[-1] == "results: eval_results.json"
+    report = json.loads((here / "eval_results.json").read_text())
+    assert list(report["results"]) == ["snapshot-2000", "snapshot-3000"]
+    assert sorted(p.relative_to(run) for p in run.rglob("*")) == before  # nothing written into the run
+    # Without --last, --every or --revisions, --last is refused (nothing to select among).
+    assert main(["eval", str(run / "pma" / "snapshot-1000"), "--last", "2", "--eval-file", str(heldout), "-q"]) == 2
+    assert "--last and --every select among a run folder's snapshots" in capsys.readouterr().err
+
+
 def _cell(value: float) -> str:
     return f"{value:,.1f}" if value >= 1000 else f"{value:.4f}"
 
