@@ -68,6 +68,30 @@ def test_merged_eval_sits_beside_live_eval_and_equals_independent_evaluation(set
     assert trainer.evaluate()["eval_loss"] == pytest.approx(evals[-1]["eval_loss"], rel=1e-6)
 
 
+def test_pma_window_tokens_merges_the_last_tokens_in_eval_at_the_end_and_for_init(setup, tmp_path):
+    trainer = _trainer(
+        setup, tmp_path, max_steps=16, eval_strategy="steps", eval_steps=16, pma_interval_tokens=256,
+        pma_window_tokens=3 * 256 + 1,
+    )
+    trainer.train()
+    manifest = json.loads((tmp_path / "out" / "pma" / "manifest.json").read_text())["snapshots"]
+    newest = manifest[-1]["tokens"]
+    inside = [s["tokens"] for s in manifest if s["tokens"] > newest - (3 * 256 + 1)]
+    assert len(manifest) > len(inside) >= 3
+    evals = [e for e in trainer.state.log_history if "eval_pma_loss" in e]
+    assert evals[-1]["eval_pma_num_snapshots"] == len(inside)
+    record = json.loads((trainer.pma_merged_dir / "pma_merge.json").read_text())
+    assert [s["tokens"] for s in record["sources"]] == inside
+    assert record["window"]["unit"] == "tokens" and record["window"]["requested"] == 3 * 256 + 1
+    assert json.loads((trainer.pma_merged_dir / "pma_training.json").read_text())["pma_window_tokens"] == 3 * 256 + 1
+    # PMA-init from the run folder takes the same window.
+    capture = _CaptureAtStart()
+    init = _trainer(setup, tmp_path / "init", callbacks=[capture], max_steps=1, pma_merge_at_end=False,
+                    pma_init_from=[str(tmp_path / "out")], pma_window_tokens=3 * 256 + 1)
+    init.train()
+    assert [s["tokens"] for s in init.pma_init_record["sources"]] == inside
+
+
 def test_no_snapshot_yet_means_no_merged_metrics(setup, tmp_path):
     trainer = _trainer(setup, tmp_path, max_steps=4, eval_strategy="steps", eval_steps=2, pma_interval_tokens=10**9)
     trainer.train()
@@ -170,6 +194,7 @@ def test_a_run_that_keeps_diverging_stops_with_a_clear_error(setup, tmp_path):
     "overrides, match",
     [
         ({"pma_window": 0}, "pma_window must be a positive integer"),
+        ({"pma_window_tokens": 0}, "pma_window_tokens must be a positive integer"),
         ({"pma_strategy": "median"}, "unknown merge strategy 'median'"),
         ({"pma_ema_alpha": 1.5, "pma_strategy": "ema"}, "alpha"),
         ({"pma_keep_last": 3}, r"pma_keep_last \(3\) is smaller than pma_window \(10\)"),
