@@ -1,1 +1,1 @@
-"""Pure logic and the on-disk contract: merge strategies, the snapshot schedule, the manifest."""
+"""Pure logic and the on-disk contract: merge strategies, merge windows, the snapshot schedule, the manifest."""
