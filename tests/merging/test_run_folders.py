@@ -48,9 +48,9 @@ def trainer_run(tmp_path_factory, tiny_tokenizer):
     return run, heldout
 
 
-def _sweep_names(run: Path, heldout: Path, out: Path) -> list[str]:
+def _sweep_names(run: Path, heldout: Path, out: Path, *extra: str) -> list[str]:
     argv = ["sweep", str(run), "--window", "2", "--every", "1", "--strategy", "sma", "--eval-file", str(heldout),
-            "--block-size", "16", "--limit", "2", "--tokenizer", str(run), "-o", str(out), "--no-plot", "-q"]
+            "--block-size", "16", "--limit", "2", "--tokenizer", str(run), "-o", str(out), "--no-plot", "-q", *extra]
     assert main(argv) == 0
     return [s["name"] for s in json.loads(out.read_text())["snapshots"]]
 
@@ -81,8 +81,16 @@ def test_trainer_run_folder_uses_the_snapshots_then_the_checkpoints(trainer_run,
     assert "Window: 3 snapshots (--window)" in out and out.strip().splitlines()[-1].startswith("Reading: ")
     assert not (run / "inspect.png").exists()
 
-    # sweep: over the snapshots.
-    assert _sweep_names(run, heldout, tmp_path / "sweep.json") == snapshots
+    # sweep: over the snapshots, and it says so; durations in tokens are a swept dimension.
+    assert _sweep_names(run, heldout, tmp_path / "sweep.json", "--window-tokens", "512,1k") == snapshots
+    said = capsys.readouterr().out
+    assert f"sweep over {len(snapshots)} source(s): {snapshots[0]} ... {snapshots[-1]}, tokens" in said
+    report = json.loads((tmp_path / "sweep.json").read_text())
+    by_label = {c["label"]: c for c in report["combinations"]}
+    assert set(by_label) == {"sma N=2 k=1", "sma T=512 k=1", "sma T=1000 k=1"}
+    newest = report["snapshots"][-1]["tokens"]
+    for label, span in (("sma T=512 k=1", 512), ("sma T=1000 k=1", 1000)):
+        assert by_label[label]["tokens"] == [s["tokens"] for s in report["snapshots"] if s["tokens"] > newest - span]
 
     # With --include-final, the final model comes last, named "final".
     assert main(["merge", str(run), "-o", str(tmp_path / "f"), "--last", "2", "--include-final", "-q"]) == 0
