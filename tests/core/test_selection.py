@@ -47,13 +47,24 @@ def test_check_window_and_span():
     span = window_span([4000, 5000, 6000], [40, 50, 60], requested=3000)
     assert span == WindowSpan("tokens", 4000, 6000, 3000) and span.span == 2000
     assert span.describe() == "tokens 4,000 to 6,000 (span 2,000), window of 3,000 tokens"
-    assert window_span([None, 5000], [40, 50]).to_dict() == {"unit": "steps", "first": 40, "last": 50, "span": 10, "requested": None}
+    assert window_span([None, 5000], [40, 50]).to_dict() == {
+        "unit": "steps",
+        "first": 40,
+        "last": 50,
+        "span": 10,
+        "requested": None,
+    }
     assert window_span([None], [None]) is None
 
 
 def test_parse_count():
     assert [parse_count(t) for t in ("40960", "40_960", "40,960", "40k", "2.5M", "1B")] == [
-        40960, 40960, 40960, 40_000, 2_500_000, 10**9,
+        40960,
+        40960,
+        40960,
+        40_000,
+        2_500_000,
+        10**9,
     ]
     for bad in ("0", "-5", "1.5", "abc", "", "0.0001k"):
         with pytest.raises(ValueError, match="expected a positive"):

@@ -31,7 +31,9 @@ def trainer_run(tmp_path_factory, tiny_tokenizer):
     ``trainer.save_state()`` write the final model and its state at the top of output_dir."""
     root = tmp_path_factory.mktemp("trainer_run")
     run = root / "run"
-    args = make_args(run, max_steps=STEPS, save_strategy="steps", save_steps=SAVE_STEPS, lr_scheduler_type="constant")
+    args = make_args(
+        run, max_steps=STEPS, save_strategy="steps", save_steps=SAVE_STEPS, lr_scheduler_type="constant"
+    )
     trainer = Trainer(
         model=make_tiny_model(seed=0),
         args=args,
@@ -49,8 +51,29 @@ def trainer_run(tmp_path_factory, tiny_tokenizer):
 
 
 def _sweep_names(run: Path, heldout: Path, out: Path, *extra: str) -> list[str]:
-    argv = ["sweep", str(run), "--window", "2", "--every", "1", "--strategy", "sma", "--eval-file", str(heldout),
-            "--block-size", "16", "--limit", "2", "--tokenizer", str(run), "-o", str(out), "--no-plot", "-q", *extra]
+    argv = [
+        "sweep",
+        str(run),
+        "--window",
+        "2",
+        "--every",
+        "1",
+        "--strategy",
+        "sma",
+        "--eval-file",
+        str(heldout),
+        "--block-size",
+        "16",
+        "--limit",
+        "2",
+        "--tokenizer",
+        str(run),
+        "-o",
+        str(out),
+        "--no-plot",
+        "-q",
+        *extra,
+    ]
     assert main(argv) == 0
     return [s["name"] for s in json.loads(out.read_text())["snapshots"]]
 
@@ -90,7 +113,9 @@ def test_trainer_run_folder_uses_the_snapshots_then_the_checkpoints(trainer_run,
     assert set(by_label) == {"sma N=2 k=1", "sma T=512 k=1", "sma T=1000 k=1"}
     newest = report["snapshots"][-1]["tokens"]
     for label, span in (("sma T=512 k=1", 512), ("sma T=1000 k=1", 1000)):
-        assert by_label[label]["tokens"] == [s["tokens"] for s in report["snapshots"] if s["tokens"] > newest - span]
+        assert by_label[label]["tokens"] == [
+            s["tokens"] for s in report["snapshots"] if s["tokens"] > newest - span
+        ]
 
     # With --include-final, the final model comes last, named "final".
     assert main(["merge", str(run), "-o", str(tmp_path / "f"), "--last", "2", "--include-final", "-q"]) == 0
@@ -103,7 +128,10 @@ def test_trainer_run_folder_uses_the_snapshots_then_the_checkpoints(trainer_run,
     ordered = ["checkpoint-8", "checkpoint-16", "checkpoint-24"]
     assert main(["merge", str(bare), "-o", str(tmp_path / "c"), "-q"]) == 0
     assert _merged_names(tmp_path / "c") == ordered
-    assert "merged 3 source(s): checkpoint-8 ... checkpoint-24, tokens 512 to 1,536 (span 1,024)" in capsys.readouterr().out
+    assert (
+        "merged 3 source(s): checkpoint-8 ... checkpoint-24, tokens 512 to 1,536 (span 1,024)"
+        in capsys.readouterr().out
+    )
     assert main(["inspect", str(bare), "--window", "2", "-q"]) == 0
     assert [r[0] for r in text_rows(capsys.readouterr().out)[1:4]] == ordered
     assert _sweep_names(bare, heldout, tmp_path / "sweep2.json") == ordered
@@ -112,7 +140,11 @@ def test_trainer_run_folder_uses_the_snapshots_then_the_checkpoints(trainer_run,
     assert main(["merge", str(bare), "-o", str(tmp_path / "w"), "--window-steps", "9", "-q"]) == 0
     assert _merged_names(tmp_path / "w") == ["checkpoint-16", "checkpoint-24"]
     assert json.loads((tmp_path / "w" / MERGE_RECORD_NAME).read_text())["window"] == {
-        "unit": "steps", "first": 16, "last": 24, "span": 8, "requested": 9,
+        "unit": "steps",
+        "first": 16,
+        "last": 24,
+        "span": 8,
+        "requested": 9,
     }
     assert main(["merge", str(bare), "-o", str(tmp_path / "t"), "--window-tokens", "600", "-q"]) == 0
     assert _merged_names(tmp_path / "t") == ["checkpoint-16", "checkpoint-24"]
@@ -122,7 +154,9 @@ def _fake_run(root: Path, count: int = 6, final: bool = True, checkpoints: bool 
     run, _ = write_run(root, count, noise_deviation())
     if final:
         save_model_folder(run, make_tiny_model(seed=7))
-        (run / "trainer_state.json").write_text(json.dumps({"global_step": 10 * count + 5, "num_input_tokens_seen": 0}))
+        (run / "trainer_state.json").write_text(
+            json.dumps({"global_step": 10 * count + 5, "num_input_tokens_seen": 0})
+        )
     if checkpoints:
         for step in (20, 40):
             save_model_folder(run / f"checkpoint-{step}", make_tiny_model(seed=step))
@@ -141,7 +175,10 @@ def test_ambiguous_folders_are_errors_naming_what_was_found(tmp_path):
     # A manifest with no usable snapshot beside a final model: an error, never a one-model merge.
     manifest = json.loads((run / "pma" / "manifest.json").read_text())
     (run / "pma" / "manifest.json").write_text(json.dumps({**manifest, "snapshots": []}))
-    with pytest.raises(ValueError, match=r"lists no usable snapshots yet; the folder also holds a final model \(model.safetensors\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"lists no usable snapshots yet; the folder also holds a final model \(model.safetensors\)",
+    ):
         resolve_sources([run])
     # include_final without a final model.
     other = _fake_run(tmp_path / "other", final=False)
@@ -155,9 +192,15 @@ def test_ambiguous_folders_are_errors_naming_what_was_found(tmp_path):
 def test_final_model_only_when_asked(tmp_path, caplog):
     run = _fake_run(tmp_path / "run", checkpoints=True)
     names = [s.name for s in resolve_sources([run])]
-    assert names == [f"snapshot-{(i + 1) * INTERVAL}" for i in range(6)]  # the manifest first, not checkpoint-*
+    assert names == [
+        f"snapshot-{(i + 1) * INTERVAL}" for i in range(6)
+    ]  # the manifest first, not checkpoint-*
     with_final = resolve_sources([run], include_final=True)
-    assert [s.name for s in with_final][-1] == "final" and with_final[-1].path == run and with_final[-1].step == 65
+    assert (
+        [s.name for s in with_final][-1] == "final"
+        and with_final[-1].path == run
+        and with_final[-1].step == 65
+    )
     # Naming the weight file takes the model at the top alone.
     (only,) = resolve_sources([run / "model.safetensors"])
     assert only.path == run
@@ -183,32 +226,58 @@ def test_window_tokens_selects_by_progress_and_is_recorded(tmp_path, capsys):
     # (newest - T, newest]: T = 3 V takes exactly 3 snapshots.
     sources = resolve_sources([run], window_tokens=3 * INTERVAL)
     assert [s.tokens for s in sources] == [4000, 5000, 6000]
-    assert [s.tokens for s in resolve_sources([run], window_tokens=3 * INTERVAL + 1)] == [3000, 4000, 5000, 6000]
+    assert [s.tokens for s in resolve_sources([run], window_tokens=3 * INTERVAL + 1)] == [
+        3000,
+        4000,
+        5000,
+        6000,
+    ]
     assert [s.tokens for s in resolve_sources([run], window_tokens=3 * INTERVAL, every=2)] == [4000, 6000]
     with pytest.raises(ValueError, match="give one of window_tokens and last"):
         resolve_sources([run], window_tokens=3000, last=2)
     assert main(["merge", str(run), "-o", str(tmp_path / "m"), "--window-tokens", "3k", "-q"]) == 0
-    assert "merged 3 source(s): snapshot-4000 ... snapshot-6000, tokens 4,000 to 6,000 (span 2,000), window of 3,000 tokens" in capsys.readouterr().out
+    assert (
+        "merged 3 source(s): snapshot-4000 ... snapshot-6000, tokens 4,000 to 6,000 (span 2,000), window of 3,000 tokens"
+        in capsys.readouterr().out
+    )
     record = json.loads((tmp_path / "m" / MERGE_RECORD_NAME).read_text())
-    assert record["window"] == {"unit": "tokens", "first": 4000, "last": 6000, "span": 2000, "requested": 3000}
+    assert record["window"] == {
+        "unit": "tokens",
+        "first": 4000,
+        "last": 6000,
+        "span": 2000,
+        "requested": 3000,
+    }
     with pytest.raises(SystemExit):
         main(["merge", str(run), "-o", str(tmp_path / "x"), "--window-tokens", "3000", "--last", "2"])
     assert "not allowed with argument" in capsys.readouterr().err
     # Python API; checkpoints that count tokens take a window in tokens too.
     merge_checkpoints(run, tmp_path / "api", window_tokens=2 * INTERVAL, progress=False)
-    assert [s["tokens"] for s in json.loads((tmp_path / "api" / MERGE_RECORD_NAME).read_text())["sources"]] == [5000, 6000]
+    assert [
+        s["tokens"] for s in json.loads((tmp_path / "api" / MERGE_RECORD_NAME).read_text())["sources"]
+    ] == [5000, 6000]
     bare = _fake_run(tmp_path / "ckpt", final=False, checkpoints=True)
     shutil.rmtree(bare / "pma")
     assert [s.name for s in resolve_sources([bare], window_tokens=2001)] == ["checkpoint-20", "checkpoint-40"]
     assert [s.name for s in resolve_sources([bare], window_tokens=2000)] == ["checkpoint-40"]
     # Checkpoints that did not count tokens: a window in tokens is an error naming them, in steps it works.
-    (bare / "checkpoint-20" / "trainer_state.json").write_text(json.dumps({"global_step": 20, "num_input_tokens_seen": 0}))
-    with pytest.raises(ValueError, match=r"1 have none: checkpoint-20 .*include_num_input_tokens_seen.*--window-steps"):
+    (bare / "checkpoint-20" / "trainer_state.json").write_text(
+        json.dumps({"global_step": 20, "num_input_tokens_seen": 0})
+    )
+    with pytest.raises(
+        ValueError, match=r"1 have none: checkpoint-20 .*include_num_input_tokens_seen.*--window-steps"
+    ):
         resolve_sources([bare], window_tokens=2001)
     assert main(["merge", str(bare), "-o", str(tmp_path / "s"), "--window-steps", "21", "-q"]) == 0
-    assert "merged 2 source(s): checkpoint-20 ... checkpoint-40, steps 20 to 40 (span 20), window of 21 steps" in capsys.readouterr().out
+    assert (
+        "merged 2 source(s): checkpoint-20 ... checkpoint-40, steps 20 to 40 (span 20), window of 21 steps"
+        in capsys.readouterr().out
+    )
     # The card says how the window was chosen.
     from hf_pma.publishing.card import build_model_card
 
     card = str(build_model_card(tmp_path / "m"))
-    assert "| merge window | the snapshots within the last 3,000 tokens (4,000 to 6,000 tokens, a span of 2,000) |" in card
+    assert (
+        "| merge window | the snapshots within the last 3,000 tokens (4,000 to 6,000 tokens, a span of 2,000) |"
+        in card
+    )
