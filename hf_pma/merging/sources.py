@@ -336,7 +336,11 @@ class RunLayout:
             parts.append(f"a PMA manifest ({self.manifest.relative_to(self.path)})")
         if self.checkpoints:
             names = [p.name for p in self.checkpoints]
-            parts.append(f"{len(names)} checkpoint-* folder(s) ({names[0]} ... {names[-1]})" if len(names) > 1 else names[0])
+            parts.append(
+                f"{len(names)} checkpoint-* folder(s) ({names[0]} ... {names[-1]})"
+                if len(names) > 1
+                else names[0]
+            )
         if self.top_weights:
             parts.append(f"model weights at its top ({self.top_weights[0].name})")
         return ", ".join(parts) or "nothing usable"
@@ -355,10 +359,14 @@ def run_layout(path: str | os.PathLike[str]) -> RunLayout:
         raise ValueError(
             f"{path} holds two PMA manifests, {manifests[0]} and {manifests[1]}: name the folder of the one to use"
         )
-    found = [(int(m.group(1)), p) for p in path.iterdir() if p.is_dir() and (m := _CHECKPOINT_RE.match(p.name))]
+    found = [
+        (int(m.group(1)), p) for p in path.iterdir() if p.is_dir() and (m := _CHECKPOINT_RE.match(p.name))
+    ]
     top = find_weight_files(path)
     top_files = top[1] if top is not None else (sharded_weight_files(path) or [])
-    return RunLayout(path, manifests[0] if manifests else None, [p for _, p in sorted(found)], list(top_files))
+    return RunLayout(
+        path, manifests[0] if manifests else None, [p for _, p in sorted(found)], list(top_files)
+    )
 
 
 def model_source(path: str | os.PathLike[str]) -> CheckpointSource:
@@ -376,7 +384,9 @@ def _folder_of_weight_file(path: Path) -> Path:
     found = find_weight_files(path.parent)
     files = found[1] if found else (sharded_weight_files(path.parent) or [])
     stems = ("model.", "pytorch_model.", "adapter_model.")
-    if path.name in {f.name for f in files} or (files and path.name.endswith(".index.json") and path.name.startswith(stems)):
+    if path.name in {f.name for f in files} or (
+        files and path.name.endswith(".index.json") and path.name.startswith(stems)
+    ):
         return path.parent
     raise ValueError(f"source {path} is a file; give the model folder that holds it, or its weight file")
 
@@ -395,8 +405,14 @@ def _expand_manifest(manifest: Path, layout: RunLayout) -> list[CheckpointSource
         data["interval_tokens"] = interval
         sources.append(_source_from_folder(folder, record.tokens, record.step, data))
     if not sources:
-        others = [x for x in (f"{len(layout.checkpoints)} checkpoint-* folder(s)" if layout.checkpoints else "",
-                              f"a final model ({layout.top_weights[0].name})" if layout.top_weights else "") if x]
+        others = [
+            x
+            for x in (
+                f"{len(layout.checkpoints)} checkpoint-* folder(s)" if layout.checkpoints else "",
+                f"a final model ({layout.top_weights[0].name})" if layout.top_weights else "",
+            )
+            if x
+        ]
         hint = f"; the folder also holds {' and '.join(others)}: name them explicitly" if others else ""
         raise ValueError(f"the manifest {manifest} lists no usable snapshots yet{hint}")
     return sources
@@ -417,7 +433,9 @@ def _expand_local(path: Path, include_final: bool) -> list[CheckpointSource]:
     if not layout.is_run:
         if layout.top_weights:
             return [_source_from_folder(path)]
-        runs = sorted(p.name for p in path.iterdir() if p.is_dir() and (run_layout(p).is_run or find_weight_files(p)))
+        runs = sorted(
+            p.name for p in path.iterdir() if p.is_dir() and (run_layout(p).is_run or find_weight_files(p))
+        )
         hint = f"; its subfolders {', '.join(runs[:5])} do: name one" if runs else ""
         raise FileNotFoundError(
             f"{path} holds no model weights, no PMA manifest (manifest.json or pma/manifest.json) "
@@ -426,12 +444,16 @@ def _expand_local(path: Path, include_final: bool) -> list[CheckpointSource]:
     if layout.manifest is not None:
         sources = _expand_manifest(layout.manifest, layout)
         if layout.checkpoints:
-            logger.info(f"{path}: merging the PMA snapshots of {layout.manifest}; its {len(layout.checkpoints)} checkpoint-* folder(s) are left out")
+            logger.info(
+                f"{path}: merging the PMA snapshots of {layout.manifest}; its {len(layout.checkpoints)} checkpoint-* folder(s) are left out"
+            )
     else:
         sources = [_source_from_folder(p) for p in layout.checkpoints]
     if include_final:
         if not layout.top_weights:
-            raise ValueError(f"include_final: {path} has no final model at its top (it holds {layout.found()})")
+            raise ValueError(
+                f"include_final: {path} has no final model at its top (it holds {layout.found()})"
+            )
         sources.append(_final(layout))
     elif layout.top_weights:
         logger.info(
@@ -442,7 +464,10 @@ def _expand_local(path: Path, include_final: bool) -> list[CheckpointSource]:
 
 
 def _expand(
-    item: str | os.PathLike[str], revisions: str | None = None, endpoint: str | None = None, include_final: bool = False
+    item: str | os.PathLike[str],
+    revisions: str | None = None,
+    endpoint: str | None = None,
+    include_final: bool = False,
 ) -> list[Any]:
     """The checkpoints an item names: local sources now, Hub revisions still to download."""
     path = Path(item)
@@ -495,7 +520,9 @@ def _item_name(item: Any) -> str:
     return item.spec if isinstance(item, HubRevision) else item.name
 
 
-def select_window(items: list[Any], window_tokens: int | None = None, window_steps: int | None = None) -> list[Any]:
+def select_window(
+    items: list[Any], window_tokens: int | None = None, window_steps: int | None = None
+) -> list[Any]:
     """The items (oldest first) whose progress lies within the last ``window_tokens`` tokens or
     ``window_steps`` optimizer steps of the newest (see :func:`hf_pma.core.selection.window_by_progress`);
     every item unchanged when neither is given. ``ValueError`` naming the items without a count
@@ -522,7 +549,9 @@ def select_window(items: list[Any], window_tokens: int | None = None, window_ste
     return [items[i] for i in chosen]
 
 
-def sources_span(sources: Sequence[Any], requested: int | None = None, unit: str | None = None) -> WindowSpan | None:
+def sources_span(
+    sources: Sequence[Any], requested: int | None = None, unit: str | None = None
+) -> WindowSpan | None:
     """The progress the sources span (tokens when all know them, else steps), or ``None``."""
     return window_span([s.tokens for s in sources], [s.step for s in sources], requested, unit)
 
@@ -532,7 +561,11 @@ def describe_sources(sources: Sequence[Any], requested: int | None = None, unit:
     (in ``unit``, with the ``requested`` window when the window was asked in tokens or steps)."""
     if not sources:
         return "no sources"
-    names = _item_name(sources[0]) if len(sources) == 1 else f"{_item_name(sources[0])} ... {_item_name(sources[-1])}"
+    names = (
+        _item_name(sources[0])
+        if len(sources) == 1
+        else f"{_item_name(sources[0])} ... {_item_name(sources[-1])}"
+    )
     span = sources_span(sources, requested, unit)
     where = f", {span.describe()}" if span is not None else ", training progress unknown"
     return f"{len(sources)} source(s): {names}{where}"
@@ -592,7 +625,9 @@ def resolve_sources(
     if revisions is not None and not any(
         not Path(i).exists() and (spec := parse_hub_spec(i)) is not None and spec[1] is None for i in inputs
     ):
-        raise ValueError(f"--revisions {revisions!r} applies to a Hub repo given as org/model, and no source is one")
+        raise ValueError(
+            f"--revisions {revisions!r} applies to a Hub repo given as org/model, and no source is one"
+        )
     items = [x for item in inputs for x in _expand(item, revisions, endpoint, include_final)]
     seen: dict[Any, Any] = {}
     for x in items:
@@ -604,8 +639,13 @@ def resolve_sources(
         seen[_key(x)] = x
     local_prefixes = {x.prefix for x in items if isinstance(x, CheckpointSource)}
     if len(local_prefixes) > 1:
-        raise ValueError("cannot merge full models with PEFT adapters: " + ", ".join(f"{x.path} ({x.prefix})" for x in items))
-    selected = select_window(select_newest(order_by_progress(items), last, every), window_tokens, window_steps)
+        raise ValueError(
+            "cannot merge full models with PEFT adapters: "
+            + ", ".join(f"{x.path} ({x.prefix})" for x in items)
+        )
+    selected = select_window(
+        select_newest(order_by_progress(items), last, every), window_tokens, window_steps
+    )
     sources = _download(selected, cache_dir, endpoint)
     prefixes = {s.prefix for s in sources}
     if len(prefixes) > 1:
