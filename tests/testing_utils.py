@@ -1,5 +1,6 @@
 """What the tests share: tiny Llama models built from configs, a locally trained tokenizer,
-fast Trainer settings, and ``require_*`` markers for optional extras.
+fast Trainer settings, ``require_*`` markers for optional extras, and :func:`launch`, the one
+way tests start several processes (``torchrun`` or ``accelerate launch``).
 
 Nothing here touches the network: models come from configs, the tokenizer is trained with
 ``tokenizers`` on a few kilobytes of the standard library's own source.
@@ -7,9 +8,18 @@ Nothing here touches the network: models come from configs, the tokenizer is tra
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import inspect
 import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -17,6 +27,7 @@ import torch
 from transformers import DataCollatorForLanguageModeling
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+DIST_DIR = REPO_ROOT / "tests" / "dist"
 
 
 def tiny_llama_config(vocab_size: int = 512, tie: bool = True, **overrides):
@@ -182,3 +193,196 @@ def text_rows(text: str) -> list[list[str]]:
             rows.append([line[starts[i] : starts[i + 1]].strip() if starts[i + 1] else line[starts[i] :].strip()
                          for i in range(len(spans))])
     return rows
+
+
+# ---------------------------------------------------------------------------------------------
+# Multi-process launches
+# ---------------------------------------------------------------------------------------------
+
+# What a launcher prints when the port it was given was taken between choosing and binding.
+_PORT_TAKEN = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
+# Errors a rank raises because another rank died first (never the root cause).
+_PEER_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|NCCL communicator was aborted")
+
+
+@dataclasses.dataclass
+class RankLog:
+    """What one rank left in the launch's log folder."""
+
+    rank: int
+    folder: Path
+
+    def read(self, stream: str = "stderr") -> str:
+        path = self.folder / f"{stream}.log"
+        return path.read_text(errors="replace") if path.is_file() else ""
+
+    @property
+    def error(self) -> dict | None:
+        """The error file ``@record`` wrote (torch elastic), if any."""
+        path = self.folder / "error.json"
+        if not path.is_file():
+            return None
+        try:
+            return json.loads(path.read_text())
+        except ValueError:
+            return None
+
+    @property
+    def traceback(self) -> str:
+        """The rank's last Python traceback: from its error file, else from its stderr log."""
+        error = self.error
+        if error and isinstance(error.get("message"), dict):
+            return error["message"].get("message", "") + "\n" + error["message"].get("extraInfo", {}).get("py_callstack", "")
+        text = self.read("stderr")
+        start = text.rfind("Traceback (most recent call last)")
+        if start < 0:
+            return ""
+        return text[text.rfind("\n", 0, start) + 1 :]
+
+    @property
+    def failed_at(self) -> float:
+        """When this rank failed: its error file's time, else when its stderr log was last written."""
+        error = self.error
+        stamp = None
+        if error and isinstance(error.get("message"), dict):
+            stamp = error["message"].get("extraInfo", {}).get("timestamp")
+        log = self.folder / "stderr.log"
+        mtime = log.stat().st_mtime if log.is_file() else float("inf")
+        # Error files carry whole seconds: the log's time orders ranks that failed in the same second.
+        return float(stamp) + (mtime % 1) if stamp is not None else mtime
+
+
+@dataclasses.dataclass
+class Launch:
+    """A finished multi-process launch: its exit status, the launcher's own output and every
+    rank's log (``log_dir/<rank>/{stdout,stderr}.log``, plus ``error.json`` for ranks that
+    failed inside a function decorated with torch elastic's ``@record``)."""
+
+    command: list[str]
+    nproc: int
+    returncode: int
+    stdout: str
+    stderr: str
+    log_dir: Path
+    timed_out: bool = False
+
+    def rank_logs(self) -> list[RankLog]:
+        """One :class:`RankLog` per rank (torchrun's layout: ``<run>/attempt_<k>/<rank>/``, last attempt)."""
+        folders: dict[int, Path] = {}
+        for folder in sorted(self.log_dir.glob("*/attempt_*/*")):
+            if folder.is_dir() and folder.name.isdigit():
+                folders[int(folder.name)] = folder  # later attempts sort last
+        return [RankLog(rank, folders[rank]) for rank in sorted(folders)]
+
+    def output(self, rank: int, stream: str = "stdout") -> str:
+        """What ``rank`` printed to ``stream``."""
+        return next((log.read(stream) for log in self.rank_logs() if log.rank == rank), "")
+
+    def first_failure(self) -> RankLog | None:
+        """The rank that failed first: ranks with a traceback, those that only lost a peer last,
+        then by time of failure."""
+        failed = [log for log in self.rank_logs() if log.traceback]
+        if not failed:
+            return None
+        return min(failed, key=lambda log: (bool(_PEER_GONE.search(log.traceback.strip().splitlines()[-1])), log.failed_at))
+
+    def report(self) -> str:
+        """Why the launch failed, for an assertion message: the first failing rank's full
+        traceback, where every log is, and the end of the launcher's own output."""
+        what = "timed out (killed)" if self.timed_out else f"exited with {self.returncode}"
+        lines = [f"{' '.join(self.command)}\n{what}; per-rank logs under {self.log_dir}"]
+        first = None if self.timed_out else self.first_failure()
+        if first is not None:
+            lines.append(f"--- first failing rank: {first.rank} ({first.folder}) ---\n{first.traceback.rstrip()}")
+            others = [log.rank for log in self.rank_logs() if log.traceback and log.rank != first.rank]
+            if others:
+                lines.append(f"(ranks {others} failed after it)")
+            return "\n".join(lines)
+        # No rank raised (a hang, a signal, the launcher itself): every rank's end, then the launcher's.
+        for log in self.rank_logs():
+            lines.append(f"--- rank {log.rank} stderr (last 2000 characters) ---\n{log.read()[-2000:]}")
+        lines.append(f"--- launcher stderr (last 3000 characters) ---\n{self.stderr[-3000:]}")
+        return "\n".join(lines)
+
+    def check(self) -> Launch:
+        """Assert that the launch succeeded (the message is :meth:`report`); returns ``self``."""
+        assert self.returncode == 0 and not self.timed_out, self.report()
+        return self
+
+
+def _port_for_accelerate() -> int:
+    """A port free right now. ``accelerate launch`` needs a number; :func:`launch` retries with
+    another one when the port is taken before the launcher binds it."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _launch_command(launcher: str, nproc: int, log_dir: Path) -> list[str]:
+    if launcher == "torchrun":
+        # --standalone: the rendezvous store binds port 0 itself, so no port is ever chosen here.
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
+                "--log-dir", str(log_dir), "--tee", "3"]
+    if launcher == "accelerate":
+        # --cpu would start one process; ACCELERATE_USE_CPU with --multi_gpu starts nproc on gloo.
+        return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
+                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                "--main_process_port", str(_port_for_accelerate()), "--log_dir", str(log_dir), "--tee", "3"]
+    raise ValueError(f"unknown launcher {launcher!r}: use 'torchrun' or 'accelerate'")
+
+
+def _run(command: list[str], env: dict, cwd: Path | None, timeout: float) -> tuple[int, str, str, bool]:
+    """Run in a session of its own: on timeout the launcher *and* its ranks are killed."""
+    with subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=timeout)
+            return proc.returncode, out, err, False
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            return proc.returncode, out, err, True
+
+
+def launch(
+    script: str | Path,
+    *args: str | Path,
+    nproc: int = 2,
+    launcher: str = "torchrun",
+    env: dict[str, str] | None = None,
+    cwd: str | Path | None = None,
+    timeout: float = 600,
+    check: bool = True,
+) -> Launch:
+    """Run ``script args`` in ``nproc`` processes (gloo on CPU) under ``torchrun`` or ``accelerate launch``.
+
+    A relative ``script`` is looked up in ``tests/dist/``. Every rank's stdout and stderr go to
+    its own log file; with ``check`` a failed launch fails the test with the first failing
+    rank's full traceback (:meth:`Launch.report`). ``env`` is added to the test's environment;
+    one thread per process. The rank logs are deleted after a successful check.
+    """
+    script = Path(script)
+    if not script.is_absolute():
+        script = DIST_DIR / script
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                "PYTHONUNBUFFERED": "1"}
+    if launcher == "accelerate":
+        full_env["ACCELERATE_USE_CPU"] = "1"
+    full_env.update(env or {})
+    for _ in range(3):
+        log_dir = Path(tempfile.mkdtemp(prefix="hf-pma-launch-"))
+        command = [*_launch_command(launcher, nproc, log_dir), str(script), *map(str, args)]
+        returncode, out, err, timed_out = _run(command, full_env, Path(cwd) if cwd else None, timeout)
+        result = Launch(command, nproc, returncode, out, err, log_dir, timed_out)
+        if returncode == 0 or timed_out or not _PORT_TAKEN.search(out + err):
+            break
+        shutil.rmtree(log_dir, ignore_errors=True)  # the port was taken meanwhile: another one
+    if check:
+        result.check()
+        shutil.rmtree(result.log_dir, ignore_errors=True)
+    return result
+
+
+def rank_reports(out: str | Path, nproc: int, pattern: str = "result-rank{rank}.json") -> list[dict]:
+    """The JSON report every rank of a launch wrote into ``out``, rank 0 first."""
+    return [json.loads((Path(out) / pattern.format(rank=rank)).read_text()) for rank in range(nproc)]

@@ -69,4 +69,7 @@ def run() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run())
+    # torch elastic's error file: the test names the first failing rank and shows its traceback.
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    sys.exit(record(run)())

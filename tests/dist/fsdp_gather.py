@@ -11,16 +11,14 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-
+from hf_pma.core.manifest import SnapshotRecord  # noqa: E402
 from hf_pma.snapshots.gather import gather_full_state_dict, sharding_kind  # noqa: E402
 from hf_pma.snapshots.writer import SnapshotWriter, prepare_snapshot  # noqa: E402
-from hf_pma.core.manifest import SnapshotRecord  # noqa: E402
 from tests.testing_utils import make_tiny_model  # noqa: E402
 
 
@@ -109,4 +107,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # torch elastic's error file: the test names the first failing rank and shows its traceback.
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(main)()

@@ -12,8 +12,10 @@ from pathlib import Path
 import torch
 from transformers import TrainerCallback, TrainingArguments
 
-from tests.testing_utils import make_tiny_model  # noqa: E402,F401  (re-exported for the scripts)
-from tests.testing_utils import quiet_args  # noqa: E402
+from tests.testing_utils import (
+    make_tiny_model,  # noqa: E402,F401  (re-exported for the scripts)
+    quiet_args,  # noqa: E402
+)
 
 
 class TokenDataset(torch.utils.data.Dataset):

@@ -4,12 +4,9 @@ points at the local Hub stand-in. Usage: push_trainer.py OUTPUT_DIR REPO_ID"""
 from __future__ import annotations
 
 import sys
-from pathlib import Path
-
-
-from tests.testing_utils import lm_setup, quiet_args  # noqa: E402
 
 from hf_pma import PMATrainer, PMATrainingArguments  # noqa: E402
+from tests.testing_utils import lm_setup, quiet_args  # noqa: E402
 
 
 def main() -> None:

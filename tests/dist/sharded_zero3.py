@@ -61,4 +61,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    # torch elastic's error file: the test names the first failing rank and shows its traceback.
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(main)()

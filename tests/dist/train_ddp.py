@@ -10,12 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 from pathlib import Path
 
 import torch
+from transformers import Trainer  # noqa: E402
 
-
+from hf_pma.snapshots.callback import PMACallback  # noqa: E402
 from tests.dist.pma_common import (  # noqa: E402
     TokenDataset,
     WeightRecorder,
@@ -25,9 +25,6 @@ from tests.dist.pma_common import (  # noqa: E402
     max_weight_diff,
     pad_collate,
 )
-from transformers import Trainer  # noqa: E402
-
-from hf_pma.snapshots.callback import PMACallback  # noqa: E402
 
 INTERVAL_TOKENS = 150
 MAX_STEPS = 10
@@ -77,10 +74,13 @@ def main(out: Path, per_device: int, grad_accum: int, expect_world_size: int) ->
 
 
 if __name__ == "__main__":
+    # torch elastic's error file: the test names the first failing rank and shows its traceback.
+    from torch.distributed.elastic.multiprocessing.errors import record
+
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--per-device", type=int, default=2)
     parser.add_argument("--grad-accum", type=int, default=1)
     parser.add_argument("--expect-world-size", type=int, default=2)
     a = parser.parse_args()
-    main(a.out, a.per_device, a.grad_accum, a.expect_world_size)
+    record(main)(a.out, a.per_device, a.grad_accum, a.expect_world_size)

@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,9 +20,7 @@ import torch
 from hf_pma.core.manifest import manifest_snapshots
 from hf_pma.io.sharded import rank_file_name
 from hf_pma.merging.engine import merge_checkpoints, merge_state_dict
-from tests.snapshots.test_callback_distributed import free_port
-
-DIST_DIR = Path(__file__).resolve().parents[1] / "dist"
+from tests.testing_utils import launch, rank_reports
 
 pytestmark = pytest.mark.distributed
 
@@ -37,14 +32,11 @@ require_deepspeed = pytest.mark.skipif(
 
 def torchrun(out: Path, nproc: int, *args: str, expect_ok: bool = True, script: str = "sharded_snapshots.py") -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master-port", str(free_port())]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([*command, str(DIST_DIR / script), "--out", str(out), *args], capture_output=True, text=True, env=env, timeout=300)
+    done = launch(script, "--out", out, *args, nproc=nproc, check=expect_ok)
     if not expect_ok:
-        assert proc.returncode != 0, "the run should have died"
+        assert done.returncode != 0, "the run should have died"
         return []
-    assert proc.returncode == 0, f"torchrun failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return [json.loads((out / f"result-rank{r}.json").read_text()) for r in range(nproc)]
+    return rank_reports(out, nproc)
 
 
 @pytest.fixture(scope="module")
