@@ -167,6 +167,8 @@ def write_rank_file(path: str | os.PathLike[str], staged: StagedShard) -> int:
     """Write one rank's slices as a DCP-layout safetensors file, atomically; returns its size.
 
     Written under ``<name>.partial``, fsynced, then renamed: a file with the final name is complete.
+    The rename hands the file over: from then on rank 0 may move the folder (it completes the
+    snapshot as soon as every rank's file has its name), so nothing here touches the path again.
     """
     path = Path(path)
     staged.synchronize()
@@ -192,9 +194,11 @@ def write_rank_file(path: str | os.PathLike[str], staged: StagedShard) -> int:
             writer.close()
         partial.unlink(missing_ok=True)
         raise
+    size = partial.stat().st_size
     os.replace(partial, path)
+    # The folder may already be renamed by rank 0 (which fsyncs it first); then this is a no-op.
     fsync_dir(path.parent)
-    return path.stat().st_size
+    return size
 
 
 def sharded_tmp_dir(pma_dir: str | os.PathLike[str], name: str) -> Path:

@@ -17,10 +17,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_pma.core.manifest import manifest_snapshots
+from hf_pma.core.manifest import SnapshotRecord, manifest_snapshots
 from hf_pma.io.sharded import rank_file_name
 from hf_pma.merging.engine import merge_checkpoints, merge_state_dict
-from tests.testing_utils import launch, rank_reports
+from hf_pma.snapshots import sharded as sharded_module
+from hf_pma.snapshots.gather import LocalSlice
+from tests.testing_utils import launch, make_tiny_model, rank_reports
 
 pytestmark = pytest.mark.distributed
 
@@ -185,3 +187,42 @@ def test_trainer_with_forced_sharded_snapshots_and_keep_last(tmp_path):
     last = merge_state_dict([pma / "snapshot-512"])
     live = {k: v.to(torch.bfloat16) for k, v in trainer.model.state_dict().items()}
     assert_identical(last, {k: live[k] for k in last})
+
+
+def test_rank_0_may_complete_the_snapshot_the_moment_the_last_rank_file_has_its_name(tmp_path, monkeypatch):
+    """A rank's file is done once it has its final name: rank 0 then renames the folder at once.
+    A rank slowed down right after its rename (a loaded machine) must not touch the old path
+    again; it did (``stat``), died with ``FileNotFoundError`` and took the launch down."""
+    model = make_tiny_model(seed=1, vocab_size=515)
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    pma = tmp_path / "pma"
+    record = SnapshotRecord(path="snapshot-64", tokens=64, step=1)
+    folder = sharded_module.sharded_tmp_dir(pma, record.path)
+    folder.mkdir(parents=True)
+
+    def staged(rank: int):
+        slices, buffers = [], sharded_module.StagingBuffers()
+        for name, t in state.items():
+            part = torch.chunk(t, 2, dim=0)[rank] if rank < len(torch.chunk(t, 2, dim=0)) else t[:0]
+            start = sum(p.shape[0] for p in torch.chunk(t, 2, dim=0)[:rank])
+            offsets = (start,) + (0,) * (t.dim() - 1)
+            slices.append(LocalSlice(name, part, offsets, tuple(part.shape), tuple(t.shape)))
+        return buffers.stage(slices)
+
+    sizes = [sharded_module.write_rank_file(folder / rank_file_name(0), staged(0))]
+    completed: list = []
+    real_fsync_dir = sharded_module.fsync_dir
+
+    def rank_0_completes_first(path):  # runs right after rank 1's rename, before rank 1 goes on
+        if path == folder and not completed:
+            completed.append(sharded_module.finish_sharded_snapshot(pma, record, world_size=2, timeout_s=0))
+        real_fsync_dir(path)
+
+    monkeypatch.setattr(sharded_module, "fsync_dir", rank_0_completes_first)
+    sizes.append(sharded_module.write_rank_file(folder / rank_file_name(1), staged(1)))
+    assert completed and not folder.exists()
+    final = pma / record.path
+    assert sizes == [(final / rank_file_name(r)).stat().st_size for r in (0, 1)]
+    assert completed[0][0].num_bytes == sum(sizes)
+    (final / "config.json").write_text(model.config.to_json_string())
+    assert_identical(merge_state_dict([final]), state)
