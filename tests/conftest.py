@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 import torch
 
-from tests.testing_utils import REPO_ROOT, train_tiny_tokenizer
+from tests.testing_utils import REPO_ROOT, launch, train_tiny_tokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -63,3 +64,34 @@ def small_filesystem(tmp_path):
         yield mount_point
     finally:
         subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+# The multi-process scenarios that several test modules read (tests/dist/scenarios.py): one
+# torchrun launch per world size serves them all.
+SHARED_SCENARIOS = {
+    2: ("ddp", "fsdp_gather", "merged_eval", "two_nodes"),
+    4: ("sharded", "merged_eval"),
+}
+
+
+@pytest.fixture(scope="session")
+def scenario_runs(tmp_path_factory):
+    """``scenario_runs(world)``: the folder of the shared launch at that world size, launched on
+    first use; each scenario's files are in ``<folder>/<scenario>/``. A failed launch fails every
+    test that reads it, each with the first failing rank's traceback."""
+    runs: dict[int, Path] = {}
+    failures: dict[int, str] = {}
+
+    def get(world: int):
+        if world in failures:
+            pytest.fail(failures[world], pytrace=False)
+        if world not in runs:
+            out = tmp_path_factory.mktemp(f"world{world}")
+            done = launch("scenarios.py", "--out", out, *SHARED_SCENARIOS[world], nproc=world, check=False)
+            if done.returncode != 0 or done.timed_out:
+                failures[world] = done.report()
+                pytest.fail(failures[world], pytrace=False)
+            runs[world] = out
+        return runs[world]
+
+    return get

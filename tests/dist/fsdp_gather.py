@@ -1,4 +1,4 @@
-"""Launched by tests/test_callback_distributed.py under ``torchrun --nproc_per_node 2`` (gloo, CPU).
+"""A scenario of tests/dist/scenarios.py (or run alone under ``torchrun --nproc_per_node 2``; gloo, CPU).
 
 Shards a tiny Llama with FSDP2 (``fully_shard``) and, when it works on CPU, FSDP1, then checks
 that :func:`hf_pma.snapshots.gather.gather_full_state_dict` returns the full unsharded weights on
@@ -73,12 +73,8 @@ def check(name: str, sharded, reference, out: Path, rank: int) -> dict:
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+def run(out: Path) -> dict:
+    """FSDP2 and FSDP1 checks on the initialized process group; writes and returns this rank's report."""
     rank, world = dist.get_rank(), dist.get_world_size()
     results = {"rank": rank, "world_size": world}
 
@@ -89,7 +85,7 @@ def main() -> None:
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)
-    results["fsdp2"] = check("fsdp2", model, reference, args.out, rank)
+    results["fsdp2"] = check("fsdp2", model, reference, out, rank)
 
     # FSDP1 on CPU: recorded, not required (it is deprecated in favour of FSDP2).
     try:
@@ -98,11 +94,21 @@ def main() -> None:
         model1 = make_tiny_model(seed=0)
         reference1 = copy.deepcopy(model1)
         wrapped = FullyShardedDataParallel(model1, device_id=torch.device("cpu"), use_orig_params=True)
-        results["fsdp1"] = check("fsdp1", wrapped, reference1, args.out, rank)
+        results["fsdp1"] = check("fsdp1", wrapped, reference1, out, rank)
     except Exception as err:  # reported to the test, which documents the gap
         results["fsdp1"] = {"error": f"{type(err).__name__}: {err}"}
 
-    (args.out / f"result-rank{rank}.json").write_text(json.dumps(results, indent=2))
+    (out / f"result-rank{rank}.json").write_text(json.dumps(results, indent=2))
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    run(args.out)
     dist.destroy_process_group()
 
 

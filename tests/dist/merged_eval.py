@@ -123,22 +123,28 @@ def final_merge(out: Path, paths: list[str], rank: int) -> dict:
     return {"files": files, "dist_files": sorted(p.name for p in distributed.iterdir() if p.name != "pma_merge.json"), "identical": same}
 
 
+def run(out: Path) -> dict:
+    """Every check; writes and returns this rank's report."""
+    report = {"ddp": ddp_trainer(out)}
+    if not dist.is_initialized():  # a single process: FSDP still needs a process group
+        dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{out / 'pg'}")
+    rank = dist.get_rank()
+    paths = report["ddp"]["paths"]
+    for kind in ("fsdp2", "fsdp1"):
+        report[kind] = sharded_swap(kind, paths)
+    report["final_merge"] = final_merge(out, paths, rank)
+    report["rank"] = rank
+    (out / f"result-rank{rank}.json").write_text(json.dumps(report, indent=2))
+    dist.barrier()
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
     a = parser.parse_args()
     torch.set_num_threads(1)
-    report = {"ddp": ddp_trainer(a.out)}
-    if not dist.is_initialized():  # a single process: FSDP still needs a process group
-        dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{a.out / 'pg'}")
-    rank = dist.get_rank()
-    paths = report["ddp"]["paths"]
-    for kind in ("fsdp2", "fsdp1"):
-        report[kind] = sharded_swap(kind, paths)
-    report["final_merge"] = final_merge(a.out, paths, rank)
-    report["rank"] = rank
-    (a.out / f"result-rank{rank}.json").write_text(json.dumps(report, indent=2))
-    dist.barrier()
+    run(a.out)
 
 
 if __name__ == "__main__":

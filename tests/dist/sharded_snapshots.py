@@ -153,6 +153,22 @@ def check_fsdp1(out: Path, rank: int) -> dict:
         return {"error": f"{type(err).__name__}: {err}"}
 
 
+def run_all(out: Path, crash_at: int | None = None, resume_at: int = 0) -> dict:
+    """Every check on the initialized process group; writes and returns this rank's report."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if crash_at and rank == 1:
+        die_half_way(crash_at)
+    result = run(out, rank, world, resume_at)
+    model = result.pop("model")
+    if not crash_at:
+        write_with_dcp(model, out / "dcp")
+        result["fsdp1"] = check_fsdp1(out, rank)
+    dist.barrier()
+    report = {"rank": rank, "world_size": world, **result}
+    (out / f"result-rank{rank}.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -161,16 +177,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    if args.crash_at and rank == 1:
-        die_half_way(args.crash_at)
-    result = run(args.out, rank, world, args.resume_at)
-    model = result.pop("model")
-    if not args.crash_at:
-        write_with_dcp(model, args.out / "dcp")
-        result["fsdp1"] = check_fsdp1(args.out, rank)
-    dist.barrier()
-    (args.out / f"result-rank{rank}.json").write_text(json.dumps({"rank": rank, "world_size": world, **result}, indent=2))
+    run_all(args.out, args.crash_at, args.resume_at)
     dist.destroy_process_group()
 
 

@@ -20,14 +20,10 @@ from hf_pma.snapshots.callback import PMACallback
 from tests.dist.pma_common import TokenDataset, make_args, make_tiny_model, pad_collate
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--separate", action="store_true")
-    a = parser.parse_args()
-    torch.set_num_threads(1)
+def run(out: Path, separate: bool = True) -> dict:
+    """Train with each rank in its own folder (``separate``) or a shared one; writes and returns the report."""
     rank = int(os.environ["RANK"])
-    folder = a.out / (f"node{rank}" if a.separate else "shared")
+    folder = out / (f"node{rank}" if separate else "shared")
     args = make_args(folder, max_steps=2, ddp_backend="gloo", per_device_train_batch_size=2)
     trainer = Trainer(
         model=make_tiny_model(seed=0),
@@ -43,7 +39,17 @@ def main() -> None:
     except RuntimeError as err:
         error = str(err)
     report = {"rank": rank, "world_size": args.world_size, "error": error, "seconds": time.monotonic() - start}
-    (a.out / f"result-rank{rank}.json").write_text(json.dumps(report))
+    (out / f"result-rank{rank}.json").write_text(json.dumps(report))
+    return report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--separate", action="store_true")
+    a = parser.parse_args()
+    torch.set_num_threads(1)
+    run(a.out, a.separate)
 
 
 if __name__ == "__main__":

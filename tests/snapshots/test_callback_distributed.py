@@ -1,50 +1,22 @@
 """PMACallback and the gather path in real multi-process runs (gloo on CPU).
 
-* 2-process DDP under ``torchrun`` and under ``accelerate launch``: the same token boundaries
-  as a single process with the same global batch, exactly one writer, snapshot weights equal
-  to the model's weights at that step.
-* FSDP2 (``fully_shard``) and FSDP1 under ``torchrun``: the gathered state dict equals the
-  unsharded model. The Trainer cannot run FSDP on CPU (it does not shard with ``use_cpu``), so
-  the gather + write path the callback uses is tested directly.
+* 2-process DDP under ``torchrun`` (the shared launch of tests/dist/scenarios.py) and under
+  ``accelerate launch``: the same token boundaries as a single process with the same global
+  batch, exactly one writer, snapshot weights equal to the model's weights at that step.
+* FSDP2 (``fully_shard``) and FSDP1 under ``torchrun`` (same shared launch): the gathered state
+  dict equals the unsharded model. The Trainer cannot run FSDP on CPU (it does not shard with
+  ``use_cpu``), so the gather + write path the callback uses is tested directly.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-DIST_DIR = Path(__file__).resolve().parents[1] / "dist"
+from tests.testing_utils import launch, rank_reports
 
 pytestmark = pytest.mark.distributed
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def launch(command: list[str], out: Path, **extra_env: str) -> list[dict]:
-    """Run a 2-process launch; return the per-rank reports, rank 0 first."""
-    out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", **extra_env}
-    proc = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, f"{' '.join(command)} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    reports = [json.loads(p.read_text()) for p in sorted(out.glob("result-rank*.json"))]
-    assert [r["rank"] for r in reports] == [0, 1], reports
-    return reports
-
-
-def torchrun(script: str, out: Path, *args: str) -> list[dict]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port", str(free_port())]
-    return launch([*command, str(DIST_DIR / script), "--out", str(out), *args], out)
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +30,7 @@ def single_process_reference(tmp_path_factory) -> dict:
 
 def check_ddp_reports(reports: list[dict], reference: dict, out: Path) -> None:
     rank0, rank1 = reports
+    assert [r["rank"] for r in reports] == [0, 1]
     assert rank0["world_size"] == rank1["world_size"] == 2
     # The global token count: identical on both ranks and to the single process.
     assert rank0["token_count"] == "non_padding"
@@ -72,31 +45,19 @@ def check_ddp_reports(reports: list[dict], reference: dict, out: Path) -> None:
     assert rank0["max_diff"] == 0.0
 
 
-def test_ddp_torchrun(tmp_path, single_process_reference):
-    reports = torchrun("train_ddp.py", tmp_path)
-    check_ddp_reports(reports, single_process_reference, tmp_path)
+def test_ddp_torchrun(scenario_runs, single_process_reference):
+    out = scenario_runs(2) / "ddp"
+    check_ddp_reports(rank_reports(out, 2), single_process_reference, out)
 
 
 def test_ddp_accelerate_launch(tmp_path, single_process_reference):
-    command = [
-        shutil.which("accelerate") or "accelerate",
-        "launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--main_process_port",
-        str(free_port()),
-        str(DIST_DIR / "train_ddp.py"),
-        "--out",
-        str(tmp_path),
-    ]
-    # --cpu starts one process here; ACCELERATE_USE_CPU with --multi_gpu starts two on gloo.
-    reports = launch(command, tmp_path, ACCELERATE_USE_CPU="1")
-    check_ddp_reports(reports, single_process_reference, tmp_path)
+    launch("train_ddp.py", "--out", tmp_path, launcher="accelerate")
+    check_ddp_reports(rank_reports(tmp_path, 2), single_process_reference, tmp_path)
 
 
-def test_fsdp_gather_equals_unsharded_model(tmp_path):
-    reports = torchrun("fsdp_gather.py", tmp_path)
+def test_fsdp_gather_equals_unsharded_model(scenario_runs):
+    out = scenario_runs(2) / "fsdp_gather"
+    reports = rank_reports(out, 2)
     for kind in ("fsdp2", "fsdp1"):
         rank0, rank1 = (r[kind] for r in reports)
         assert "error" not in rank0 and "error" not in rank1, (rank0, rank1)
@@ -107,4 +68,4 @@ def test_fsdp_gather_equals_unsharded_model(tmp_path):
         assert rank0["copy_unchanged_by_later_step"]
         assert rank0["snapshot_max_diff"] == 0.0 and rank0["architectures"] == ["LlamaForCausalLM"]
         # Only rank 0 wrote.
-        assert sorted(p.name for p in (tmp_path / kind).iterdir()) == ["manifest.json", "snapshot-100"]
+        assert sorted(p.name for p in (out / kind).iterdir()) == ["manifest.json", "snapshot-100"]

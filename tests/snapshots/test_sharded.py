@@ -5,7 +5,7 @@ slices) and gathered (rank 0, the full-gather path). Merges of the sharded snaps
 bit-identical to merges of the gathered ones: SMA, WMA, EMA, in float32 and bfloat16, at world
 sizes 2 and 4 and across a world-size change. A rank killed mid-write leaves a manifest that
 lists only complete snapshots, and the resumed run goes on (the 2-rank run is that resumed run:
-three launches in all).
+three launches in all, the 4-rank one shared with other modules: tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -42,13 +42,13 @@ def torchrun(out: Path, nproc: int, *args: str, expect_ok: bool = True, script: 
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict:
+def runs(tmp_path_factory, scenario_runs) -> dict:
     """World size 4: one uninterrupted run. World size 2: a run whose rank 1 is killed half-way
     through its 3rd rank file (one of the two snapshots at 256 tokens), then resumed from the
     checkpoint at step 2 (128 tokens); what the crash left is recorded for the fault test."""
     out = {}
-    folder = tmp_path_factory.mktemp("w4")
-    out[4] = (folder, torchrun(folder, 4))
+    folder = scenario_runs(4) / "sharded"  # the shared 4-process launch (tests/conftest.py)
+    out[4] = (folder, rank_reports(folder, 4))
     folder = tmp_path_factory.mktemp("w2")
     torchrun(folder, 2, "--crash-at", "3", expect_ok=False)
     crashed = {}

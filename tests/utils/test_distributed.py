@@ -2,36 +2,17 @@
 
 from __future__ import annotations
 
-import json
-import os
-import socket
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-DIST_DIR = Path(__file__).resolve().parents[1] / "dist"
+from tests.testing_utils import rank_reports
 
 pytestmark = pytest.mark.distributed
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def test_two_nodes_with_separate_disks_stop_with_a_clear_error(tmp_path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master-port", str(_free_port())]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    # The timeout only turns a hang into a failure; the check itself answers within seconds.
-    proc = subprocess.run(
-        [*command, str(DIST_DIR / "two_nodes.py"), "--out", str(tmp_path), "--separate"],
-        capture_output=True, text=True, env=env, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-5000:]
-    reports = [json.loads((tmp_path / f"result-rank{r}.json").read_text()) for r in (0, 1)]
+def test_two_nodes_with_separate_disks_stop_with_a_clear_error(scenario_runs):
+    # tests/dist/two_nodes.py in the shared 2-process launch; each rank trains into its own folder.
+    tmp_path = scenario_runs(2) / "two_nodes"
+    reports = rank_reports(tmp_path, 2)
     for report in reports:
         assert report["world_size"] == 2
         error = report["error"]
