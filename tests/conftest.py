@@ -91,6 +91,7 @@ def scenario_runs(tmp_path_factory):
             if done.returncode != 0 or done.timed_out:
                 failures[world] = done.report()
                 pytest.fail(failures[world], pytrace=False)
+            done.discard_logs()
             runs[world] = out
         return runs[world]
 

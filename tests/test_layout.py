@@ -1,9 +1,11 @@
 """The package's layout: subpackages import downward only, no module imports in a cycle, and no
-module points at files outside the repository."""
+module points at files outside the repository. The tests' layout: every multi-process launch goes
+through ``tests.testing_utils.launch``."""
 
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 from tests.testing_utils import REPO_ROOT
@@ -111,3 +113,41 @@ def test_snapshots_and_merging_share_only_the_io_layer():
             other = b if layer == a else a
             crossing += [f"{module} imports {t}" for t in _imports(path, modules) if _layer(t) == other]
     assert not crossing, "imports between sibling layers (move what both need to hf_pma.io):\n" + "\n".join(crossing)
+
+
+# What starting ranks by hand looks like: a launcher module or its port / process-count flags.
+LAUNCH_STRINGS = {
+    "torch.distributed.run",
+    "torchrun",
+    "accelerate.commands.launch",
+    "--master-port",
+    "--master_port",
+    "--main_process_port",
+    "--rdzv-endpoint",
+    "--rdzv_endpoint",
+    "--nproc_per_node",
+    "--nproc-per-node",
+    "--num_processes",
+}
+
+
+def test_tests_launch_processes_through_the_one_launcher():
+    """No test module chooses a port or builds a torchrun / accelerate command of its own:
+    ``tests.testing_utils.launch`` holds the port safely, keeps per-rank logs and reports the
+    first failing rank's traceback."""
+    tests = REPO_ROOT / "tests"
+    # The launcher; the Hub stand-in (serves on port 0); this rule's own list.
+    allowed = {tests / "testing_utils.py", tests / "hub_server.py", Path(__file__).resolve()}
+    offenders = []
+    for path in sorted(tests.rglob("*.py")):
+        if path in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            where = f"{path.relative_to(REPO_ROOT)}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and re.search(r"(^|_)ports?(_|$)", node.name.lower()):
+                offenders.append(f"{where} defines {node.name}()")
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in LAUNCH_STRINGS:
+                offenders.append(f"{where} builds a launch command ({node.value!r})")
+            elif isinstance(node, ast.Attribute) and node.attr == "bind":
+                offenders.append(f"{where} binds a socket")
+    assert not offenders, "launch multi-process tests with tests.testing_utils.launch:\n" + "\n".join(offenders)

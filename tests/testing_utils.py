@@ -265,6 +265,7 @@ class Launch:
     stderr: str
     log_dir: Path
     timed_out: bool = False
+    outputs: dict[tuple[int, str], str] = dataclasses.field(default_factory=dict)  # kept when the logs are deleted
 
     def rank_logs(self) -> list[RankLog]:
         """One :class:`RankLog` per rank (torchrun's layout: ``<run>/attempt_<k>/<rank>/``, last attempt)."""
@@ -275,8 +276,17 @@ class Launch:
         return [RankLog(rank, folders[rank]) for rank in sorted(folders)]
 
     def output(self, rank: int, stream: str = "stdout") -> str:
-        """What ``rank`` printed to ``stream``."""
+        """What ``rank`` printed to ``stream`` (``"stdout"`` or ``"stderr"``)."""
+        if (rank, stream) in self.outputs:
+            return self.outputs[rank, stream]
         return next((log.read(stream) for log in self.rank_logs() if log.rank == rank), "")
+
+    def discard_logs(self) -> None:
+        """Keep what every rank printed in memory (:meth:`output`) and delete the log folder."""
+        for log in self.rank_logs():
+            for stream in ("stdout", "stderr"):
+                self.outputs[log.rank, stream] = log.read(stream)
+        shutil.rmtree(self.log_dir, ignore_errors=True)
 
     def first_failure(self) -> RankLog | None:
         """The rank that failed first: ranks with a traceback, those that only lost a peer last,
@@ -359,7 +369,8 @@ def launch(
     A relative ``script`` is looked up in ``tests/dist/``. Every rank's stdout and stderr go to
     its own log file; with ``check`` a failed launch fails the test with the first failing
     rank's full traceback (:meth:`Launch.report`). ``env`` is added to the test's environment;
-    one thread per process. The rank logs are deleted after a successful check.
+    one thread per process. After a successful check the log folder is deleted (what the ranks
+    printed stays readable through :meth:`Launch.output`).
     """
     script = Path(script)
     if not script.is_absolute():
@@ -379,7 +390,7 @@ def launch(
         shutil.rmtree(log_dir, ignore_errors=True)  # the port was taken meanwhile: another one
     if check:
         result.check()
-        shutil.rmtree(result.log_dir, ignore_errors=True)
+        result.discard_logs()
     return result
 
 

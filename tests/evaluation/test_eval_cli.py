@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +12,7 @@ from hf_pma.cli import main
 from hf_pma.core.manifest import write_manifest
 from hf_pma.evaluation.evaluator import evaluate_language_modeling, load_model_for_eval
 from hf_pma.evaluation.generated_tasks import TaskOptions, make_tasks
-from tests.testing_utils import REPO_ROOT, make_tiny_model, markdown_rows, sample_text, save_model_folder
+from tests.testing_utils import launch, make_tiny_model, markdown_rows, sample_text, save_model_folder
 
 
 @pytest.fixture(scope="module")
@@ -164,37 +160,9 @@ def test_load_model_for_eval_with_a_tokenizer_object(setup, tiny_tokenizer, tmp_
         load_model_for_eval(small, tokenizer=tiny_tokenizer)
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @pytest.mark.distributed
 def test_two_process_launch_evaluates_once(setup, tmp_path):
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--multi_gpu",
-        "--num_processes",
-        "2",
-        "--num_machines",
-        "1",
-        "--mixed_precision",
-        "no",
-        "--dynamo_backend",
-        "no",
-        "--main_process_port",
-        str(_free_port()),
-        str(REPO_ROOT / "tests" / "dist" / "eval_launch.py"),
-        str(setup["merged"]),
-        str(setup["tasks"]),
-        str(tmp_path),
-    ]
-    proc = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    done = launch("eval_launch.py", setup["merged"], setup["tasks"], tmp_path, launcher="accelerate", cwd=tmp_path)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["world_size"] for r in ranks] == [2, 2]
     assert ranks[0]["forwards"] > 0 and ranks[1]["forwards"] == 0  # ran once, on the main process
@@ -202,6 +170,7 @@ def test_two_process_launch_evaluates_once(setup, tmp_path):
     assert set(ranks[0]["results"]) == {"lm", "pma_next_line"}
     assert [r["error"] for r in ranks] == ["bad input seen by rank 0"] * 2
     assert ranks[0]["local"]["loss"] == ranks[0]["results"]["lm"]["loss"] and "local" not in ranks[1]
-    assert proc.stdout.count("lm/perplexity") == 1  # the CLI table is printed once
+    # the CLI table is printed once, by the main process
+    assert [done.output(rank).count("lm/perplexity") for rank in (0, 1)] == [1, 0]
     cli = json.loads((tmp_path / "cli.json").read_text())
     assert set(cli["results"]["merged"]) == {"lm", "pma_cloze"}
