@@ -1,0 +1,63 @@
+"""The GPU tier: checks that need one CUDA GPU. Deselected by default (``-m "not gpu"`` in the
+pytest configuration); run them with ``python -m pytest -m gpu`` on a machine with a GPU. They
+fail (never skip) without one."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hf_pma.io.sharded import rank_file_name
+from hf_pma.merging.engine import merge_state_dict
+from hf_pma.snapshots.gather import LocalSlice
+from hf_pma.snapshots.sharded import StagingBuffers, write_rank_file
+from tests.testing_utils import REPO_ROOT, make_tiny_model
+
+pytestmark = pytest.mark.gpu
+
+
+def test_a_cuda_gpu_is_there():
+    assert torch.cuda.is_available(), "the gpu tier needs a CUDA GPU (torch.cuda.is_available() is False)"
+
+
+def test_staging_casts_on_the_device_into_reused_pinned_buffers(tmp_path):
+    model = make_tiny_model(seed=2).cuda()
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    slices = [LocalSlice(k, v, (0,) * v.dim(), tuple(v.shape), tuple(v.shape)) for k, v in state.items()]
+    staging = StagingBuffers()
+    first = staging.stage(slices, torch.bfloat16)
+    assert first.event is not None and all(b.is_pinned() and b.dtype == torch.bfloat16 for b in first.buffers)
+    folder = tmp_path / "snapshot-1"
+    folder.mkdir()
+    write_rank_file(folder / rank_file_name(0), first)
+    (folder / "config.json").write_text(model.config.to_json_string())
+    merged = merge_state_dict([folder])
+    assert all(torch.equal(merged[k], v.to(torch.bfloat16).cpu()) for k, v in state.items())
+    pointers = [b.data_ptr() for b in first.buffers]
+    second = staging.stage(slices, torch.bfloat16)
+    assert [b.data_ptr() for b in second.buffers] == pointers  # reused, no new pinned memory
+
+
+def test_gpu_check_small_run(tmp_path):
+    """benchmarks/gpu_check.py end to end on a small model: every part, one table, the files."""
+    out = tmp_path / "results"
+    argv = ["--hidden", "256", "--heads", "4", "--layers", "2", "--intermediate", "512", "--vocab", "4096",
+            "--seq", "128", "--batch", "4", "--steps", "24", "--warmup", "4", "--interval-steps", "4", "--out", str(out)]
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
+    done = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_check.py"), *argv], capture_output=True, text=True, env=env, timeout=1200)
+    assert done.returncode == 0, done.stderr[-5000:]
+    results = json.loads((out / "results.json").read_text())
+    train = results["train"]
+    assert train["pma"]["snapshots"] >= 4 and train["pma"]["staging"]["all_pinned"]
+    assert train["pma"]["staging"]["reused"] == train["pma"]["staging"]["possible"] > 0
+    assert train["baseline"]["step_ms"] > 0 and train["pma"]["blocked_ms_per_snapshot"] > 0
+    fsdp = results["fsdp"]
+    assert fsdp["sink"] == "ShardedSnapshotSink" and fsdp["rank_files_ok"] and fsdp["merged_loads"], fsdp
+    evaluation = results["eval"]
+    assert evaluation["eval_pma_loss"] > 0 and evaluation["eval_pma_loss"] != evaluation["eval_loss"]
+    assert (out / "results.md").read_text().count("| ") > 5 and "bf16 step time, PMACallback" in done.stdout

@@ -1,0 +1,138 @@
+"""benchmarks/gpu_check.py on CPU: everything but the GPU runs themselves (those are the ``gpu``
+tier, tests/gpu/): the one-line stop without CUDA, the arguments, the numbers and the table."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.testing_utils import REPO_ROOT, markdown_rows
+
+SCRIPT = REPO_ROOT / "benchmarks" / "gpu_check.py"
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_without_cuda_it_stops_at_once_with_one_line(tmp_path):
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", str(SCRIPT), "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert done.returncode == 1 and done.stdout == ""
+    lines = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
+    assert lines == [lines[0]] and lines[0].startswith("gpu_check.py: no CUDA GPU") and "nothing was run" in lines[0]
+    # At once: it stopped before importing transformers (no model, no training) and wrote nothing.
+    imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    assert "torch" in imported and "transformers" not in imported
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--steps", "0"], "--steps must be at least 1, got 0"),
+        (["--hidden", "100", "--heads", "12"], "--hidden (100) must be a multiple of --heads (12)"),
+        (["--steps", "10", "--warmup", "10"], "--warmup must be in [0, --steps)"),
+        (["--steps", "10", "--warmup", "2", "--interval-steps", "10"], "no snapshot would be taken"),
+        (["--parts", "train,fsdb"], "unknown part(s) fsdb; choose from train, fsdp, eval"),
+    ],
+)
+def test_bad_arguments_stop_with_one_line(gpu_check, capsys, argv, message):
+    with pytest.raises(SystemExit) as stop:
+        gpu_check.parse_args(argv)
+    assert stop.value.code == 2
+    assert message in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_defaults_are_a_100m_llama_and_the_count_is_llamas_own(gpu_check):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    args = gpu_check.parse_args([])
+    assert args.parts == ["train", "fsdp", "eval"] and args.out == gpu_check.RESULTS_DIR
+    count = gpu_check.llama_parameter_count(args.hidden, args.layers, args.intermediate, args.vocab, args.heads)
+    assert 90e6 < count < 130e6, count
+    for tie, kv_heads in ((True, 4), (False, 2)):
+        config = LlamaConfig(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=kv_heads, tie_word_embeddings=tie)
+        real = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
+        assert gpu_check.llama_parameter_count(64, 2, 96, 301, 4, kv_heads=kv_heads, tie=tie) == real
+
+
+def test_the_fsdp_run_gets_the_same_model_and_schedule(gpu_check):
+    from accelerate.commands.launch import launch_command_parser
+
+    args = gpu_check.parse_args(["--hidden", "256", "--heads", "4", "--steps", "30", "--interval-steps", "7", "--fsdp-procs", "2"])
+    command = gpu_check.fsdp_command(args, REPO_ROOT / "w")
+    assert command[:2] == [sys.executable, "-m"] and command[2].split(".")[0] == "accelerate"
+    # accelerate's own parser reads it: FSDP2, bf16, the asked world size, this script as worker.
+    launch = launch_command_parser().parse_args(command[3:])
+    assert launch.use_fsdp and str(launch.fsdp_version) == "2" and launch.mixed_precision == "bf16"
+    assert launch.num_processes == 2 and launch.training_script == str(SCRIPT)
+    worker = gpu_check.parse_args(launch.training_script_args)
+    assert worker.fsdp_worker == REPO_ROOT / "w"
+    for name in ("hidden", "layers", "heads", "intermediate", "vocab", "seq", "batch", "steps", "interval_steps"):
+        assert getattr(worker, name) == getattr(args, name), name
+
+
+def test_numbers(gpu_check):
+    assert gpu_check.median_step_ms([9.0, 9.0, 0.010, 0.030, 0.020], warmup=2) == pytest.approx(20.0)
+    with pytest.raises(ValueError, match="no step left after 3 warm-up steps"):
+        gpu_check.median_step_ms([1.0, 1.0, 1.0], warmup=3)
+    assert gpu_check.overhead_percent(100.0, 103.0) == pytest.approx(3.0)
+    a, b = frozenset({1, 2}), frozenset({3, 4})
+    assert gpu_check.staging_reuse([(a, True), (a, True), (b, True), (b, True)]) == {
+        "snapshots": 4, "reused": 2, "possible": 3, "all_pinned": True,
+    }
+    assert gpu_check.staging_reuse([(a, True), (a, False)])["all_pinned"] is False
+    assert gpu_check.staging_reuse([]) == {"snapshots": 0, "reused": 0, "possible": 0, "all_pinned": True}
+
+
+RESULTS = {
+    "machine": {"gpu": "Some GPU", "torch": "2.13.0"},
+    "train": {
+        "parameters": 109_000_000,
+        "baseline": {"steps": 60, "step_ms": 100.0},
+        "pma": {"steps": 60, "step_ms": 101.5, "snapshots": 5, "blocked_ms_per_snapshot": 12.34,
+                "staging": {"snapshots": 5, "reused": 4, "possible": 4, "all_pinned": True}},
+        "overhead_percent": 1.5,
+    },
+    "fsdp": {"world_size": 1, "snapshots": 5, "rank_files_ok": True, "merged_loads": True, "blocked_ms_per_snapshot": 30.0},
+    "eval": {"eval_pma_loss": 5.4321, "eval_loss": 5.6789, "seconds": 2.5},
+}
+
+
+def test_one_table_and_the_results_files(gpu_check, tmp_path):
+    table = gpu_check.build_table(RESULTS)
+    rows = markdown_rows(table)
+    assert rows[0] == ["check", "result", "detail"]
+    body = {row[0]: row[1:] for row in rows[1:]}
+    assert body["bf16 step time, no snapshots"] == ["100.0 ms", "109M parameters, 60 steps"]
+    assert body["bf16 step time, PMACallback"] == ["101.5 ms", "overhead +1.5 %"]
+    assert body["blocked per snapshot"] == ["12.3 ms", "5 snapshots"]
+    assert body["pinned staging reuse"] == ["4/4", "every buffer pinned"]
+    assert body["FSDP2 sharded snapshots (accelerate launch, world 1)"] == ["5 snapshots", "one file per rank, merge loads; blocked 30.0 ms/snapshot"]
+    assert body["merged evaluation (eval_pma_loss)"] == ["5.4321", "live eval_loss 5.6789; 2.5 s"]
+    # A part that did not run has no row; a failed check says so.
+    partial = gpu_check.build_table({"fsdp": {**RESULTS["fsdp"], "rank_files_ok": False, "problem": "snapshots without one file per rank: ['snapshot-8']"}})
+    (row,) = markdown_rows(partial)[1:]
+    assert row[2].startswith("FAILED: snapshots without one file per rank")
+    with pytest.raises(ValueError, match="no part of the check ran"):
+        gpu_check.build_table({"machine": {}})
+
+    written = gpu_check.save_results(tmp_path / "gpu_check", RESULTS, table)
+    assert [p.name for p in written] == ["results.md", "results.json"]
+    assert json.loads(written[1].read_text()) == RESULTS
+    text = written[0].read_text()
+    assert text.startswith("# GPU check\n\ngpu Some GPU, torch 2.13.0\n") and table in text
