@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import subprocess
 from pathlib import Path
@@ -9,7 +10,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.testing_utils import REPO_ROOT, launch, train_tiny_tokenizer
+from tests.testing_utils import (
+    REPO_ROOT,
+    SHARED_LAUNCHES,
+    Launch,
+    launch,
+    shared_launch_job,
+    train_tiny_tokenizer,
+)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -66,33 +74,77 @@ def small_filesystem(tmp_path):
         subprocess.run(["umount", "-l", str(mount_point)], check=False)
 
 
-# The multi-process scenarios that several test modules read (tests/dist/scenarios.py): one
-# torchrun launch per world size serves them all.
-SHARED_SCENARIOS = {
-    2: ("ddp", "fsdp_gather", "merged_eval", "two_nodes"),
-    4: ("sharded", "merged_eval"),
-}
+# The shared launches of the multi-process tests (tests/dist/scenarios.py runs several scenarios
+# in one launch); test modules register their own with ``shared_launch_job`` too.
+for _name, (_scenarios, _nproc) in {
+    "world2": (("ddp", "fsdp_gather", "merged_eval", "two_nodes"), 2),
+    "world4": (("sharded", "merged_eval"), 4),
+}.items():
+    shared_launch_job(_name)(
+        lambda out, scenarios=_scenarios, nproc=_nproc: launch("scenarios.py", "--out", out, *scenarios, nproc=nproc, check=False)
+    )
+shared_launch_job("zero3")(lambda out: launch("sharded_zero3.py", "--out", out, check=False))
+
+
+class SharedLaunches:
+    """The launches of ``SHARED_LAUNCHES``, each started once, one at a time, in a background
+    thread (the ranks are processes; the tests go on meanwhile), and read by every test that
+    needs it."""
+
+    def __init__(self, tmp_path_factory) -> None:
+        self._tmp = tmp_path_factory
+        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-pma-launch")
+        self._jobs: dict[str, tuple[Path, concurrent.futures.Future]] = {}
+
+    def start(self, name: str) -> None:
+        """Queue the launch ``name`` (once)."""
+        if name not in self._jobs:
+            out = self._tmp.mktemp(name)
+            self._jobs[name] = (out, self._executor.submit(SHARED_LAUNCHES[name], out))
+
+    def result(self, name: str) -> Launch:
+        """The finished launch ``name``; a failed launch fails the test with the first failing
+        rank's traceback (every test that reads it)."""
+        self.start(name)
+        done = self._jobs[name][1].result()
+        if done.returncode != 0 or done.timed_out:
+            pytest.fail(done.report(), pytrace=False)
+        if not done.outputs:
+            done.discard_logs()
+        return done
+
+    def __call__(self, name: str) -> Path:
+        """The output folder of the finished launch ``name``."""
+        self.result(name)
+        return self._jobs[name][0]
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=True)
+
+
+def _launches_needed(items) -> list[str]:
+    """The shared launches the selected tests read (``@pytest.mark.shared_launch(name, ...)``)."""
+    names: list[str] = []
+    for item in items:
+        for mark in item.iter_markers("shared_launch"):
+            names += [n for n in mark.args if n not in names]
+    return names
 
 
 @pytest.fixture(scope="session")
-def scenario_runs(tmp_path_factory):
-    """``scenario_runs(world)``: the folder of the shared launch at that world size, launched on
-    first use; each scenario's files are in ``<folder>/<scenario>/``. A failed launch fails every
-    test that reads it, each with the first failing rank's traceback."""
-    runs: dict[int, Path] = {}
-    failures: dict[int, str] = {}
+def shared_launch(request, tmp_path_factory):
+    """``shared_launch(name)``: the output folder of the shared launch ``name`` once it is done
+    (``shared_launch.result(name)``: the :class:`~tests.testing_utils.Launch`). Every shared
+    launch a selected test is marked to read starts as the session starts, in the background."""
+    launches = SharedLaunches(tmp_path_factory)
+    for name in _launches_needed(request.session.items):
+        launches.start(name)
+    yield launches
+    launches.close()
 
-    def get(world: int):
-        if world in failures:
-            pytest.fail(failures[world], pytrace=False)
-        if world not in runs:
-            out = tmp_path_factory.mktemp(f"world{world}")
-            done = launch("scenarios.py", "--out", out, *SHARED_SCENARIOS[world], nproc=world, check=False)
-            if done.returncode != 0 or done.timed_out:
-                failures[world] = done.report()
-                pytest.fail(failures[world], pytrace=False)
-            done.discard_logs()
-            runs[world] = out
-        return runs[world]
 
-    return get
+@pytest.fixture(scope="session", autouse=True)
+def _start_shared_launches(request):
+    """Start the shared launches of the selected tests at the beginning of the session."""
+    if _launches_needed(request.session.items):
+        request.getfixturevalue("shared_launch")

@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -397,3 +398,22 @@ def launch(
 def rank_reports(out: str | Path, nproc: int, pattern: str = "result-rank{rank}.json") -> list[dict]:
     """The JSON report every rank of a launch wrote into ``out``, rank 0 first."""
     return [json.loads((Path(out) / pattern.format(rank=rank)).read_text()) for rank in range(nproc)]
+
+
+# Launches that tests read, run once per session in the background (the ``shared_launch``
+# fixture of tests/conftest.py): name -> job(out folder) -> Launch. Register with
+# :func:`shared_launch_job` at import time (collection imports every test module first) and mark
+# the tests that read it ``@pytest.mark.shared_launch(name)`` so that it starts with the session.
+SHARED_LAUNCHES: dict[str, Callable[[Path], Launch]] = {}
+
+
+def shared_launch_job(name: str) -> Callable[[Callable[[Path], Launch]], Callable[[Path], Launch]]:
+    """Register ``job(out) -> Launch`` (launched with ``check=False``) as the shared launch ``name``."""
+
+    def register(job: Callable[[Path], Launch]) -> Callable[[Path], Launch]:
+        if name in SHARED_LAUNCHES and SHARED_LAUNCHES[name] is not job:
+            raise ValueError(f"a shared launch named {name!r} is already registered")
+        SHARED_LAUNCHES[name] = job
+        return job
+
+    return register

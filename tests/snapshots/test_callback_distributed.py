@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.testing_utils import launch, rank_reports
+from tests.testing_utils import launch, rank_reports, shared_launch_job
 
 pytestmark = pytest.mark.distributed
 
@@ -45,18 +45,24 @@ def check_ddp_reports(reports: list[dict], reference: dict, out: Path) -> None:
     assert rank0["max_diff"] == 0.0
 
 
-def test_ddp_torchrun(scenario_runs, single_process_reference):
-    out = scenario_runs(2) / "ddp"
+@pytest.mark.shared_launch("world2")
+def test_ddp_torchrun(shared_launch, single_process_reference):
+    out = shared_launch("world2") / "ddp"
     check_ddp_reports(rank_reports(out, 2), single_process_reference, out)
 
 
-def test_ddp_accelerate_launch(tmp_path, single_process_reference):
-    launch("train_ddp.py", "--out", tmp_path, launcher="accelerate")
-    check_ddp_reports(rank_reports(tmp_path, 2), single_process_reference, tmp_path)
+shared_launch_job("ddp-accelerate")(lambda out: launch("train_ddp.py", "--out", out, launcher="accelerate", check=False))
 
 
-def test_fsdp_gather_equals_unsharded_model(scenario_runs):
-    out = scenario_runs(2) / "fsdp_gather"
+@pytest.mark.shared_launch("ddp-accelerate")  # started with the session, in the background
+def test_ddp_accelerate_launch(shared_launch, single_process_reference):
+    out = shared_launch("ddp-accelerate")
+    check_ddp_reports(rank_reports(out, 2), single_process_reference, out)
+
+
+@pytest.mark.shared_launch("world2")
+def test_fsdp_gather_equals_unsharded_model(shared_launch):
+    out = shared_launch("world2") / "fsdp_gather"
     reports = rank_reports(out, 2)
     for kind in ("fsdp2", "fsdp1"):
         rank0, rank1 = (r[kind] for r in reports)

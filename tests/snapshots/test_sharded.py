@@ -5,7 +5,7 @@ slices) and gathered (rank 0, the full-gather path). Merges of the sharded snaps
 bit-identical to merges of the gathered ones: SMA, WMA, EMA, in float32 and bfloat16, at world
 sizes 2 and 4 and across a world-size change. A rank killed mid-write leaves a manifest that
 lists only complete snapshots, and the resumed run goes on (the 2-rank run is that resumed run:
-three launches in all, the 4-rank one shared with other modules: tests/conftest.py).
+three launches in all, run in the background from the start of the session: tests/conftest.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from hf_pma.io.sharded import rank_file_name
 from hf_pma.merging.engine import merge_checkpoints, merge_state_dict
 from hf_pma.snapshots import sharded as sharded_module
 from hf_pma.snapshots.gather import LocalSlice
-from tests.testing_utils import launch, make_tiny_model, rank_reports
+from tests.testing_utils import Launch, launch, make_tiny_model, rank_reports, shared_launch_job
 
 pytestmark = pytest.mark.distributed
 
@@ -32,41 +32,40 @@ require_deepspeed = pytest.mark.skipif(
 )
 
 
-def torchrun(out: Path, nproc: int, *args: str, expect_ok: bool = True, script: str = "sharded_snapshots.py") -> list[dict]:
-    out.mkdir(parents=True, exist_ok=True)
-    done = launch(script, "--out", out, *args, nproc=nproc, check=expect_ok)
-    if not expect_ok:
-        assert done.returncode != 0, "the run should have died"
-        return []
-    return rank_reports(out, nproc)
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory, scenario_runs) -> dict:
-    """World size 4: one uninterrupted run. World size 2: a run whose rank 1 is killed half-way
-    through its 3rd rank file (one of the two snapshots at 256 tokens), then resumed from the
-    checkpoint at step 2 (128 tokens); what the crash left is recorded for the fault test."""
-    out = {}
-    folder = scenario_runs(4) / "sharded"  # the shared 4-process launch (tests/conftest.py)
-    out[4] = (folder, rank_reports(folder, 4))
-    folder = tmp_path_factory.mktemp("w2")
-    torchrun(folder, 2, "--crash-at", "3", expect_ok=False)
+@shared_launch_job("sharded-crash-resume")
+def crash_then_resume(folder: Path) -> Launch:
+    """World size 2: a run whose rank 1 is killed half-way through its 3rd rank file (one of the
+    two snapshots at 256 tokens), then resumed from the checkpoint at step 2 (128 tokens); what
+    the crash left is recorded in ``crashed.json`` for the fault test."""
+    crash = launch("sharded_snapshots.py", "--out", folder, "--crash-at", "3", check=False)
     crashed = {}
-    for name in ("sharded-float32", "sharded-bfloat16"):
+    for name in ("sharded-float32", "sharded-bfloat16") if crash.returncode != 0 else ():
         pma = folder / name
         listed = [r.tokens for r in manifest_snapshots(pma)]
         complete = []
         for tokens in listed:  # what is listed is complete: every slice of every tensor is there
             merge_state_dict([pma / f"snapshot-{tokens}"])
             complete.append(tokens)
-        crashed[name] = {
-            "listed": listed,
-            "complete": complete,
-            "entries": sorted(p.name for p in pma.iterdir()),
-        }
-    out["crashed"] = crashed
-    out[2] = (folder, torchrun(folder, 2, "--resume-at", "2"))
+        crashed[name] = {"listed": listed, "complete": complete, "entries": sorted(p.name for p in pma.iterdir())}
+    (folder / "crashed.json").write_text(json.dumps({"returncode": crash.returncode, "runs": crashed}))
+    if crash.returncode == 0:
+        return crash  # the fixture reports that the run did not die
+    return launch("sharded_snapshots.py", "--out", folder, "--resume-at", "2", check=False)
+
+
+@pytest.fixture(scope="module")
+def runs(shared_launch) -> dict:
+    """World size 4: one uninterrupted run (the shared 4-process launch). World size 2: the run
+    killed, then resumed (:func:`crash_then_resume`)."""
+    folder = shared_launch("world4") / "sharded"
+    out = {4: (folder, rank_reports(folder, 4))}
+    folder = shared_launch("sharded-crash-resume")
+    crashed = json.loads((folder / "crashed.json").read_text())
+    assert crashed["returncode"] != 0, "the run should have died"
+    out["crashed"] = crashed["runs"]
+    out[2] = (folder, rank_reports(folder, 2))
     return out
+
 
 def snapshot_folders(run: Path, kind: str) -> list[Path]:
     pma = run / kind
@@ -79,6 +78,7 @@ def assert_identical(a: dict, b: dict) -> None:
         assert a[name].dtype == b[name].dtype and torch.equal(a[name], b[name]), name
 
 
+@pytest.mark.shared_launch("world4", "sharded-crash-resume")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_sharded_merges_are_bit_identical_to_gathered_merges(runs, dtype):
     per_world = {w: (snapshot_folders(runs[w][0], f"sharded-{dtype}"), snapshot_folders(runs[w][0], f"gathered-{dtype}")) for w in (2, 4)}
@@ -103,6 +103,7 @@ def test_sharded_merges_are_bit_identical_to_gathered_merges(runs, dtype):
         assert_identical(merge_state_dict(mixed_sharded, strategy=strategy), merge_state_dict(mixed_gathered, strategy=strategy))
 
 
+@pytest.mark.shared_launch("world4", "sharded-crash-resume")
 def test_sharded_run_folder_merges_and_loads(runs, tmp_path):
     folder, reports = runs[4]
     # The run folder resolves through its manifest; the merge is a folder from_pretrained loads.
@@ -119,6 +120,7 @@ def test_sharded_run_folder_merges_and_loads(runs, tmp_path):
     assert sum(sizes) == total and max(sizes) < 0.3 * total
 
 
+@pytest.mark.shared_launch("world4", "sharded-crash-resume")
 def test_torch_dcp_folder_and_fsdp1(runs):
     for folder, reports in (runs[2], runs[4]):
         # A folder written by DCP's HuggingFaceStorageWriter(save_distributed=True), no manifest:
@@ -129,6 +131,7 @@ def test_torch_dcp_folder_and_fsdp1(runs):
         assert reports[0]["fsdp1"] == {"equal": True}, reports[0]["fsdp1"]
 
 
+@pytest.mark.shared_launch("world4", "sharded-crash-resume")
 def test_rank_killed_mid_write_then_resume(runs):
     crashed = runs["crashed"]
     listed = {name: c["listed"] for name, c in crashed.items()}
@@ -151,9 +154,10 @@ def test_rank_killed_mid_write_then_resume(runs):
 
 
 @require_deepspeed
-def test_zero3_sharded_snapshot_equals_gathered(tmp_path):
+@pytest.mark.shared_launch("zero3")
+def test_zero3_sharded_snapshot_equals_gathered(shared_launch):
     """DeepSpeed ZeRO-3 on CPU: each rank writes its ``ds_tensor`` partitions (flat ranges)."""
-    rank0, _ = torchrun(tmp_path, 2, script="sharded_zero3.py")
+    rank0, _ = rank_reports(shared_launch("zero3"), 2)
     assert rank0["kind"] == "zero3" and rank0["sharded"] == "ShardedSnapshotSink"
     assert rank0["layout"] == "dcp-hf-safetensors+flat"
     assert rank0["same_names"] and rank0["equal"], rank0

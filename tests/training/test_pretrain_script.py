@@ -15,7 +15,7 @@ import yaml
 from huggingface_hub import ModelCard
 
 from tests.hub_server import HubServer
-from tests.testing_utils import REPO_ROOT, launch
+from tests.testing_utils import REPO_ROOT, Launch, launch, shared_launch_job
 
 SCRIPT = REPO_ROOT / "scripts" / "pretrain.py"
 
@@ -188,12 +188,18 @@ def test_bad_arguments_fail_before_training(tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "o" / "pma").exists()
 
 
-def test_two_processes_with_accelerate_launch(tmp_path):
-    out = tmp_path / "run2"
-    done = launch(
-        SCRIPT, *SHORT, "--output_dir", out, "--per_device_train_batch_size", "2", "--make_tasks", "false",
-        launcher="accelerate", env=_env(tmp_path), cwd=tmp_path,
+@shared_launch_job("pretrain-accelerate")
+def _two_processes(tmp_path: Path) -> Launch:
+    return launch(
+        SCRIPT, *SHORT, "--output_dir", tmp_path / "run2", "--per_device_train_batch_size", "2", "--make_tasks", "false",
+        launcher="accelerate", env=_env(tmp_path), cwd=tmp_path, check=False,
     )
+
+
+@pytest.mark.shared_launch("pretrain-accelerate")  # started with the session, in the background
+def test_two_processes_with_accelerate_launch(shared_launch):
+    done = shared_launch.result("pretrain-accelerate")
+    out = shared_launch("pretrain-accelerate") / "run2"
     # the summary is printed once, by the main process
     assert [done.output(rank).count("Done in ") for rank in (0, 1)] == [1, 0]
     training = json.loads((out / "pma" / "merged" / "pma_training.json").read_text())
