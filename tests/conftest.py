@@ -119,7 +119,8 @@ class SharedLaunches:
         return self._jobs[name][0]
 
     def close(self) -> None:
-        self._executor.shutdown(wait=True)
+        """Drop the launches not started yet (a session stopped early); wait for the running one."""
+        self._executor.shutdown(wait=True, cancel_futures=True)
 
 
 def _launches_needed(items) -> list[str]:
