@@ -329,14 +329,23 @@ def _port_for_accelerate() -> int:
         return sock.getsockname()[1]
 
 
-def _launch_command(launcher: str, nproc: int, log_dir: Path) -> list[str]:
+def _launch_command(launcher: str, nproc: int, log_dir: Path, launcher_args: list[str]) -> list[str]:
+    command = _launcher(launcher, nproc, log_dir)
+    if launcher == "accelerate" and launcher_args:  # they replace the mode (--multi_gpu)
+        command.remove("--multi_gpu")
+    return [*command, *launcher_args]
+
+
+def _launcher(launcher: str, nproc: int, log_dir: Path) -> list[str]:
     if launcher == "torchrun":
         # --standalone: the rendezvous store binds port 0 itself, so no port is ever chosen here.
         return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
                 "--log-dir", str(log_dir), "--tee", "3"]
     if launcher == "accelerate":
         # --cpu would start one process; ACCELERATE_USE_CPU with --multi_gpu starts nproc on gloo.
-        return [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(nproc),
+        # The console script, as users type it (the scripts read their parent's command line).
+        accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
+        return [accelerate, "launch", "--multi_gpu", "--num_processes", str(nproc),
                 "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
                 "--main_process_port", str(_port_for_accelerate()), "--log_dir", str(log_dir), "--tee", "3"]
     raise ValueError(f"unknown launcher {launcher!r}: use 'torchrun' or 'accelerate'")
@@ -364,6 +373,7 @@ def launch(
     cwd: str | Path | None = None,
     timeout: float = 600,
     check: bool = True,
+    launcher_args: list[str] | tuple[str, ...] = (),
 ) -> Launch:
     """Run ``script args`` in ``nproc`` processes (gloo on CPU) under ``torchrun`` or ``accelerate launch``.
 
@@ -371,7 +381,9 @@ def launch(
     its own log file; with ``check`` a failed launch fails the test with the first failing
     rank's full traceback (:meth:`Launch.report`). ``env`` is added to the test's environment;
     one thread per process. After a successful check the log folder is deleted (what the ranks
-    printed stays readable through :meth:`Launch.output`).
+    printed stays readable through :meth:`Launch.output`). ``launcher_args`` go to the launcher
+    after its usual flags; for accelerate they replace its mode flag ``--multi_gpu`` (``["--cpu"]``:
+    the single-process mistake, whose one process writes to the launcher's own stdout and stderr).
     """
     script = Path(script)
     if not script.is_absolute():
@@ -383,7 +395,7 @@ def launch(
     full_env.update(env or {})
     for _ in range(3):
         log_dir = Path(tempfile.mkdtemp(prefix="hf-pma-launch-"))
-        command = [*_launch_command(launcher, nproc, log_dir), str(script), *map(str, args)]
+        command = [*_launch_command(launcher, nproc, log_dir, list(launcher_args)), str(script), *map(str, args)]
         returncode, out, err, timed_out = _run(command, full_env, Path(cwd) if cwd else None, timeout)
         result = Launch(command, nproc, returncode, out, err, log_dir, timed_out)
         if returncode == 0 or timed_out or not _PORT_TAKEN.search(out + err):

@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
-import subprocess
 import sys
 
 from transformers import Trainer, TrainingArguments
 
-from tests.testing_utils import REPO_ROOT, lm_setup, quiet_args
+from tests.testing_utils import REPO_ROOT, Launch, launch, lm_setup, quiet_args
 
 SCRIPT = REPO_ROOT / "scripts" / "pretrain.py"
 
@@ -75,24 +73,18 @@ def test_the_fork_resumes_a_tied_model_without_a_missing_keys_warning(tmp_path, 
     assert keep.filter(record)
 
 
-def _launch(*launcher: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+def _launch(*launcher_args: str) -> Launch:
     # Bad arguments: the script stops right after the launcher check, in every process it has.
-    return subprocess.run(
-        ["accelerate", "launch", *launcher, str(SCRIPT), "--anneal_steps", "-1"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=REPO_ROOT,
-        env={**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1", **(env or {})},
-    )
+    return launch(SCRIPT, "--anneal_steps", "-1", launcher="accelerate", launcher_args=launcher_args, cwd=REPO_ROOT, check=False)
 
 
 def test_cpu_num_processes_that_starts_one_process_is_reported(tmp_path):
-    one = _launch("--cpu", "--num_processes", "2")
+    # `accelerate launch --cpu --num_processes 2`: one process starts.
+    one = _launch("--cpu")
     assert one.stderr.count("pretrain.py: error: anneal_steps") == 1  # one process only
     assert "accelerate launch was asked for 2 processes but this run has 1" in one.stderr
     assert "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2" in one.stderr
     # The incantation the warning (and the quickstart) gives starts two processes, and says nothing.
-    two = _launch("--multi_gpu", "--num_processes", "2", env={"ACCELERATE_USE_CPU": "1"})
-    assert two.stderr.count("pretrain.py: error: anneal_steps") == 2, two.stderr[-2000:]
-    assert "was asked for" not in two.stderr
+    two = _launch()
+    assert [two.output(rank, "stderr").count("pretrain.py: error: anneal_steps") for rank in (0, 1)] == [1, 1], two.report()
+    assert "was asked for" not in two.output(0, "stderr") + two.output(1, "stderr")
