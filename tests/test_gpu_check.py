@@ -28,13 +28,22 @@ def test_without_cuda_it_stops_at_once_with_one_line(tmp_path):
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
     done = subprocess.run(
         [sys.executable, "-X", "importtime", str(SCRIPT), "--out", str(tmp_path / "out")],
-        capture_output=True, text=True, env=env, timeout=120,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
     )
     assert done.returncode == 1 and done.stdout == ""
     lines = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
-    assert lines == [lines[0]] and lines[0].startswith("gpu_check.py: no CUDA GPU") and "nothing was run" in lines[0]
+    assert (
+        lines == [lines[0]]
+        and lines[0].startswith("gpu_check.py: no CUDA GPU")
+        and "nothing was run" in lines[0]
+    )
     # At once: it stopped before importing transformers (no model, no training) and wrote nothing.
-    imported = {line.split("|")[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")}
+    imported = {
+        line.split("|")[-1].strip() for line in done.stderr.splitlines() if line.startswith("import time:")
+    }
     assert "torch" in imported and "transformers" not in imported
     assert not (tmp_path / "out").exists()
 
@@ -61,11 +70,20 @@ def test_defaults_are_a_100m_llama_and_the_count_is_llamas_own(gpu_check):
 
     args = gpu_check.parse_args([])
     assert args.parts == ["train", "fsdp", "eval"] and args.out == gpu_check.RESULTS_DIR
-    count = gpu_check.llama_parameter_count(args.hidden, args.layers, args.intermediate, args.vocab, args.heads)
+    count = gpu_check.llama_parameter_count(
+        args.hidden, args.layers, args.intermediate, args.vocab, args.heads
+    )
     assert 90e6 < count < 130e6, count
     for tie, kv_heads in ((True, 4), (False, 2)):
-        config = LlamaConfig(vocab_size=301, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=kv_heads, tie_word_embeddings=tie)
+        config = LlamaConfig(
+            vocab_size=301,
+            hidden_size=64,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=kv_heads,
+            tie_word_embeddings=tie,
+        )
         real = sum(p.numel() for p in LlamaForCausalLM(config).parameters())
         assert gpu_check.llama_parameter_count(64, 2, 96, 301, 4, kv_heads=kv_heads, tie=tie) == real
 
@@ -73,7 +91,9 @@ def test_defaults_are_a_100m_llama_and_the_count_is_llamas_own(gpu_check):
 def test_the_fsdp_run_gets_the_same_model_and_schedule(gpu_check):
     from accelerate.commands.launch import launch_command_parser
 
-    args = gpu_check.parse_args(["--hidden", "256", "--heads", "4", "--steps", "30", "--interval-steps", "7", "--fsdp-procs", "2"])
+    args = gpu_check.parse_args(
+        ["--hidden", "256", "--heads", "4", "--steps", "30", "--interval-steps", "7", "--fsdp-procs", "2"]
+    )
     command = gpu_check.fsdp_command(args, REPO_ROOT / "w")
     assert command[:2] == [sys.executable, "-m"] and command[2].split(".")[0] == "accelerate"
     # accelerate's own parser reads it: FSDP2, bf16, the asked world size, this script as worker.
@@ -82,7 +102,17 @@ def test_the_fsdp_run_gets_the_same_model_and_schedule(gpu_check):
     assert launch.num_processes == 2 and launch.training_script == str(SCRIPT)
     worker = gpu_check.parse_args(launch.training_script_args)
     assert worker.fsdp_worker == REPO_ROOT / "w"
-    for name in ("hidden", "layers", "heads", "intermediate", "vocab", "seq", "batch", "steps", "interval_steps"):
+    for name in (
+        "hidden",
+        "layers",
+        "heads",
+        "intermediate",
+        "vocab",
+        "seq",
+        "batch",
+        "steps",
+        "interval_steps",
+    ):
         assert getattr(worker, name) == getattr(args, name), name
 
 
@@ -93,7 +123,10 @@ def test_numbers(gpu_check):
     assert gpu_check.overhead_percent(100.0, 103.0) == pytest.approx(3.0)
     a, b = frozenset({1, 2}), frozenset({3, 4})
     assert gpu_check.staging_reuse([(a, True), (a, True), (b, True), (b, True)]) == {
-        "snapshots": 4, "reused": 2, "possible": 3, "all_pinned": True,
+        "snapshots": 4,
+        "reused": 2,
+        "possible": 3,
+        "all_pinned": True,
     }
     assert gpu_check.staging_reuse([(a, True), (a, False)])["all_pinned"] is False
     assert gpu_check.staging_reuse([]) == {"snapshots": 0, "reused": 0, "possible": 0, "all_pinned": True}
@@ -104,11 +137,22 @@ RESULTS = {
     "train": {
         "parameters": 109_000_000,
         "baseline": {"steps": 60, "step_ms": 100.0},
-        "pma": {"steps": 60, "step_ms": 101.5, "snapshots": 5, "blocked_ms_per_snapshot": 12.34,
-                "staging": {"snapshots": 5, "reused": 4, "possible": 4, "all_pinned": True}},
+        "pma": {
+            "steps": 60,
+            "step_ms": 101.5,
+            "snapshots": 5,
+            "blocked_ms_per_snapshot": 12.34,
+            "staging": {"snapshots": 5, "reused": 4, "possible": 4, "all_pinned": True},
+        },
         "overhead_percent": 1.5,
     },
-    "fsdp": {"world_size": 1, "snapshots": 5, "rank_files_ok": True, "merged_loads": True, "blocked_ms_per_snapshot": 30.0},
+    "fsdp": {
+        "world_size": 1,
+        "snapshots": 5,
+        "rank_files_ok": True,
+        "merged_loads": True,
+        "blocked_ms_per_snapshot": 30.0,
+    },
     "eval": {"eval_pma_loss": 5.4321, "eval_loss": 5.6789, "seconds": 2.5},
 }
 
@@ -122,10 +166,21 @@ def test_one_table_and_the_results_files(gpu_check, tmp_path):
     assert body["bf16 step time, PMACallback"] == ["101.5 ms", "overhead +1.5 %"]
     assert body["blocked per snapshot"] == ["12.3 ms", "5 snapshots"]
     assert body["pinned staging reuse"] == ["4/4", "every buffer pinned"]
-    assert body["FSDP2 sharded snapshots (accelerate launch, world 1)"] == ["5 snapshots", "one file per rank, merge loads; blocked 30.0 ms/snapshot"]
+    assert body["FSDP2 sharded snapshots (accelerate launch, world 1)"] == [
+        "5 snapshots",
+        "one file per rank, merge loads; blocked 30.0 ms/snapshot",
+    ]
     assert body["merged evaluation (eval_pma_loss)"] == ["5.4321", "live eval_loss 5.6789; 2.5 s"]
     # A part that did not run has no row; a failed check says so.
-    partial = gpu_check.build_table({"fsdp": {**RESULTS["fsdp"], "rank_files_ok": False, "problem": "snapshots without one file per rank: ['snapshot-8']"}})
+    partial = gpu_check.build_table(
+        {
+            "fsdp": {
+                **RESULTS["fsdp"],
+                "rank_files_ok": False,
+                "problem": "snapshots without one file per rank: ['snapshot-8']",
+            }
+        }
+    )
     (row,) = markdown_rows(partial)[1:]
     assert row[2].startswith("FAILED: snapshots without one file per rank")
     with pytest.raises(ValueError, match="no part of the check ran"):

@@ -22,7 +22,11 @@ def test_a_failed_launch_shows_the_first_failing_ranks_traceback(args):
     assert "--- first failing rank: 1 " in report
     # The whole traceback of rank 1, from the entry point down to the nested call and the error ...
     section = report.split("--- first failing rank: 1 ")[1].split("(ranks [0] failed after it)")[0]
-    assert "Traceback (most recent call last)" in section and "in main" in section and "in nested_failure" in section
+    assert (
+        "Traceback (most recent call last)" in section
+        and "in main" in section
+        and "in nested_failure" in section
+    )
     assert section.rstrip().endswith("ValueError: rank 1 fails on purpose")
     # ... and none of rank 0's noise.
     assert "noise line" not in report

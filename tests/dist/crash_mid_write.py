@@ -30,7 +30,13 @@ CRASH_AT_SNAPSHOT = 3  # snapshots at steps 3, 6, 9: die while writing the one o
 def make_trainer(out: Path, callbacks: list) -> tuple[Trainer, PMACallback]:
     """The run's Trainer (the same for the crashed run and its resumption)."""
     torch.set_num_threads(1)
-    args = make_args(out, max_steps=MAX_STEPS, per_device_train_batch_size=BATCH, save_strategy="steps", save_steps=SAVE_STEPS)
+    args = make_args(
+        out,
+        max_steps=MAX_STEPS,
+        per_device_train_batch_size=BATCH,
+        save_strategy="steps",
+        save_steps=SAVE_STEPS,
+    )
     callback = PMACallback(interval_tokens=INTERVAL_STEPS * TOKENS_PER_STEP)
     trainer = Trainer(
         model=make_tiny_model(seed=0),

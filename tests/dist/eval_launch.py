@@ -35,7 +35,13 @@ def run() -> int:
     model.register_forward_hook(lambda *_: forwards.append(1))
     texts = [json.loads(line)["text"] for line in (task_dir / "heldout.jsonl").read_text().splitlines()][:4]
     result = evaluate_model(
-        model, tokenizer, texts=texts, tasks="pma_next_line", include_path=task_dir, limit=5, bootstrap_iters=0
+        model,
+        tokenizer,
+        texts=texts,
+        tasks="pma_next_line",
+        include_path=task_dir,
+        limit=5,
+        bootstrap_iters=0,
     )
     report = {"rank": rank, "world_size": world_size, "forwards": len(forwards), "results": result["results"]}
     try:  # an error on the main process reaches every rank, as the same exception

@@ -68,7 +68,9 @@ def check(name: str, sharded, reference, out: Path, rank: int) -> dict:
 
         loaded = LlamaForCausalLM.from_pretrained(out / name / "snapshot-100")
         result["snapshot_max_diff"] = max_diff(loaded.state_dict(), before)
-        result["architectures"] = json.loads((out / name / "snapshot-100" / "config.json").read_text())["architectures"]
+        result["architectures"] = json.loads((out / name / "snapshot-100" / "config.json").read_text())[
+            "architectures"
+        ]
     dist.barrier()
     return result
 

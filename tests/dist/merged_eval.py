@@ -60,7 +60,9 @@ def ddp_trainer(out: Path) -> dict:
     # Today's full-merge path, at the same moment: every rank merges everything and loads it.
     backup = backup_weights(trainer.model)
     load_weights(trainer.model, merge_state_dict(paths, strategy=args.pma_strategy))
-    full = trainer.evaluation_loop(trainer.get_eval_dataloader(), "full merge", prediction_loss_only=True, metric_key_prefix="full")
+    full = trainer.evaluation_loop(
+        trainer.get_eval_dataloader(), "full merge", prediction_loss_only=True, metric_key_prefix="full"
+    )
     restore_weights(trainer.model, backup)
     model_bytes = sum(t.numel() * t.element_size() for t in merge_state_dict(paths[-1:]).values())
     return {
@@ -113,14 +115,20 @@ def sharded_swap(kind: str, paths: list[str]) -> dict:
 
 
 def final_merge(out: Path, paths: list[str], rank: int) -> dict:
-    distributed = merge_checkpoints(paths, out / "merged-dist", max_shard_size="30KB", progress=False, distributed=True)
+    distributed = merge_checkpoints(
+        paths, out / "merged-dist", max_shard_size="30KB", progress=False, distributed=True
+    )
     dist.barrier()
     if rank != 0:
         return {}
     single = merge_checkpoints(paths, out / "merged-single", max_shard_size="30KB", progress=False, workers=1)
     files = sorted(p.name for p in single.iterdir() if p.name != "pma_merge.json")
     same = all((single / f).read_bytes() == (distributed / f).read_bytes() for f in files)
-    return {"files": files, "dist_files": sorted(p.name for p in distributed.iterdir() if p.name != "pma_merge.json"), "identical": same}
+    return {
+        "files": files,
+        "dist_files": sorted(p.name for p in distributed.iterdir() if p.name != "pma_merge.json"),
+        "identical": same,
+    }
 
 
 def run(out: Path) -> dict:

@@ -20,8 +20,14 @@ def main() -> None:
         push_to_hub=True,
         hub_model_id=repo_id,
     )
-    trainer = PMATrainer(model, args, train_dataset=train, eval_dataset=evaluation, data_collator=collator,
-                         processing_class=tokenizer)
+    trainer = PMATrainer(
+        model,
+        args,
+        train_dataset=train,
+        eval_dataset=evaluation,
+        data_collator=collator,
+        processing_class=tokenizer,
+    )
     trainer.train()
     trainer.push_to_hub()  # what the Trainer itself pushes: the live model, to main
     print("merged:", trainer.pma_merged_dir)

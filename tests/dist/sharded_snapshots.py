@@ -77,16 +77,24 @@ def run(out: Path, rank: int, world: int, resume_at: int) -> dict:
     for step in range(1, resume_at + 1):  # a resumed run starts from the checkpoint's weights
         train_step(model, optimizer, step)
     args = SimpleNamespace(
-        output_dir=str(out), include_num_input_tokens_seen="all", world_size=world, learning_rate=LR,
+        output_dir=str(out),
+        include_num_input_tokens_seen="all",
+        world_size=world,
+        learning_rate=LR,
         get_warmup_steps=lambda steps: 0,
     )
-    state = TrainerState(max_steps=STEPS, global_step=resume_at, num_input_tokens_seen=resume_at * TOKENS_PER_STEP)
+    state = TrainerState(
+        max_steps=STEPS, global_step=resume_at, num_input_tokens_seen=resume_at * TOKENS_PER_STEP
+    )
     state.is_world_process_zero = rank == 0
     control = TrainerControl()
     callbacks = {
         f"{kind}-{name}": PMACallback(
-            interval_tokens=INTERVAL, output_dir=out / f"{kind}-{name}", phases=("warmup", "stable", "decay"),
-            save_dtype=dtype, sharded=kind == "sharded",
+            interval_tokens=INTERVAL,
+            output_dir=out / f"{kind}-{name}",
+            phases=("warmup", "stable", "decay"),
+            save_dtype=dtype,
+            sharded=kind == "sharded",
         )
         for kind in ("sharded", "gathered")
         for name, dtype in DTYPES.items()
@@ -134,7 +142,9 @@ def check_fsdp1(out: Path, rank: int) -> dict:
     from hf_pma.snapshots.writer import strip_for_save
 
     try:
-        model = FullyShardedDataParallel(make_tiny_model(seed=3, vocab_size=515), device_id=torch.device("cpu"), use_orig_params=True)
+        model = FullyShardedDataParallel(
+            make_tiny_model(seed=3, vocab_size=515), device_id=torch.device("cpu"), use_orig_params=True
+        )
         sink = ShardedSnapshotSink(out / "fsdp1", async_write=False)
         sink.open(None)
         sink.update_manifest()
@@ -148,7 +158,9 @@ def check_fsdp1(out: Path, rank: int) -> dict:
 
         full = strip_for_save(model, full)
         merged = merge_state_dict([out / "fsdp1" / "snapshot-7"])
-        return {"equal": merged.keys() == full.keys() and all(torch.equal(merged[k], v) for k, v in full.items())}
+        return {
+            "equal": merged.keys() == full.keys() and all(torch.equal(merged[k], v) for k, v in full.items())
+        }
     except Exception as err:  # reported to the test
         return {"error": f"{type(err).__name__}: {err}"}
 

@@ -41,8 +41,10 @@ def main() -> None:
     engine.backward(engine(input_ids=ids, labels=ids).loss)
     engine.step()
     result = {"rank": rank, "kind": sharding_kind(engine)}
-    for sink, name in ((ShardedSnapshotSink(args.out / "sharded", async_write=False), "sharded"),
-                       (DiskSnapshotSink(args.out / "gathered", is_main=rank == 0), "gathered")):
+    for sink, name in (
+        (ShardedSnapshotSink(args.out / "sharded", async_write=False), "sharded"),
+        (DiskSnapshotSink(args.out / "gathered", is_main=rank == 0), "gathered"),
+    ):
         sink.open(None)
         sink.update_manifest()
         sink.take(engine, SnapshotRecord(path="snapshot-16", tokens=16, step=1))

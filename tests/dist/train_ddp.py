@@ -67,7 +67,9 @@ def main(out: Path, per_device: int, grad_accum: int, expect_world_size: int) ->
     if args.process_index == 0:
         snapshots = callback.snapshots()
         report["snapshots"] = [[r.tokens, r.step, r.phase] for r, _ in snapshots]
-        report["max_diff"] = max(max_weight_diff(load_weights(p), recorder.weights[r.step]) for r, p in snapshots)
+        report["max_diff"] = max(
+            max_weight_diff(load_weights(p), recorder.weights[r.step]) for r, p in snapshots
+        )
         report["folders"] = sorted(p.name for p in callback.pma_dir.iterdir())
     (Path(out) / f"result-rank{args.process_index}.json").write_text(json.dumps(report, indent=2))
     return report

@@ -38,7 +38,12 @@ def run(out: Path, separate: bool = True) -> dict:
         trainer.train()
     except RuntimeError as err:
         error = str(err)
-    report = {"rank": rank, "world_size": args.world_size, "error": error, "seconds": time.monotonic() - start}
+    report = {
+        "rank": rank,
+        "world_size": args.world_size,
+        "error": error,
+        "seconds": time.monotonic() - start,
+    }
     (out / f"result-rank{rank}.json").write_text(json.dumps(report))
     return report
 

@@ -46,10 +46,38 @@ def test_staging_casts_on_the_device_into_reused_pinned_buffers(tmp_path):
 def test_gpu_check_small_run(tmp_path):
     """benchmarks/gpu_check.py end to end on a small model: every part, one table, the files."""
     out = tmp_path / "results"
-    argv = ["--hidden", "256", "--heads", "4", "--layers", "2", "--intermediate", "512", "--vocab", "4096",
-            "--seq", "128", "--batch", "4", "--steps", "24", "--warmup", "4", "--interval-steps", "4", "--out", str(out)]
+    argv = [
+        "--hidden",
+        "256",
+        "--heads",
+        "4",
+        "--layers",
+        "2",
+        "--intermediate",
+        "512",
+        "--vocab",
+        "4096",
+        "--seq",
+        "128",
+        "--batch",
+        "4",
+        "--steps",
+        "24",
+        "--warmup",
+        "4",
+        "--interval-steps",
+        "4",
+        "--out",
+        str(out),
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT)}
-    done = subprocess.run([sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_check.py"), *argv], capture_output=True, text=True, env=env, timeout=1200)
+    done = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "benchmarks" / "gpu_check.py"), *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1200,
+    )
     assert done.returncode == 0, done.stderr[-5000:]
     results = json.loads((out / "results.json").read_text())
     train = results["train"]

@@ -51,7 +51,9 @@ def test_ddp_torchrun(shared_launch, single_process_reference):
     check_ddp_reports(rank_reports(out, 2), single_process_reference, out)
 
 
-shared_launch_job("ddp-accelerate")(lambda out: launch("train_ddp.py", "--out", out, launcher="accelerate", check=False))
+shared_launch_job("ddp-accelerate")(
+    lambda out: launch("train_ddp.py", "--out", out, launcher="accelerate", check=False)
+)
 
 
 @pytest.mark.shared_launch("ddp-accelerate")  # started with the session, in the background

@@ -28,7 +28,8 @@ pytestmark = pytest.mark.distributed
 
 
 require_deepspeed = pytest.mark.skipif(
-    importlib.util.find_spec("deepspeed") is None, reason="needs deepspeed (pip install deepspeed; runs on CPU with gloo)"
+    importlib.util.find_spec("deepspeed") is None,
+    reason="needs deepspeed (pip install deepspeed; runs on CPU with gloo)",
 )
 
 
@@ -46,7 +47,11 @@ def crash_then_resume(folder: Path) -> Launch:
         for tokens in listed:  # what is listed is complete: every slice of every tensor is there
             merge_state_dict([pma / f"snapshot-{tokens}"])
             complete.append(tokens)
-        crashed[name] = {"listed": listed, "complete": complete, "entries": sorted(p.name for p in pma.iterdir())}
+        crashed[name] = {
+            "listed": listed,
+            "complete": complete,
+            "entries": sorted(p.name for p in pma.iterdir()),
+        }
     (folder / "crashed.json").write_text(json.dumps({"returncode": crash.returncode, "runs": crashed}))
     if crash.returncode == 0:
         return crash  # the fixture reports that the run did not die
@@ -81,7 +86,13 @@ def assert_identical(a: dict, b: dict) -> None:
 @pytest.mark.shared_launch("world4", "sharded-crash-resume")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_sharded_merges_are_bit_identical_to_gathered_merges(runs, dtype):
-    per_world = {w: (snapshot_folders(runs[w][0], f"sharded-{dtype}"), snapshot_folders(runs[w][0], f"gathered-{dtype}")) for w in (2, 4)}
+    per_world = {
+        w: (
+            snapshot_folders(runs[w][0], f"sharded-{dtype}"),
+            snapshot_folders(runs[w][0], f"gathered-{dtype}"),
+        )
+        for w in (2, 4)
+    }
     for world, (sharded, gathered) in per_world.items():
         folder, reports = runs[world]
         assert [r["sinks"][f"sharded-{dtype}"] for r in reports] == ["ShardedSnapshotSink"] * world
@@ -92,22 +103,33 @@ def test_sharded_merges_are_bit_identical_to_gathered_merges(runs, dtype):
             files = sorted(p.name for p in snapshot.glob("*.safetensors"))
             assert files == [rank_file_name(r) for r in range(world)]
             record = json.loads((snapshot / "pma.json").read_text())
-            assert record["extra"]["sharded"] and record["extra"]["world_size"] == world and record["dtype"] == dtype
+            assert (
+                record["extra"]["sharded"]
+                and record["extra"]["world_size"] == world
+                and record["dtype"] == dtype
+            )
             assert record["num_bytes"] == sum((snapshot / f).stat().st_size for f in files)
         for strategy in ("sma", "wma", "ema"):
-            assert_identical(merge_state_dict(sharded, strategy=strategy), merge_state_dict(gathered, strategy=strategy))
+            assert_identical(
+                merge_state_dict(sharded, strategy=strategy), merge_state_dict(gathered, strategy=strategy)
+            )
     # A run resumed on more ranks: 2-rank and 4-rank snapshots merge together.
     mixed_sharded = per_world[2][0] + per_world[4][0]
     mixed_gathered = per_world[2][1] + per_world[4][1]
     for strategy in ("sma", "ema"):
-        assert_identical(merge_state_dict(mixed_sharded, strategy=strategy), merge_state_dict(mixed_gathered, strategy=strategy))
+        assert_identical(
+            merge_state_dict(mixed_sharded, strategy=strategy),
+            merge_state_dict(mixed_gathered, strategy=strategy),
+        )
 
 
 @pytest.mark.shared_launch("world4", "sharded-crash-resume")
 def test_sharded_run_folder_merges_and_loads(runs, tmp_path):
     folder, reports = runs[4]
     # The run folder resolves through its manifest; the merge is a folder from_pretrained loads.
-    out = merge_checkpoints([folder / "sharded-bfloat16"], tmp_path / "merged", strategy="sma", progress=False)
+    out = merge_checkpoints(
+        [folder / "sharded-bfloat16"], tmp_path / "merged", strategy="sma", progress=False
+    )
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(out)
@@ -116,7 +138,9 @@ def test_sharded_run_folder_merges_and_loads(runs, tmp_path):
     assert_identical({k: v for k, v in model.state_dict().items() if k in expected}, expected)
     # Every rank wrote its part only (about a quarter, the 515-row embedding splits unevenly).
     sizes = [r["bytes_written"]["sharded-float32"] for r in reports]
-    total = sum(f.stat().st_size for s in snapshot_folders(folder, "sharded-float32") for f in s.glob("*.safetensors"))
+    total = sum(
+        f.stat().st_size for s in snapshot_folders(folder, "sharded-float32") for f in s.glob("*.safetensors")
+    )
     assert sum(sizes) == total and max(sizes) < 0.3 * total
 
 
@@ -150,7 +174,12 @@ def test_rank_killed_mid_write_then_resume(runs):
         for kind in ("sharded", "gathered"):
             pma = folder / f"{kind}-{dtype}"
             assert [r.tokens for r in manifest_snapshots(pma)] == [128, 256, 384]
-            assert sorted(p.name for p in pma.iterdir()) == ["manifest.json", "snapshot-128", "snapshot-256", "snapshot-384"]
+            assert sorted(p.name for p in pma.iterdir()) == [
+                "manifest.json",
+                "snapshot-128",
+                "snapshot-256",
+                "snapshot-384",
+            ]
 
 
 @require_deepspeed

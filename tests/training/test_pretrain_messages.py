@@ -75,7 +75,15 @@ def test_the_fork_resumes_a_tied_model_without_a_missing_keys_warning(tmp_path, 
 
 def _launch(*launcher_args: str) -> Launch:
     # Bad arguments: the script stops right after the launcher check, in every process it has.
-    return launch(SCRIPT, "--anneal_steps", "-1", launcher="accelerate", launcher_args=launcher_args, cwd=REPO_ROOT, check=False)
+    return launch(
+        SCRIPT,
+        "--anneal_steps",
+        "-1",
+        launcher="accelerate",
+        launcher_args=launcher_args,
+        cwd=REPO_ROOT,
+        check=False,
+    )
 
 
 def test_cpu_num_processes_that_starts_one_process_is_reported(tmp_path):
@@ -86,5 +94,8 @@ def test_cpu_num_processes_that_starts_one_process_is_reported(tmp_path):
     assert "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2" in one.stderr
     # The incantation the warning (and the quickstart) gives starts two processes, and says nothing.
     two = _launch()
-    assert [two.output(rank, "stderr").count("pretrain.py: error: anneal_steps") for rank in (0, 1)] == [1, 1], two.report()
+    assert [two.output(rank, "stderr").count("pretrain.py: error: anneal_steps") for rank in (0, 1)] == [
+        1,
+        1,
+    ], two.report()
     assert "was asked for" not in two.output(0, "stderr") + two.output(1, "stderr")

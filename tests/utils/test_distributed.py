@@ -17,6 +17,10 @@ def test_two_nodes_with_separate_disks_stop_with_a_clear_error(shared_launch):
         assert report["world_size"] == 2
         error = report["error"]
         assert error and f"snapshot folder {tmp_path / 'node0' / 'pma'} that rank 0 writes" in error
-        assert "not visible to rank 1 " in error and str(tmp_path / "node1" / "pma") in error and "rank 0 on" not in error
+        assert (
+            "not visible to rank 1 " in error
+            and str(tmp_path / "node1" / "pma") in error
+            and "rank 0 on" not in error
+        )
     # Nothing trained, no snapshot written; the probe file is gone.
     assert sorted(p.name for p in (tmp_path / "node0" / "pma").iterdir()) == ["manifest.json"]
