@@ -75,7 +75,11 @@ def test_sft_trainer_run_folder_leaves_snapshots_checkpoints_and_final_model(sft
     manifest = json.loads((sft_run / "pma" / "manifest.json").read_text())
     tokens = [entry["tokens"] for entry in manifest["snapshots"]]
     assert tokens == [INTERVAL_TOKENS * k for k in range(1, STEPS // 2 + 1)]
-    assert sorted(p.name for p in sft_run.glob("checkpoint-*")) == ["checkpoint-16", "checkpoint-24", "checkpoint-8"]
+    assert sorted(p.name for p in sft_run.glob("checkpoint-*")) == [
+        "checkpoint-16",
+        "checkpoint-24",
+        "checkpoint-8",
+    ]
     assert (sft_run / "model.safetensors").is_file()  # trainer.save_model(): the final model at the top
 
 

@@ -99,7 +99,9 @@ def _missing(module: str) -> bool:
 require_peft = pytest.mark.skipif(_missing("peft"), reason="needs the peft extra (pip install hf-pma[peft])")
 require_lm_eval = pytest.mark.skipif(_missing("lm_eval"), reason="needs the eval extra (pip install hf-pma[eval])")
 require_matplotlib = pytest.mark.skipif(_missing("matplotlib"), reason="needs the plot extra (pip install hf-pma[plot])")
-require_trl = pytest.mark.skipif(_missing("trl"), reason="needs the clients extra (pip install hf-pma[clients])")
+require_trl = pytest.mark.skipif(
+    _missing("trl"), reason="needs the clients extra (pip install hf-pma[clients])"
+)
 
 
 def save_model_folder(path: Path, model, tokenizer=None, max_shard_size: str | int = "5GB", extra: dict | None = None) -> Path:
