@@ -111,3 +111,19 @@ def test_merge_of_sft_run_folder_is_the_mean_of_the_last_snapshots(sft_run, tmp_
     loaded = model.state_dict()
     for name, tensor in result.items():
         assert torch.equal(loaded[name], tensor), name
+
+
+@require_trl
+def test_include_final_without_trainer_state_is_the_newest_source_and_says_so(sft_run, tmp_path):
+    """TRL's scripts call ``save_model()`` but not ``save_state()``: the final model's point is
+    unknown, so --include-final merges it after the last snapshot and warns that the last point
+    may count twice (run folders with ``trainer_state.json`` are covered in tests/merging)."""
+    merged = tmp_path / "merged"
+    done = _merge(str(sft_run), "--last", "3", "--include-final", "-o", str(merged))
+    assert done.returncode == 0, done.stderr
+    assert "has no trainer_state.json beside it" in done.stderr and "after snapshot-6144" in done.stderr
+    record = json.loads((merged / "pma_merge.json").read_text())
+    assert [s["name"] for s in record["sources"]] == ["snapshot-5632", "snapshot-6144", "final"]
+    parts = [_weights(sft_run / "pma" / f"snapshot-{t}") for t in (5632, 6144)] + [_weights(sft_run)]
+    for name, tensor in _weights(merged).items():
+        torch.testing.assert_close(tensor, torch.stack([p[name] for p in parts]).mean(dim=0), msg=name)

@@ -58,10 +58,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--include-final",
         action="store_true",
-        help="with a run folder: also merge the final model saved at its top, as the newest source",
+        help=(
+            "with a run folder: also merge the final model saved at its top, as the newest source "
+            "(in place of a snapshot or checkpoint saved at the same point)"
+        ),
     )
     add_revision_arguments(p)
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="output dtype (default: input dtype)")
+    p.add_argument(
+        "--dtype", choices=["float32", "bfloat16", "float16"], help="output dtype (default: input dtype)"
+    )
     p.add_argument("--accumulate-dtype", choices=["float32", "float64"], default="float32")
     p.add_argument("--max-shard-size", default="5GB", help="largest output shard (default: 5GB)")
     p.add_argument(

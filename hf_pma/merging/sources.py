@@ -426,6 +426,14 @@ def _final(layout: RunLayout) -> CheckpointSource:
     return source
 
 
+def _same_point(a: CheckpointSource, b: CheckpointSource) -> bool:
+    """True when two sources were saved at the same point of training (same tokens when both
+    are known, else same step); a run's final model is often its last snapshot or checkpoint."""
+    if a.tokens is not None and b.tokens is not None:
+        return a.tokens == b.tokens
+    return a.step is not None and a.step == b.step
+
+
 def _expand_local(path: Path, include_final: bool) -> list[CheckpointSource]:
     if path.is_file():
         return [model_source(path)]
@@ -454,7 +462,29 @@ def _expand_local(path: Path, include_final: bool) -> list[CheckpointSource]:
             raise ValueError(
                 f"include_final: {path} has no final model at its top (it holds {layout.found()})"
             )
-        sources.append(_final(layout))
+        final = _final(layout)
+        if sources and _same_point(sources[-1], final):
+            point = ", ".join(
+                x
+                for x in (
+                    f"step {final.step}" if final.step is not None else "",
+                    f"{final.tokens:,} tokens" if final.tokens is not None else "",
+                )
+                if x
+            )
+            logger.warning(
+                f"{path}: the final model at its top was saved at the same point as {sources[-1].name} "
+                f"({point}): it takes that source's place, so that point is merged once"
+            )
+            sources[-1] = final
+        else:
+            if final.tokens is None and final.step is None and sources:
+                logger.warning(
+                    f"{path}: the final model at its top has no trainer_state.json beside it, so the point it "
+                    f"was saved at is unknown; it is merged as the newest source, after {sources[-1].name} "
+                    "(if training ended there, that point counts twice: leave --include-final out)"
+                )
+            sources.append(final)
     elif layout.top_weights:
         logger.info(
             f"{path}: the final model at its top ({layout.top_weights[0].name}) is left out; "

@@ -117,9 +117,10 @@ def test_trainer_run_folder_uses_the_snapshots_then_the_checkpoints(trainer_run,
             s["tokens"] for s in report["snapshots"] if s["tokens"] > newest - span
         ]
 
-    # With --include-final, the final model comes last, named "final".
+    # With --include-final, the final model comes last, named "final"; saved at the step of the
+    # last snapshot, it takes that snapshot's place (the same point is not merged twice).
     assert main(["merge", str(run), "-o", str(tmp_path / "f"), "--last", "2", "--include-final", "-q"]) == 0
-    assert _merged_names(tmp_path / "f") == [snapshots[-1], "final"]
+    assert _merged_names(tmp_path / "f") == [snapshots[-2], "final"]
     capsys.readouterr()
 
     # Without pma/: the checkpoint-* folders, in step order; the final model still left out.
