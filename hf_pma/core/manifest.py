@@ -10,20 +10,28 @@ The manifest is only ever replaced atomically (temporary file, fsync, rename, fs
 folder), and a snapshot is listed only after its folder is complete, so a crash at any moment
 leaves a manifest that lists complete snapshots only. Paths in the manifest are relative to the
 manifest's folder so a run can be moved or uploaded.
+
+A run folder may come from anywhere, so the manifest and the records are untrusted input: one
+reader (:func:`read_manifest`) checks every field's type and range, and that every path stays,
+after symlinks, inside the manifest's folder, before anything else uses them; a bad file is a
+:class:`ManifestError` naming the file, the entry and the field. Only folders that this library
+wrote (:func:`is_snapshot_folder`) are ever deleted.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 from hf_pma.utils.fs import (
     LEGACY_PREFIXES,
     atomic_write_json,
+    confined_path,
     is_library_folder,
     read_json,
     remove_path,
@@ -47,6 +55,8 @@ __all__ = [
     "SNAPSHOT_DIR_PATTERN",
     "snapshot_dirname",
     "is_snapshot_folder",
+    "read_snapshot_record",
+    "validate_manifest",
     "read_manifest",
     "write_manifest",
     "manifest_snapshots",
@@ -58,6 +68,7 @@ __all__ = [
     "add_snapshot",
     "exclude_snapshots",
     "drop_snapshots_after",
+    "remove_snapshot_folder",
     "clean_incomplete",
     "orphan_snapshots",
 ]
@@ -132,16 +143,100 @@ class SnapshotRecord:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> SnapshotRecord:
-        """Build a record from a manifest entry; unknown keys go to ``extra``."""
+    def from_dict(cls, data: Any, where: str = "snapshot record") -> SnapshotRecord:
+        """Build a record from a manifest entry or a ``pma.json``; unknown keys go to ``extra``.
+
+        Every field is checked (see :func:`validate_manifest`); a bad one raises
+        :class:`ManifestError` starting with ``where`` (the file and entry). ``path`` is checked
+        to be a non-empty string only: where it leads is the manifest reader's check.
+        """
+        if not isinstance(data, dict):
+            raise ManifestError(f"{where}: expected an object, got {_shown(data)}")
         names = {f.name for f in dataclasses.fields(cls)}
         known = {k: v for k, v in data.items() if k in names}
-        unknown = {k: v for k, v in data.items() if k not in names}
-        if "path" not in known or "tokens" not in known or "step" not in known:
-            raise ValueError(f"snapshot record needs 'path', 'tokens' and 'step', got keys {sorted(data)}")
-        record = cls(**known)
-        record.extra = {**record.extra, **unknown}
+        unknown = {str(k): v for k, v in data.items() if k not in names}
+        missing = [key for key in ("path", "tokens", "step") if key not in known]
+        if missing:
+            raise ManifestError(f"{where}: '{missing[0]}' is missing (a snapshot record needs 'path', 'tokens' and 'step')")
+        for key, value in known.items():
+            check, expected = _RECORD_FIELDS[key]
+            if not check(value):
+                raise ManifestError(f"{where}: '{key}' must be {expected}, got {_shown(value)}")
+        extra = {**known.get("extra", {}), **unknown}
+        for key, value in extra.items():
+            check, expected = _EXTRA_FIELDS.get(key, (_anything, ""))
+            if not check(value):
+                raise ManifestError(f"{where}: 'extra.{key}' must be {expected}, got {_shown(value)}")
+        record = cls(**{k: v for k, v in known.items() if k != "extra"})
+        record.extra = extra
         return record
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    """A value as an error message shows it: ``repr``, on one line, cut to ``limit`` characters."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _anything(value: Any) -> bool:
+    return True
+
+
+def _is_int(value: Any, minimum: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
+    return lambda value: value is None or check(value)
+
+
+def _is_count(value: Any) -> bool:
+    return _is_int(value, 0)
+
+
+def _is_positive(value: Any) -> bool:
+    return _is_int(value, 1)
+
+
+def _is_path_string(value: Any) -> bool:
+    return isinstance(value, str) and bool(value.strip()) and "\x00" not in value
+
+
+# Each field of a record: (check, what it must be).
+_RECORD_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "path": (_is_path_string, "a non-empty relative path"),
+    "tokens": (_is_count, "a non-negative integer"),
+    "step": (_is_count, "a non-negative integer"),
+    "lr": (_optional(_is_number), "a number or null"),
+    "loss": (_optional(_is_number), "a number or null"),
+    "phase": (_optional(lambda v: isinstance(v, str)), "a string or null"),
+    "dtype": (_optional(lambda v: isinstance(v, str)), "a string or null"),
+    "time": (lambda v: _is_number(v) and math.isfinite(v), "a finite number (seconds since the epoch)"),
+    "num_bytes": (_optional(_is_count), "a non-negative integer or null"),
+    "extra": (lambda v: isinstance(v, dict), "an object"),
+}
+# The keys of ``extra`` that the library acts on; any other key is kept as it is.
+_EXTRA_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "excluded": (lambda v: isinstance(v, bool), "true or false"),
+    "excluded_reason": (_optional(lambda v: isinstance(v, str)), "a string or null"),
+    "sharded": (lambda v: isinstance(v, bool), "true or false"),
+    "world_size": (_is_positive, "a positive integer"),
+    "layout": (_optional(lambda v: isinstance(v, str)), "a string or null"),
+    "interval_tokens": (_optional(_is_positive), "a positive integer or null"),
+}
+# The top-level keys of a manifest that the library reads back.
+_MANIFEST_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "interval_tokens": (_optional(_is_positive), "a positive integer or null"),
+    "interval_choice": (_optional(lambda v: isinstance(v, dict)), "an object or null"),
+    "keep_last": (_optional(_is_positive), "a positive integer or null"),
+    "sharded": (lambda v: isinstance(v, bool), "true or false"),
+    "world_size": (_optional(_is_positive), "a positive integer or null"),
+    "recoveries": (lambda v: isinstance(v, list), "a list"),
+}
 
 
 def snapshot_dirname(tokens: int) -> str:
@@ -176,20 +271,99 @@ def find_manifest(path: str | os.PathLike[str]) -> Path | None:
 
 
 def read_manifest(pma_dir: str | os.PathLike[str]) -> dict[str, Any]:
-    """The manifest in ``pma_dir`` as a dict; an empty manifest when there is none yet."""
+    """The manifest in ``pma_dir`` as a dict, checked (:func:`validate_manifest`); an empty
+    manifest when there is none yet. A malformed one raises :class:`ManifestError`."""
+    return _read_checked(pma_dir)[0]
+
+
+def _read_checked(pma_dir: str | os.PathLike[str]) -> tuple[dict[str, Any], list[SnapshotRecord]]:
     path = Path(pma_dir) / MANIFEST_NAME
-    if not path.exists():
-        return {"format_version": FORMAT_VERSION, "snapshots": []}
-    data = read_json(path)
-    if not isinstance(data, dict) or not isinstance(data.get("snapshots"), list):
-        raise ValueError(f"{path} is not a PMA manifest: expected an object with a 'snapshots' list")
-    return data
+    if not path.exists() and not path.is_symlink():
+        return {"format_version": FORMAT_VERSION, "snapshots": []}, []
+    if not path.is_file():
+        raise ManifestError(f"{path} is not a PMA manifest: not a readable file")
+    try:
+        data = read_json(path)
+    except ValueError as err:
+        raise ManifestError(str(err)) from None
+    return data, validate_manifest(data, path)
+
+
+def validate_manifest(data: Any, path: str | os.PathLike[str]) -> list[SnapshotRecord]:
+    """Check a manifest read from ``path``; returns its snapshot records (file order).
+
+    Refuses, with a one-line :class:`ManifestError` naming ``path``, the entry and the field:
+    a ``format_version`` that is not an integer or that this version does not know (a newer
+    hf-pma's: upgrade), a ``snapshots`` that is not a list, an entry that is not an object, a
+    field of the wrong type or range (``tokens`` and ``step`` non-negative integers, booleans
+    true or false, ...), ``tokens`` and ``step`` that do not increase from entry to entry, and a
+    ``path`` that is empty, absolute, holds ``..``, or resolves (after symlinks) outside the
+    manifest's folder or onto another entry's folder. Nothing the entries name is read.
+    """
+    path = Path(path)
+    if not isinstance(data, dict):
+        raise ManifestError(f"{path} is not a PMA manifest: expected a JSON object, got {type(data).__name__}")
+    version = data.get("format_version", FORMAT_VERSION)
+    if not _is_int(version, -(2**63)):
+        raise ManifestError(f"{path}: 'format_version' must be an integer, got {_shown(version)}")
+    if version > FORMAT_VERSION:
+        raise ManifestError(
+            f"{path} was written by a newer hf-pma (format_version {version}; this one reads "
+            f"{FORMAT_VERSION}): upgrade hf-pma (pip install -U hf-pma)"
+        )
+    if version < 1:
+        raise ManifestError(f"{path}: unknown 'format_version' {version} (this hf-pma reads 1 to {FORMAT_VERSION})")
+    for key, (check, expected) in _MANIFEST_FIELDS.items():
+        if key in data and not check(data[key]):
+            raise ManifestError(f"{path}: '{key}' must be {expected}, got {_shown(data[key])}")
+    entries = data.get("snapshots")
+    if not isinstance(entries, list):
+        raise ManifestError(f"{path} is not a PMA manifest: 'snapshots' must be a list, got {_shown(entries)}")
+    records: list[SnapshotRecord] = []
+    folders: dict[Path, str] = {}
+    for i, entry in enumerate(entries):
+        name = entry.get("path") if isinstance(entry, dict) else None
+        where = f"{path}: snapshots[{i}]" + (f" ({_shown(name)})" if isinstance(name, str) else "")
+        record = SnapshotRecord.from_dict(entry, where)
+        try:
+            folder = confined_path(path.parent, record.path).resolve()
+        except ValueError as err:
+            raise ManifestError(f"{where}: 'path' refused: {err}") from None
+        if folder in folders:
+            raise ManifestError(f"{where}: 'path' names the same folder as the entry {_shown(folders[folder])}")
+        folders[folder] = record.path
+        if records:
+            previous = records[-1]
+            for key in ("tokens", "step"):
+                if getattr(record, key) <= getattr(previous, key):
+                    raise ManifestError(
+                        f"{where}: '{key}' {getattr(record, key)} does not increase on the entry before it "
+                        f"({getattr(previous, key)}); entries are listed oldest first, one per {key}"
+                    )
+        records.append(record)
+    return records
+
+
+def read_snapshot_record(folder: str | os.PathLike[str]) -> SnapshotRecord | None:
+    """The record (``pma.json``) of a snapshot folder, checked, with ``path`` set to the folder's
+    name; ``None`` when there is none. A malformed one raises :class:`ManifestError`."""
+    folder = Path(folder)
+    path = folder / SNAPSHOT_RECORD_NAME
+    if not path.is_file():
+        return None
+    try:
+        data = read_json(path)
+    except ValueError as err:
+        raise ManifestError(str(err)) from None
+    record = SnapshotRecord.from_dict(data, str(path))
+    record.path = folder.name
+    return record
 
 
 def manifest_snapshots(pma_dir: str | os.PathLike[str]) -> list[SnapshotRecord]:
-    """The snapshot records of the manifest in ``pma_dir``, ordered by tokens (oldest first)."""
-    records = [SnapshotRecord.from_dict(d) for d in read_manifest(pma_dir)["snapshots"]]
-    return sorted(records, key=lambda r: (r.tokens, r.step))
+    """The snapshot records of the manifest in ``pma_dir``, oldest first, checked (see
+    :func:`validate_manifest`): every ``path`` leads to a folder inside ``pma_dir``."""
+    return _read_checked(pma_dir)[1]
 
 
 def write_manifest(
@@ -197,11 +371,15 @@ def write_manifest(
     snapshots: Iterable[SnapshotRecord | dict[str, Any]],
     **fields: Any,
 ) -> dict[str, Any]:
-    """Replace the manifest in ``pma_dir`` atomically; ``fields`` update its top-level keys."""
+    """Replace the manifest in ``pma_dir`` atomically; ``fields`` update its top-level keys.
+
+    The new manifest is checked as :func:`read_manifest` checks it before anything is written
+    (:class:`ManifestError` when it would be refused)."""
     data = read_manifest(pma_dir)
     data.update(fields)
     data["format_version"] = FORMAT_VERSION
     data["snapshots"] = [s.to_dict() if isinstance(s, SnapshotRecord) else dict(s) for s in snapshots]
+    validate_manifest(data, Path(pma_dir) / MANIFEST_NAME)  # never write what would be refused on reading
     atomic_write_json(Path(pma_dir) / MANIFEST_NAME, data)
     return data
 
@@ -244,9 +422,7 @@ def add_snapshot(
     if keep_last is not None and len(records) > keep_last:
         doomed, records = records[: len(records) - keep_last], records[len(records) - keep_last :]
     write_manifest(pma_dir, records, **fields)
-    for old in doomed:
-        remove_tree(Path(pma_dir) / old.path)
-    return doomed
+    return [old for old in doomed if remove_snapshot_folder(pma_dir, old)]
 
 
 def exclude_snapshots(
@@ -274,7 +450,9 @@ def drop_snapshots_after(pma_dir: str | os.PathLike[str], tokens: int) -> list[S
     """Remove the snapshots with more than ``tokens`` tokens from the manifest, then from disk.
 
     Used when a run resumes from a checkpoint taken before them: the resumed run will take
-    them again, so the manifest ends as the one of an uninterrupted run.
+    them again, so the manifest ends as the one of an uninterrupted run. Only snapshot folders
+    that hf-pma wrote are deleted (:func:`remove_snapshot_folder`); returns every record dropped
+    from the manifest.
     """
     records = manifest_snapshots(pma_dir)
     keep = [r for r in records if r.tokens <= tokens]
@@ -282,8 +460,32 @@ def drop_snapshots_after(pma_dir: str | os.PathLike[str], tokens: int) -> list[S
     if dropped:
         write_manifest(pma_dir, keep)
         for record in dropped:
-            remove_tree(Path(pma_dir) / record.path)
+            remove_snapshot_folder(pma_dir, record)
     return dropped
+
+
+def remove_snapshot_folder(pma_dir: str | os.PathLike[str], record: SnapshotRecord) -> bool:
+    """Delete the folder of ``record`` when it is a snapshot folder that hf-pma wrote in ``pma_dir``
+    (:func:`is_snapshot_folder`); anything else it names is left on disk with a warning.
+    Returns whether it was deleted (``False`` too when it is already gone)."""
+    folder = Path(pma_dir) / record.path
+    if not folder.exists() and not folder.is_symlink():
+        return False
+    if not is_snapshot_folder(folder, pma_dir):
+        _logger().warning(
+            f"hf-pma: left {folder} on disk: it is not a snapshot folder that hf-pma wrote in {pma_dir} "
+            f"(a real folder named snapshot-<tokens> holding {SNAPSHOT_RECORD_NAME})"
+        )
+        return False
+    remove_tree(folder)
+    return True
+
+
+def _logger() -> Any:
+    # Imported on use: this module stays free of heavy imports (the CLI's parser loads it).
+    from transformers.utils import logging
+
+    return logging.get_logger(__name__)
 
 
 def clean_incomplete(pma_dir: str | os.PathLike[str]) -> list[Path]:
@@ -310,19 +512,18 @@ def orphan_snapshots(pma_dir: str | os.PathLike[str]) -> list[tuple[Path, Snapsh
 
     A folder only gets its final ``snapshot-<tokens>`` name once complete, so an orphan is
     either a snapshot whose manifest update was interrupted (record readable) or a folder
-    left by something else (record ``None``).
+    left by something else (record ``None``). Only real folders that hf-pma wrote count
+    (:func:`is_snapshot_folder`): a symlink or a folder without a record is not an orphan.
     """
     pma_dir = Path(pma_dir)
-    listed = {r.path for r in manifest_snapshots(pma_dir)}
+    listed = {snapshot_path(pma_dir, r) for r in manifest_snapshots(pma_dir)}
     orphans: list[tuple[Path, SnapshotRecord | None]] = []
     for child in sorted(pma_dir.glob("snapshot-*")):
-        if not child.is_dir() or child.name in listed:
+        if not is_snapshot_folder(child, pma_dir) or child.resolve() in listed:
             continue
-        record = None
         try:
-            record = SnapshotRecord.from_dict(read_json(child / SNAPSHOT_RECORD_NAME))
-            record.path = child.name
-        except (OSError, ValueError, TypeError):
+            record = read_snapshot_record(child)
+        except (OSError, ManifestError):
             record = None
         orphans.append((child, record))
     return orphans

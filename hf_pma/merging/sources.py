@@ -29,6 +29,7 @@ from hf_pma.core.manifest import (
     SNAPSHOT_RECORD_NAME,
     manifest_snapshots,
     read_manifest,
+    read_snapshot_record,
 )
 from hf_pma.core.selection import WindowSpan, check_window, window_by_progress, window_span
 from hf_pma.io.safetensors import CheckpointFormatError, SafetensorsCheckpoint, TensorInfo
@@ -72,10 +73,18 @@ _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 FINAL_LABEL = "final"
 
 
+def _is_file_name(name: object) -> bool:
+    """A plain file name (what a shard index may list): no folder, no ``..``, nothing absolute."""
+    if not isinstance(name, str) or name in ("", ".", ".."):
+        return False
+    return not any(c in name for c in ("/", "\\", "\x00"))
+
+
 def find_weight_files(folder: Path) -> tuple[str, list[Path]] | None:
     """The weight files of a model folder and their prefix, or ``None`` if it holds none.
 
-    Prefers safetensors over ``.bin``; follows a shard index when there is one.
+    Prefers safetensors over ``.bin``; follows a shard index when there is one (its shards must
+    be plain file names in ``folder``: a Hub cache's symlinked files are fine, a path is not).
     """
     for prefix in WEIGHT_PREFIXES:
         for suffix in ("safetensors", "bin"):
@@ -85,9 +94,16 @@ def find_weight_files(folder: Path) -> tuple[str, list[Path]] | None:
             if index.is_file():
                 try:
                     weight_map = json.loads(index.read_text())["weight_map"]
-                except (ValueError, KeyError, TypeError) as err:
-                    raise CheckpointFormatError(f"{index} is not a valid shard index: {err}") from err
-                files = [folder / name for name in dict.fromkeys(weight_map.values())]
+                    names = list(dict.fromkeys(weight_map.values()))
+                except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
+                    raise CheckpointFormatError(f"{index} is not a valid shard index: {err}") from None
+                bad = next((n for n in names if not _is_file_name(n)), None)
+                if bad is not None:
+                    raise CheckpointFormatError(
+                        f"{index} lists the shard {bad!r}: a shard must be a file name in {folder}, "
+                        "without folders, '..' or an absolute path"
+                    )
+                files = [folder / name for name in names]
                 missing = [f.name for f in files if not f.is_file()]
                 if missing:
                     raise CheckpointFormatError(
@@ -244,22 +260,23 @@ class CheckpointSource:
 
 
 def _progress_of(folder: Path) -> tuple[int | None, int | None, dict[str, Any]]:
-    """Tokens and step of a folder from its snapshot record or Trainer state, if any."""
-    record_path = folder / SNAPSHOT_RECORD_NAME
-    if record_path.is_file():
-        try:
-            record = json.loads(record_path.read_text())
-            return record.get("tokens"), record.get("step"), record
-        except ValueError:
-            logger.warning(f"Ignoring unreadable snapshot record {record_path}")
+    """Tokens and step of a folder from its snapshot record (checked) or Trainer state, if any."""
+    record = read_snapshot_record(folder)  # checked: a malformed one is a ManifestError
+    if record is not None:
+        return record.tokens, record.step, record.to_dict()
     state_path = folder / "trainer_state.json"
     if state_path.is_file():
         try:
             state = json.loads(state_path.read_text())
-        except ValueError:
+        except (ValueError, RecursionError):
             return None, None, {}
+        if not isinstance(state, dict):
+            raise CheckpointFormatError(f"{state_path} should hold a JSON object, got {type(state).__name__}")
         step = state.get("global_step")
         tokens = state.get("num_input_tokens_seen") or None  # 0 means "not counted"
+        for key, value in (("global_step", step), ("num_input_tokens_seen", tokens)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise CheckpointFormatError(f"{state_path}: '{key}' must be a non-negative integer, got {value!r:.60}")
         return tokens, step, {}
     return None, None, {}
 

@@ -392,8 +392,8 @@ def read_json(path: str | os.PathLike[str]) -> Any:
     try:
         with open(path, encoding="utf-8") as fh:
             return json.load(fh)
-    except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON: {err}") from err
+    except (ValueError, RecursionError) as err:  # bad JSON or UTF-8, too deep, a huge integer
+        raise ValueError(f"{path} is not valid JSON: {err}") from None
 
 
 def remove_tree(path: str | os.PathLike[str]) -> None:
