@@ -323,7 +323,7 @@ def validate_manifest(data: Any, path: str | os.PathLike[str]) -> list[SnapshotR
     folders: dict[Path, str] = {}
     for i, entry in enumerate(entries):
         name = entry.get("path") if isinstance(entry, dict) else None
-        where = f"{path}: snapshots[{i}]" + (f" ({_shown(name)})" if isinstance(name, str) else "")
+        where = f"{path}: snapshots[{i}]" + (f" ({_shown(name, 200)})" if isinstance(name, str) else "")
         record = SnapshotRecord.from_dict(entry, where)
         try:
             folder = confined_path(path.parent, record.path).resolve()

@@ -251,7 +251,7 @@ def is_library_folder(
         return False
 
 
-def _shown(value: Any, limit: int = 80) -> str:
+def _shown(value: Any, limit: int = 200) -> str:
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
