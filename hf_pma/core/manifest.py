@@ -318,7 +318,7 @@ def validate_manifest(data: Any, path: str | os.PathLike[str]) -> list[SnapshotR
             raise ManifestError(f"{path}: '{key}' must be {expected}, got {_shown(data[key])}")
     entries = data.get("snapshots")
     if not isinstance(entries, list):
-        raise ManifestError(f"{path} is not a PMA manifest: 'snapshots' must be a list, got {_shown(entries)}")
+        raise ManifestError(f"{path}: 'snapshots' must be a list of snapshot records, got {_shown(entries)}")
     records: list[SnapshotRecord] = []
     folders: dict[Path, str] = {}
     for i, entry in enumerate(entries):
