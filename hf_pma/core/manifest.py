@@ -56,6 +56,7 @@ __all__ = [
     "snapshot_dirname",
     "is_snapshot_folder",
     "read_snapshot_record",
+    "check_record",
     "validate_manifest",
     "read_manifest",
     "write_manifest",
@@ -150,36 +151,40 @@ class SnapshotRecord:
         :class:`ManifestError` starting with ``where`` (the file and entry). ``path`` is checked
         to be a non-empty string only: where it leads is the manifest reader's check.
         """
-        if not isinstance(data, dict):
-            raise ManifestError(f"{where}: expected an object, got {_shown(data)}")
+        check_record(data, where)
         names = {f.name for f in dataclasses.fields(cls)}
         known = {k: v for k, v in data.items() if k in names}
-        unknown = {str(k): v for k, v in data.items() if k not in names}
-        missing = [key for key in ("path", "tokens", "step") if key not in known]
-        if missing:
-            raise ManifestError(f"{where}: '{missing[0]}' is missing (a snapshot record needs 'path', 'tokens' and 'step')")
-        for key, value in known.items():
-            check, expected = _RECORD_FIELDS[key]
-            if not check(value):
-                raise ManifestError(f"{where}: '{key}' must be {expected}, got {_shown(value)}")
-        extra = {**known.get("extra", {}), **unknown}
-        for key, value in extra.items():
-            check, expected = _EXTRA_FIELDS.get(key, (_anything, ""))
-            if not check(value):
-                raise ManifestError(f"{where}: 'extra.{key}' must be {expected}, got {_shown(value)}")
+        extra = {**known.get("extra", {}), **{str(k): v for k, v in data.items() if k not in names}}
         record = cls(**{k: v for k, v in known.items() if k != "extra"})
         record.extra = extra
         return record
+
+
+def check_record(data: Any, where: str, required: Iterable[str] = ("path", "tokens", "step")) -> None:
+    """Check a snapshot record (a manifest entry, a ``pma.json``): an object holding the
+    ``required`` keys, each field of the right type and range (see :func:`validate_manifest`);
+    :class:`ManifestError` starting with ``where`` (the file and entry) names the first bad one."""
+    if not isinstance(data, dict):
+        raise ManifestError(f"{where}: expected an object, got {_shown(data)}")
+    missing = [key for key in required if key not in data]
+    if missing:
+        raise ManifestError(f"{where}: '{missing[0]}' is missing (a snapshot record needs {', '.join(map(repr, required))})")
+    names = {f.name for f in dataclasses.fields(SnapshotRecord)}
+    for key, value in data.items():
+        if key in _RECORD_FIELDS:
+            check, expected = _RECORD_FIELDS[key]
+            if not check(value):
+                raise ManifestError(f"{where}: '{key}' must be {expected}, got {_shown(value)}")
+    extra = {**data.get("extra", {}), **{str(k): v for k, v in data.items() if k not in names}}
+    for key, value in extra.items():
+        if key in _EXTRA_FIELDS and not _EXTRA_FIELDS[key][0](value):
+            raise ManifestError(f"{where}: 'extra.{key}' must be {_EXTRA_FIELDS[key][1]}, got {_shown(value)}")
 
 
 def _shown(value: Any, limit: int = 60) -> str:
     """A value as an error message shows it: ``repr``, on one line, cut to ``limit`` characters."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def _anything(value: Any) -> bool:
-    return True
 
 
 def _is_int(value: Any, minimum: int) -> bool:
@@ -344,9 +349,10 @@ def validate_manifest(data: Any, path: str | os.PathLike[str]) -> list[SnapshotR
     return records
 
 
-def read_snapshot_record(folder: str | os.PathLike[str]) -> SnapshotRecord | None:
-    """The record (``pma.json``) of a snapshot folder, checked, with ``path`` set to the folder's
-    name; ``None`` when there is none. A malformed one raises :class:`ManifestError`."""
+def read_snapshot_record(folder: str | os.PathLike[str], required: Iterable[str] = ("tokens", "step")) -> dict[str, Any] | None:
+    """The record (``pma.json``) of a snapshot folder, checked (:func:`check_record`, with the
+    ``required`` keys), with ``path`` set to the folder's name (where it is, not what it says);
+    ``None`` when there is none. A malformed one raises :class:`ManifestError`."""
     folder = Path(folder)
     path = folder / SNAPSHOT_RECORD_NAME
     if not path.is_file():
@@ -355,9 +361,8 @@ def read_snapshot_record(folder: str | os.PathLike[str]) -> SnapshotRecord | Non
         data = read_json(path)
     except ValueError as err:
         raise ManifestError(str(err)) from None
-    record = SnapshotRecord.from_dict(data, str(path))
-    record.path = folder.name
-    return record
+    check_record(data, str(path), required)
+    return {**data, "path": folder.name}
 
 
 def manifest_snapshots(pma_dir: str | os.PathLike[str]) -> list[SnapshotRecord]:
@@ -522,7 +527,7 @@ def orphan_snapshots(pma_dir: str | os.PathLike[str]) -> list[tuple[Path, Snapsh
         if not is_snapshot_folder(child, pma_dir) or child.resolve() in listed:
             continue
         try:
-            record = read_snapshot_record(child)
+            record = SnapshotRecord.from_dict(read_snapshot_record(child) or {}, str(child / SNAPSHOT_RECORD_NAME))
         except (OSError, ManifestError):
             record = None
         orphans.append((child, record))

@@ -14,7 +14,6 @@ before anything is downloaded (see :mod:`hf_pma.merging.hub_revisions`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import os
@@ -26,7 +25,6 @@ from typing import TYPE_CHECKING, Any
 from hf_pma.core.manifest import (
     MANIFEST_NAME,
     PMA_SUBDIR,
-    SNAPSHOT_RECORD_NAME,
     manifest_snapshots,
     read_manifest,
     read_snapshot_record,
@@ -261,9 +259,9 @@ class CheckpointSource:
 
 def _progress_of(folder: Path) -> tuple[int | None, int | None, dict[str, Any]]:
     """Tokens and step of a folder from its snapshot record (checked) or Trainer state, if any."""
-    record = read_snapshot_record(folder)  # checked: a malformed one is a ManifestError
+    record = read_snapshot_record(folder, required=())  # checked: a malformed one is a ManifestError
     if record is not None:
-        return record.tokens, record.step, record.to_dict()
+        return record.get("tokens"), record.get("step"), record
     state_path = folder / "trainer_state.json"
     if state_path.is_file():
         try:
@@ -300,12 +298,9 @@ def _sharded_files(folder: Path) -> list[Path] | None:
     files = sharded_weight_files(folder)
     if files is None:
         return None
-    record_path = folder / SNAPSHOT_RECORD_NAME
-    world = None
-    if record_path.is_file():
-        with contextlib.suppress(ValueError, AttributeError):
-            world = (json.loads(record_path.read_text()).get("extra") or {}).get("world_size")
-    if isinstance(world, int) and len(files) != world:
+    record = read_snapshot_record(folder, required=()) or {}  # checked: world_size a positive integer
+    world = (record.get("extra") or {}).get("world_size")
+    if world is not None and len(files) != world:
         raise CheckpointFormatError(
             f"sharded snapshot {folder} was written by {world} ranks but holds {len(files)} rank files"
         )

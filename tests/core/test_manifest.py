@@ -204,10 +204,15 @@ def test_snapshot_record_file_is_checked(tmp_path):
     folder.mkdir()
     assert read_snapshot_record(folder) is None
     (folder / "pma.json").write_text(json.dumps({"path": "/anywhere", "tokens": 5, "step": 1}))
-    assert read_snapshot_record(folder).path == "snapshot-5"  # where it is, not what it says
-    (folder / "pma.json").write_text(json.dumps({"path": "snapshot-5", "tokens": "5", "step": 1}))
-    with pytest.raises(ManifestError, match=f"^{folder / 'pma.json'}: 'tokens' must be a non-negative integer"):
+    assert read_snapshot_record(folder)["path"] == "snapshot-5"  # where it is, not what it says
+    (folder / "pma.json").write_text(json.dumps({"tokens": 5}))
+    with pytest.raises(ManifestError, match="'step' is missing"):
         read_snapshot_record(folder)
+    assert read_snapshot_record(folder, required=())["tokens"] == 5
+    for bad, field in (({"tokens": "5"}, "'tokens'"), ({"step": -1}, "'step'"), ({"extra": {"sharded": "yes"}}, "'extra.sharded'")):
+        (folder / "pma.json").write_text(json.dumps(bad))
+        with pytest.raises(ManifestError, match=f"^{folder / 'pma.json'}: {field} must be"):
+            read_snapshot_record(folder, required=())
 
 
 # ---------------------------------------------------------------- confined paths
