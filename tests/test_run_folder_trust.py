@@ -69,12 +69,23 @@ def test_merge_sweep_inspect_refuse_an_entry_outside_the_run(handed_over, tmp_pa
     commands = {
         "merge": ["merge", str(run), "-o", str(tmp_path / "merged"), "-q"],
         "inspect": ["inspect", str(run), "--plot", "", "-q"],
-        "sweep": ["sweep", str(run), "--eval-file", str(heldout), "-o", str(tmp_path / "s.json"), "--no-plot", "-q"],
+        "sweep": [
+            "sweep",
+            str(run),
+            "--eval-file",
+            str(heldout),
+            "-o",
+            str(tmp_path / "s.json"),
+            "--no-plot",
+            "-q",
+        ],
     }
     for name, argv in commands.items():
         assert main(argv) == 2, name
         error = the_error(capsys.readouterr().err)
-        assert error.startswith(f"hf-pma {name}: error: {pma / 'manifest.json'}: snapshots[3] ({path!r}): 'path' refused")
+        assert error.startswith(
+            f"hf-pma {name}: error: {pma / 'manifest.json'}: snapshots[3] ({path!r}): 'path' refused"
+        )
     assert not (tmp_path / "merged").exists() and not (tmp_path / "s.json").exists()
     assert tree(tmp_path / "victim") == before
 
@@ -84,16 +95,46 @@ def _tokens(d):
 
 
 MALFORMED = {
-    "tokens 'abc'": (_tokens, "snapshots[1] ('snapshot-2000'): 'tokens' must be a non-negative integer, got 'abc'"),
-    "tokens null": (lambda d: d["snapshots"][1].update(tokens=None), "snapshots[1] ('snapshot-2000'): 'tokens' must be"),
-    "tokens -5": (lambda d: d["snapshots"][0].update(tokens=-5), "snapshots[0] ('snapshot-1000'): 'tokens' must be a non-negative"),
-    "path 5": (lambda d: d["snapshots"][2].update(path=5), "snapshots[2]: 'path' must be a non-empty relative path, got 5"),
-    "snapshots {}": (lambda d: d.update(snapshots={}), "'snapshots' must be a list of snapshot records, got {}"),
-    "entry string": (lambda d: d["snapshots"].__setitem__(1, "snapshot-2000"), "snapshots[1]: expected an object"),
-    "format_version 99": (lambda d: d.update(format_version=99), "was written by a newer hf-pma (format_version 99;"),
-    "format_version 'banana'": (lambda d: d.update(format_version="banana"), "'format_version' must be an integer"),
-    "excluded 'false'": (lambda d: d["snapshots"][2].update(excluded="false"), "snapshots[2] ('snapshot-3000'): 'extra.excluded' must be true or false, got 'false'"),
-    "steps decrease": (lambda d: d["snapshots"][2].update(step=5), "snapshots[2] ('snapshot-3000'): 'step' 5 does not increase"),
+    "tokens 'abc'": (
+        _tokens,
+        "snapshots[1] ('snapshot-2000'): 'tokens' must be a non-negative integer, got 'abc'",
+    ),
+    "tokens null": (
+        lambda d: d["snapshots"][1].update(tokens=None),
+        "snapshots[1] ('snapshot-2000'): 'tokens' must be",
+    ),
+    "tokens -5": (
+        lambda d: d["snapshots"][0].update(tokens=-5),
+        "snapshots[0] ('snapshot-1000'): 'tokens' must be a non-negative",
+    ),
+    "path 5": (
+        lambda d: d["snapshots"][2].update(path=5),
+        "snapshots[2]: 'path' must be a non-empty relative path, got 5",
+    ),
+    "snapshots {}": (
+        lambda d: d.update(snapshots={}),
+        "'snapshots' must be a list of snapshot records, got {}",
+    ),
+    "entry string": (
+        lambda d: d["snapshots"].__setitem__(1, "snapshot-2000"),
+        "snapshots[1]: expected an object",
+    ),
+    "format_version 99": (
+        lambda d: d.update(format_version=99),
+        "was written by a newer hf-pma (format_version 99;",
+    ),
+    "format_version 'banana'": (
+        lambda d: d.update(format_version="banana"),
+        "'format_version' must be an integer",
+    ),
+    "excluded 'false'": (
+        lambda d: d["snapshots"][2].update(excluded="false"),
+        "snapshots[2] ('snapshot-3000'): 'extra.excluded' must be true or false, got 'false'",
+    ),
+    "steps decrease": (
+        lambda d: d["snapshots"][2].update(step=5),
+        "snapshots[2] ('snapshot-3000'): 'step' 5 does not increase",
+    ),
 }
 
 
@@ -105,7 +146,10 @@ def test_malformed_manifest_is_one_line_and_exit_2(handed_over, tmp_path, capsys
     mutate, expected = MALFORMED[name]
     mutate(data)
     manifest.write_text(json.dumps(data))
-    for argv in (["merge", str(run), "-o", str(tmp_path / "merged"), "--last", "2", "-q"], ["inspect", str(run), "--plot", "", "-q"]):
+    for argv in (
+        ["merge", str(run), "-o", str(tmp_path / "merged"), "--last", "2", "-q"],
+        ["inspect", str(run), "--plot", "", "-q"],
+    ):
         assert main(argv) == 2, argv
         error = the_error(capsys.readouterr().err)
         assert f"error: {manifest}" in error and expected in error, error
@@ -116,10 +160,18 @@ def test_the_installed_command_exits_2_with_one_line(handed_over, tmp_path):
     run, victim, _ = handed_over
     add_entries(run / "pma", {"path": "../../victim/model", "tokens": 4000, "step": 40})
     exe = os.path.join(os.path.dirname(sys.executable), "hf-pma")
-    done = subprocess.run([exe, "merge", str(run), "-o", str(tmp_path / "m")], capture_output=True, text=True,
-                          env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=300)
+    done = subprocess.run(
+        [exe, "merge", str(run), "-o", str(tmp_path / "m")],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        timeout=300,
+    )
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
-    assert "snapshots[3] ('../../victim/model'): 'path' refused: the path '../../victim/model' leaves" in done.stderr
+    assert (
+        "snapshots[3] ('../../victim/model'): 'path' refused: the path '../../victim/model' leaves"
+        in done.stderr
+    )
 
 
 # ---------------------------------------------------------------- a resumed Trainer
@@ -162,11 +214,16 @@ def run_copy(trained, tmp_path):
 def test_resume_refuses_entries_outside_the_run_and_deletes_nothing(run_copy, tmp_path):
     pma = run_copy / "pma"
     # Both after the resume point: resuming drops (and used to delete) them.
-    add_entries(pma, {"path": "../../victim_rel", "tokens": 20 * TPS, "step": 20},
-                {"path": str(tmp_path / "victim_abs"), "tokens": 21 * TPS, "step": 21})
+    add_entries(
+        pma,
+        {"path": "../../victim_rel", "tokens": 20 * TPS, "step": 20},
+        {"path": str(tmp_path / "victim_abs"), "tokens": 21 * TPS, "step": 21},
+    )
     manifest = (pma / "manifest.json").read_bytes()
     before = tree(tmp_path)
-    with pytest.raises(ValueError, match=r"snapshots\[4\] \('../../victim_rel'\): 'path' refused: .* leaves") as info:
+    with pytest.raises(
+        ValueError, match=r"snapshots\[4\] \('../../victim_rel'\): 'path' refused: .* leaves"
+    ) as info:
         train(run_copy, PMACallback(interval_tokens=2 * TPS), resume=str(run_copy / "checkpoint-4"))
     assert "\n" not in str(info.value)
     assert tree(tmp_path) == before and (pma / "manifest.json").read_bytes() == manifest
@@ -176,8 +233,12 @@ def test_keep_last_refuses_an_old_entry_outside_the_run(run_copy, tmp_path):
     pma = run_copy / "pma"
     add_entries(pma, {"path": str(tmp_path / "victim_abs"), "tokens": 1, "step": 1}, first=True)
     before = tree(tmp_path)
-    with pytest.raises(ValueError, match=r"snapshots\[0\] \('.*victim_abs'\): 'path' refused: .* is absolute"):
-        train(run_copy, PMACallback(interval_tokens=2 * TPS, keep_last=2), resume=str(run_copy / "checkpoint-4"))
+    with pytest.raises(
+        ValueError, match=r"snapshots\[0\] \('.*victim_abs'\): 'path' refused: .* is absolute"
+    ):
+        train(
+            run_copy, PMACallback(interval_tokens=2 * TPS, keep_last=2), resume=str(run_copy / "checkpoint-4")
+        )
     assert tree(tmp_path) == before
 
 

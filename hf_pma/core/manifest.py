@@ -168,7 +168,9 @@ def check_record(data: Any, where: str, required: Iterable[str] = ("path", "toke
         raise ManifestError(f"{where}: expected an object, got {_shown(data)}")
     missing = [key for key in required if key not in data]
     if missing:
-        raise ManifestError(f"{where}: '{missing[0]}' is missing (a snapshot record needs {', '.join(map(repr, required))})")
+        raise ManifestError(
+            f"{where}: '{missing[0]}' is missing (a snapshot record needs {', '.join(map(repr, required))})"
+        )
     names = {f.name for f in dataclasses.fields(SnapshotRecord)}
     for key, value in data.items():
         if key in _RECORD_FIELDS:
@@ -178,7 +180,9 @@ def check_record(data: Any, where: str, required: Iterable[str] = ("path", "toke
     extra = {**data.get("extra", {}), **{str(k): v for k, v in data.items() if k not in names}}
     for key, value in extra.items():
         if key in _EXTRA_FIELDS and not _EXTRA_FIELDS[key][0](value):
-            raise ManifestError(f"{where}: 'extra.{key}' must be {_EXTRA_FIELDS[key][1]}, got {_shown(value)}")
+            raise ManifestError(
+                f"{where}: 'extra.{key}' must be {_EXTRA_FIELDS[key][1]}, got {_shown(value)}"
+            )
 
 
 def _shown(value: Any, limit: int = 60) -> str:
@@ -307,7 +311,9 @@ def validate_manifest(data: Any, path: str | os.PathLike[str]) -> list[SnapshotR
     """
     path = Path(path)
     if not isinstance(data, dict):
-        raise ManifestError(f"{path} is not a PMA manifest: expected a JSON object, got {type(data).__name__}")
+        raise ManifestError(
+            f"{path} is not a PMA manifest: expected a JSON object, got {type(data).__name__}"
+        )
     version = data.get("format_version", FORMAT_VERSION)
     if not _is_int(version, -(2**63)):
         raise ManifestError(f"{path}: 'format_version' must be an integer, got {_shown(version)}")
@@ -317,7 +323,9 @@ def validate_manifest(data: Any, path: str | os.PathLike[str]) -> list[SnapshotR
             f"{FORMAT_VERSION}): upgrade hf-pma (pip install -U hf-pma)"
         )
     if version < 1:
-        raise ManifestError(f"{path}: unknown 'format_version' {version} (this hf-pma reads 1 to {FORMAT_VERSION})")
+        raise ManifestError(
+            f"{path}: unknown 'format_version' {version} (this hf-pma reads 1 to {FORMAT_VERSION})"
+        )
     for key, (check, expected) in _MANIFEST_FIELDS.items():
         if key in data and not check(data[key]):
             raise ManifestError(f"{path}: '{key}' must be {expected}, got {_shown(data[key])}")
@@ -335,7 +343,9 @@ def validate_manifest(data: Any, path: str | os.PathLike[str]) -> list[SnapshotR
         except ValueError as err:
             raise ManifestError(f"{where}: 'path' refused: {err}") from None
         if folder in folders:
-            raise ManifestError(f"{where}: 'path' names the same folder as the entry {_shown(folders[folder])}")
+            raise ManifestError(
+                f"{where}: 'path' names the same folder as the entry {_shown(folders[folder])}"
+            )
         folders[folder] = record.path
         if records:
             previous = records[-1]
@@ -349,7 +359,9 @@ def validate_manifest(data: Any, path: str | os.PathLike[str]) -> list[SnapshotR
     return records
 
 
-def read_snapshot_record(folder: str | os.PathLike[str], required: Iterable[str] = ("tokens", "step")) -> dict[str, Any] | None:
+def read_snapshot_record(
+    folder: str | os.PathLike[str], required: Iterable[str] = ("tokens", "step")
+) -> dict[str, Any] | None:
     """The record (``pma.json``) of a snapshot folder, checked (:func:`check_record`, with the
     ``required`` keys), with ``path`` set to the folder's name (where it is, not what it says);
     ``None`` when there is none. A malformed one raises :class:`ManifestError`."""
@@ -527,7 +539,9 @@ def orphan_snapshots(pma_dir: str | os.PathLike[str]) -> list[tuple[Path, Snapsh
         if not is_snapshot_folder(child, pma_dir) or child.resolve() in listed:
             continue
         try:
-            record = SnapshotRecord.from_dict(read_snapshot_record(child) or {}, str(child / SNAPSHOT_RECORD_NAME))
+            record = SnapshotRecord.from_dict(
+                read_snapshot_record(child) or {}, str(child / SNAPSHOT_RECORD_NAME)
+            )
         except (OSError, ManifestError):
             record = None
         orphans.append((child, record))

@@ -274,7 +274,9 @@ def _progress_of(folder: Path) -> tuple[int | None, int | None, dict[str, Any]]:
         tokens = state.get("num_input_tokens_seen") or None  # 0 means "not counted"
         for key, value in (("global_step", step), ("num_input_tokens_seen", tokens)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-                raise CheckpointFormatError(f"{state_path}: '{key}' must be a non-negative integer, got {value!r:.60}")
+                raise CheckpointFormatError(
+                    f"{state_path}: '{key}' must be a non-negative integer, got {value!r:.60}"
+                )
         return tokens, step, {}
     return None, None, {}
 

@@ -121,12 +121,24 @@ def _entry(value):
 
 # mutation -> what the one-line error must name (besides the file).
 MALFORMED = {
-    "tokens string": (_set(1, "tokens", "abc"), r"snapshots\[1\] \('snapshot-200'\): 'tokens' must be a non-negative integer, got 'abc'"),
-    "tokens null": (_set(1, "tokens", None), r"snapshots\[1\].*'tokens' must be a non-negative integer, got None"),
-    "tokens negative": (_set(0, "tokens", -5), r"snapshots\[0\].*'tokens' must be a non-negative integer, got -5"),
+    "tokens string": (
+        _set(1, "tokens", "abc"),
+        r"snapshots\[1\] \('snapshot-200'\): 'tokens' must be a non-negative integer, got 'abc'",
+    ),
+    "tokens null": (
+        _set(1, "tokens", None),
+        r"snapshots\[1\].*'tokens' must be a non-negative integer, got None",
+    ),
+    "tokens negative": (
+        _set(0, "tokens", -5),
+        r"snapshots\[0\].*'tokens' must be a non-negative integer, got -5",
+    ),
     "tokens float": (_set(0, "tokens", 100.0), r"'tokens' must be a non-negative integer, got 100.0"),
     "tokens bool": (_set(0, "tokens", True), r"'tokens' must be a non-negative integer, got True"),
-    "step bool": (_set(2, "step", False), r"snapshots\[2\].*'step' must be a non-negative integer, got False"),
+    "step bool": (
+        _set(2, "step", False),
+        r"snapshots\[2\].*'step' must be a non-negative integer, got False",
+    ),
     "step list": (_set(2, "step", [3]), r"'step' must be a non-negative integer, got \[3\]"),
     "path int": (_set(1, "path", 5), r"snapshots\[1\]: 'path' must be a non-empty relative path, got 5"),
     "path empty": (_set(1, "path", ""), r"snapshots\[1\].*'path' must be a non-empty relative path, got ''"),
@@ -135,19 +147,46 @@ MALFORMED = {
     "num_bytes negative": (_set(0, "num_bytes", -1), r"'num_bytes' must be a non-negative integer or null"),
     "time NaN": (_set(0, "time", float("nan")), r"'time' must be a finite number"),
     "extra list": (_set(0, "extra", []), r"'extra' must be an object, got \[\]"),
-    "excluded string": (_set(1, "excluded", "false"), r"snapshots\[1\].*'extra.excluded' must be true or false, got 'false'"),
+    "excluded string": (
+        _set(1, "excluded", "false"),
+        r"snapshots\[1\].*'extra.excluded' must be true or false, got 'false'",
+    ),
     "extra.excluded 0": (_set(1, "extra", {"excluded": 0}), r"'extra.excluded' must be true or false, got 0"),
-    "world_size zero": (_set(1, "extra", {"world_size": 0}), r"'extra.world_size' must be a positive integer"),
+    "world_size zero": (
+        _set(1, "extra", {"world_size": 0}),
+        r"'extra.world_size' must be a positive integer",
+    ),
     "entry string": (_entry("snapshot-200"), r"snapshots\[1\]: expected an object, got 'snapshot-200'"),
     "entry null": (_entry(None), r"snapshots\[1\]: expected an object, got None"),
-    "snapshots object": (_set_top("snapshots", {}), r"'snapshots' must be a list of snapshot records, got \{\}"),
-    "snapshots missing": (lambda d: d.pop("snapshots"), r"'snapshots' must be a list of snapshot records, got None"),
-    "format_version newer": (_set_top("format_version", 99), r"written by a newer hf-pma \(format_version 99; .*upgrade hf-pma"),
-    "format_version string": (_set_top("format_version", "banana"), r"'format_version' must be an integer, got 'banana'"),
-    "format_version bool": (_set_top("format_version", True), r"'format_version' must be an integer, got True"),
-    "format_version float": (_set_top("format_version", 1.0), r"'format_version' must be an integer, got 1.0"),
+    "snapshots object": (
+        _set_top("snapshots", {}),
+        r"'snapshots' must be a list of snapshot records, got \{\}",
+    ),
+    "snapshots missing": (
+        lambda d: d.pop("snapshots"),
+        r"'snapshots' must be a list of snapshot records, got None",
+    ),
+    "format_version newer": (
+        _set_top("format_version", 99),
+        r"written by a newer hf-pma \(format_version 99; .*upgrade hf-pma",
+    ),
+    "format_version string": (
+        _set_top("format_version", "banana"),
+        r"'format_version' must be an integer, got 'banana'",
+    ),
+    "format_version bool": (
+        _set_top("format_version", True),
+        r"'format_version' must be an integer, got True",
+    ),
+    "format_version float": (
+        _set_top("format_version", 1.0),
+        r"'format_version' must be an integer, got 1.0",
+    ),
     "format_version zero": (_set_top("format_version", 0), r"unknown 'format_version' 0"),
-    "interval_tokens string": (_set_top("interval_tokens", "1k"), r"'interval_tokens' must be a positive integer or null"),
+    "interval_tokens string": (
+        _set_top("interval_tokens", "1k"),
+        r"'interval_tokens' must be a positive integer or null",
+    ),
     "out of order": (_swap, r"snapshots\[1\].*'tokens' 100 does not increase on the entry before it \(200\)"),
     "duplicate tokens": (_duplicate_tokens, r"snapshots\[1\].*'tokens' 100 does not increase"),
     "duplicate step": (_set(1, "step", 1), r"snapshots\[1\].*'step' 1 does not increase"),
@@ -179,7 +218,12 @@ def test_malformed_manifest_is_one_line_naming_file_entry_and_field(tmp_path, na
 
 def test_unreadable_manifest_files_are_one_line(tmp_path):
     pma, _ = make_pma(tmp_path)
-    for content in (b'{"snapshots": [', b"\xff\xfe not utf-8", b"[" * 100_000, b'{"format_version": 1' + b"9" * 5000 + b"}"):
+    for content in (
+        b'{"snapshots": [',
+        b"\xff\xfe not utf-8",
+        b"[" * 100_000,
+        b'{"format_version": 1' + b"9" * 5000 + b"}",
+    ):
         (pma / MANIFEST_NAME).write_bytes(content)
         assert "is not valid JSON" in refusal(pma)
     (pma / MANIFEST_NAME).write_text("[]")
@@ -209,7 +253,11 @@ def test_snapshot_record_file_is_checked(tmp_path):
     with pytest.raises(ManifestError, match="'step' is missing"):
         read_snapshot_record(folder)
     assert read_snapshot_record(folder, required=())["tokens"] == 5
-    for bad, field in (({"tokens": "5"}, "'tokens'"), ({"step": -1}, "'step'"), ({"extra": {"sharded": "yes"}}, "'extra.sharded'")):
+    for bad, field in (
+        ({"tokens": "5"}, "'tokens'"),
+        ({"step": -1}, "'step'"),
+        ({"extra": {"sharded": "yes"}}, "'extra.sharded'"),
+    ):
         (folder / "pma.json").write_text(json.dumps(bad))
         with pytest.raises(ManifestError, match=f"^{folder / 'pma.json'}: {field} must be"):
             read_snapshot_record(folder, required=())
@@ -281,8 +329,16 @@ def test_deletion_only_of_snapshot_folders_that_hf_pma_wrote(tmp_path):
     assert (pma / "notes" / "mine.txt").read_text() == "keep me"
     assert (pma / "snapshot-500" / "weights").exists() and (pma / "snapshot-700").is_dir()
     # keep_last: the same rule.
-    write(pma, {"format_version": 1, "snapshots": [
-        SnapshotRecord("notes", 50, 1).to_dict(), SnapshotRecord("snapshot-100", 100, 2).to_dict()]})
+    write(
+        pma,
+        {
+            "format_version": 1,
+            "snapshots": [
+                SnapshotRecord("notes", 50, 1).to_dict(),
+                SnapshotRecord("snapshot-100", 100, 2).to_dict(),
+            ],
+        },
+    )
     (pma / "snapshot-800").mkdir()
     (pma / "snapshot-800" / "pma.json").write_text("{}")
     deleted = add_snapshot(pma, SnapshotRecord("snapshot-800", 800, 8), keep_last=1)
@@ -297,22 +353,60 @@ def test_deletion_only_of_snapshot_folders_that_hf_pma_wrote(tmp_path):
 # ---------------------------------------------------------------- fuzz
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True) | st.text(max_size=12),
-    lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3),
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True)
+    | st.text(max_size=12),
+    lambda children: (
+        st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=6), children, max_size=3)
+    ),
     max_leaves=6,
 )
-FIELDS = ["path", "tokens", "step", "lr", "loss", "phase", "dtype", "time", "num_bytes", "extra", "excluded", "sharded"]
+FIELDS = [
+    "path",
+    "tokens",
+    "step",
+    "lr",
+    "loss",
+    "phase",
+    "dtype",
+    "time",
+    "num_bytes",
+    "extra",
+    "excluded",
+    "sharded",
+]
 
 
 def path_values(victim: str) -> st.SearchStrategy:
     """Entry paths, many of them aimed outside the folder."""
     return st.sampled_from(
         [
-            "../../victim/snapshot-1", "../victim", victim, victim + "/snapshot-1", "/", "..", ".", "", "./",
-            "to_victim", "to_victim/snapshot-1", "snapshot-5", "inner/up/snapshot-1",
+            "../../victim/snapshot-1",
+            "../victim",
+            victim,
+            victim + "/snapshot-1",
+            "/",
+            "..",
+            ".",
+            "",
+            "./",
+            "to_victim",
+            "to_victim/snapshot-1",
+            "snapshot-5",
+            "inner/up/snapshot-1",
             "snapshot-100/../../../victim/snapshot-1",
-            "snapshot-100", "snapshot-200", "snapshot-300", "loop", "nonexistent", "a\x00b", "\udcff",
-            "snapshot-100/", "./snapshot-200", "\\..\\..\\victim",
+            "snapshot-100",
+            "snapshot-200",
+            "snapshot-300",
+            "loop",
+            "nonexistent",
+            "a\x00b",
+            "\udcff",
+            "snapshot-100/",
+            "./snapshot-200",
+            "\\..\\..\\victim",
         ]
     ) | st.text(max_size=20)
 
@@ -324,11 +418,15 @@ def mutations(draw, victim: str):
     for _ in range(draw(st.integers(1, 4))):
         kind = draw(st.sampled_from(["field", "path", "top", "entry", "reorder"]))
         if kind == "field":
-            changes.append(("field", draw(st.integers(0, 2)), draw(st.sampled_from(FIELDS)), draw(json_values)))
+            changes.append(
+                ("field", draw(st.integers(0, 2)), draw(st.sampled_from(FIELDS)), draw(json_values))
+            )
         elif kind == "path":
             changes.append(("field", draw(st.integers(0, 2)), "path", draw(path_values(victim))))
         elif kind == "top":
-            key = draw(st.sampled_from(["format_version", "snapshots", "interval_tokens", "keep_last", "recoveries"]))
+            key = draw(
+                st.sampled_from(["format_version", "snapshots", "interval_tokens", "keep_last", "recoveries"])
+            )
             changes.append(("top", None, key, draw(json_values | st.integers(-3, 5))))
         elif kind == "entry":
             changes.append(("entry", draw(st.integers(0, 2)), None, draw(json_values)))
@@ -375,7 +473,15 @@ class _Watch:
 
     @staticmethod
     def _hook(event: str, args: tuple) -> None:
-        if event not in ("open", "os.listdir", "os.scandir", "os.rename", "os.remove", "os.rmdir", "shutil.rmtree"):
+        if event not in (
+            "open",
+            "os.listdir",
+            "os.scandir",
+            "os.rename",
+            "os.remove",
+            "os.rmdir",
+            "shutil.rmtree",
+        ):
             return
         for watch in _Watch.installed[1:]:
             for arg in args[:2]:
