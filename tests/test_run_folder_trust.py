@@ -19,8 +19,9 @@ from hf_pma.cli import main
 from hf_pma.core.manifest import manifest_snapshots
 from hf_pma.snapshots.callback import PMACallback
 from tests.dist.pma_common import TokenDataset, make_args, make_tiny_model, pad_collate
+from tests.pma_records import write_merged_folder
 from tests.snapshot_runs import noise_deviation, write_run
-from tests.testing_utils import sample_text, save_model_folder
+from tests.testing_utils import require_matplotlib, sample_text, save_model_folder
 
 SEQ, BATCH = 16, 4
 TPS = SEQ * BATCH  # tokens per step
@@ -257,3 +258,21 @@ def test_resume_and_keep_last_leave_folders_that_hf_pma_did_not_write(run_copy):
     assert (pma / "notes_new" / "mine.txt").read_text() == "keep me"
     # Its own snapshots past keep_last were deleted as before.
     assert sorted(p.name for p in pma.glob("snapshot-*")) == [f"snapshot-{6 * TPS}", f"snapshot-{8 * TPS}"]
+
+
+# ---------------------------------------------------------------- the card's view of the run
+
+
+@require_matplotlib
+def test_card_records_and_plot_leave_out_a_malformed_manifest(tmp_path):
+    from hf_pma.publishing.plot import plot_training
+    from hf_pma.publishing.records import load_records
+
+    folder = write_merged_folder(tmp_path)
+    manifest = folder.parent / "manifest.json"
+    data = json.loads(manifest.read_text())
+    data["snapshots"][3] = "snapshot-x"
+    manifest.write_text(json.dumps(data))
+    records = load_records(folder)
+    assert records.manifest is None and records.merge["strategy"] == "sma"
+    assert plot_training(folder, tmp_path / "plot.png").stat().st_size > 10_000

@@ -20,12 +20,15 @@ import re
 from pathlib import Path
 from typing import Any
 
+from transformers.utils import logging
+
 from hf_pma.core.manifest import (
     EVAL_RECORD_NAME,
     MANIFEST_NAME,
     MERGE_RECORD_NAME,
     PMA_SUBDIR,
     TRAINING_RECORD_NAME,
+    read_manifest,
 )
 from hf_pma.utils.fs import read_json
 
@@ -194,9 +197,11 @@ def load_records(folder: str | os.PathLike[str], require_merge: bool = True) -> 
     manifest = None
     if manifest_path is not None:
         try:
-            manifest = _read_optional(manifest_path, dict, ("snapshots",))
-        except ValueError:
-            manifest = None  # the run's manifest only adds context: a bad one is not fatal here
+            manifest = read_manifest(manifest_path.parent)  # checked, as every reader of it
+        except ValueError as err:
+            # The run's manifest only adds context: a bad one is left out, not fatal here.
+            logging.get_logger(__name__).warning(f"Leaving out the run's manifest: {err}")
+            manifest = None
     resolved = folder.resolve()
     run_name = resolved.parent.parent.name if resolved.parent.name == PMA_SUBDIR else None
     return FolderRecords(
