@@ -73,6 +73,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     fit_cpu_threads()  # a shared CPU: the cores others leave free (OMP_NUM_THREADS overrides)
     from hf_pma.utils.fs import NoSpaceError
+    from hf_pma.utils.secrets import redact
 
     try:
         return int(args.func(args) or 0)
@@ -80,8 +81,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Bad input: one clear line, no traceback (use -v for the traceback).
         if getattr(args, "verbose", False):
             raise
-        sys.stderr.write(f"hf-pma {args.command}: error: {err}\n")
+        sys.stderr.write(redact(f"hf-pma {args.command}: error: {err}\n"))
         return 2
+    except Exception as err:
+        line = hub_error_line(err)
+        if line is None or getattr(args, "verbose", False):
+            raise
+        sys.stderr.write(redact(f"hf-pma {args.command}: error: {line}\n"))
+        return 2
+
+
+def hub_error_line(err: BaseException) -> str | None:
+    """One line for an HTTP or network error from the Hub (``HfHubHTTPError``: its status and
+    first line; ``httpx`` / ``requests`` errors: what failed); ``None`` for anything else."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    text = str(err).strip()
+    first = text.splitlines()[0] if text else type(err).__name__
+    if isinstance(err, HfHubHTTPError):
+        status = getattr(getattr(err, "response", None), "status_code", None)
+        return f"the Hub answered HTTP {status}: {first}" if status else f"the Hub request failed: {first}"
+    if type(err).__module__.split(".")[0] in ("httpx", "httpx2", "requests", "urllib3", "httpcore"):
+        return f"the Hub cannot be reached: {first} ({type(err).__name__})"
+    return None
 
 
 if __name__ == "__main__":

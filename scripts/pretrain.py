@@ -57,6 +57,7 @@ from hf_pma.training.pretrain_data import pack_dataset, stdlib_documents, train_
 from hf_pma.utils.distributed import is_main_process, run_on_main_process
 from hf_pma.utils.fs import atomic_write_json, read_json, remove_tree
 from hf_pma.utils.logs import enable_logging
+from hf_pma.utils.secrets import redact
 
 logger = logging.get_logger("hf_pma.pretrain")
 
@@ -417,11 +418,21 @@ def full_batches(train_ds, args: PMATrainingArguments):
 
 
 def reproduce_command(argv: list[str]) -> str:
-    """The launch line of this run, with local paths reduced to their names (for the card)."""
+    """The launch line of this run, with local paths reduced to their names and access tokens
+    redacted (by name and by value: ``--hub_token ***``), for the card and the records."""
     parts = ["accelerate", "launch", "scripts/pretrain.py"]
     for arg in argv:
         parts.append(Path(arg).name if os.path.isabs(arg) else arg)
-    return shlex.join(parts)
+    return redact(shlex.join(parts))
+
+
+def move_token_to_environment(args: PMATrainingArguments) -> None:
+    """Pass ``--hub_token`` on by the ``HF_TOKEN`` environment variable of this process and clear
+    it from ``args``: the Trainer pickles its arguments into ``training_args.bin`` with every
+    checkpoint and model it saves, and ``huggingface_hub`` reads ``HF_TOKEN`` for every request."""
+    if args.hub_token:
+        os.environ["HF_TOKEN"] = args.hub_token
+        args.hub_token = None
 
 
 def final_eval_texts(heldout: list[str], data: DataArguments) -> list[str]:
@@ -551,11 +562,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     set_seed(args.seed)
 
+    move_token_to_environment(args)
     if args.push_to_hub:  # a missing token or a bad repo id fails now, not after training
         from hf_pma.publishing.hub import check_repo_id, resolve_token
 
         check_repo_id(args.hub_model_id or Path(args.output_dir).resolve().name)
-        resolve_token(args.hub_token)
+        resolve_token()
     out = Path(args.output_dir)
     if data.overwrite_output_dir and not args.resume_from_checkpoint and is_main_process():
         for old in (out / "pma", out / "annealed"):

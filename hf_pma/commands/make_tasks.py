@@ -53,8 +53,14 @@ def run(args: argparse.Namespace) -> int:
     """Run ``hf-pma make-tasks``."""
     from transformers.utils import logging
 
+    from hf_pma.core.outputs import check_overwrite_target
     from hf_pma.evaluation.corpus import load_documents
-    from hf_pma.evaluation.generated_tasks import TaskOptions, check_task_settings, make_tasks
+    from hf_pma.evaluation.generated_tasks import (
+        TASKS_INFO_NAME,
+        TaskOptions,
+        check_task_settings,
+        make_tasks,
+    )
     from hf_pma.utils.fs import check_output_folder
 
     if args.quiet:
@@ -71,6 +77,8 @@ def run(args: argparse.Namespace) -> int:
     if not 0.0 < args.eval_fraction < 1.0:
         raise ValueError(f"--eval-fraction must be between 0 and 1 (exclusive), got {args.eval_fraction}")
     check_output_folder(args.output, args.overwrite)
+    if args.overwrite:  # before the documents are read
+        check_overwrite_target(args.output, (TASKS_INFO_NAME,), "tasks")
     documents = load_documents(args.inputs, text_column=args.text_column, split=args.split)
     info = make_tasks(
         documents,

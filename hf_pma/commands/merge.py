@@ -84,14 +84,20 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from transformers.utils import logging
 
+    from hf_pma.core.manifest import MERGE_RECORD_NAME
+    from hf_pma.core.outputs import check_overwrite_target
+    from hf_pma.core.strategies import validate_strategy
     from hf_pma.merging.engine import merge_checkpoints
     from hf_pma.merging.sources import describe_sources, resolve_sources
 
     if args.quiet:
         logging.set_verbosity_warning()
+    validate_strategy(args.strategy, args.alpha, args.weights)  # before any source is downloaded
     output = Path(args.output)
     if output.is_dir() and any(output.iterdir()) and not args.overwrite:  # before any download
         raise FileExistsError(f"output folder {output} is not empty; pass --overwrite to replace it")
+    if args.overwrite:
+        check_overwrite_target(output, (MERGE_RECORD_NAME,))
     sources = resolve_sources(
         args.sources,
         last=args.last,

@@ -149,6 +149,10 @@ def merge_weights(
     raise ValueError(f"unknown merge strategy {strategy!r}; choose one of {', '.join(STRATEGIES)} or give weights")
 
 
-def validate_strategy(strategy: str, alpha: float = 0.2) -> None:
-    """Raise ``ValueError`` now for a bad strategy name or alpha (used by argument checks)."""
-    merge_weights(2, strategy, alpha)
+def validate_strategy(strategy: str, alpha: float = 0.2, weights: Sequence[float] | None = None) -> None:
+    """Raise ``ValueError`` now for a bad strategy name or alpha, or bad explicit ``weights``
+    (used by argument checks, before any source is read or downloaded)."""
+    if weights is not None:
+        normalize_weights(weights)
+    else:
+        merge_weights(2, strategy, alpha)

@@ -32,10 +32,12 @@ from hf_pma.evaluation.options import EvalOptions
 from hf_pma.utils.distributed import require_unsharded_model, run_on_main_process
 from hf_pma.utils.formatting import MISSING, format_metric, markdown_table, metric_label
 from hf_pma.utils.fs import atomic_write_json, read_json
+from hf_pma.utils.names import looks_local
 
 logger = logging.get_logger(__name__)
 
 __all__ = [
+    "check_hub_model",
     "EVAL_RECORD_NAME",
     "LM_TASK",
     "plan_windows",
@@ -351,9 +353,50 @@ def _resolve(model: str | os.PathLike[str], tokenizer: str | os.PathLike[str] | 
                 )
             tokenizer = found
         return str(path), None if tokenizer is None else str(tokenizer)
-    if str(model).startswith((".", "/", "~")) or str(model).count("/") > 1:
+    if looks_local(model):
         raise FileNotFoundError(f"model folder {model} does not exist")
-    return str(model), str(tokenizer or model)  # a Hub model id
+    check_hub_model(str(model))  # a Hub model id: one request now, not a loader's retries
+    if tokenizer is not None and not Path(tokenizer).exists():
+        if looks_local(tokenizer):
+            raise FileNotFoundError(f"tokenizer folder {tokenizer} does not exist")
+        if str(tokenizer) != str(model):
+            check_hub_model(str(tokenizer))
+    return str(model), str(tokenizer or model)
+
+
+def check_hub_model(name: str) -> None:
+    """Check that the Hub (``HF_ENDPOINT``) has the model ``name``, or that the Hugging Face cache
+    holds it, with one request (no retries); one-line errors: ``FileNotFoundError`` when it has
+    no such model, ``ConnectionError`` when it cannot be reached and the cache does not hold it,
+    or it answers another error (HTTP 5xx)."""
+    from huggingface_hub import HfApi, constants, try_to_load_from_cache
+    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+
+    if isinstance(try_to_load_from_cache(name, "config.json"), str):
+        return
+    api = HfApi()
+    where = f"the Hub at {api.endpoint}"
+    if constants.HF_HUB_OFFLINE:
+        raise FileNotFoundError(f"{name} is not a local folder, and not in the Hugging Face cache (HF_HUB_OFFLINE is set)")
+    try:
+        api.model_info(name)
+    except RepositoryNotFoundError:
+        raise FileNotFoundError(
+            f"{name} is neither a local folder nor a model on {where} (or it is private and no token gives access)"
+        ) from None
+    except HfHubHTTPError as err:
+        status = getattr(getattr(err, "response", None), "status_code", None)
+        raise ConnectionError(f"{where} answered HTTP {status} for model {name}: {_first_line(err)}") from None
+    except Exception as err:  # noqa: BLE001 - a network failure: one line
+        raise ConnectionError(
+            f"{name} is not a local folder, and {where} cannot be reached ({_first_line(err)}); check the name, "
+            "the network or HF_ENDPOINT"
+        ) from None
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _load_tokenizer(name: str) -> Any:

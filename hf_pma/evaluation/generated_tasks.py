@@ -32,6 +32,7 @@ import yaml
 from transformers.utils import logging
 
 from hf_pma import __version__
+from hf_pma.core.outputs import check_overwrite_target
 from hf_pma.evaluation.corpus import document_id, split_documents
 from hf_pma.evaluation.task_options import TASK_KINDS, TaskOptions
 from hf_pma.utils.fs import atomic_write_json, check_output_folder, write_folder_atomically
@@ -309,6 +310,8 @@ def _write_tasks(
     if not heldout:
         raise ValueError("no held-out documents to make tasks from")
     check_output_folder(output_dir, overwrite)
+    if overwrite:  # only an earlier task folder: never a checkpoint, a snapshot or the user's folder
+        check_overwrite_target(output_dir, (TASKS_INFO_NAME,), "tasks")
 
     candidates = {line.strip() for doc in heldout for line in doc.splitlines() if _usable(line, options)}
     seen_in_train = _lines_seen_in(candidates, train)
@@ -365,7 +368,7 @@ def _write_tasks(
             _write_jsonl(tmp / TRAIN_NAME, ({"text": doc} for doc in train))
         atomic_write_json(tmp / TASKS_INFO_NAME, record)
 
-    write_folder_atomically(output_dir, write)
+    write_folder_atomically(output_dir, write, overwrite=overwrite)  # claimed exclusively while written
     summary = ", ".join(f"{name} ({task['items']} items)" for name, task in tasks.items())
     logger.info(f"Wrote {summary} to {output_dir}")
     return record

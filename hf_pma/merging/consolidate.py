@@ -16,18 +16,25 @@ import torch
 from tqdm.auto import tqdm
 from transformers.utils import logging
 
-from hf_pma.core.manifest import SNAPSHOT_RECORD_NAME
+from hf_pma.core.manifest import MERGE_RECORD_NAME, SNAPSHOT_RECORD_NAME
 from hf_pma.io.safetensors import SafetensorsWriter
 from hf_pma.io.torch_adapters import safetensors_dtype, tensor_bytes
 from hf_pma.merging.engine import (
     _check_output,
     _copy_support_files,
+    check_config_file,
     plan_output_shards,
     plan_tensors,
     write_shard_index,
 )
-from hf_pma.merging.sources import resolve_sources
-from hf_pma.utils.fs import atomic_write_json, publish_folder, remove_stale_temporaries, temporary_path
+from hf_pma.merging.sources import CheckpointSource, resolve_sources
+from hf_pma.utils.fs import (
+    atomic_write_json,
+    claim_output,
+    publish_folder,
+    remove_stale_temporaries,
+    temporary_path,
+)
 from hf_pma.utils.parsing import parse_dtype, parse_size
 
 logger = logging.get_logger(__name__)
@@ -58,8 +65,17 @@ def consolidate_snapshot(
     (source,) = resolve_sources([snapshot]) if Path(snapshot).is_dir() else (None,)
     if source is None or not source.sharded:
         raise ValueError(f"{snapshot} is not a sharded snapshot (no per-rank shard-*-model-*.safetensors files)")
-    _check_output(output_dir, [source], overwrite)
-    output_dir.parent.mkdir(parents=True, exist_ok=True)
+    check_config_file(source)
+    # --overwrite replaces an earlier consolidation (its pma.json) or merge, nothing else.
+    _check_output(output_dir, [source], overwrite, markers=(SNAPSHOT_RECORD_NAME, MERGE_RECORD_NAME))
+    with claim_output(output_dir, overwrite):  # exclusive until published
+        _consolidate_into(source, output_dir, out_dtype, max_bytes, overwrite, progress)
+    return output_dir
+
+
+def _consolidate_into(
+    source: CheckpointSource, output_dir: Path, out_dtype: torch.dtype | None, max_bytes: int, overwrite: bool, progress: bool
+) -> None:
     remove_stale_temporaries(output_dir.parent, output_dir.name)  # of a killed earlier run
     tmp = temporary_path(output_dir)
     tensors = source.open()
@@ -94,14 +110,13 @@ def consolidate_snapshot(
             if out_dtype is not None:
                 record["dtype"] = str(out_dtype).removeprefix("torch.")
             atomic_write_json(tmp / SNAPSHOT_RECORD_NAME, record)
-        publish_folder(tmp, output_dir)
+        publish_folder(tmp, output_dir, replace=overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
         tensors.close()
     logger.info(f"Consolidated {source.path} ({len(source.files)} rank files) into {output_dir}")
-    return output_dir
 
 
 def load_sharded_model(snapshot: str | os.PathLike[str], dtype: str | torch.dtype = "auto") -> torch.nn.Module:

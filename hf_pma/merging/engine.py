@@ -14,6 +14,7 @@ renamed into place only when complete: a failed merge leaves nothing at ``output
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -28,8 +29,9 @@ from transformers.utils import logging
 
 from hf_pma import __version__
 from hf_pma.core.manifest import MERGE_RECORD_NAME, MODEL_SUPPORT_FILES
+from hf_pma.core.outputs import check_overwrite_target
 from hf_pma.core.selection import check_window
-from hf_pma.core.strategies import merge_weights
+from hf_pma.core.strategies import merge_weights, validate_strategy
 from hf_pma.io.safetensors import SafetensorsWriter, TensorInfo
 from hf_pma.io.torch_adapters import DTYPE_FROM_SAFETENSORS, safetensors_dtype, tensor_bytes
 from hf_pma.merging.chunks import (
@@ -54,6 +56,7 @@ from hf_pma.utils.distributed import all_ranks_checked, distributed_rank_and_siz
 from hf_pma.utils.fs import (
     atomic_write_json,
     check_output_folder,
+    claim_output,
     no_space_errors,
     publish_folder,
     raise_if_no_space,
@@ -75,6 +78,7 @@ __all__ = [
     "plan_tensors",
     "plan_output_shards",
     "validate_sources",
+    "check_config_file",
 ]
 
 # Files copied from the newest source so that the merge is a self-contained model folder.
@@ -212,6 +216,7 @@ def merge_state_dict(
     """
     _check_accumulate_dtype(accumulate_dtype)
     out_dtype = parse_dtype(dtype)
+    validate_strategy(strategy, alpha, weights)  # before a Hub source is downloaded
     srcs = _as_sources(sources, last, window_tokens, window_steps, include_final)
     coefs = merge_weights(len(srcs), strategy, alpha, weights)
     opened = open_all(srcs)
@@ -238,21 +243,31 @@ def _copy_into(flat: torch.Tensor):
     return sink
 
 
-def _check_output(output_dir: Path, sources: Sequence[CheckpointSource], overwrite: bool) -> None:
+def _check_output(
+    output_dir: Path, sources: Sequence[CheckpointSource], overwrite: bool, markers: tuple[str, ...] = (MERGE_RECORD_NAME,)
+) -> None:
     out = output_dir.resolve()
     for source in sources:
         src = source.path.resolve()
         if out == src or out in src.parents or src in out.parents:
             raise ValueError(f"output folder {output_dir} overlaps source {source.path}; choose another output folder")
     check_output_folder(output_dir, overwrite)
+    if overwrite:  # only an output hf-pma wrote: never a checkpoint, a listed snapshot or the user's folder
+        check_overwrite_target(output_dir, markers)
+
+
+def check_config_file(newest: CheckpointSource) -> None:
+    """``FileNotFoundError`` now when the newest source (whose configuration the output copies)
+    has no ``config.json`` (``adapter_config.json`` for an adapter): checked before any tensor."""
+    config_name = "adapter_config.json" if newest.is_adapter else "config.json"
+    if not (newest.path / config_name).is_file():
+        raise FileNotFoundError(f"{newest.path} has no {config_name}; the merged folder would not load without it")
 
 
 def _copy_support_files(newest: CheckpointSource, dest: Path, out_dtype: torch.dtype | None) -> None:
+    check_config_file(newest)
     names = [n for n in SUPPORT_FILES if (newest.path / n).is_file()]
     names += sorted(p.name for p in newest.path.glob("*.py"))
-    config_name = "adapter_config.json" if newest.is_adapter else "config.json"
-    if config_name not in names:
-        raise FileNotFoundError(f"{newest.path} has no {config_name}; the merged folder would not load without it")
     for name in names:
         shutil.copy2(newest.path / name, dest / name)
     if out_dtype is not None and (dest / "config.json").is_file():
@@ -390,14 +405,17 @@ def merge_checkpoints(
         sources: model folders, snapshot folders, Trainer ``checkpoint-*`` folders, run folders
             (a PMA manifest or ``checkpoint-*`` subfolders) or Hub ids; ordered oldest first by
             tokens or step when known, else kept in the given order.
-        output_dir: the merged folder; created atomically.
+        output_dir: the merged folder; created atomically and exclusively (a second merge into
+            the same folder while this one runs stops at once, naming this process; see
+            :func:`hf_pma.utils.fs.claim_output`).
         strategy: ``sma``, ``wma``, ``ema``, ``linear-decay``, ``cosine-decay`` or ``1-sqrt-decay``.
         alpha: EMA smoothing factor.
         weights: explicit weights, oldest first (normalized; overrides ``strategy``).
         dtype: output floating-point dtype; default: each tensor's input dtype.
         max_shard_size: largest output shard, in bytes or like ``"5GB"``.
         last: merge only the newest ``last`` sources.
-        overwrite: replace a non-empty ``output_dir``.
+        overwrite: replace a non-empty ``output_dir`` (never a source, a snapshot listed in a
+            manifest, a Trainer checkpoint or a folder hf-pma did not write).
         accumulate_dtype: ``torch.float32`` (default) or ``torch.float64``.
         progress: show a progress bar.
         chunk_bytes: accumulator size per worker; bounds memory for huge tensors.
@@ -423,25 +441,34 @@ def merge_checkpoints(
     out_dtype = parse_dtype(dtype)
     max_bytes = parse_size(max_shard_size, "max_shard_size")
     output_dir = Path(output_dir)
+    validate_strategy(strategy, alpha, weights)  # before a Hub source is downloaded
     srcs = _as_sources(sources, last, window_tokens, window_steps, include_final)
     coefs = merge_weights(len(srcs), strategy, alpha, weights)
     window = _window_record(srcs, window_tokens, window_steps)
+    check_config_file(srcs[-1])
     rank, world_size = distributed_rank_and_size() if distributed else (0, 1)
     if workers is None:
         workers = max(1, default_workers() // (local_world_size() if world_size > 1 else 1))
     checked = all_ranks_checked if world_size > 1 else (lambda fn, what: [fn()])
 
+    claim = contextlib.ExitStack()
+
     def begin() -> Path | None:
         if rank != 0:
             return None
         _check_output(output_dir, srcs, overwrite)
-        output_dir.parent.mkdir(parents=True, exist_ok=True)
+        # Exclusive until published: a second merge into the same folder stops here, naming this one.
+        claim.enter_context(claim_output(output_dir, overwrite))
         remove_stale_temporaries(output_dir.parent, output_dir.name)  # of a killed earlier merge
         tmp = temporary_path(output_dir)
         tmp.mkdir()
         return tmp
 
-    tmp = checked(begin, f"preparing the merge into {output_dir}")[0]
+    try:
+        tmp = checked(begin, f"preparing the merge into {output_dir}")[0]
+    except BaseException:
+        claim.close()
+        raise
     opened: list[CheckpointTensors] = []
     planned: dict[str, Any] = {}
 
@@ -472,7 +499,7 @@ def merge_checkpoints(
             srcs, coefs, strategy, alpha, weights is not None, ",".join(out_dtypes), accumulate_dtype, output_dir, window
         )
         atomic_write_json(tmp / MERGE_RECORD_NAME, record)
-        publish_folder(tmp, output_dir)
+        publish_folder(tmp, output_dir, replace=overwrite)
 
     try:
         with no_space_errors(output_dir, None):
@@ -485,6 +512,7 @@ def merge_checkpoints(
     finally:
         for tensors in opened:
             tensors.close()
+        claim.close()
     if rank == 0:
         logger.info(f"Merged model written to {output_dir}")
     return output_dir

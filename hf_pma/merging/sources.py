@@ -40,6 +40,7 @@ from hf_pma.merging.hub_revisions import (
     resolve_revision,
 )
 from hf_pma.utils.logs import get_logger
+from hf_pma.utils.names import check_revision_name, looks_local
 
 if TYPE_CHECKING:
     import torch
@@ -516,10 +517,12 @@ def _expand(
     """The checkpoints an item names: local sources now, Hub revisions still to download."""
     path = Path(item)
     if not path.exists():
-        spec = parse_hub_spec(item) if isinstance(item, str) else None
+        spec = parse_hub_spec(item) if isinstance(item, str) and not looks_local(item) else None
         if spec is None:
             raise FileNotFoundError(f"source {item} does not exist")
         repo_id, revision = spec
+        if revision is not None:
+            check_revision_name(revision, f"revision of {item}")  # before any request
         if revision is None and revisions is not None:
             return list_revisions(repo_id, revisions, endpoint=endpoint)
         return [resolve_revision(repo_id, revision, endpoint=endpoint)]

@@ -2,9 +2,9 @@
 
 Going through ``HfApi.create_repo`` and ``HfApi.upload_folder`` means ``HF_TOKEN``,
 ``HF_ENDPOINT`` and the cached login (``hf auth login``) work as everywhere else. Everything
-that can be checked locally is checked before the first request: the repo id, the token, the
-folder (a complete model: config and every weight file the index names), the records (no
-access token inside). A 401 or 403 from the Hub becomes a :class:`HubAuthError` that says what
+that can be checked locally is checked before the first request: the repo id, the revision
+name, the token, the folder (a complete model: config and every weight file the index names),
+the records (no access token inside), and every file (none holds the token in use). A 401 or 403 from the Hub becomes a :class:`HubAuthError` that says what
 to do.
 """
 
@@ -21,10 +21,19 @@ from transformers.utils import logging
 from hf_pma.core.manifest import CARD_NAME, EVAL_RECORD_NAME, MERGE_RECORD_NAME, TRAINING_RECORD_NAME
 from hf_pma.publishing.records import find_local_paths, find_tokens, load_records
 from hf_pma.utils.fs import read_json
+from hf_pma.utils.names import check_revision_name
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["HubAuthError", "check_model_folder", "check_repo_id", "resolve_token", "push_folder_to_hub"]
+__all__ = [
+    "HubAuthError",
+    "HubError",
+    "check_model_folder",
+    "check_no_token_in_files",
+    "check_repo_id",
+    "resolve_token",
+    "push_folder_to_hub",
+]
 
 # Temporary files of interrupted atomic writes never go to the Hub.
 # (hf_pma.utils.fs names them ``.<name>.tmp-*`` / ``.<name>.deleting-*``; the others are older names).
@@ -40,11 +49,21 @@ DEFAULT_IGNORE_PATTERNS = [
 ]
 _WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin")
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+_SCAN_CHUNK_BYTES = 1 << 22
 _LOGIN_HELP = "set the HF_TOKEN environment variable, run `hf auth login`, or pass token="
 
 
 class HubAuthError(PermissionError):
     """No token, or the Hub refused it (HTTP 401 / 403)."""
+
+
+class HubError(ConnectionError):
+    """The Hub failed a request for another reason (HTTP 5xx, 404, a network error): one line."""
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
 
 
 def check_repo_id(repo_id: str) -> str:
@@ -138,6 +157,32 @@ def _check_no_secrets(folder: Path) -> None:
             logger.warning(f"{path.name} in {folder.name} names {len(paths)} absolute local path(s); they will be public")
 
 
+def check_no_token_in_files(folder: str | os.PathLike[str], token: str) -> None:
+    """``ValueError`` naming the first file under ``folder`` that contains ``token`` (the exact
+    string, whatever its shape), read in chunks; pushes check this before the first request."""
+    needle = token.encode("utf-8")
+    if not needle:
+        return
+    overlap = len(needle) - 1
+    for root, dirs, files in os.walk(folder):
+        dirs.sort()
+        for name in sorted(files):
+            path = Path(root) / name
+            if not path.is_file():
+                continue
+            tail = b""
+            with open(path, "rb") as fh:
+                while chunk := fh.read(_SCAN_CHUNK_BYTES):
+                    window = tail + chunk
+                    if needle in window:
+                        shown = path.relative_to(folder)
+                        raise ValueError(
+                            f"{shown} in {Path(folder).name} contains the access token this push would use: "
+                            "remove it (and revoke the token if it was shared) before pushing"
+                        )
+                    tail = window[-overlap:] if overlap else b""
+
+
 def resolve_token(token: str | None = None) -> str:
     """``token``, else the one ``huggingface_hub`` finds (``HF_TOKEN``, then the cached login);
     a :class:`HubAuthError` saying how to log in when there is none."""
@@ -173,8 +218,9 @@ def push_folder_to_hub(
     plot) is written into it before the upload, with the repo's full id. ``token`` defaults to
     ``HF_TOKEN`` or the cached login; ``endpoint`` to ``HF_ENDPOINT`` or the public Hub.
 
-    Raises, before anything is uploaded: ``ValueError`` for an invalid repo id, an incomplete
-    folder, a token inside the records, or ``HF_HUB_OFFLINE`` set; ``FileNotFoundError`` for a
+    Raises, before anything is uploaded: ``ValueError`` for an invalid repo id or revision (git's
+    ref-name rules), an incomplete folder, a token inside the records, a file holding the token
+    in use, or ``HF_HUB_OFFLINE`` set; ``FileNotFoundError`` for a
     missing folder; :class:`HubAuthError` without a token or when the Hub answers 401 / 403.
     """
     from huggingface_hub import HfApi
@@ -183,13 +229,14 @@ def push_folder_to_hub(
 
     folder = Path(folder)
     check_repo_id(repo_id)
-    if revision is not None and (not isinstance(revision, str) or not revision.strip()):
-        raise ValueError(f"invalid revision {revision!r}: expected a branch name")
+    if revision is not None:
+        check_revision_name(revision, "revision")
     check_model_folder(folder)
     _check_no_secrets(folder)
     token = resolve_token(token)
     if hf_constants.is_offline_mode():
         raise ValueError("HF_HUB_OFFLINE is set: huggingface_hub blocks every request; unset it to push")
+    check_no_token_in_files(folder, token)
 
     needs_card = not (folder / CARD_NAME).is_file() and (folder / MERGE_RECORD_NAME).is_file()
     if needs_card:
@@ -228,6 +275,6 @@ def push_folder_to_hub(
                 f"the Hub at {api.endpoint} refused to write to {where} (HTTP 403): the token has no write access "
                 "to this namespace or repo; use a token with the 'write' role"
             ) from None
-        raise
+        raise HubError(f"the Hub at {api.endpoint} failed while pushing to {where}: {_first_line(err)}") from None
     logger.info(f"Pushed {folder.name} to {api.endpoint}/{full_id}: {info.commit_url}")
     return str(info.commit_url)

@@ -31,6 +31,7 @@ from hf_pma.core.manifest import (
     read_manifest,
 )
 from hf_pma.utils.fs import read_json
+from hf_pma.utils.secrets import find_named_secrets, find_token_shapes, redact, redact_obj
 
 __all__ = [
     "FolderRecords",
@@ -44,14 +45,6 @@ __all__ = [
 ]
 
 
-# Hugging Face user/org tokens ("hf_" + 34 characters), old org API tokens, and values given to
-# flags or variables that carry a token.
-_TOKEN_RE = re.compile(r"\b(?:hf_[A-Za-z0-9]{20,}|api_org_[A-Za-z0-9]{20,})\b")
-_TOKEN_ARG_RE = re.compile(
-    r"(?P<key>--?(?:hub[_-]token|token|use[_-]auth[_-]token|api[_-]key)(?:=|\s+)|"
-    r"\b(?:HF_TOKEN|HUGGING_FACE_HUB_TOKEN|HF_API_TOKEN|WANDB_API_KEY)=)"
-    r"(?P<value>[\"']?[^\s\"']+[\"']?)"
-)
 # An absolute POSIX path (/a/b, ~/a) or a Windows path (C:\a, C:/a). The look-behind keeps URLs
 # ("https://host/x"), relative paths ("a/b") and placeholders ("<output_dir>/pma") intact.
 _POSIX_PATH_RE = re.compile(r"(?<![\w.:/\-~<>])~?/(?:[\w.@+\-]+/)*[\w.@+\-]+/?")
@@ -64,9 +57,12 @@ def _shorten_path(path: str) -> str:
 
 
 def sanitize_text(text: str) -> str:
-    """``text`` with access tokens replaced by ``***`` and absolute paths cut to ``.../name``."""
-    text = _TOKEN_ARG_RE.sub(lambda m: f"{m.group('key')}***", text)
-    text = _TOKEN_RE.sub("***", text)
+    """``text`` with access tokens replaced by ``***`` (by name and by value, see
+    :func:`hf_pma.utils.secrets.redact`) and absolute paths cut to ``.../name``."""
+    return _shorten_paths(redact(text))
+
+
+def _shorten_paths(text: str) -> str:
     text = _WINDOWS_PATH_RE.sub(lambda m: _shorten_path(m.group(0)), text)
     # Single-component paths like "/step" inside prose are left alone: they cannot name a file
     # on someone's machine, while "/home/user/run" can.
@@ -78,10 +74,8 @@ def sanitize_text(text: str) -> str:
 def find_tokens(text: str, flag_values: bool = True) -> list[str]:
     """The access tokens found in ``text``: Hugging Face token shapes, and with ``flag_values``
     any value given to a token flag or variable (``--hub_token X``, ``HF_TOKEN=X``)."""
-    found = [m.group(0) for m in _TOKEN_RE.finditer(text)]
-    if flag_values:
-        found += [m.group(0) for m in _TOKEN_ARG_RE.finditer(text) if m.group("value").strip("\"'") != "***"]
-    return found
+    found = find_token_shapes(text)
+    return found + find_named_secrets(text) if flag_values else found
 
 
 def find_local_paths(text: str) -> list[str]:
@@ -96,13 +90,19 @@ def find_secrets(text: str) -> list[str]:
 
 
 def sanitize(obj: Any) -> Any:
-    """A copy of a JSON-like value with every string passed through :func:`sanitize_text`."""
+    """A copy of a JSON-like value with every string passed through :func:`sanitize_text` (and the
+    value of every key named like a secret, ``"hub_token": ...``, replaced by ``***``)."""
+    obj = redact_obj(obj)
+    return _sanitize_paths(obj)
+
+
+def _sanitize_paths(obj: Any) -> Any:
     if isinstance(obj, str):
-        return sanitize_text(obj)
+        return _shorten_paths(obj)
     if isinstance(obj, dict):
-        return {sanitize(k) if isinstance(k, str) else k: sanitize(v) for k, v in obj.items()}
+        return {_shorten_paths(k) if isinstance(k, str) else k: _sanitize_paths(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return [sanitize(v) for v in obj]
+        return [_sanitize_paths(v) for v in obj]
     return obj
 
 

@@ -36,6 +36,7 @@ from hf_pma.training.arguments import PMATrainingArguments
 from hf_pma.utils.distributed import all_ranks_checked, is_peft_model, local_world_size
 from hf_pma.utils.fs import atomic_write_json
 from hf_pma.utils.logs import enable_logging
+from hf_pma.utils.secrets import redact_obj
 
 logger = logging.get_logger(__name__)
 
@@ -345,10 +346,11 @@ class PMATrainer(Trainer):
         return target
 
     def pma_training_record(self) -> dict[str, Any]:
-        """What the card and the plot need to know about this run (no paths, no tokens)."""
+        """What the card and the plot need to know about this run (no paths, no tokens: the
+        command and every string are redacted by name and by value, ``hub_token`` included)."""
         args = self.args
         device = "cpu" if args.use_cpu or not torch.cuda.is_available() else torch.cuda.get_device_name(0)
-        return {
+        record = {
             "log_history": self.state.log_history,
             "total_tokens": int(self.state.num_input_tokens_seen),
             "max_steps": int(self.state.max_steps),
@@ -373,6 +375,7 @@ class PMATrainer(Trainer):
                 if "eval_pma_loss" in e
             ],
         }
+        return redact_obj(record, [args.hub_token])
 
     def push_merged_to_hub(
         self,

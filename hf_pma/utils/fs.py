@@ -17,6 +17,7 @@ free; the temporary is removed first, so nothing half-written is left behind.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import json
@@ -37,7 +38,11 @@ __all__ = [
     "atomic_write_file",
     "atomic_write_json",
     "atomic_write_text",
+    "OutputBusyError",
+    "OutputExistsError",
     "check_output_folder",
+    "claim_output",
+    "claim_path",
     "confined_path",
     "free_bytes",
     "fsync_dir",
@@ -382,8 +387,11 @@ def atomic_write_text(path: str | os.PathLike[str], text: str) -> None:
 
 
 def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
-    """Write JSON to ``path`` atomically (see :func:`atomic_write_file`)."""
-    atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+    """Write JSON to ``path`` atomically (see :func:`atomic_write_file`), with every access token
+    redacted first (:func:`hf_pma.utils.secrets.redact_obj`: by name and by value)."""
+    from hf_pma.utils.secrets import redact_obj
+
+    atomic_write_text(path, json.dumps(redact_obj(obj), indent=2, sort_keys=False) + "\n")
 
 
 def read_json(path: str | os.PathLike[str]) -> Any:
@@ -407,11 +415,28 @@ def remove_tree(path: str | os.PathLike[str]) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def publish_folder(tmp: str | os.PathLike[str], final_dir: str | os.PathLike[str]) -> Path:
+def publish_folder(tmp: str | os.PathLike[str], final_dir: str | os.PathLike[str], replace: bool = True) -> Path:
     """Rename the complete folder ``tmp`` to ``final_dir`` durably; an old ``final_dir`` is moved
-    aside first and deleted only after the new one is in place."""
+    aside first and deleted only after the new one is in place.
+
+    With ``replace=False`` an existing non-empty ``final_dir`` is never replaced: the rename
+    fails (the kernel refuses to rename a folder onto a non-empty one, atomically) and
+    :class:`OutputExistsError` names it; ``tmp`` is left for the caller to remove.
+    """
     tmp, final_dir = Path(tmp), Path(final_dir)
     fsync_tree(tmp)
+    if not replace:
+        try:
+            os.rename(tmp, final_dir)  # onto nothing or an empty folder; never onto a non-empty one
+        except OSError as err:
+            if err.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR, errno.EISDIR):
+                raise
+            raise OutputExistsError(
+                f"output folder {final_dir} was created by another process while this one was writing it; "
+                "it was left as it is (pass overwrite=True / --overwrite to replace it)"
+            ) from None
+        fsync_dir(final_dir.parent)
+        return final_dir
     old = None
     if final_dir.exists():
         old = temporary_path(final_dir, "deleting")
@@ -424,30 +449,128 @@ def publish_folder(tmp: str | os.PathLike[str], final_dir: str | os.PathLike[str
 
 
 def write_folder_atomically(
-    final_dir: str | os.PathLike[str], write: Callable[[Path], Any], needed: int | None = None
+    final_dir: str | os.PathLike[str],
+    write: Callable[[Path], Any],
+    needed: int | None = None,
+    *,
+    overwrite: bool | None = None,
 ) -> Path:
     """Run ``write(tmp)`` on a temporary folder beside ``final_dir``, fsync it, rename it into place.
 
     ``final_dir`` either does not exist or is complete: a crash leaves at most a temporary
     folder, removed by the next write to ``final_dir`` (:func:`remove_stale_temporaries`), never a
-    half-written ``final_dir``. An existing ``final_dir`` is replaced. ``needed`` (bytes, when
-    known) is checked against the free space first; running out of space raises
-    :class:`NoSpaceError` and leaves nothing behind.
+    half-written ``final_dir``. ``needed`` (bytes, when known) is checked against the free space
+    first; running out of space raises :class:`NoSpaceError` and leaves nothing behind.
+
+    ``overwrite=None`` (the library's own folders: snapshots, caches): an existing ``final_dir``
+    is replaced. ``True`` / ``False`` (a user's output): the folder is claimed exclusively while
+    it is written (:func:`claim_output`: a second job stops with :class:`OutputBusyError`), and
+    an existing non-empty ``final_dir`` is replaced only with ``overwrite=True``.
     """
     final_dir = Path(final_dir)
     final_dir.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_temporaries(final_dir.parent, final_dir.name)
-    raise_if_no_space(final_dir, needed)
-    tmp = temporary_path(final_dir)
-    try:
-        with no_space_errors(final_dir, needed):
-            tmp.mkdir()
-            write(tmp)
-            publish_folder(tmp, final_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    with claim_output(final_dir, overwrite) if overwrite is not None else contextlib.nullcontext():
+        remove_stale_temporaries(final_dir.parent, final_dir.name)
+        raise_if_no_space(final_dir, needed)
+        tmp = temporary_path(final_dir)
+        try:
+            with no_space_errors(final_dir, needed):
+                tmp.mkdir()
+                write(tmp)
+                publish_folder(tmp, final_dir, replace=overwrite is not False)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
     return final_dir
+
+
+# ---------------------------------------------------------------- exclusive outputs
+
+
+class OutputExistsError(FileExistsError):
+    """The output folder exists (not empty) and may not be replaced."""
+
+
+class OutputBusyError(FileExistsError):
+    """Another live process is writing the same output folder (named with its host and pid)."""
+
+
+def claim_path(final_dir: str | os.PathLike[str]) -> Path:
+    """The claim file of an output folder: ``.<name>.claim`` beside it."""
+    final_dir = Path(final_dir)
+    return final_dir.with_name(f".{final_dir.name}.claim")
+
+
+def _claim_holder(fd: int) -> str:
+    try:
+        os.lseek(fd, 0, os.SEEK_SET)
+        info = json.loads(os.read(fd, 4096) or b"{}")
+        return f"host {info['host']}, pid {info['pid']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "a process that has not said which yet"
+
+
+@contextmanager
+def claim_output(final_dir: str | os.PathLike[str], overwrite: bool = False) -> Iterator[Path]:
+    """Hold an exclusive claim on the output folder ``final_dir`` while it is written.
+
+    Two jobs aiming at the same output never both succeed: the claim is an exclusive
+    ``flock`` on ``.<name>.claim`` beside ``final_dir`` (released by the kernel when its process
+    dies, so a killed job never blocks the next one), which records the holder's host and pid.
+    A second job does not wait: it stops at once with :class:`OutputBusyError` naming the folder
+    and the holder (a merge can take hours, and its result would replace or be replaced by the
+    other's). Once claimed, :func:`check_output_folder` runs again (a job that finished meanwhile
+    left a non-empty folder). Publish with ``publish_folder(tmp, final_dir, replace=overwrite)``
+    inside the block: without ``overwrite`` that rename refuses a non-empty folder, which also
+    covers filesystems without ``flock`` (where the claim is only the record of the holder).
+    The claim file is removed on release. Yields ``final_dir``.
+    """
+    final_dir = Path(final_dir)
+    final_dir.parent.mkdir(parents=True, exist_ok=True)
+    path = claim_path(final_dir)
+    fd = _acquire_claim(path, final_dir)
+    try:
+        os.ftruncate(fd, 0)
+        os.lseek(fd, 0, os.SEEK_SET)
+        os.write(fd, json.dumps({"host": _host(), "pid": os.getpid(), "started": time.time()}).encode())
+        check_output_folder(final_dir, overwrite)
+        yield final_dir
+    finally:
+        try:
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                path.unlink()
+        except OSError:
+            pass
+        os.close(fd)
+
+
+def _acquire_claim(path: Path, final_dir: Path) -> int:
+    import fcntl
+
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _claim_holder(fd)
+            os.close(fd)
+            raise OutputBusyError(
+                f"output folder {final_dir} is being written by another process ({holder}); wait for it to "
+                "finish or choose another folder"
+            ) from None
+        except OSError as err:
+            if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+                os.close(fd)
+                raise
+            _logger().debug(f"hf-pma: no file locks on the filesystem of {path}; the publish rename guards {final_dir}")
+            return fd
+        try:
+            same = os.fstat(fd).st_ino == os.stat(path).st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)  # the holder released (and removed) it between our open and our lock: retry
 
 
 def check_output_folder(output_dir: str | os.PathLike[str], overwrite: bool) -> None:
@@ -458,7 +581,7 @@ def check_output_folder(output_dir: str | os.PathLike[str], overwrite: bool) -> 
         if not output_dir.is_dir():
             raise FileExistsError(f"output path {output_dir} exists and is not a folder")
         if any(output_dir.iterdir()) and not overwrite:
-            raise FileExistsError(f"output folder {output_dir} is not empty; pass overwrite=True (--overwrite) to replace it")
+            raise OutputExistsError(f"output folder {output_dir} is not empty; pass overwrite=True (--overwrite) to replace it")
     parent = _existing_parent(output_dir.absolute().parent)
     if not parent.is_dir() or not os.access(parent, os.W_OK):
         raise PermissionError(f"cannot write to {output_dir.parent}")

@@ -22,16 +22,31 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["enable_logging", "get_logger", "notice", "quiet_info", "set_cli_verbosity"]
+__all__ = ["RedactingFilter", "enable_logging", "get_logger", "notice", "quiet_info", "set_cli_verbosity"]
 
 _HANDLER_NAME = "hf_pma_default_handler"
+
+
+class RedactingFilter(logging.Filter):
+    """Replace access tokens in a log record's message (by name and by value, see
+    :func:`hf_pma.utils.secrets.redact`) before a handler writes it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        from hf_pma.utils.secrets import redact
+
+        message = record.getMessage()
+        clean = redact(message)
+        if clean != message:
+            record.msg, record.args = clean, None
+        return True
 
 
 def enable_logging(level: int | None = None) -> None:
     """Send ``hf_pma`` log records to stderr at ``level`` (default: transformers' verbosity).
 
     Adds one handler, once, unless handlers are already configured (on ``hf_pma`` or the root
-    logger); records still propagate, so ``logging`` setups and test captures see them.
+    logger); records still propagate, so ``logging`` setups and test captures see them. The
+    handler redacts access tokens (:class:`RedactingFilter`).
     """
     if level is None:
         from transformers.utils import logging as hf_logging
@@ -43,6 +58,7 @@ def enable_logging(level: int | None = None) -> None:
         return  # the user configured logging: records propagate to their handlers
     handler = logging.StreamHandler(sys.stderr)
     handler.set_name(_HANDLER_NAME)
+    handler.addFilter(RedactingFilter())
     handler.setFormatter(logging.Formatter("[%(levelname)s|%(name)s] %(asctime)s >> %(message)s", "%H:%M:%S"))
     logger.addHandler(handler)
 

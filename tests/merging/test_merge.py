@@ -300,8 +300,13 @@ def test_non_empty_output_needs_overwrite_and_overwrite_replaces(tmp_path):
     with pytest.raises(FileExistsError, match="out is not empty"):
         merge_checkpoints(srcs, out, progress=False)
     assert (out / "keep.txt").read_text() == "user data"
+    # overwrite replaces only a folder hf-pma wrote: not this one
+    with pytest.raises(FileExistsError, match="hf-pma did not write it"):
+        merge_checkpoints(srcs, out, overwrite=True, progress=False)
+    assert (out / "keep.txt").read_text() == "user data"
+    out = tmp_path / "merged"
+    merge_checkpoints(srcs, out, weights=[1, 0], progress=False)
     merge_checkpoints(srcs, out, overwrite=True, progress=False)
-    assert not (out / "keep.txt").exists()
     assert torch.equal(load_file(out / "model.safetensors")["w"], torch.full((2,), 0.5))
     # a failed merge with overwrite keeps the previous output intact
     bad = _raw_folder(tmp_path / "c", {"w": torch.ones(3)})

@@ -34,10 +34,12 @@ def test_sigkilled_merge_then_rerun_leaves_no_temporary(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
-    # The killed merge left its half-written folder under this library's temporary name.
-    left = sorted(p.name for p in out.parent.iterdir())
+    # The killed merge left its half-written folder under this library's temporary name, and its
+    # claim file (the kernel released the lock itself with the process).
+    left = sorted(p.name for p in out.parent.iterdir() if p.name != ".merged.claim")
     assert len(left) == 1 and left[0].startswith(".merged.tmp-") and left[0].endswith(f"-{proc.pid}-0"), left
     assert (out.parent / left[0] / "model.safetensors").is_file() and not out.exists()
+    assert f'"pid": {proc.pid}' in (out.parent / ".merged.claim").read_text()
 
     again = subprocess.run([hf_pma_command(), "merge", *map(str, sources), "-o", str(out), "-q"],
                            capture_output=True, text=True, timeout=300)

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from huggingface_hub import ModelCard
 
@@ -57,14 +58,22 @@ def hub():
 def test_default_run_shortened_with_card_plot_and_push(tmp_path, hub):
     out = tmp_path / "run"
     token = next(iter(hub.tokens))
-    env = _env(tmp_path, HF_ENDPOINT=hub.url, HF_TOKEN=token)
+    env = _env(tmp_path, HF_ENDPOINT=hub.url)
     env.pop("HF_HUB_OFFLINE", None)
+    env.pop("HF_TOKEN", None)
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), *SHORT, "--output_dir", str(out), "--push_to_hub", "--hub_model_id", "tester/tiny-pma"],
+        [sys.executable, str(SCRIPT), *SHORT, "--output_dir", str(out), "--push_to_hub", "--hub_model_id", "tester/tiny-pma",
+         "--hub_token", token],
         capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-4000:]
     merged = out / "pma" / "merged"
+
+    # the token given by --hub_token reached no file: not the records, not the pickled TrainingArguments
+    leaks = [p for p in out.rglob("*") if p.is_file() and token.encode() in p.read_bytes()]
+    assert leaks == [] and token not in result.stdout + result.stderr
+    saved_args = torch.load(out / "final" / "training_args.bin", weights_only=False)  # a file this test created
+    assert saved_args.hub_token is None and saved_args.output_dir == str(out)
 
     # the summary names every output one way (here relative to the working folder) and prints both tables
     assert "merged model         : run/pma/merged" in result.stdout and str(tmp_path) not in result.stdout
@@ -82,6 +91,7 @@ def test_default_run_shortened_with_card_plot_and_push(tmp_path, hub):
     training = json.loads((merged / "pma_training.json").read_text())
     assert training["pma_evals"] and training["datasets"] == ["local:python-stdlib"]
     assert training["command"].startswith("accelerate launch scripts/pretrain.py --max_steps 24")
+    assert training["command"].endswith("--hub_token ***")
     record = json.loads((merged / "pma_eval.json").read_text())
     evaluation = record["results"]
     assert set(evaluation) == {"last snapshot", "PMA merge", "annealed"}
