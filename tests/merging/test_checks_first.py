@@ -6,7 +6,6 @@ stand-in (``tests/hub_server.py``)."""
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 
@@ -66,10 +65,10 @@ def _error_line(proc, command):
     return errors[0]
 
 
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _gone_hub_url() -> str:
+    """The address of a Hub stand-in that has stopped: nothing answers there."""
+    with HubServer() as gone:
+        return gone.url
 
 
 def test_ema_alpha_is_refused_before_any_hub_request(fresh, tmp_path):
@@ -127,7 +126,7 @@ def test_an_unknown_hub_name_is_one_request_and_one_line(fresh, tmp_path):
         "/api/models/doesnotexist"
     ]
     # no Hub to reach: one line at once, not a loader's retries
-    closed = f"http://127.0.0.1:{_closed_port()}"
+    closed = _gone_hub_url()
     line = _error_line(_cli(["eval", "doesnotexist", "--eval-file", text], closed, tmp_path), "eval")
     assert f"doesnotexist is not a local folder, and the Hub at {closed} cannot be reached" in line
     assert "Retrying" not in line
