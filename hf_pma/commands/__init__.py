@@ -51,14 +51,12 @@ def load_heldout(args: argparse.Namespace) -> list[str] | None:
 def set_verbosity(args: Any) -> None:
     """Quiet transformers' loading messages (noise next to a command's tables; ``-v`` shows them),
     and with ``-q`` hf-pma's info logs and progress bars too."""
-    import logging as std_logging
+    import logging
 
-    from transformers.utils import logging
+    from hf_pma.utils.logs import enable_logging, set_transformers_verbosity
 
-    from hf_pma.utils.logs import enable_logging
-
-    if not getattr(args, "verbose", False):
-        logging.set_verbosity_warning()
-    if getattr(args, "quiet", False):
-        enable_logging(std_logging.WARNING)
-        logging.disable_progress_bar()
+    quiet = getattr(args, "quiet", False)
+    level = logging.DEBUG if getattr(args, "verbose", False) else logging.WARNING
+    set_transformers_verbosity(level, progress_bars=not quiet)  # without importing transformers
+    if quiet:
+        enable_logging(logging.WARNING)

@@ -28,12 +28,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``hf-pma consolidate``."""
-    from transformers.utils import logging
-
+    from hf_pma.commands import set_verbosity
     from hf_pma.merging.consolidate import consolidate_snapshot
 
-    if args.quiet:
-        logging.set_verbosity_warning()
+    set_verbosity(args)
     consolidate_snapshot(
         args.snapshot,
         args.output,

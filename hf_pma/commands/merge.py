@@ -81,21 +81,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``hf-pma merge``."""
-    import torch
-    from transformers.utils import logging
-
     from hf_pma.core.manifest import MERGE_RECORD_NAME
     from hf_pma.core.outputs import check_overwrite_target
     from hf_pma.core.strategies import validate_strategy
     from hf_pma.merging.engine import merge_checkpoints
     from hf_pma.merging.sources import describe_sources, resolve_sources
+    from hf_pma.utils.fs import check_output_folder
 
-    if args.quiet:
-        logging.set_verbosity_warning()
     validate_strategy(args.strategy, args.alpha, args.weights)  # before any source is downloaded
     output = Path(args.output)
-    if output.is_dir() and any(output.iterdir()) and not args.overwrite:  # before any download
-        raise FileExistsError(f"output folder {output} is not empty; pass --overwrite to replace it")
+    check_output_folder(output, args.overwrite)  # before any download
     if args.overwrite:
         check_overwrite_target(output, (MERGE_RECORD_NAME,))
     sources = resolve_sources(
@@ -117,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         max_shard_size=args.max_shard_size,
         overwrite=args.overwrite,
-        accumulate_dtype=getattr(torch, args.accumulate_dtype),
+        accumulate_dtype=args.accumulate_dtype,
         progress=not args.quiet,
         workers=args.workers,
         window_tokens=args.window_tokens,

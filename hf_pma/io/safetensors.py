@@ -35,6 +35,8 @@ __all__ = [
     "CheckpointFormatError",
     "DTYPE_ITEMSIZE",
     "FLOAT_DTYPES",
+    "SAFETENSORS_NAMES",
+    "TORCH_NAMES",
     "TensorInfo",
     "SafetensorsCheckpoint",
     "SafetensorsReader",
@@ -61,6 +63,25 @@ DTYPE_ITEMSIZE: dict[str, int] = {
 }
 # The floating-point dtypes (averaged by a merge; the others must be equal in every source).
 FLOAT_DTYPES = frozenset({"F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2"})
+# Each dtype as torch names it (``torch.<name>``; config.json's ``dtype`` uses these names).
+TORCH_NAMES: dict[str, str] = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U64": "uint64",
+    "U32": "uint32",
+    "U16": "uint16",
+    "U8": "uint8",
+    "BOOL": "bool",
+}
+SAFETENSORS_NAMES: dict[str, str] = {v: k for k, v in TORCH_NAMES.items()}
 
 # A header larger than this is not a real checkpoint (safetensors itself caps it at 100 MB).
 _MAX_HEADER_BYTES = 100 * 1024 * 1024

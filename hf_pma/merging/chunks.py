@@ -16,14 +16,20 @@ threads: readers use ``pread`` (no shared file position), sinks write disjoint r
 Memory: each worker holds two read buffers, an accumulator and an output buffer of one chunk
 each; nothing grows with the number of sources or the model size.
 
-torch ops (and ``pread``) release the GIL, so threads scale; each op runs on its worker's
-thread alone (``torch.set_num_threads(1)`` there): a few MiB of memory-bound work split across
-OpenMP threads costs more in hand-offs than it saves, most of all on shared cores.
+The arithmetic is numpy's, on raw bytes (neither torch nor transformers is imported): readers
+return the bytes of a chunk (:mod:`hf_pma.io`), decoded exactly to float32
+(:mod:`hf_pma.merging.casts`); sinks receive the merged chunk's bytes in the output dtype,
+rounded as torch rounds. numpy ops (and ``pread``) release the GIL, so threads scale.
+
+How the result compares with torch's ``acc.add_(x, alpha=w)`` (one fused multiply-add per
+element): numpy rounds the product ``w * x``, then the sum (two roundings). Where the products
+are exact (weights that are powers of two, such as the SMA of 2, 4, 8, ... sources) the result
+is bit-identical to torch's; otherwise each step differs by at most the rounding of one
+product, half an ulp of the accumulator. Integer and bool tensors are copied, never averaged.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import math
 import os
@@ -32,8 +38,11 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
-import torch
+import numpy as np
 from tqdm.auto import tqdm
+
+from hf_pma.io.safetensors import DTYPE_ITEMSIZE, FLOAT_DTYPES, TORCH_NAMES
+from hf_pma.merging.casts import decode_float, encode_float
 
 __all__ = [
     "DEFAULT_CHUNK_BYTES",
@@ -41,6 +50,8 @@ __all__ = [
     "ChunkTask",
     "TensorPlan",
     "TensorReader",
+    "accumulate_name",
+    "chunk_elements",
     "chunk_tasks",
     "default_workers",
     "run_chunks",
@@ -60,22 +71,22 @@ class TensorReader(Protocol):
     @property
     def infos(self) -> dict[str, Any]: ...
 
-    def read(self, name: str, start: int = 0, stop: int | None = None, buffer: torch.Tensor | None = None) -> torch.Tensor: ...
+    def read(self, name: str, start: int = 0, stop: int | None = None, buffer: Any = None) -> Any: ...
 
 
 @dataclasses.dataclass(frozen=True)
 class TensorPlan:
-    """One output tensor: its name, shape, stored dtype and merged dtype."""
+    """One output tensor: its name, shape, stored dtype and merged dtype (safetensors names, ``"F32"``)."""
 
     name: str
     shape: tuple[int, ...]
-    in_dtype: torch.dtype
-    out_dtype: torch.dtype
+    in_dtype: str
+    out_dtype: str
 
     @property
     def averaged(self) -> bool:
         """Floating-point tensors are averaged; the others must be equal in every source."""
-        return self.in_dtype.is_floating_point
+        return self.in_dtype in FLOAT_DTYPES
 
     @property
     def numel(self) -> int:
@@ -85,12 +96,13 @@ class TensorPlan:
     @property
     def out_bytes(self) -> int:
         """Bytes of the merged tensor."""
-        return self.numel * self.out_dtype.itemsize
+        return self.numel * DTYPE_ITEMSIZE[self.out_dtype]
 
 
-# A sink receives (the chunk's first element in the tensor, the merged chunk); the chunk is a
-# view of a worker's buffer, valid until the sink returns.
-Sink = Callable[[int, torch.Tensor], None]
+# A sink receives (the chunk's first element in the tensor, the merged chunk: a torch tensor of
+# the output dtype, or with the numpy backend a uint8 array of its bytes); the chunk is a view
+# of a worker's buffer, valid until the sink returns.
+Sink = Callable[[int, Any], None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,9 +123,18 @@ def default_workers() -> int:
         return max(1, os.cpu_count() or 1)
 
 
-def chunk_elements(chunk_bytes: int, accumulate_dtype: torch.dtype) -> int:
+def accumulate_name(dtype: Any) -> str:
+    """``"F32"`` or ``"F64"`` for an accumulator dtype given as ``torch.float32``/``"float32"``/``"F32"``."""
+    name = str(dtype).removeprefix("torch.")
+    name = {"float32": "F32", "float64": "F64"}.get(name, name)
+    if name not in ("F32", "F64"):
+        raise ValueError(f"accumulate_dtype must be torch.float32 or torch.float64, got {dtype}")
+    return name
+
+
+def chunk_elements(chunk_bytes: int, accumulate_dtype: Any) -> int:
     """Elements per chunk for an accumulator of ``chunk_bytes``."""
-    return max(1, int(chunk_bytes) // accumulate_dtype.itemsize)
+    return max(1, int(chunk_bytes) // DTYPE_ITEMSIZE[accumulate_name(accumulate_dtype)])
 
 
 def chunk_tasks(plan: TensorPlan, start: int, stop: int, chunk_elems: int, sink: Sink) -> Iterator[ChunkTask]:
@@ -126,23 +147,31 @@ def chunk_tasks(plan: TensorPlan, start: int, stop: int, chunk_elems: int, sink:
 
 
 class _Worker:
-    """Merges the chunks it pulls, reading the next source while it accumulates the current one."""
+    """Merges the chunks it pulls, reading the next source while it accumulates the current one.
+
+    Readers return the bytes of a chunk; they are decoded exactly to float32
+    (:mod:`hf_pma.merging.casts`), accumulated in float32 (or float64) numpy arrays, and the
+    merged chunk is encoded to the output dtype with torch's rounding.
+    """
 
     def __init__(
         self,
         names: Sequence[str],
         readers: Sequence[TensorReader],
         weights: Sequence[float],
-        accumulate_dtype: torch.dtype,
+        accumulate_dtype: str,
         chunk_elems: int,
         prefetch: bool,
     ) -> None:
         self.names, self.readers, self.weights = list(names), list(readers), list(weights)
         self.acc_dtype = accumulate_dtype
-        self._acc = torch.empty(chunk_elems, dtype=accumulate_dtype)
-        self._bufs = [torch.empty(chunk_elems * 8, dtype=torch.uint8) for _ in range(2)]  # 8: the widest dtype
-        self._cmp = torch.empty(chunk_elems * 8, dtype=torch.uint8)
-        self._out: dict[torch.dtype, torch.Tensor] = {}
+        self._kind: Any = np.float32 if accumulate_dtype == "F32" else np.float64
+        self._acc = np.empty(chunk_elems, dtype=self._kind)
+        self._tmp = np.empty(chunk_elems, dtype=self._kind)
+        self._decoded = np.empty(chunk_elems, dtype=np.float32)
+        self._out = np.empty(chunk_elems * 8, dtype=np.uint8)
+        self._bufs = [np.empty(chunk_elems * 8, dtype=np.uint8) for _ in range(2)]  # 8: the widest dtype
+        self._cmp = np.empty(chunk_elems * 8, dtype=np.uint8)
         self._io = ThreadPoolExecutor(1, thread_name_prefix="hf-pma-read") if prefetch else None
 
     def close(self) -> None:
@@ -158,7 +187,7 @@ class _Worker:
             for i in range(len(self.readers)):
                 yield task, i
 
-    def _read(self, item: tuple[ChunkTask, int | None] | None, slot: int) -> torch.Tensor | None:
+    def _read(self, item: tuple[ChunkTask, int | None] | None, slot: int) -> np.ndarray | None:
         if item is None or item[1] is None:
             return None
         task, i = item
@@ -174,7 +203,6 @@ class _Worker:
         return self._io.submit(self._read, item, slot)
 
     def run(self, pull: Callable[[], ChunkTask | None]) -> None:
-        torch.set_num_threads(1)
         items = self._reads(pull)
         slot = 0
         current = next(items, None)
@@ -191,34 +219,35 @@ class _Worker:
             slot ^= 1
             pending = self._submit(current, slot)  # the next read fills the other buffer meanwhile
             acc = self._acc[: task.stop - task.start]
+            weight = self._kind(self.weights[i])
             if i == 0:
-                acc.copy_(x)
-                acc.mul_(self.weights[0])
+                np.multiply(self._values(task, x), weight, out=acc)
             else:
-                acc.add_(x, alpha=self.weights[i])  # promoted to the accumulator's dtype, no temporary
+                tmp = self._tmp[: acc.size]
+                np.multiply(self._values(task, x), weight, out=tmp)
+                np.add(acc, tmp, out=acc)
             if i == len(self.readers) - 1:
                 task.sink(task.start, self._finish(task, acc))
         if pending is not None:  # only after an error elsewhere stopped the queue
             pending.result()
 
-    def _finish(self, task: ChunkTask, acc: torch.Tensor) -> torch.Tensor:
+    def _values(self, task: ChunkTask, x: np.ndarray) -> np.ndarray:
+        return decode_float(x, task.plan.in_dtype, self._decoded)
+
+    def _finish(self, task: ChunkTask, acc: np.ndarray) -> np.ndarray:
         # NaN and Inf propagate into the sum: one cheap reduction instead of an isfinite mask;
         # only a non-finite sum (or an overflowing one) pays for the exact check.
-        if not bool(torch.isfinite(acc.sum())) and not bool(torch.isfinite(acc).all()):
-            self._raise_non_finite(task)
-        if task.plan.out_dtype == acc.dtype:
-            return acc
-        dtype = task.plan.out_dtype
-        if dtype not in self._out:
-            self._out[dtype] = torch.empty(self._acc.numel(), dtype=dtype)
-        return self._out[dtype][: acc.numel()].copy_(acc)  # the same rounding as acc.to(dtype)
+        with np.errstate(over="ignore", invalid="ignore"):
+            if not np.isfinite(acc.sum()) and not np.isfinite(acc).all():
+                self._raise_non_finite(task)
+        return encode_float(acc, task.plan.out_dtype, self._out)
 
-    def _check_equal(self, task: ChunkTask) -> torch.Tensor:
+    def _check_equal(self, task: ChunkTask) -> np.ndarray:
         name = task.plan.name
         first = self.readers[0].read(name, task.start, task.stop, self._cmp)
         for source, reader in zip(self.names[1:], self.readers[1:]):
             other = reader.read(name, task.start, task.stop, self._bufs[0])
-            if not torch.equal(first, other):
+            if not np.array_equal(first, other):
                 raise MergeError(
                     f"integer/bool tensor {name!r} differs between {self.names[0]} and {source}; "
                     f"such tensors (buffers, counters) cannot be averaged and must be equal in every source"
@@ -229,18 +258,9 @@ class _Worker:
         name = task.plan.name
         for source, reader in zip(self.names, self.readers):
             x = reader.read(name, task.start, task.stop, self._cmp)
-            if not bool(torch.isfinite(x).all()):
+            if not np.isfinite(self._values(task, x)).all():
                 raise MergeError(f"tensor {name!r} in {source} holds non-finite values (NaN or Inf)")
-        raise MergeError(f"the merge of tensor {name!r} overflowed {self.acc_dtype}")
-
-
-@contextlib.contextmanager
-def _restore_num_threads() -> Iterator[None]:
-    before = torch.get_num_threads()
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
+        raise MergeError(f"the merge of tensor {name!r} overflowed {TORCH_NAMES[self.acc_dtype]}")
 
 
 def run_chunks(
@@ -248,7 +268,7 @@ def run_chunks(
     names: Sequence[str],
     readers: Sequence[TensorReader],
     weights: Sequence[float],
-    accumulate_dtype: torch.dtype = torch.float32,
+    accumulate_dtype: Any = "F32",
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     workers: int | None = None,
     prefetch: bool = True,
@@ -258,11 +278,12 @@ def run_chunks(
     """Merge every task's chunk (``sum_i weights[i] * readers[i][range]``) and hand it to its sink.
 
     ``names`` name the sources in errors. ``tasks`` must be cut by :func:`chunk_tasks` with the
-    same ``chunk_bytes`` and ``accumulate_dtype``. ``workers`` threads (default: the usable
-    cores); the first error stops every worker and is raised here.
+    same ``chunk_bytes`` and ``accumulate_dtype`` (``torch.float32``/``"float32"``/``"F32"`` or
+    the float64 ones). ``workers`` threads (default: the usable cores); the first error stops
+    every worker and is raised here. Readers return raw bytes
+    (:mod:`hf_pma.io`); sinks receive the merged chunk's bytes in the output dtype.
     """
-    if accumulate_dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"accumulate_dtype must be torch.float32 or torch.float64, got {accumulate_dtype}")
+    accumulate_dtype = accumulate_name(accumulate_dtype)
     workers = default_workers() if workers is None else int(workers)
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
@@ -283,7 +304,8 @@ def run_chunks(
         if task.stop - task.start > chunk_elems:
             raise ValueError(f"chunk of {task.plan.name!r} is larger than the chunk size: cut tasks with chunk_tasks")
         if progress:
-            return dataclasses.replace(task, sink=_counted(task.sink, bar, task.plan.out_dtype.itemsize))
+            nbytes = (task.stop - task.start) * DTYPE_ITEMSIZE[task.plan.out_dtype]
+            return dataclasses.replace(task, sink=_counted(task.sink, bar, nbytes))
         return task
 
     def work(worker: _Worker) -> None:
@@ -296,29 +318,29 @@ def run_chunks(
             worker.close()
 
     pool = [_Worker(names, readers, weights, accumulate_dtype, chunk_elems, prefetch) for _ in range(workers)]
-    with _restore_num_threads():
-        if workers == 1:
-            work(pool[0])
-        else:
-            threads = [threading.Thread(target=work, args=(w,), name=f"hf-pma-merge-{k}") for k, w in enumerate(pool)]
+    if workers == 1:
+        work(pool[0])
+    else:
+        threads = [threading.Thread(target=work, args=(w,), name=f"hf-pma-merge-{k}") for k, w in enumerate(pool)]
+        for t in threads:
+            t.start()
+        try:
             for t in threads:
-                t.start()
-            try:
-                for t in threads:
-                    t.join()
-            except BaseException:
-                stop.set()
-                for t in threads:
-                    t.join()
-                raise
+                t.join()
+        except BaseException:
+            stop.set()
+            for t in threads:
+                t.join()
+            raise
     bar.close()
     if errors:
         raise errors[0]
 
 
-def _counted(sink: Sink, bar: Any, itemsize: int) -> Sink:
-    def counted(start: int, chunk: torch.Tensor) -> None:
+def _counted(sink: Sink, bar: Any, nbytes: int) -> Sink:
+    def counted(start: int, chunk: Any) -> None:
         sink(start, chunk)
-        bar.update(chunk.numel() * itemsize)
+        bar.update(nbytes)
 
     return counted
+

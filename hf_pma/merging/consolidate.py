@@ -3,7 +3,9 @@
 Streams tensor by tensor in bounded memory (flat element ranges assembled from the ranks'
 slices, see :mod:`hf_pma.io.sharded`), optionally casting floating tensors, into
 ``model.safetensors`` or ``model-0000x-of-0000y.safetensors`` + index, with the snapshot's
-config, tokenizer files and record; the folder is built aside and renamed into place.
+config, tokenizer files and record; the folder is built aside and renamed into place. Casts
+run in numpy with torch's rounding (:mod:`hf_pma.merging.casts`): neither torch nor
+transformers is imported.
 """
 
 from __future__ import annotations
@@ -11,14 +13,14 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+import numpy as np
 from tqdm.auto import tqdm
-from transformers.utils import logging
 
 from hf_pma.core.manifest import MERGE_RECORD_NAME, SNAPSHOT_RECORD_NAME
 from hf_pma.io.safetensors import SafetensorsWriter
-from hf_pma.io.torch_adapters import safetensors_dtype, tensor_bytes
+from hf_pma.merging.casts import decode_float, encode_float
 from hf_pma.merging.engine import (
     _check_output,
     _copy_support_files,
@@ -35,9 +37,13 @@ from hf_pma.utils.fs import (
     remove_stale_temporaries,
     temporary_path,
 )
-from hf_pma.utils.parsing import parse_dtype, parse_size
+from hf_pma.utils.logs import get_logger
+from hf_pma.utils.parsing import parse_dtype, parse_dtype_name, parse_size
 
-logger = logging.get_logger(__name__)
+if TYPE_CHECKING:
+    import torch
+
+logger = get_logger(__name__)
 
 __all__ = ["consolidate_snapshot", "load_sharded_model"]
 
@@ -59,7 +65,7 @@ def consolidate_snapshot(
     with a ``config.json`` beside). ``dtype`` casts floating tensors. The values are the stored
     ones, bit for bit, when no ``dtype`` is given.
     """
-    out_dtype = parse_dtype(dtype)
+    out_dtype = parse_dtype_name(dtype)
     max_bytes = parse_size(max_shard_size, "max_shard_size")
     output_dir = Path(output_dir)
     (source,) = resolve_sources([snapshot]) if Path(snapshot).is_dir() else (None,)
@@ -78,24 +84,24 @@ def _consolidate_into(
 ) -> None:
     remove_stale_temporaries(output_dir.parent, output_dir.name)  # of a killed earlier run
     tmp = temporary_path(output_dir)
-    tensors = source.open()
+    tensors = source.open_raw()
     try:
         plans = plan_tensors(tensors.infos, out_dtype)
         shards = plan_output_shards(plans, max_bytes, "model")
         tmp.mkdir(parents=True)
-        read_buf = torch.empty(_CHUNK_ELEMS * 8, dtype=torch.uint8)
-        cast_bufs: dict[torch.dtype, torch.Tensor] = {}
+        read_buf = np.empty(_CHUNK_ELEMS * 8, dtype=np.uint8)
+        decoded = np.empty(_CHUNK_ELEMS, dtype=np.float32)
+        cast_buf = np.empty(_CHUNK_ELEMS * 8, dtype=np.uint8)
         bar = tqdm(total=len(plans), desc="Consolidating", unit="tensor", disable=not progress)
         for shard in shards:
-            writer = SafetensorsWriter(tmp / shard.filename, [(p.name, safetensors_dtype(p.out_dtype), p.shape) for p in shard.plans])
+            writer = SafetensorsWriter(tmp / shard.filename, [(p.name, p.out_dtype, p.shape) for p in shard.plans])
             for plan in shard.plans:
                 for start in range(0, plan.numel, _CHUNK_ELEMS):
                     stop = min(plan.numel, start + _CHUNK_ELEMS)
                     chunk = tensors.read(plan.name, start, stop, read_buf)
-                    if plan.out_dtype != plan.in_dtype:
-                        cast = cast_bufs.setdefault(plan.out_dtype, torch.empty(_CHUNK_ELEMS, dtype=plan.out_dtype))
-                        chunk = cast[: stop - start].copy_(chunk)
-                    writer.write(plan.name, tensor_bytes(chunk))
+                    if plan.out_dtype != plan.in_dtype:  # torch's rounding, bit for bit
+                        chunk = encode_float(decode_float(chunk, plan.in_dtype, decoded), plan.out_dtype, cast_buf)
+                    writer.write(plan.name, chunk)
                 bar.update(1)
             writer.close()
         bar.close()
@@ -108,7 +114,7 @@ def _consolidate_into(
             extra["consolidated_from"] = {**layout, "num_rank_files": len(source.files)}
             record["extra"] = extra
             if out_dtype is not None:
-                record["dtype"] = str(out_dtype).removeprefix("torch.")
+                record["dtype"] = out_dtype
             atomic_write_json(tmp / SNAPSHOT_RECORD_NAME, record)
         publish_folder(tmp, output_dir, replace=overwrite)
     except BaseException:
@@ -125,6 +131,7 @@ def load_sharded_model(snapshot: str | os.PathLike[str], dtype: str | torch.dtyp
 
     ``dtype``: ``"auto"`` keeps the stored dtype, else floating weights are cast to it.
     """
+    import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
     (source,) = resolve_sources([snapshot])

@@ -7,6 +7,10 @@ arithmetic, and the result is bit-identical for any number of workers); each mer
 written at its place in output shards planned up front. Peak memory is a few chunk buffers
 per worker, independent of N and of the model size; N tensors are never stacked.
 
+The arithmetic runs in numpy (:mod:`hf_pma.merging.chunks`): merging safetensors sources in one
+process imports neither torch nor transformers (``.bin`` sources need ``torch.load``, the
+distributed merge ``torch.distributed``; the in-memory merge returns torch tensors).
+
 Everything is checked before the first byte is written (names, shapes, dtypes, headers,
 output folder), and the output is built in a temporary folder beside ``output_dir`` that is
 renamed into place only when complete: a failed merge leaves nothing at ``output_dir``.
@@ -22,22 +26,25 @@ import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
-
-import torch
-from transformers.utils import logging
+from typing import TYPE_CHECKING, Any
 
 from hf_pma import __version__
 from hf_pma.core.manifest import MERGE_RECORD_NAME, MODEL_SUPPORT_FILES
 from hf_pma.core.outputs import check_overwrite_target
 from hf_pma.core.selection import check_window
 from hf_pma.core.strategies import merge_weights, validate_strategy
-from hf_pma.io.safetensors import SafetensorsWriter, TensorInfo
-from hf_pma.io.torch_adapters import DTYPE_FROM_SAFETENSORS, safetensors_dtype, tensor_bytes
+from hf_pma.io.safetensors import (
+    DTYPE_ITEMSIZE,
+    SAFETENSORS_NAMES,
+    TORCH_NAMES,
+    SafetensorsWriter,
+    TensorInfo,
+)
 from hf_pma.merging.chunks import (
     DEFAULT_CHUNK_BYTES,
     MergeError,
     TensorPlan,
+    accumulate_name,
     chunk_elements,
     chunk_tasks,
     default_workers,
@@ -52,7 +59,6 @@ from hf_pma.merging.sources import (
     select_window,
     sources_span,
 )
-from hf_pma.utils.distributed import all_ranks_checked, distributed_rank_and_size, local_world_size
 from hf_pma.utils.fs import (
     atomic_write_json,
     check_output_folder,
@@ -63,9 +69,13 @@ from hf_pma.utils.fs import (
     remove_stale_temporaries,
     temporary_path,
 )
-from hf_pma.utils.parsing import parse_dtype, parse_size
+from hf_pma.utils.logs import get_logger
+from hf_pma.utils.parsing import parse_dtype, parse_dtype_name, parse_size
 
-logger = logging.get_logger(__name__)
+if TYPE_CHECKING:
+    import torch
+
+logger = get_logger(__name__)
 
 __all__ = [
     "MergeError",
@@ -111,14 +121,16 @@ def validate_sources(sources: Sequence[CheckpointSource], opened: Sequence[Check
     return ref_infos
 
 
-def plan_tensors(infos: dict[str, TensorInfo], dtype: torch.dtype | None) -> list[TensorPlan]:
-    """One plan per tensor, sorted by name; floating-point tensors take ``dtype`` when given."""
+def plan_tensors(infos: dict[str, TensorInfo], dtype: str | torch.dtype | None) -> list[TensorPlan]:
+    """One plan per tensor, sorted by name; floating-point tensors take ``dtype`` (``"bfloat16"``,
+    ``torch.bfloat16``, ...) when given."""
+    name_of = parse_dtype_name(dtype)
+    out_dtype = None if name_of is None else SAFETENSORS_NAMES[name_of]
     plans = []
     for name in sorted(infos):
         info = infos[name]
-        in_dtype = DTYPE_FROM_SAFETENSORS[info.dtype]
-        out = dtype if (dtype is not None and info.is_floating_point) else in_dtype
-        plans.append(TensorPlan(name, info.shape, in_dtype, out))
+        out = out_dtype if (out_dtype is not None and info.is_floating_point) else info.dtype
+        plans.append(TensorPlan(name, info.shape, info.dtype, out))
     return plans
 
 
@@ -189,11 +201,6 @@ def _announce(sources: Sequence[CheckpointSource], what: str, window: dict[str, 
         logger.info(f"{what}: {describe_sources(sources, window.get('requested'), window.get('unit'))}")
 
 
-def _check_accumulate_dtype(dtype: torch.dtype) -> None:
-    if dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"accumulate_dtype must be torch.float32 or torch.float64, got {dtype}")
-
-
 def merge_state_dict(
     sources: Sequence[str | os.PathLike[str] | CheckpointSource],
     strategy: str = "sma",
@@ -201,7 +208,7 @@ def merge_state_dict(
     weights: Sequence[float] | None = None,
     dtype: str | torch.dtype | None = None,
     last: int | None = None,
-    accumulate_dtype: torch.dtype = torch.float32,
+    accumulate_dtype: torch.dtype | str = "float32",
     progress: bool = False,
     workers: int | None = None,
     *,
@@ -211,23 +218,27 @@ def merge_state_dict(
 ) -> dict[str, torch.Tensor]:
     """Merge checkpoints into an in-memory state dict (one model's worth of memory).
 
-    Same inputs, checks and arithmetic as :func:`merge_checkpoints`, for callers that load the
-    result straight into a model (PMA-init, loss-spike recovery).
+    Same inputs, checks and arithmetic as :func:`merge_checkpoints` (bit-identical tensors), for
+    callers that load the result straight into a model (PMA-init, loss-spike recovery).
     """
-    _check_accumulate_dtype(accumulate_dtype)
+    import torch
+
+    from hf_pma.io.torch_adapters import DTYPE_FROM_SAFETENSORS, tensor_bytes
+
+    accumulate_dtype = accumulate_name(accumulate_dtype)
     out_dtype = parse_dtype(dtype)
     validate_strategy(strategy, alpha, weights)  # before a Hub source is downloaded
     srcs = _as_sources(sources, last, window_tokens, window_steps, include_final)
     coefs = merge_weights(len(srcs), strategy, alpha, weights)
-    opened = open_all(srcs)
+    opened = open_all(srcs, raw=True)
     try:
         plans = plan_tensors(validate_sources(srcs, opened), out_dtype)
-        state = {plan.name: torch.empty(plan.shape, dtype=plan.out_dtype) for plan in plans}
+        state = {plan.name: torch.empty(plan.shape, dtype=DTYPE_FROM_SAFETENSORS[plan.out_dtype]) for plan in plans}
         chunk_elems = chunk_elements(DEFAULT_CHUNK_BYTES, accumulate_dtype)
         tasks = (
             task
             for plan in plans
-            for task in chunk_tasks(plan, 0, plan.numel, chunk_elems, _copy_into(state[plan.name].view(-1)))
+            for task in chunk_tasks(plan, 0, plan.numel, chunk_elems, _copy_into(tensor_bytes(state[plan.name]), plan))
         )
         run_chunks(tasks, [str(s.path) for s in srcs], opened, coefs, accumulate_dtype, DEFAULT_CHUNK_BYTES, workers, progress=progress)
         return state
@@ -236,9 +247,12 @@ def merge_state_dict(
             tensors.close()
 
 
-def _copy_into(flat: torch.Tensor):
-    def sink(start: int, chunk: torch.Tensor) -> None:
-        flat[start : start + chunk.numel()].copy_(chunk)
+def _copy_into(flat: Any, plan: TensorPlan):
+    """A sink copying merged bytes into ``flat``, the bytes of the output tensor."""
+    itemsize = DTYPE_ITEMSIZE[plan.out_dtype]
+
+    def sink(start: int, chunk: Any) -> None:
+        flat[start * itemsize : start * itemsize + len(chunk)] = chunk
 
     return sink
 
@@ -264,7 +278,7 @@ def check_config_file(newest: CheckpointSource) -> None:
         raise FileNotFoundError(f"{newest.path} has no {config_name}; the merged folder would not load without it")
 
 
-def _copy_support_files(newest: CheckpointSource, dest: Path, out_dtype: torch.dtype | None) -> None:
+def _copy_support_files(newest: CheckpointSource, dest: Path, out_dtype: str | torch.dtype | None) -> None:
     check_config_file(newest)
     names = [n for n in SUPPORT_FILES if (newest.path / n).is_file()]
     names += sorted(p.name for p in newest.path.glob("*.py"))
@@ -274,7 +288,7 @@ def _copy_support_files(newest: CheckpointSource, dest: Path, out_dtype: torch.d
         config = json.loads((dest / "config.json").read_text())
         for key in ("dtype", "torch_dtype"):
             if key in config:
-                config[key] = str(out_dtype).removeprefix("torch.")
+                config[key] = parse_dtype_name(out_dtype)
         (dest / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
@@ -291,7 +305,7 @@ def _merge_record(
     alpha: float,
     explicit: bool,
     out_dtype: str,
-    accumulate_dtype: torch.dtype,
+    accumulate_dtype: str,
     output_dir: Path,
     window: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
@@ -320,7 +334,7 @@ def _merge_record(
         "alpha": alpha if strategy == "ema" and not explicit else None,
         "weights": list(coefs),
         "dtype": out_dtype,
-        "accumulate_dtype": str(accumulate_dtype).removeprefix("torch."),
+        "accumulate_dtype": TORCH_NAMES[accumulate_name(accumulate_dtype)],
         "created": time.time(),
         "interval_tokens": interval,
         "num_sources": len(sources),
@@ -334,15 +348,17 @@ def write_output_shards(
     folder: Path,
     shards: Sequence[OutputShard],
     sources: Sequence[CheckpointSource],
-    opened: Sequence[CheckpointTensors],
+    opened: Sequence[Any],
     coefs: Sequence[float],
-    accumulate_dtype: torch.dtype = torch.float32,
+    accumulate_dtype: torch.dtype | str = "float32",
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     workers: int | None = None,
     progress: bool = False,
 ) -> None:
-    """Merge the tensors of ``shards`` and write each shard file into ``folder`` (fsynced)."""
-    writers = [SafetensorsWriter(folder / s.filename, [(p.name, safetensors_dtype(p.out_dtype), p.shape) for p in s.plans]) for s in shards]
+    """Merge the tensors of ``shards`` and write each shard file into ``folder`` (fsynced).
+
+    ``opened``: the sources opened with :func:`~hf_pma.merging.sources.open_all` ``(raw=True)``."""
+    writers = [SafetensorsWriter(folder / s.filename, [(p.name, p.out_dtype, p.shape) for p in s.plans]) for s in shards]
     try:
         chunk_elems = chunk_elements(chunk_bytes, accumulate_dtype)
         tasks = (
@@ -351,7 +367,10 @@ def write_output_shards(
             for plan in shard.plans
             for task in chunk_tasks(plan, 0, plan.numel, chunk_elems, _write_into(writer, plan.name))
         )
-        run_chunks(tasks, [str(s.path) for s in sources], opened, coefs, accumulate_dtype, chunk_bytes, workers, progress=progress)
+        run_chunks(
+            tasks, [str(s.path) for s in sources], opened, coefs, accumulate_dtype, chunk_bytes, workers,
+            progress=progress,
+        )
     finally:
         errors = []
         for writer in writers:
@@ -364,8 +383,8 @@ def write_output_shards(
 
 
 def _write_into(writer: SafetensorsWriter, name: str):
-    def sink(start: int, chunk: torch.Tensor) -> None:
-        writer.write_at(name, start, tensor_bytes(chunk))
+    def sink(start: int, chunk: Any) -> None:
+        writer.write_at(name, start, chunk)
 
     return sink
 
@@ -389,7 +408,7 @@ def merge_checkpoints(
     max_shard_size: int | str = "5GB",
     last: int | None = None,
     overwrite: bool = False,
-    accumulate_dtype: torch.dtype = torch.float32,
+    accumulate_dtype: torch.dtype | str = "float32",
     progress: bool = True,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     workers: int | None = None,
@@ -416,7 +435,7 @@ def merge_checkpoints(
         last: merge only the newest ``last`` sources.
         overwrite: replace a non-empty ``output_dir`` (never a source, a snapshot listed in a
             manifest, a Trainer checkpoint or a folder hf-pma did not write).
-        accumulate_dtype: ``torch.float32`` (default) or ``torch.float64``.
+        accumulate_dtype: ``torch.float32`` / ``"float32"`` (default) or the float64 ones.
         progress: show a progress bar.
         chunk_bytes: accumulator size per worker; bounds memory for huge tensors.
         workers: merge threads (default: the usable cores, shared by the processes of this
@@ -436,9 +455,13 @@ def merge_checkpoints(
     The sources taken (count, first and last, the tokens or steps they span) are logged, and
     recorded with the window's span (``window``) in ``pma_merge.json``; a merge of a single
     source logs a warning.
+
+    Without ``distributed`` and with safetensors sources, the merge imports neither torch nor
+    transformers (see :mod:`hf_pma.merging.chunks` for how numpy's arithmetic compares with
+    torch's).
     """
-    _check_accumulate_dtype(accumulate_dtype)
-    out_dtype = parse_dtype(dtype)
+    accumulate_dtype = accumulate_name(accumulate_dtype)
+    out_dtype = parse_dtype_name(dtype)
     max_bytes = parse_size(max_shard_size, "max_shard_size")
     output_dir = Path(output_dir)
     validate_strategy(strategy, alpha, weights)  # before a Hub source is downloaded
@@ -446,7 +469,12 @@ def merge_checkpoints(
     coefs = merge_weights(len(srcs), strategy, alpha, weights)
     window = _window_record(srcs, window_tokens, window_steps)
     check_config_file(srcs[-1])
-    rank, world_size = distributed_rank_and_size() if distributed else (0, 1)
+    if distributed:
+        from hf_pma.utils.distributed import all_ranks_checked, distributed_rank_and_size, local_world_size
+
+        rank, world_size = distributed_rank_and_size()
+    else:
+        rank, world_size = 0, 1
     if workers is None:
         workers = max(1, default_workers() // (local_world_size() if world_size > 1 else 1))
     checked = all_ranks_checked if world_size > 1 else (lambda fn, what: [fn()])
@@ -469,11 +497,11 @@ def merge_checkpoints(
     except BaseException:
         claim.close()
         raise
-    opened: list[CheckpointTensors] = []
+    opened: list[Any] = []
     planned: dict[str, Any] = {}
 
     def write_mine() -> None:
-        opened.extend(open_all(srcs))
+        opened.extend(open_all(srcs, raw=True))
         plans = plan_tensors(validate_sources(srcs, opened), out_dtype)
         shards = plan_output_shards(plans, max_bytes, srcs[-1].prefix)
         planned.update(plans=plans, shards=shards)
@@ -487,14 +515,16 @@ def merge_checkpoints(
                 window,
             )
         mine = [shard for shard, owner in zip(shards, _owners(shards, world_size)) if owner == rank]
-        write_output_shards(tmp, mine, srcs, opened, coefs, accumulate_dtype, chunk_bytes, workers, progress and rank == 0)
+        write_output_shards(
+            tmp, mine, srcs, opened, coefs, accumulate_dtype, chunk_bytes, workers, progress and rank == 0
+        )
 
     def finish() -> None:
         if rank != 0:
             return
         write_shard_index(tmp, srcs[-1].prefix, planned["shards"])
         _copy_support_files(srcs[-1], tmp, out_dtype)
-        out_dtypes = sorted({str(p.out_dtype).removeprefix("torch.") for p in planned["plans"] if p.averaged})
+        out_dtypes = sorted({TORCH_NAMES[p.out_dtype] for p in planned["plans"] if p.averaged})
         record = _merge_record(
             srcs, coefs, strategy, alpha, weights is not None, ",".join(out_dtypes), accumulate_dtype, output_dir, window
         )

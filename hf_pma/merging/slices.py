@@ -247,7 +247,7 @@ class SliceSwap:
         opened: list[CheckpointTensors] = []
 
         def merge_mine() -> None:
-            opened.extend(open_all(srcs))
+            opened.extend(open_all(srcs, raw=True))
             infos = validate_sources(srcs, opened)
             self._slots = local_slots(model, infos, self.rank, self.world_size)
             mine = [s for s in self._slots if s.owner in (None, self.rank)]
@@ -256,7 +256,7 @@ class SliceSwap:
             tasks = (
                 task
                 for slot in mine
-                for task in chunk_tasks(_plan(slot.name, infos), slot.start, slot.stop, chunk_elems, _into(slot))
+                for task in chunk_tasks(_plan(slot.name, infos), slot.start, slot.stop, chunk_elems, _into(slot, infos[slot.name].dtype))
             )
             with torch.no_grad():
                 run_chunks(tasks, [str(s.path) for s in srcs], opened, coefs, accumulate_dtype, chunk_bytes, workers)
@@ -305,13 +305,15 @@ class SliceSwap:
 
 def _plan(name: str, infos: dict[str, Any]) -> TensorPlan:
     info = infos[name]
-    dtype = DTYPE_FROM_SAFETENSORS[info.dtype]
-    return TensorPlan(name, tuple(info.shape), dtype, dtype)
+    return TensorPlan(name, tuple(info.shape), info.dtype, info.dtype)
 
 
-def _into(slot: LocalSlot):
-    def sink(start: int, chunk: torch.Tensor) -> None:
-        slot.dest[start - slot.start : start - slot.start + chunk.numel()].copy_(chunk)
+def _into(slot: LocalSlot, dtype: str):
+    stored = DTYPE_FROM_SAFETENSORS[dtype]
+
+    def sink(start: int, chunk: Any) -> None:  # the merged chunk's bytes, in the stored dtype
+        merged = torch.from_numpy(chunk).view(stored)
+        slot.dest[start - slot.start : start - slot.start + merged.numel()].copy_(merged)
 
     return sink
 

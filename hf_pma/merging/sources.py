@@ -115,7 +115,8 @@ def find_weight_files(folder: Path) -> tuple[str, list[Path]] | None:
 
 
 class _BinCheckpoint:
-    """``.bin`` state dicts loaded with ``torch.load(weights_only=True, mmap=True)``; ``read`` gives torch tensors."""
+    """``.bin`` state dicts loaded with ``torch.load(weights_only=True, mmap=True)``; ``read``
+    gives raw bytes, as the safetensors readers do."""
 
     def __init__(self, files: Sequence[Path]) -> None:
         import torch
@@ -128,9 +129,7 @@ class _BinCheckpoint:
             try:
                 state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             except Exception as err:  # noqa: BLE001 - any unpickling failure is a bad file
-                raise CheckpointFormatError(
-                    f"{path} could not be read as a PyTorch state dict: {err}"
-                ) from err
+                raise CheckpointFormatError(f"{path} could not be read as a PyTorch state dict: {err}") from err
             if not isinstance(state, dict):
                 raise CheckpointFormatError(f"{path} does not hold a state dict (got {type(state).__name__})")
             for name, tensor in state.items():
@@ -140,50 +139,45 @@ class _BinCheckpoint:
                     raise CheckpointFormatError(f"tensor {name!r} appears in two shards: {path} and another")
                 dtype = safetensors_dtype(tensor.dtype, name)
                 self._state[name] = tensor
-                self._infos[name] = TensorInfo(
-                    name, dtype, tuple(tensor.shape), 0, tensor.numel() * tensor.element_size()
-                )
+                self._infos[name] = TensorInfo(name, dtype, tuple(tensor.shape), 0, tensor.numel() * tensor.element_size())
 
     @property
     def infos(self) -> dict[str, TensorInfo]:
         return self._infos
 
     def read(self, name: str, start: int = 0, stop: int | None = None, buffer: Any = None) -> Any:
-        return self._state[name].reshape(-1)[start:stop]
+        from hf_pma.io.torch_adapters import tensor_bytes
+
+        return tensor_bytes(self._state[name].reshape(-1)[start:stop])
 
     def close(self) -> None:
         self._state = {}
 
 
-def open_weight_files(
-    files: Sequence[Path], sharded: bool = False
-) -> SafetensorsCheckpoint | ShardedCheckpointTensors:
-    """Raw (torch-free) read access to safetensors weight files: bytes by element ranges.
+def open_weight_files(files: Sequence[Path], sharded: bool = False) -> Any:
+    """Read access to weight files by the raw bytes of element ranges of tensors.
 
-    ``sharded``: the files are one per rank (DCP layout). ``.bin`` files need torch
-    (:class:`CheckpointTensors`); ``ValueError`` here.
+    ``sharded``: the files are one per rank (DCP layout). Safetensors files are read without
+    torch; ``.bin`` files are loaded with ``torch.load(weights_only=True, mmap=True)``.
     """
     if sharded:
         return ShardedCheckpointTensors(files)
     if any(Path(f).suffix != ".safetensors" for f in files):
-        raise ValueError("reading .bin weights needs torch; open them with CheckpointTensors")
+        return _BinCheckpoint([Path(f) for f in files])
     return SafetensorsCheckpoint(files)
 
 
 class CheckpointTensors:
     """Read access to every tensor of one checkpoint folder, across its weight files, as torch tensors.
 
-    Safetensors files (plain, sharded by an index, or one per rank with ``sharded``) are read by
-    byte ranges (:mod:`hf_pma.io`); ``.bin`` files are loaded with
-    ``torch.load(weights_only=True, mmap=True)``. torch is imported on first use.
+    The files are read as :func:`open_weight_files` reads them; :meth:`read` gives torch
+    tensors (torch is imported when this class is first used).
     """
 
     def __init__(self, files: Sequence[Path], sharded: bool = False) -> None:
         from hf_pma.io.torch_adapters import TorchTensors
 
-        files = [Path(f) for f in files]
-        self._bin = not sharded and any(f.suffix != ".safetensors" for f in files)
-        self.raw = _BinCheckpoint(files) if self._bin else open_weight_files(files, sharded)
+        self.raw = open_weight_files([Path(f) for f in files], sharded)
         self._torch = TorchTensors(self.raw)
 
     @property
@@ -191,13 +185,9 @@ class CheckpointTensors:
         """Name -> dtype (a safetensors name), shape and location of every tensor."""
         return self.raw.infos
 
-    def read(
-        self, name: str, start: int = 0, stop: int | None = None, buffer: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def read(self, name: str, start: int = 0, stop: int | None = None, buffer: torch.Tensor | None = None) -> torch.Tensor:
         """Elements ``[start, stop)`` of tensor ``name``, flattened (a view of ``buffer``, a uint8
         tensor, when given)."""
-        if self._bin:
-            return self.raw.read(name, start, stop)
         return self._torch.read(name, start, stop, buffer)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -239,18 +229,13 @@ class CheckpointSource:
         """True for a PEFT adapter folder (``adapter_model.*``)."""
         return self.prefix == "adapter_model"
 
-    @property
-    def needs_torch(self) -> bool:
-        """True when the weights are ``.bin`` pickles (only torch reads them)."""
-        return not self.sharded and any(f.suffix != ".safetensors" for f in self.files)
-
     def open(self) -> CheckpointTensors:
         """Open the weight files for reading as torch tensors (validates their headers; a sharded
         folder's slices must cover every tensor exactly once)."""
         return CheckpointTensors(self.files, self.sharded)
 
-    def open_raw(self) -> SafetensorsCheckpoint | ShardedCheckpointTensors:
-        """Open safetensors weight files for torch-free reading (bytes by element ranges)."""
+    def open_raw(self) -> Any:
+        """Open the weight files for reading the bytes of element ranges (torch-free for safetensors)."""
         return open_weight_files(self.files, self.sharded)
 
     def num_bytes(self) -> int:

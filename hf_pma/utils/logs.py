@@ -17,12 +17,21 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["RedactingFilter", "enable_logging", "get_logger", "notice", "quiet_info", "set_cli_verbosity"]
+__all__ = [
+    "RedactingFilter",
+    "enable_logging",
+    "get_logger",
+    "notice",
+    "quiet_info",
+    "set_cli_verbosity",
+    "set_transformers_verbosity",
+]
 
 _HANDLER_NAME = "hf_pma_default_handler"
 
@@ -136,17 +145,34 @@ def set_cli_verbosity(quiet: bool = False, verbose: bool = False) -> None:
 
     Default: hf-pma's INFO (what a command does) and transformers' warnings. ``quiet``: warnings
     only, and no progress bars. ``verbose`` (wins over ``quiet``): DEBUG for both, tracebacks on
-    errors.
+    errors. transformers is not imported for this (a torch-free merge never imports it).
     """
-    from transformers.utils import logging as hf_logging
-
     if verbose:
         hf_level, level = logging.DEBUG, logging.DEBUG
     else:
         hf_level, level = logging.WARNING, logging.WARNING if quiet else logging.INFO
-    hf_logging.set_verbosity(hf_level)
-    hf_logging.enable_default_handler()
-    hf_logging.enable_explicit_format()
-    if quiet and not verbose:
-        hf_logging.disable_progress_bar()
+    set_transformers_verbosity(hf_level, progress_bars=not quiet or verbose, explicit_format=True)
     enable_logging(level)
+
+
+def set_transformers_verbosity(level: int, progress_bars: bool = True, explicit_format: bool = False) -> None:
+    """Set transformers' log level (and turn its progress bars off) without importing it.
+
+    If transformers is loaded, through its API; else through the environment variables it reads
+    when it is first imported (``TRANSFORMERS_VERBOSITY``, ``HF_HUB_DISABLE_PROGRESS_BARS``), so
+    that a command that never needs transformers (a torch-free merge) does not import it.
+    ``explicit_format``: transformers' "[LEVEL|file:line]" format (only once it is loaded).
+    """
+    if "transformers.utils.logging" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.set_verbosity(level)
+        if explicit_format:
+            hf_logging.enable_default_handler()
+            hf_logging.enable_explicit_format()
+        if not progress_bars:
+            hf_logging.disable_progress_bar()
+        return
+    os.environ["TRANSFORMERS_VERBOSITY"] = logging.getLevelName(level).lower()
+    if not progress_bars:
+        os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"

@@ -3,23 +3,39 @@
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING, Any
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-__all__ = ["FLOAT_DTYPES", "parse_dtype", "parse_size"]
+__all__ = ["FLOAT_DTYPE_NAMES", "parse_dtype", "parse_dtype_name", "parse_size"]
 
-FLOAT_DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "float64": torch.float64,
-    "fp64": torch.float64,
+# What users write -> the dtype's name in torch (``torch.<name>``).
+FLOAT_DTYPE_NAMES: dict[str, str] = {
+    "float32": "float32",
+    "fp32": "float32",
+    "float": "float32",
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "fp16": "float16",
+    "half": "float16",
+    "float64": "float64",
+    "fp64": "float64",
 }
+
+
+def parse_dtype_name(dtype: Any, name: str = "dtype") -> str | None:
+    """``"bf16"`` / ``"bfloat16"`` / ``torch.bfloat16`` -> ``"bfloat16"``, without importing torch;
+    ``None`` stays ``None``. Only floating dtypes: weights are averaged or cast in them."""
+    if dtype is None:
+        return None
+    key = str(dtype).lower().removeprefix("torch.")
+    if key not in FLOAT_DTYPE_NAMES:
+        if str(dtype).startswith("torch."):
+            raise ValueError(f"{name} must be a floating-point dtype, got {dtype}")
+        raise ValueError(f"unknown {name} {dtype!r}; choose float32, bfloat16 or float16")
+    return FLOAT_DTYPE_NAMES[key]
 
 
 def parse_dtype(dtype: str | torch.dtype | None, name: str = "dtype") -> torch.dtype | None:
@@ -27,16 +43,14 @@ def parse_dtype(dtype: str | torch.dtype | None, name: str = "dtype") -> torch.d
 
     Only floating dtypes: weights are averaged or cast in them.
     """
-    if dtype is None:
-        return None
+    import torch
+
     if isinstance(dtype, torch.dtype):
         if not dtype.is_floating_point:
             raise ValueError(f"{name} must be a floating-point dtype, got {dtype}")
         return dtype
-    key = str(dtype).lower().removeprefix("torch.")
-    if key not in FLOAT_DTYPES:
-        raise ValueError(f"unknown {name} {dtype!r}; choose float32, bfloat16 or float16")
-    return FLOAT_DTYPES[key]
+    key = parse_dtype_name(dtype, name)
+    return None if key is None else getattr(torch, key)
 
 
 def parse_size(size: int | str, name: str = "size") -> int:

@@ -11,10 +11,11 @@ uses the cores that the 1-minute load average leaves free, at least one, unless 
 from __future__ import annotations
 
 import os
+import sys
 
-from transformers.utils import logging
+from hf_pma.utils.logs import get_logger
 
-logger = logging.get_logger(__name__)
+logger = get_logger(__name__)
 
 __all__ = ["usable_cores", "free_core_threads", "fit_cpu_threads"]
 
@@ -47,6 +48,11 @@ def fit_cpu_threads() -> int | None:
     cores, load = usable_cores(), os.getloadavg()[0]
     if free_core_threads(cores, cores, load) >= cores:
         return None  # enough free cores: torch is not even imported (light commands stay light)
+    if "torch" not in sys.modules:  # torch reads it when imported; a torch-free merge never is
+        threads = free_core_threads(cores, cores, load)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        logger.info(f"hf-pma: the machine is busy (1-minute load {load:.1f} on {cores} cores): torch, if used, gets {threads} thread(s)")
+        return threads
     import torch
 
     current = torch.get_num_threads()

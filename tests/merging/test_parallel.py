@@ -68,7 +68,7 @@ def test_an_error_in_one_worker_stops_all_and_leaves_nothing(tmp_path):
 
 
 def test_chunks_are_cut_at_the_same_places_whatever_the_range():
-    plan = TensorPlan("t", (10, 7), torch.float32, torch.float32)
+    plan = TensorPlan("t", (10, 7), "F32", "F32")
     whole = [(t.start, t.stop) for t in chunk_tasks(plan, 0, 70, 16, print)]
     assert whole == [(0, 16), (16, 32), (32, 48), (48, 64), (64, 70)]
     part = [(t.start, t.stop) for t in chunk_tasks(plan, 20, 50, 16, print)]
