@@ -57,8 +57,10 @@ __all__ = [
     "run_chunks",
 ]
 
-# Accumulator chunk: a chunk read from a source is still in the CPU cache when it is added.
-DEFAULT_CHUNK_BYTES = 4 * 1024 * 1024
+# Accumulator chunk: a chunk read from a source (and its product) is still in the CPU cache when
+# it is added (1 MiB measured faster than 4 MiB with numpy on 2 cores; elementwise arithmetic,
+# so the size never changes the result).
+DEFAULT_CHUNK_BYTES = 1024 * 1024
 
 
 class MergeError(ValueError):
@@ -240,6 +242,8 @@ class _Worker:
         with np.errstate(over="ignore", invalid="ignore"):
             if not np.isfinite(acc.sum()) and not np.isfinite(acc).all():
                 self._raise_non_finite(task)
+        if task.plan.out_dtype == self.acc_dtype:
+            return acc.view(np.uint8)
         return encode_float(acc, task.plan.out_dtype, self._out)
 
     def _check_equal(self, task: ChunkTask) -> np.ndarray:
