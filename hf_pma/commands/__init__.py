@@ -7,7 +7,22 @@ from typing import Any
 
 from hf_pma.utils.argtypes import positive_int
 
-__all__ = ["positive_int", "add_revision_arguments", "add_heldout_arguments", "load_heldout", "set_verbosity"]
+__all__ = [
+    "positive_int",
+    "add_output_arguments",
+    "add_revision_arguments",
+    "add_heldout_arguments",
+    "load_heldout",
+    "set_verbosity",
+]
+
+
+def add_output_arguments(p: argparse.ArgumentParser, quiet: str = "no progress bar or info logs") -> None:
+    """``-o/--output`` (a folder, created atomically), ``--overwrite`` and ``-q/--quiet``: the
+    arguments of every sub-command that writes a folder."""
+    p.add_argument("-o", "--output", required=True, help="output folder (created atomically)")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    p.add_argument("-q", "--quiet", action="store_true", help=quiet)
 
 
 def add_revision_arguments(p: argparse.ArgumentParser, every: bool = True) -> None:

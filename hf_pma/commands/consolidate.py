@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from hf_pma.commands import add_output_arguments
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``hf-pma consolidate``."""
@@ -18,11 +20,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("snapshot", metavar="SNAPSHOT", help="the sharded snapshot folder")
-    p.add_argument("-o", "--output", required=True, help="output folder (created atomically)")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], help="cast floating tensors (default: keep)")
     p.add_argument("--max-shard-size", default="5GB", help="largest output shard (default: 5GB)")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or info logs")
+    add_output_arguments(p)
     p.set_defaults(func=run)
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from hf_pma.commands import add_output_arguments
+
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     """Register ``hf-pma make-tasks``."""
@@ -29,7 +31,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="text file (one document), .jsonl/.json/.csv/.parquet (one per row), folder of text files, or a "
         "dataset name[:config]",
     )
-    p.add_argument("-o", "--output", required=True, help="output folder (created atomically)")
     p.add_argument("--text-column", default="text", help="column of the text in tables (default: text)")
     p.add_argument("--split", default="train", help="split of a dataset INPUT (default: train)")
     p.add_argument("--eval-fraction", type=float, default=0.1, help="share of documents held out (default: 0.1)")
@@ -44,8 +45,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-line-chars", type=int, default=defaults.max_line_chars, help="longest answer line")
     p.add_argument("--prefix", default="pma", help="task name prefix: <prefix>_next_line, ... (default: pma)")
     p.add_argument("--write-train", action="store_true", help="also write the training documents as train.jsonl")
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
-    p.add_argument("-q", "--quiet", action="store_true", help="no info logs")
+    add_output_arguments(p, quiet="no info logs")
     p.set_defaults(func=run)
 
 
@@ -65,13 +65,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.quiet:
         logging.set_verbosity_warning()
-    options = TaskOptions(
-        num_items=args.num_items,
-        num_choices=args.num_choices,
-        context_lines=args.context_lines,
-        min_line_chars=args.min_line_chars,
-        max_line_chars=args.max_line_chars,
-    )
+    same_names = ("num_items", "num_choices", "context_lines", "min_line_chars", "max_line_chars")
+    options = TaskOptions(**{k: getattr(args, k) for k in same_names})
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
     check_task_settings(kinds, args.prefix, options)
     if not 0.0 < args.eval_fraction < 1.0:

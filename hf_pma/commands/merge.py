@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from hf_pma.commands import add_revision_arguments, positive_int
+from hf_pma.commands import add_output_arguments, add_revision_arguments, positive_int
 from hf_pma.core.strategies import STRATEGIES
 from hf_pma.utils.argtypes import positive_count
 
@@ -37,7 +37,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("sources", nargs="+", metavar="SOURCE")
-    p.add_argument("-o", "--output", required=True, help="output folder (created atomically)")
     p.add_argument("--strategy", default="sma", choices=STRATEGIES, help="merge weights (default: sma)")
     p.add_argument("--alpha", type=float, default=0.2, help="EMA smoothing factor (default: 0.2)")
     p.add_argument("--weights", type=_weights, help="explicit weights, oldest first, e.g. 1,1,2 (normalized)")
@@ -74,8 +73,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=positive_int,
         help="merge threads (default: the usable cores); the output is bit-identical for any number",
     )
-    p.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or info logs")
+    add_output_arguments(p)
     p.set_defaults(func=run)
 
 
@@ -103,21 +101,11 @@ def run(args: argparse.Namespace) -> int:
         window_tokens=args.window_tokens,
         window_steps=args.window_steps,
     )
-    merge_checkpoints(
-        sources,
-        args.output,
-        strategy=args.strategy,
-        alpha=args.alpha,
-        weights=args.weights,
-        dtype=args.dtype,
-        max_shard_size=args.max_shard_size,
-        overwrite=args.overwrite,
-        accumulate_dtype=args.accumulate_dtype,
-        progress=not args.quiet,
-        workers=args.workers,
-        window_tokens=args.window_tokens,
-        window_steps=args.window_steps,
+    same_names = (
+        "strategy", "alpha", "weights", "dtype", "max_shard_size", "overwrite", "accumulate_dtype", "workers",
+        "window_tokens", "window_steps",
     )
+    merge_checkpoints(sources, args.output, progress=not args.quiet, **{k: getattr(args, k) for k in same_names})
     how = "explicit weights" if args.weights is not None else args.strategy
     unit = "tokens" if args.window_tokens else "steps" if args.window_steps else None
     said = describe_sources(sources, args.window_tokens or args.window_steps, unit)
