@@ -91,16 +91,8 @@ def run(args: argparse.Namespace) -> int:
     check_output_folder(output, args.overwrite)  # before any download
     if args.overwrite:
         check_overwrite_target(output, (MERGE_RECORD_NAME,))
-    sources = resolve_sources(
-        args.sources,
-        last=args.last,
-        every=args.every,
-        revisions=args.revisions,
-        cache_dir=args.cache_dir,
-        include_final=args.include_final,
-        window_tokens=args.window_tokens,
-        window_steps=args.window_steps,
-    )
+    selection = ("last", "every", "revisions", "cache_dir", "include_final", "window_tokens", "window_steps")
+    sources = resolve_sources(args.sources, **{k: getattr(args, k) for k in selection})
     same_names = (
         "strategy", "alpha", "weights", "dtype", "max_shard_size", "overwrite", "accumulate_dtype", "workers",
         "window_tokens", "window_steps",
