@@ -24,7 +24,9 @@ print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in heavy)))
 """
 
 
-@pytest.mark.parametrize("argv", [[], ["--help"], ["merge", "--help"], ["make-tasks", "--help"], ["eval", "--help"]])
+@pytest.mark.parametrize(
+    "argv", [[], ["--help"], ["merge", "--help"], ["make-tasks", "--help"], ["eval", "--help"]]
+)
 def test_parser_and_help_import_no_heavy_module(argv):
     # A fresh interpreter: this one has torch loaded already.
     probe = _PROBE.format(heavy=HEAVY)
@@ -45,7 +47,10 @@ def test_merge_and_consolidate_of_safetensors_import_neither_torch_nor_transform
     from hf_pma.io.sharded import rank_file_name
     from tests.testing_utils import make_tiny_model, save_model_folder
 
-    folders = [save_model_folder(tmp_path / f"s{i}", make_tiny_model(seed=i), max_shard_size="20KB") for i in range(3)]
+    folders = [
+        save_model_folder(tmp_path / f"s{i}", make_tiny_model(seed=i), max_shard_size="20KB")
+        for i in range(3)
+    ]
     sharded = tmp_path / "sharded"
     sharded.mkdir()
     (sharded / "config.json").write_bytes((folders[0] / "config.json").read_bytes())
@@ -53,10 +58,20 @@ def test_merge_and_consolidate_of_safetensors_import_neither_torch_nor_transform
         (sharded / rank_file_name(rank)).write_bytes(shard.read_bytes())  # whole tensors, no DCP offsets
     commands = {
         "merge": ["merge", *map(str, folders), "-o", str(tmp_path / "merged"), "-q"],
-        "consolidate": ["consolidate", str(sharded), "-o", str(tmp_path / "plain"), "--dtype", "bfloat16", "-q"],
+        "consolidate": [
+            "consolidate",
+            str(sharded),
+            "-o",
+            str(tmp_path / "plain"),
+            "--dtype",
+            "bfloat16",
+            "-q",
+        ],
     }
     for name, argv in commands.items():
-        out = subprocess.run([sys.executable, "-c", _MERGE_PROBE, *argv], capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [sys.executable, "-c", _MERGE_PROBE, *argv], capture_output=True, text=True, timeout=300
+        )
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout.strip().splitlines()[-1]) == [], name
     assert (tmp_path / "merged" / "model.safetensors").is_file()

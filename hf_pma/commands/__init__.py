@@ -34,8 +34,16 @@ def add_revision_arguments(p: argparse.ArgumentParser, every: bool = True) -> No
         "a regex ('/^step1[34]\\d{4}$/' or 're:...'; named groups step/tokens set the order)",
     )
     if every:
-        p.add_argument("--every", type=positive_int, help="take every K-th source (snapshot or revision) counting back from the newest")
-    p.add_argument("--cache-dir", metavar="DIR", help="where Hub revisions are downloaded (default: the Hugging Face cache)")
+        p.add_argument(
+            "--every",
+            type=positive_int,
+            help="take every K-th source (snapshot or revision) counting back from the newest",
+        )
+    p.add_argument(
+        "--cache-dir",
+        metavar="DIR",
+        help="where Hub revisions are downloaded (default: the Hugging Face cache)",
+    )
 
 
 def add_heldout_arguments(parser: argparse.ArgumentParser) -> None:
@@ -46,7 +54,9 @@ def add_heldout_arguments(parser: argparse.ArgumentParser) -> None:
         help="held-out text: .txt (one document), .jsonl/.json/.csv/.parquet (--text-column), a folder of text "
         "files, or a dataset name[:config]",
     )
-    parser.add_argument("--text-column", default="text", help="column of the text in --eval-file tables (default: text)")
+    parser.add_argument(
+        "--text-column", default="text", help="column of the text in --eval-file tables (default: text)"
+    )
     parser.add_argument("--eval-split", default="test", help="split of a --eval-file dataset (default: test)")
 
 
@@ -57,7 +67,9 @@ def load_heldout(args: argparse.Namespace) -> list[str] | None:
         return None
     from hf_pma.evaluation.corpus import load_documents
 
-    texts = load_documents(args.eval_file, text_column=args.text_column, split=args.eval_split, limit=args.limit)
+    texts = load_documents(
+        args.eval_file, text_column=args.text_column, split=args.eval_split, limit=args.limit
+    )
     if not any(texts):
         raise ValueError(f"--eval-file {args.eval_file} holds no text")
     return texts

@@ -33,10 +33,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--text-column", default="text", help="column of the text in tables (default: text)")
     p.add_argument("--split", default="train", help="split of a dataset INPUT (default: train)")
-    p.add_argument("--eval-fraction", type=float, default=0.1, help="share of documents held out (default: 0.1)")
+    p.add_argument(
+        "--eval-fraction", type=float, default=0.1, help="share of documents held out (default: 0.1)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the split and the items (default: 0)")
     p.add_argument(
-        "--kinds", default=",".join(TASK_KINDS), help=f"comma-separated task kinds (default: {','.join(TASK_KINDS)})"
+        "--kinds",
+        default=",".join(TASK_KINDS),
+        help=f"comma-separated task kinds (default: {','.join(TASK_KINDS)})",
     )
     p.add_argument("--num-items", type=int, default=defaults.num_items, help="items per task")
     p.add_argument("--num-choices", type=int, default=defaults.num_choices, help="choices per item")
@@ -44,7 +48,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--min-line-chars", type=int, default=defaults.min_line_chars, help="shortest answer line")
     p.add_argument("--max-line-chars", type=int, default=defaults.max_line_chars, help="longest answer line")
     p.add_argument("--prefix", default="pma", help="task name prefix: <prefix>_next_line, ... (default: pma)")
-    p.add_argument("--write-train", action="store_true", help="also write the training documents as train.jsonl")
+    p.add_argument(
+        "--write-train", action="store_true", help="also write the training documents as train.jsonl"
+    )
     add_output_arguments(p, quiet="no info logs")
     p.set_defaults(func=run)
 

@@ -94,10 +94,20 @@ def run(args: argparse.Namespace) -> int:
     selection = ("last", "every", "revisions", "cache_dir", "include_final", "window_tokens", "window_steps")
     sources = resolve_sources(args.sources, **{k: getattr(args, k) for k in selection})
     same_names = (
-        "strategy", "alpha", "weights", "dtype", "max_shard_size", "overwrite", "accumulate_dtype", "workers",
-        "window_tokens", "window_steps",
+        "strategy",
+        "alpha",
+        "weights",
+        "dtype",
+        "max_shard_size",
+        "overwrite",
+        "accumulate_dtype",
+        "workers",
+        "window_tokens",
+        "window_steps",
     )
-    merge_checkpoints(sources, args.output, progress=not args.quiet, **{k: getattr(args, k) for k in same_names})
+    merge_checkpoints(
+        sources, args.output, progress=not args.quiet, **{k: getattr(args, k) for k in same_names}
+    )
     how = "explicit weights" if args.weights is not None else args.strategy
     unit = "tokens" if args.window_tokens else "steps" if args.window_steps else None
     said = describe_sources(sources, args.window_tokens or args.window_steps, unit)

@@ -57,8 +57,8 @@ _DECODE_FP8 = {"F8_E4M3": _fp8_table(_E4M3), "F8_E5M2": _fp8_table(_E5M2)}
 # rounding to the largest finite code (the "virtual" next code) and the code it gets instead.
 _ENCODE_FP8 = {
     # (finite values of codes 0..max, value of the virtual next code, code for |x| >= that, NaN code)
-    "F8_E4M3": (_E4M3[: 0x7F], 480.0, 0x7E, 0x7F),
-    "F8_E5M2": (_E5M2[: 0x7C], 65536.0, 0x7C, 0x7F),
+    "F8_E4M3": (_E4M3[:0x7F], 480.0, 0x7E, 0x7F),
+    "F8_E5M2": (_E5M2[:0x7C], 65536.0, 0x7C, 0x7F),
 }
 
 

@@ -306,7 +306,9 @@ def run_chunks(
         if task is None:
             return None
         if task.stop - task.start > chunk_elems:
-            raise ValueError(f"chunk of {task.plan.name!r} is larger than the chunk size: cut tasks with chunk_tasks")
+            raise ValueError(
+                f"chunk of {task.plan.name!r} is larger than the chunk size: cut tasks with chunk_tasks"
+            )
         if progress:
             nbytes = (task.stop - task.start) * DTYPE_ITEMSIZE[task.plan.out_dtype]
             return dataclasses.replace(task, sink=_counted(task.sink, bar, nbytes))
@@ -325,7 +327,9 @@ def run_chunks(
     if workers == 1:
         work(pool[0])
     else:
-        threads = [threading.Thread(target=work, args=(w,), name=f"hf-pma-merge-{k}") for k, w in enumerate(pool)]
+        threads = [
+            threading.Thread(target=work, args=(w,), name=f"hf-pma-merge-{k}") for k, w in enumerate(pool)
+        ]
         for t in threads:
             t.start()
         try:
@@ -347,4 +351,3 @@ def _counted(sink: Sink, bar: Any, nbytes: int) -> Sink:
         bar.update(nbytes)
 
     return counted
-

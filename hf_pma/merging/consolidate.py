@@ -70,7 +70,9 @@ def consolidate_snapshot(
     output_dir = Path(output_dir)
     (source,) = resolve_sources([snapshot]) if Path(snapshot).is_dir() else (None,)
     if source is None or not source.sharded:
-        raise ValueError(f"{snapshot} is not a sharded snapshot (no per-rank shard-*-model-*.safetensors files)")
+        raise ValueError(
+            f"{snapshot} is not a sharded snapshot (no per-rank shard-*-model-*.safetensors files)"
+        )
     check_config_file(source)
     # --overwrite replaces an earlier consolidation (its pma.json) or merge, nothing else.
     _check_output(output_dir, [source], overwrite, markers=(SNAPSHOT_RECORD_NAME, MERGE_RECORD_NAME))
@@ -80,7 +82,12 @@ def consolidate_snapshot(
 
 
 def _consolidate_into(
-    source: CheckpointSource, output_dir: Path, out_dtype: torch.dtype | None, max_bytes: int, overwrite: bool, progress: bool
+    source: CheckpointSource,
+    output_dir: Path,
+    out_dtype: torch.dtype | None,
+    max_bytes: int,
+    overwrite: bool,
+    progress: bool,
 ) -> None:
     remove_stale_temporaries(output_dir.parent, output_dir.name)  # of a killed earlier run
     tmp = temporary_path(output_dir)
@@ -94,13 +101,17 @@ def _consolidate_into(
         cast_buf = np.empty(_CHUNK_ELEMS * 8, dtype=np.uint8)
         bar = tqdm(total=len(plans), desc="Consolidating", unit="tensor", disable=not progress)
         for shard in shards:
-            writer = SafetensorsWriter(tmp / shard.filename, [(p.name, p.out_dtype, p.shape) for p in shard.plans])
+            writer = SafetensorsWriter(
+                tmp / shard.filename, [(p.name, p.out_dtype, p.shape) for p in shard.plans]
+            )
             for plan in shard.plans:
                 for start in range(0, plan.numel, _CHUNK_ELEMS):
                     stop = min(plan.numel, start + _CHUNK_ELEMS)
                     chunk = tensors.read(plan.name, start, stop, read_buf)
                     if plan.out_dtype != plan.in_dtype:  # torch's rounding, bit for bit
-                        chunk = encode_float(decode_float(chunk, plan.in_dtype, decoded), plan.out_dtype, cast_buf)
+                        chunk = encode_float(
+                            decode_float(chunk, plan.in_dtype, decoded), plan.out_dtype, cast_buf
+                        )
                     writer.write(plan.name, chunk)
                 bar.update(1)
             writer.close()
@@ -125,7 +136,9 @@ def _consolidate_into(
     logger.info(f"Consolidated {source.path} ({len(source.files)} rank files) into {output_dir}")
 
 
-def load_sharded_model(snapshot: str | os.PathLike[str], dtype: str | torch.dtype = "auto") -> torch.nn.Module:
+def load_sharded_model(
+    snapshot: str | os.PathLike[str], dtype: str | torch.dtype = "auto"
+) -> torch.nn.Module:
     """A causal LM built from a sharded snapshot's ``config.json`` with its weights loaded in memory
     (what ``from_pretrained`` gives for a plain folder; used by evaluation).
 

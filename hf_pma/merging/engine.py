@@ -95,7 +95,9 @@ __all__ = [
 SUPPORT_FILES = MODEL_SUPPORT_FILES
 
 
-def validate_sources(sources: Sequence[CheckpointSource], opened: Sequence[CheckpointTensors]) -> dict[str, TensorInfo]:
+def validate_sources(
+    sources: Sequence[CheckpointSource], opened: Sequence[CheckpointTensors]
+) -> dict[str, TensorInfo]:
     """Every source must have the same tensor names, shapes and dtypes; returns the first's infos."""
     reference, ref_infos = sources[0], opened[0].infos
     if not ref_infos:
@@ -108,7 +110,9 @@ def validate_sources(sources: Sequence[CheckpointSource], opened: Sequence[Check
             if missing:
                 parts.append(f"lacks {len(missing)} tensor(s) of {reference.path}: {', '.join(missing[:5])}")
             if extra:
-                parts.append(f"has {len(extra)} tensor(s) that {reference.path} lacks: {', '.join(extra[:5])}")
+                parts.append(
+                    f"has {len(extra)} tensor(s) that {reference.path} lacks: {', '.join(extra[:5])}"
+                )
             raise MergeError(f"different tensor names: {source.path} " + "; ".join(parts))
         for name, ref in ref_infos.items():
             info = infos[name]
@@ -117,7 +121,9 @@ def validate_sources(sources: Sequence[CheckpointSource], opened: Sequence[Check
                     f"tensor {name!r} has shape {list(info.shape)} in {source.path} but {list(ref.shape)} in {reference.path}"
                 )
             if info.dtype != ref.dtype:
-                raise MergeError(f"tensor {name!r} is {info.dtype} in {source.path} but {ref.dtype} in {reference.path}")
+                raise MergeError(
+                    f"tensor {name!r} is {info.dtype} in {source.path} but {ref.dtype} in {reference.path}"
+                )
     return ref_infos
 
 
@@ -161,7 +167,8 @@ def plan_output_shards(plans: Sequence[TensorPlan], max_bytes: int, prefix: str)
     if len(groups) == 1:
         return [OutputShard(f"{prefix}.safetensors", tuple(groups[0]))]
     return [
-        OutputShard(f"{prefix}-{i:05d}-of-{len(groups):05d}.safetensors", tuple(group)) for i, group in enumerate(groups, 1)
+        OutputShard(f"{prefix}-{i:05d}-of-{len(groups):05d}.safetensors", tuple(group))
+        for i, group in enumerate(groups, 1)
     ]
 
 
@@ -172,7 +179,11 @@ def _as_sources(
     window_steps: int | None = None,
     include_final: bool = False,
 ) -> list[CheckpointSource]:
-    if isinstance(sources, (list, tuple)) and sources and all(isinstance(s, CheckpointSource) for s in sources):
+    if (
+        isinstance(sources, (list, tuple))
+        and sources
+        and all(isinstance(s, CheckpointSource) for s in sources)
+    ):
         check_window(window_tokens, window_steps, last)
         sources = list(sources)
         if last is not None:
@@ -181,11 +192,17 @@ def _as_sources(
             sources = sources[-last:]
         return select_window(sources, window_tokens, window_steps)
     return resolve_sources(
-        sources, last=last, include_final=include_final, window_tokens=window_tokens, window_steps=window_steps
+        sources,
+        last=last,
+        include_final=include_final,
+        window_tokens=window_tokens,
+        window_steps=window_steps,
     )
 
 
-def _window_record(sources: Sequence[CheckpointSource], window_tokens: int | None, window_steps: int | None) -> dict[str, Any] | None:
+def _window_record(
+    sources: Sequence[CheckpointSource], window_tokens: int | None, window_steps: int | None
+) -> dict[str, Any] | None:
     """The span the merged sources cover (``window`` in the merge record and the card)."""
     unit = "tokens" if window_tokens is not None else "steps" if window_steps is not None else None
     span = sources_span(sources, window_tokens if window_tokens is not None else window_steps, unit)
@@ -195,7 +212,9 @@ def _window_record(sources: Sequence[CheckpointSource], window_tokens: int | Non
 def _announce(sources: Sequence[CheckpointSource], what: str, window: dict[str, Any] | None) -> None:
     """Say which sources a merge takes; a merge of one source is a copy, which a user must know."""
     if len(sources) == 1:
-        logger.warning(f"{what}: only one source, {sources[0].name} ({sources[0].path}): the result is a copy of it")
+        logger.warning(
+            f"{what}: only one source, {sources[0].name} ({sources[0].path}): the result is a copy of it"
+        )
     else:
         window = window or {}
         logger.info(f"{what}: {describe_sources(sources, window.get('requested'), window.get('unit'))}")
@@ -233,14 +252,27 @@ def merge_state_dict(
     opened = open_all(srcs, raw=True)
     try:
         plans = plan_tensors(validate_sources(srcs, opened), out_dtype)
-        state = {plan.name: torch.empty(plan.shape, dtype=DTYPE_FROM_SAFETENSORS[plan.out_dtype]) for plan in plans}
+        state = {
+            plan.name: torch.empty(plan.shape, dtype=DTYPE_FROM_SAFETENSORS[plan.out_dtype]) for plan in plans
+        }
         chunk_elems = chunk_elements(DEFAULT_CHUNK_BYTES, accumulate_dtype)
         tasks = (
             task
             for plan in plans
-            for task in chunk_tasks(plan, 0, plan.numel, chunk_elems, _copy_into(tensor_bytes(state[plan.name]), plan))
+            for task in chunk_tasks(
+                plan, 0, plan.numel, chunk_elems, _copy_into(tensor_bytes(state[plan.name]), plan)
+            )
         )
-        run_chunks(tasks, [str(s.path) for s in srcs], opened, coefs, accumulate_dtype, DEFAULT_CHUNK_BYTES, workers, progress=progress)
+        run_chunks(
+            tasks,
+            [str(s.path) for s in srcs],
+            opened,
+            coefs,
+            accumulate_dtype,
+            DEFAULT_CHUNK_BYTES,
+            workers,
+            progress=progress,
+        )
         return state
     finally:
         for tensors in opened:
@@ -258,13 +290,18 @@ def _copy_into(flat: Any, plan: TensorPlan):
 
 
 def _check_output(
-    output_dir: Path, sources: Sequence[CheckpointSource], overwrite: bool, markers: tuple[str, ...] = (MERGE_RECORD_NAME,)
+    output_dir: Path,
+    sources: Sequence[CheckpointSource],
+    overwrite: bool,
+    markers: tuple[str, ...] = (MERGE_RECORD_NAME,),
 ) -> None:
     out = output_dir.resolve()
     for source in sources:
         src = source.path.resolve()
         if out == src or out in src.parents or src in out.parents:
-            raise ValueError(f"output folder {output_dir} overlaps source {source.path}; choose another output folder")
+            raise ValueError(
+                f"output folder {output_dir} overlaps source {source.path}; choose another output folder"
+            )
     check_output_folder(output_dir, overwrite)
     if overwrite:  # only an output hf-pma wrote: never a checkpoint, a listed snapshot or the user's folder
         check_overwrite_target(output_dir, markers)
@@ -275,7 +312,9 @@ def check_config_file(newest: CheckpointSource) -> None:
     has no ``config.json`` (``adapter_config.json`` for an adapter): checked before any tensor."""
     config_name = "adapter_config.json" if newest.is_adapter else "config.json"
     if not (newest.path / config_name).is_file():
-        raise FileNotFoundError(f"{newest.path} has no {config_name}; the merged folder would not load without it")
+        raise FileNotFoundError(
+            f"{newest.path} has no {config_name}; the merged folder would not load without it"
+        )
 
 
 def _copy_support_files(newest: CheckpointSource, dest: Path, out_dtype: str | torch.dtype | None) -> None:
@@ -325,8 +364,13 @@ def _merge_record(
             }
         )
         if rec.get("repo_id"):  # a Hub revision: what names it again, whatever the local cache path
-            entries[-1].update(path=f"{rec['repo_id']}@{rec['revision']}", **{k: rec.get(k) for k in ("repo_id", "revision", "commit")})
-    interval = next((s.record.get("interval_tokens") for s in sources if s.record.get("interval_tokens")), None)
+            entries[-1].update(
+                path=f"{rec['repo_id']}@{rec['revision']}",
+                **{k: rec.get(k) for k in ("repo_id", "revision", "commit")},
+            )
+    interval = next(
+        (s.record.get("interval_tokens") for s in sources if s.record.get("interval_tokens")), None
+    )
     repos = {e.get("repo_id") for e in entries}
     return {
         "hf_pma_version": __version__,
@@ -358,7 +402,10 @@ def write_output_shards(
     """Merge the tensors of ``shards`` and write each shard file into ``folder`` (fsynced).
 
     ``opened``: the sources opened with :func:`~hf_pma.merging.sources.open_all` ``(raw=True)``."""
-    writers = [SafetensorsWriter(folder / s.filename, [(p.name, p.out_dtype, p.shape) for p in s.plans]) for s in shards]
+    writers = [
+        SafetensorsWriter(folder / s.filename, [(p.name, p.out_dtype, p.shape) for p in s.plans])
+        for s in shards
+    ]
     try:
         chunk_elems = chunk_elements(chunk_bytes, accumulate_dtype)
         tasks = (
@@ -368,7 +415,13 @@ def write_output_shards(
             for task in chunk_tasks(plan, 0, plan.numel, chunk_elems, _write_into(writer, plan.name))
         )
         run_chunks(
-            tasks, [str(s.path) for s in sources], opened, coefs, accumulate_dtype, chunk_bytes, workers,
+            tasks,
+            [str(s.path) for s in sources],
+            opened,
+            coefs,
+            accumulate_dtype,
+            chunk_bytes,
+            workers,
             progress=progress,
         )
     finally:
@@ -395,7 +448,9 @@ def write_shard_index(folder: Path, prefix: str, shards: Sequence[OutputShard]) 
         return
     weight_map = {plan.name: shard.filename for shard in shards for plan in shard.plans}
     index = {"metadata": {"total_size": sum(s.nbytes for s in shards)}, "weight_map": weight_map}
-    (folder / f"{prefix}.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    (folder / f"{prefix}.safetensors.index.json").write_text(
+        json.dumps(index, indent=2, sort_keys=True) + "\n"
+    )
 
 
 def merge_checkpoints(
@@ -526,7 +581,15 @@ def merge_checkpoints(
         _copy_support_files(srcs[-1], tmp, out_dtype)
         out_dtypes = sorted({TORCH_NAMES[p.out_dtype] for p in planned["plans"] if p.averaged})
         record = _merge_record(
-            srcs, coefs, strategy, alpha, weights is not None, ",".join(out_dtypes), accumulate_dtype, output_dir, window
+            srcs,
+            coefs,
+            strategy,
+            alpha,
+            weights is not None,
+            ",".join(out_dtypes),
+            accumulate_dtype,
+            output_dir,
+            window,
         )
         atomic_write_json(tmp / MERGE_RECORD_NAME, record)
         publish_folder(tmp, output_dir, replace=overwrite)

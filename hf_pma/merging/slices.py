@@ -111,7 +111,9 @@ def _checkpoint_name(names: set[str], infos: dict[str, Any], what: str) -> str:
     return present[0]
 
 
-def _fsdp1_slots(model: torch.nn.Module, infos: dict[str, Any], aliases: dict[str, set[str]]) -> tuple[list[LocalSlot], set[str]]:
+def _fsdp1_slots(
+    model: torch.nn.Module, infos: dict[str, Any], aliases: dict[str, set[str]]
+) -> tuple[list[LocalSlot], set[str]]:
     """This process's elements of every FSDP1 flat parameter, and the names they cover."""
     slots: list[LocalSlot] = []
     covered: set[str] = set()
@@ -140,7 +142,9 @@ def _fsdp1_slots(model: torch.nn.Module, infos: dict[str, Any], aliases: dict[st
 
 def _check_shape(name: str, shape: tuple[int, ...], infos: dict[str, Any]) -> None:
     if tuple(infos[name].shape) != tuple(shape):
-        raise ValueError(f"tensor {name!r} has shape {list(infos[name].shape)} in the checkpoints but {list(shape)} in the model")
+        raise ValueError(
+            f"tensor {name!r} has shape {list(infos[name].shape)} in the checkpoints but {list(shape)} in the model"
+        )
 
 
 def _dtensor_slot(name: str, tensor: torch.Tensor) -> LocalSlot | None:
@@ -176,7 +180,9 @@ def _flat(tensor: torch.Tensor, name: str) -> torch.Tensor:
     return tensor.view(-1)
 
 
-def local_slots(model: torch.nn.Module, infos: dict[str, Any], rank: int = 0, world_size: int = 1) -> list[LocalSlot]:
+def local_slots(
+    model: torch.nn.Module, infos: dict[str, Any], rank: int = 0, world_size: int = 1
+) -> list[LocalSlot]:
     """Where each checkpoint tensor's elements go on this process (see the module docstring).
 
     Checks names and shapes against ``infos`` (tensor name -> ``.shape``); replicated tensors
@@ -209,9 +215,13 @@ def local_slots(model: torch.nn.Module, infos: dict[str, Any], rank: int = 0, wo
         replicated.append((name, tensor.detach()))
     unexpected = sorted(set(infos) - set(aliases) - covered)
     if unexpected:
-        raise ValueError(f"the checkpoints hold tensor(s) the model does not have: {', '.join(unexpected[:5])}")
+        raise ValueError(
+            f"the checkpoints hold tensor(s) the model does not have: {', '.join(unexpected[:5])}"
+        )
     load = [0] * world_size
-    for name, tensor in sorted(replicated, key=lambda item: (-item[1].numel() * item[1].element_size(), item[0])):
+    for name, tensor in sorted(
+        replicated, key=lambda item: (-item[1].numel() * item[1].element_size(), item[0])
+    ):
         owner = min(range(world_size), key=lambda r: (load[r], r))
         load[owner] += tensor.numel() * tensor.element_size()
         slots.append(LocalSlot(name, 0, tensor.numel(), _flat(tensor, name), owner=owner))
@@ -239,7 +249,11 @@ class SliceSwap:
     ) -> None:
         self.model = model
         self.rank, self.world_size = distributed_rank_and_size()
-        srcs = sources if all(isinstance(s, CheckpointSource) for s in sources) else resolve_sources(list(sources))
+        srcs = (
+            sources
+            if all(isinstance(s, CheckpointSource) for s in sources)
+            else resolve_sources(list(sources))
+        )
         coefs = merge_weights(len(srcs), strategy, alpha, weights)
         self._slots: list[LocalSlot] = []
         self._backup: list[torch.Tensor] = []
@@ -256,10 +270,18 @@ class SliceSwap:
             tasks = (
                 task
                 for slot in mine
-                for task in chunk_tasks(_plan(slot.name, infos), slot.start, slot.stop, chunk_elems, _into(slot, infos[slot.name].dtype))
+                for task in chunk_tasks(
+                    _plan(slot.name, infos),
+                    slot.start,
+                    slot.stop,
+                    chunk_elems,
+                    _into(slot, infos[slot.name].dtype),
+                )
             )
             with torch.no_grad():
-                run_chunks(tasks, [str(s.path) for s in srcs], opened, coefs, accumulate_dtype, chunk_bytes, workers)
+                run_chunks(
+                    tasks, [str(s.path) for s in srcs], opened, coefs, accumulate_dtype, chunk_bytes, workers
+                )
             self.bytes_read = len(srcs) * sum(s.numel * infos[s.name].itemsize for s in mine)
 
         try:

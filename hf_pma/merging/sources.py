@@ -129,7 +129,9 @@ class _BinCheckpoint:
             try:
                 state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
             except Exception as err:  # noqa: BLE001 - any unpickling failure is a bad file
-                raise CheckpointFormatError(f"{path} could not be read as a PyTorch state dict: {err}") from err
+                raise CheckpointFormatError(
+                    f"{path} could not be read as a PyTorch state dict: {err}"
+                ) from err
             if not isinstance(state, dict):
                 raise CheckpointFormatError(f"{path} does not hold a state dict (got {type(state).__name__})")
             for name, tensor in state.items():
@@ -139,7 +141,9 @@ class _BinCheckpoint:
                     raise CheckpointFormatError(f"tensor {name!r} appears in two shards: {path} and another")
                 dtype = safetensors_dtype(tensor.dtype, name)
                 self._state[name] = tensor
-                self._infos[name] = TensorInfo(name, dtype, tuple(tensor.shape), 0, tensor.numel() * tensor.element_size())
+                self._infos[name] = TensorInfo(
+                    name, dtype, tuple(tensor.shape), 0, tensor.numel() * tensor.element_size()
+                )
 
     @property
     def infos(self) -> dict[str, TensorInfo]:
@@ -185,7 +189,9 @@ class CheckpointTensors:
         """Name -> dtype (a safetensors name), shape and location of every tensor."""
         return self.raw.infos
 
-    def read(self, name: str, start: int = 0, stop: int | None = None, buffer: torch.Tensor | None = None) -> torch.Tensor:
+    def read(
+        self, name: str, start: int = 0, stop: int | None = None, buffer: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Elements ``[start, stop)`` of tensor ``name``, flattened (a view of ``buffer``, a uint8
         tensor, when given)."""
         return self._torch.read(name, start, stop, buffer)

@@ -81,7 +81,9 @@ def find_tokens(text: str, flag_values: bool = True) -> list[str]:
 def find_local_paths(text: str) -> list[str]:
     """The absolute local paths (``/a/b``, ``~/a``, ``C:\\a``) found in ``text``."""
     found = [m.group(0) for m in _WINDOWS_PATH_RE.finditer(text)]
-    return found + [m.group(0) for m in _POSIX_PATH_RE.finditer(text) if m.group(0).strip("/~").count("/") >= 1]
+    return found + [
+        m.group(0) for m in _POSIX_PATH_RE.finditer(text) if m.group(0).strip("/~").count("/") >= 1
+    ]
 
 
 def find_secrets(text: str) -> list[str]:

@@ -51,7 +51,9 @@ def fit_cpu_threads() -> int | None:
     if "torch" not in sys.modules:  # torch reads it when imported; a torch-free merge never is
         threads = free_core_threads(cores, cores, load)
         os.environ["OMP_NUM_THREADS"] = str(threads)
-        logger.info(f"hf-pma: the machine is busy (1-minute load {load:.1f} on {cores} cores): torch, if used, gets {threads} thread(s)")
+        logger.info(
+            f"hf-pma: the machine is busy (1-minute load {load:.1f} on {cores} cores): torch, if used, gets {threads} thread(s)"
+        )
         return threads
     import torch
 

@@ -40,7 +40,11 @@ def _valid_header() -> tuple[dict, bytes]:
     for name, array in TENSORS.items():
         raw = array.tobytes()
         dtype = {"float32": "F32", "int64": "I64", "float16": "F16"}[str(array.dtype)]
-        header[name] = {"dtype": dtype, "shape": list(array.shape), "data_offsets": [len(data), len(data) + len(raw)]}
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(array.shape),
+            "data_offsets": [len(data), len(data) + len(raw)],
+        }
         data += raw
     return header, data
 
@@ -48,7 +52,11 @@ def _valid_header() -> tuple[dict, bytes]:
 def test_reads_byte_ranges_into_a_reused_buffer(tmp_path):
     save_file(TENSORS, tmp_path / "m.safetensors")
     with SafetensorsReader(tmp_path / "m.safetensors") as reader:
-        assert {n: (i.dtype, i.shape) for n, i in reader.infos.items()} == {"a": ("F32", (2, 3)), "b": ("I64", (4,)), "c": ("F16", (3,))}
+        assert {n: (i.dtype, i.shape) for n, i in reader.infos.items()} == {
+            "a": ("F32", (2, 3)),
+            "b": ("I64", (4,)),
+            "c": ("F16", (3,)),
+        }
         buffer = np.empty(64, dtype=np.uint8)
         got = reader.read("a", 1, 5, buffer)
         assert got.base is buffer or np.shares_memory(got, buffer)
@@ -77,9 +85,18 @@ def test_written_file_is_what_safetensors_reads(tmp_path):
     ("mutate", "message"),
     [
         (lambda h: h["b"].update(data_offsets=[16, 48]), r"invalid offset: tensors 'a' and 'b' overlap"),
-        (lambda h: h["c"].update(data_offsets=[60, 66]), r"invalid offset: 4 bytes between tensors 'b' and 'c' belong to none"),
-        (lambda h: [h[k].update(data_offsets=[o + 8 for o in h[k]["data_offsets"]]) for k in TENSORS], r"tensor 'a' starts at byte 8"),
-        (lambda h: h["c"].update(data_offsets=[56, 68], shape=[6]), r"tensor 'c' ends at byte 68 of the data but the file holds only 62 \(truncated\)"),
+        (
+            lambda h: h["c"].update(data_offsets=[60, 66]),
+            r"invalid offset: 4 bytes between tensors 'b' and 'c' belong to none",
+        ),
+        (
+            lambda h: [h[k].update(data_offsets=[o + 8 for o in h[k]["data_offsets"]]) for k in TENSORS],
+            r"tensor 'a' starts at byte 8",
+        ),
+        (
+            lambda h: h["c"].update(data_offsets=[56, 68], shape=[6]),
+            r"tensor 'c' ends at byte 68 of the data but the file holds only 62 \(truncated\)",
+        ),
         (lambda h: h["a"].update(dtype="F99"), r"tensor 'a' has an unknown dtype 'F99'"),
         (lambda h: h["a"].update(shape=[2, -3]), r"tensor 'a' has an invalid shape"),
         (lambda h: h["a"].update(shape=[2, 4]), r"tensor 'a' spans 24 bytes, but F32\[2, 4\] needs 32"),

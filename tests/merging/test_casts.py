@@ -13,13 +13,21 @@ import torch
 
 from hf_pma.merging.casts import decode_float, encode_float
 
-TORCH = {"BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+TORCH = {
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 UINT = {1: np.uint8, 2: np.uint16}
 
 
 def _float32_probes() -> np.ndarray:
     upper = np.arange(1 << 16, dtype=np.uint32) << 16
-    lower = np.array([0, 1, 0x0FFF, 0x1000, 0x1001, 0x17FF, 0x7000, 0x7FFF, 0x8000, 0x8001, 0x8FFF, 0xFFFF], dtype=np.uint32)
+    lower = np.array(
+        [0, 1, 0x0FFF, 0x1000, 0x1001, 0x17FF, 0x7000, 0x7FFF, 0x8000, 0x8001, 0x8FFF, 0xFFFF],
+        dtype=np.uint32,
+    )
     structured = (upper[:, None] | lower[None, :]).reshape(-1)
     random = np.random.default_rng(0).integers(0, 2**32, 1 << 20, dtype=np.uint64).astype(np.uint32)
     return np.concatenate([structured, random]).view(np.float32)
@@ -27,7 +35,9 @@ def _float32_probes() -> np.ndarray:
 
 def _same(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Bit-equal, or both NaN (torch's own scalar and vectorized casts disagree on NaN payloads)."""
-    return (a.view(UINT.get(a.itemsize, np.uint32)) == b.view(UINT.get(b.itemsize, np.uint32))) | (np.isnan(a) & np.isnan(b))
+    return (a.view(UINT.get(a.itemsize, np.uint32)) == b.view(UINT.get(b.itemsize, np.uint32))) | (
+        np.isnan(a) & np.isnan(b)
+    )
 
 
 @pytest.mark.parametrize("dtype", sorted(TORCH))
@@ -57,6 +67,8 @@ def test_encoding_float32_equals_torch_round_to_nearest_even(dtype):
 
 @pytest.mark.parametrize("dtype", sorted(TORCH))
 def test_encoding_float64_goes_through_float32_as_torch_does(dtype):
-    values = np.random.default_rng(1).standard_normal(1 << 16) * np.float64(2.0) ** np.random.default_rng(2).integers(-30, 30, 1 << 16)
+    values = np.random.default_rng(1).standard_normal(1 << 16) * np.float64(2.0) ** np.random.default_rng(
+        2
+    ).integers(-30, 30, 1 << 16)
     theirs = torch.from_numpy(values).to(TORCH[dtype]).view(torch.uint8).numpy()
     assert np.array_equal(encode_float(values, dtype), theirs)

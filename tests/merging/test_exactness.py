@@ -20,7 +20,13 @@ from safetensors.torch import load_file, save_file
 from hf_pma.core.strategies import merge_weights
 from hf_pma.merging.engine import merge_checkpoints
 
-DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
+DTYPES = {
+    "F32": torch.float32,
+    "BF16": torch.bfloat16,
+    "F16": torch.float16,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 
 
 def _sources(tmp_path, dtype: torch.dtype, n: int = 4) -> tuple[list, list[dict[str, torch.Tensor]]]:
@@ -71,9 +77,13 @@ def test_sma_of_four_is_bit_identical_to_torch(tmp_path, dtype):
 def test_other_weights_are_within_one_ulp_plus_the_float32_accumulation_error(tmp_path, dtype):
     folders, states = _sources(tmp_path, DTYPES[dtype])
     weights = merge_weights(4, "ema", alpha=0.3)
-    ours = _merged(merge_checkpoints(folders, tmp_path / "m", strategy="ema", alpha=0.3, progress=False))["w"].double()
+    ours = _merged(merge_checkpoints(folders, tmp_path / "m", strategy="ema", alpha=0.3, progress=False))[
+        "w"
+    ].double()
     theirs = _torch_merge(states, weights).double()
-    ulp = torch.finfo(DTYPES[dtype]).eps * torch.maximum(theirs.abs(), torch.tensor(torch.finfo(DTYPES[dtype]).tiny))
+    ulp = torch.finfo(DTYPES[dtype]).eps * torch.maximum(
+        theirs.abs(), torch.tensor(torch.finfo(DTYPES[dtype]).tiny)
+    )
     accumulation = sum(w * s["w"].double().abs() for w, s in zip(weights, states)) * 2.0**-21
     assert bool(((ours - theirs).abs() <= ulp + accumulation).all())
     # float32 outputs keep the accumulator's last bit, where the two roundings differ; the

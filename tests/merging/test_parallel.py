@@ -19,7 +19,12 @@ def sources(tmp_path_factory):
     """Five tiny Llama checkpoints in bf16 (the rounding of the output is where a race would show)."""
     root = tmp_path_factory.mktemp("parallel")
     return [
-        save_model_folder(root / f"s{i}", make_tiny_model(seed=i, dtype=torch.bfloat16), max_shard_size="30KB", extra={"tokens": i + 1})
+        save_model_folder(
+            root / f"s{i}",
+            make_tiny_model(seed=i, dtype=torch.bfloat16),
+            max_shard_size="30KB",
+            extra={"tokens": i + 1},
+        )
         for i in range(5)
     ]
 
@@ -31,13 +36,29 @@ def _file_bytes(folder: Path) -> dict[str, bytes]:
 @pytest.mark.parametrize("dtype", [None, "float32"])
 def test_output_is_bit_identical_for_any_number_of_workers(sources, tmp_path, dtype):
     # 1 KiB chunks: hundreds of chunks, so the workers really interleave.
-    one = merge_checkpoints(sources, tmp_path / "one", strategy="ema", dtype=dtype, workers=1, chunk_bytes=1024,
-                            max_shard_size="20KB", progress=False)
+    one = merge_checkpoints(
+        sources,
+        tmp_path / "one",
+        strategy="ema",
+        dtype=dtype,
+        workers=1,
+        chunk_bytes=1024,
+        max_shard_size="20KB",
+        progress=False,
+    )
     reference = _file_bytes(one)
     assert len(reference) > 3  # several shards and their index
     for workers in (2, 5):
-        many = merge_checkpoints(sources, tmp_path / f"w{workers}", strategy="ema", dtype=dtype, workers=workers,
-                                 chunk_bytes=1024, max_shard_size="20KB", progress=False)
+        many = merge_checkpoints(
+            sources,
+            tmp_path / f"w{workers}",
+            strategy="ema",
+            dtype=dtype,
+            workers=workers,
+            chunk_bytes=1024,
+            max_shard_size="20KB",
+            progress=False,
+        )
         assert _file_bytes(many) == reference
     in_memory = merge_state_dict(sources, strategy="ema", dtype=dtype, workers=4)
     serial = merge_state_dict(sources, strategy="ema", dtype=dtype, workers=1)
