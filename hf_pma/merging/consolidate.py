@@ -84,7 +84,7 @@ def consolidate_snapshot(
 def _consolidate_into(
     source: CheckpointSource,
     output_dir: Path,
-    out_dtype: torch.dtype | None,
+    out_dtype: str | None,
     max_bytes: int,
     overwrite: bool,
     progress: bool,
