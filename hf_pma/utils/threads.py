@@ -41,7 +41,7 @@ def fit_cpu_threads() -> int | None:
 
     Returns the threads set, or ``None`` when nothing changed (the user set
     ``OMP_NUM_THREADS``/``MKL_NUM_THREADS``, no load average, or enough free cores). Logs the
-    change at INFO, with how to override it.
+    change at DEBUG, with how to override it.
     """
     if any(os.environ.get(name) for name in _USER_THREAD_VARIABLES) or not hasattr(os, "getloadavg"):
         return None
@@ -51,7 +51,7 @@ def fit_cpu_threads() -> int | None:
     if "torch" not in sys.modules:  # torch reads it when imported; a torch-free merge never is
         threads = free_core_threads(cores, cores, load)
         os.environ["OMP_NUM_THREADS"] = str(threads)
-        logger.info(
+        logger.debug(
             f"hf-pma: the machine is busy (1-minute load {load:.1f} on {cores} cores): torch, if used, gets {threads} thread(s)"
         )
         return threads
@@ -62,7 +62,7 @@ def fit_cpu_threads() -> int | None:
     if threads >= current:
         return None
     torch.set_num_threads(threads)
-    logger.info(
+    logger.debug(
         f"hf-pma: the machine is busy (1-minute load {load:.1f} on {cores} cores): torch uses {threads} "
         f"thread(s) instead of {current} (set OMP_NUM_THREADS to choose)"
     )
