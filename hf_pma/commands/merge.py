@@ -77,6 +77,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _warn_whole_run(args: argparse.Namespace, sources: list) -> None:
+    """A run folder given without a window merges every snapshot it lists: say so, once."""
+    windowed = args.last or args.window_tokens or args.window_steps or args.weights is not None
+    if windowed or len(sources) <= len(args.sources) or len(sources) <= 2:
+        return
+    from hf_pma.utils.logs import get_logger
+
+    get_logger("hf_pma.merge").warning(
+        f"merging all {len(sources)} sources found in {', '.join(args.sources)} (the whole run); "
+        "PMA averages the end of a run: --last N or --window-tokens T merges only the newest"
+    )
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``hf-pma merge``."""
     from hf_pma.core.manifest import MERGE_RECORD_NAME
@@ -93,6 +106,7 @@ def run(args: argparse.Namespace) -> int:
         check_overwrite_target(output, (MERGE_RECORD_NAME,))
     selection = ("last", "every", "revisions", "cache_dir", "include_final", "window_tokens", "window_steps")
     sources = resolve_sources(args.sources, **{k: getattr(args, k) for k in selection})
+    _warn_whole_run(args, sources)
     same_names = (
         "strategy",
         "alpha",

@@ -62,3 +62,16 @@ def test_cli_merge_explicit_weights_and_errors(tmp_path):
     assert not any((tmp_path / n).exists() for n in ("m2", "m3", "m4"))
     help_text = _hf_pma("merge", "--help")
     assert "--strategy" in help_text.stdout and "1-sqrt-decay" in help_text.stdout
+
+
+def test_a_whole_run_without_a_window_is_merged_with_a_warning(tmp_path):
+    from tests.snapshot_runs import noise_deviation, write_run
+
+    run, _ = write_run(tmp_path / "run", 4, noise_deviation())
+    whole = _hf_pma("merge", run, "-o", tmp_path / "all", "-q")
+    assert whole.returncode == 0, whole.stderr
+    assert "merging all 4 sources" in whole.stderr and "--last N" in whole.stderr
+    windowed = _hf_pma("merge", run, "-o", tmp_path / "end", "--last", "2", "-q")
+    assert windowed.returncode == 0 and "merging all" not in windowed.stderr, windowed.stderr
+    listed = _hf_pma("merge", *sorted((run / "pma").glob("snapshot-*")), "-o", tmp_path / "listed", "-q")
+    assert listed.returncode == 0 and "merging all" not in listed.stderr, listed.stderr
