@@ -369,8 +369,11 @@ def run_sweep(
 
     scored = [e for e in entries if e["value"] is not None and math.isfinite(e["value"])]
     best = (max if higher else min)(scored, key=lambda e: e["value"]) if scored else None
-    if best is not None and base_value is not None and not (best["value"] > base_value if higher else best["value"] < base_value):
-        logger.warning(f"no merge beats the last snapshot on {metric} ({base_value:.5g})")
+    beats_last = None
+    if best is not None and base_value is not None:
+        beats_last = best["value"] > base_value if higher else best["value"] < base_value
+        if not beats_last:
+            logger.warning(f"no merge beats the last snapshot on {metric} ({base_value:.5g})")
     return {
         "run": str(run) if isinstance(run, (str, os.PathLike)) else None,
         "snapshots": [{"name": s.name, "tokens": s.tokens, "step": s.step, "path": str(s.path)} for s in sources],
@@ -384,6 +387,7 @@ def run_sweep(
         "skipped": skipped,
         "evaluations": evaluator.evaluations,
         "best": best["label"] if best else None,
+        "best_beats_last": beats_last,
     }
 
 
@@ -418,7 +422,9 @@ def sweep_table(report: Mapping[str, Any]) -> str:
                      *(format_number(_metric_value(e["results"], c)) for c in columns),
                      format_number(e["delta"], "+.4f"), note.strip()])
     direction = "higher" if report["higher_is_better"] else "lower"
-    footer = f"{report['metric']}: {direction} is better; best: {report['best']}"
+    footer = f"{report['metric']}: {direction} is better; best merge: {report['best']}"
+    if report.get("best_beats_last") is False:
+        footer += " (no merge beats the last snapshot: keep the last snapshot)"
     return markdown_table(header, rows, align="ll" + "r" * (len(columns) + 1) + "l") + "\n\n" + footer
 
 

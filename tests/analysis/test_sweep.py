@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from hf_pma.analysis.sweep import lower_is_better, plan_sweep, run_sweep
+from hf_pma.analysis.sweep import lower_is_better, plan_sweep, run_sweep, sweep_table
 from hf_pma.core.strategies import merge_weights
 from hf_pma.evaluation.evaluator import evaluate_models, read_eval_record
 from hf_pma.merging.engine import merge_checkpoints
@@ -91,6 +91,13 @@ def test_sweep_numbers_equal_separately_merged_and_evaluated_models(tmp_path, ti
     assert report["metric"] == "lm/loss" and report["higher_is_better"] is False
     best = min(combos, key=lambda c: c["value"])
     assert report["best"] == best["label"] and best["delta"] == pytest.approx(best["value"] - report["baseline"]["value"])
+    # The table says whether the best merge beats the last snapshot (a "best" alone would suggest it does).
+    beats = best["value"] < report["baseline"]["value"]
+    assert report["best_beats_last"] is beats
+    footer = sweep_table(report).splitlines()[-1]
+    assert f"best merge: {best['label']}" in footer
+    assert ("no merge beats the last snapshot" in footer) is (not beats)
+    assert "no merge beats the last snapshot" in sweep_table({**report, "best_beats_last": False}).splitlines()[-1]
 
 
 def test_sweep_errors_are_clear(tmp_path, tiny_tokenizer):
