@@ -37,6 +37,8 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results" / "gpu_check"
+# The model and run sizes an FSDP worker is given again on its own command line.
+MODEL_ARGUMENTS = ("hidden", "layers", "heads", "intermediate", "vocab", "seq", "batch", "steps", "interval_steps")
 PARTS = ("train", "fsdp", "eval")
 
 
@@ -72,18 +74,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-save", action="store_true", help="print the table only")
     parser.add_argument("--fsdp-worker", type=Path, help=argparse.SUPPRESS)  # internal: one rank of part 2
     args = parser.parse_args(argv)
-    positive = (
-        "hidden",
-        "layers",
-        "heads",
-        "intermediate",
-        "vocab",
-        "seq",
-        "batch",
-        "steps",
-        "interval_steps",
-        "fsdp_procs",
-    )
+    positive = (*MODEL_ARGUMENTS, "fsdp_procs")
     for name in positive:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -472,17 +463,7 @@ def fsdp_command(args: argparse.Namespace, workdir: Path) -> list[str]:
         "--fsdp-worker",
         str(workdir),
     ]
-    for name in (
-        "hidden",
-        "layers",
-        "heads",
-        "intermediate",
-        "vocab",
-        "seq",
-        "batch",
-        "steps",
-        "interval_steps",
-    ):
+    for name in MODEL_ARGUMENTS:
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     command += ["--warmup", "0"]
     return command

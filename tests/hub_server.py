@@ -34,6 +34,7 @@ endpoints whose kind is listed ("create", "preupload", "commit", ...). Only toke
 from __future__ import annotations
 
 import base64
+import contextlib
 import datetime
 import fnmatch
 import hashlib
@@ -442,3 +443,18 @@ class HubServer:
             handler.close_connection = True
             return
         handler.wfile.write(body)
+
+
+@contextlib.contextmanager
+def online_hub(monkeypatch, tmp_path, tokens: tuple[str, ...]):
+    """A running :class:`HubServer` accepting ``tokens``, with huggingface_hub online for the test
+    and no token of the machine (environment or cached login) in reach."""
+    from huggingface_hub import constants as hf_constants
+
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    monkeypatch.delenv("HF_TOKEN", raising=False)
+    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
+    monkeypatch.setattr(hf_constants, "HF_TOKEN_PATH", str(tmp_path / "no-login" / "token"))
+    with HubServer(tokens=tokens) as server:
+        yield server

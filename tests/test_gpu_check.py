@@ -102,17 +102,7 @@ def test_the_fsdp_run_gets_the_same_model_and_schedule(gpu_check):
     assert launch.num_processes == 2 and launch.training_script == str(SCRIPT)
     worker = gpu_check.parse_args(launch.training_script_args)
     assert worker.fsdp_worker == REPO_ROOT / "w"
-    for name in (
-        "hidden",
-        "layers",
-        "heads",
-        "intermediate",
-        "vocab",
-        "seq",
-        "batch",
-        "steps",
-        "interval_steps",
-    ):
+    for name in gpu_check.MODEL_ARGUMENTS:
         assert getattr(worker, name) == getattr(args, name), name
 
 

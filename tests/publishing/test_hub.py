@@ -19,7 +19,7 @@ from huggingface_hub import constants as hf_constants
 
 from hf_pma.cli import main
 from hf_pma.publishing.hub import HubAuthError, check_model_folder, push_folder_to_hub
-from tests.hub_server import HubServer
+from tests.hub_server import online_hub
 from tests.pma_records import EVAL_RECORD, FAKE_TOKEN, write_merged_folder
 
 TOKEN = "hf_test_token_for_the_local_hub_0000"
@@ -27,13 +27,7 @@ TOKEN = "hf_test_token_for_the_local_hub_0000"
 
 @pytest.fixture()
 def hub(monkeypatch, tmp_path):
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
-    # No cached login of the machine may leak into these tests.
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
-    monkeypatch.setattr(hf_constants, "HF_TOKEN_PATH", str(tmp_path / "no-login" / "token"))
-    with HubServer(tokens=(TOKEN,)) as server:
+    with online_hub(monkeypatch, tmp_path, (TOKEN,)) as server:
         yield server
 
 

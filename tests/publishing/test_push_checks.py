@@ -9,10 +9,9 @@ import subprocess
 import sys
 
 import pytest
-from huggingface_hub import constants as hf_constants
 
 from hf_pma.publishing.hub import push_folder_to_hub
-from tests.hub_server import HubServer
+from tests.hub_server import online_hub
 from tests.pma_records import write_merged_folder
 
 # Not shaped like a Hugging Face token: only its value gives it away.
@@ -21,12 +20,7 @@ PLAIN_TOKEN = "plain-secret-value-0123456789"
 
 @pytest.fixture()
 def hub(monkeypatch, tmp_path):
-    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
-    monkeypatch.delenv("HF_TOKEN", raising=False)
-    monkeypatch.delenv("HUGGING_FACE_HUB_TOKEN", raising=False)
-    monkeypatch.setattr(hf_constants, "HF_TOKEN_PATH", str(tmp_path / "no-login" / "token"))
-    with HubServer(tokens=(PLAIN_TOKEN,)) as server:
+    with online_hub(monkeypatch, tmp_path, (PLAIN_TOKEN,)) as server:
         yield server
 
 
