@@ -12,6 +12,7 @@ import dataclasses
 import importlib.util
 import inspect
 import json
+import logging
 import os
 import re
 import shutil
@@ -432,3 +433,23 @@ def shared_launch_job(name: str) -> Callable[[Callable[[Path], Launch]], Callabl
         return job
 
     return register
+
+
+def load_pretrain_script(monkeypatch: pytest.MonkeyPatch):
+    """scripts/pretrain.py as a module (its dataclasses need it in sys.modules while they are made)."""
+    spec = importlib.util.spec_from_file_location("pretrain_script", REPO_ROOT / "scripts" / "pretrain.py")
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)
+    spec.loader.exec_module(module)
+    return module
+
+
+class CollectLogs(logging.Handler):
+    """A logging handler that keeps every message (DEBUG and up) in ``messages``."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())

@@ -4,37 +4,26 @@ started one process (with the command that starts two)."""
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import sys
 
 from transformers import Trainer, TrainingArguments
 
-from tests.testing_utils import REPO_ROOT, Launch, launch, lm_setup, quiet_args
+from tests.testing_utils import (
+    REPO_ROOT,
+    CollectLogs,
+    Launch,
+    launch,
+    lm_setup,
+    load_pretrain_script,
+    quiet_args,
+)
 
 SCRIPT = REPO_ROOT / "scripts" / "pretrain.py"
 
 
-def _load_script(monkeypatch):
-    spec = importlib.util.spec_from_file_location("pretrain_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    return module
-
-
-class Collect(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def _resume_messages(tmp_path, model, train, collator, wrap) -> list[str]:
     trainer_logger = logging.getLogger("transformers.trainer")
-    collect = Collect()
+    collect = CollectLogs()
     trainer_logger.addHandler(collect)
     try:
         args = TrainingArguments(
@@ -51,7 +40,7 @@ def _resume_messages(tmp_path, model, train, collator, wrap) -> list[str]:
 def test_the_fork_resumes_a_tied_model_without_a_missing_keys_warning(tmp_path, monkeypatch):
     import contextlib
 
-    script = _load_script(monkeypatch)
+    script = load_pretrain_script(monkeypatch)
     model, _, train, _, collator = lm_setup()
     assert model.lm_head.weight is model.get_input_embeddings().weight  # tied
     args = TrainingArguments(

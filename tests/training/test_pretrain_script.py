@@ -3,7 +3,6 @@ Hub stand-in, and two processes under ``accelerate launch`` (gloo on CPU)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,7 +15,7 @@ import yaml
 from huggingface_hub import ModelCard
 
 from tests.hub_server import HubServer
-from tests.testing_utils import REPO_ROOT, Launch, launch, shared_launch_job
+from tests.testing_utils import REPO_ROOT, Launch, launch, load_pretrain_script, shared_launch_job
 
 SCRIPT = REPO_ROOT / "scripts" / "pretrain.py"
 
@@ -126,17 +125,8 @@ def test_default_run_shortened_with_card_plot_and_push(tmp_path, hub):
     assert "model.safetensors" not in hub.files("tester/tiny-pma", "main")
 
 
-def _load_script(monkeypatch):
-    """scripts/pretrain.py as a module (its dataclasses need it in sys.modules while they are made)."""
-    spec = importlib.util.spec_from_file_location("pretrain_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, module)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_flags_change_the_embedded_default_and_a_config_file_replaces_it(tmp_path, capsys, monkeypatch):
-    pretrain = _load_script(monkeypatch)
+    pretrain = load_pretrain_script(monkeypatch)
     embedded = yaml.safe_load(pretrain.DEFAULT_CONFIG.read_text())
     model, data, comparison, args = pretrain.parse_arguments([])
     assert (args.output_dir, args.max_steps, args.learning_rate) == (
@@ -180,7 +170,7 @@ def test_flags_change_the_embedded_default_and_a_config_file_replaces_it(tmp_pat
 
 def test_bad_arguments_fail_before_training(tmp_path, capsys, monkeypatch):
     # Arguments the parser refuses: the script's main() returns 2 with one line (in this process).
-    pretrain = _load_script(monkeypatch)
+    pretrain = load_pretrain_script(monkeypatch)
     assert pretrain.main([*SHORT, "--output_dir", str(tmp_path / "o"), "--pma_strategy", "median"]) == 2
     assert "unknown merge strategy 'median'" in capsys.readouterr().err
     assert not (tmp_path / "o" / "pma").exists()

@@ -15,7 +15,7 @@ from transformers import LlamaConfig
 from transformers.utils import logging as hf_logging
 
 from hf_pma.utils.logs import notice, quiet_info
-from tests.testing_utils import REPO_ROOT, make_tiny_model, save_model_folder
+from tests.testing_utils import REPO_ROOT, CollectLogs, make_tiny_model, save_model_folder
 
 # A user's script: nothing about logging, a tokenizer as processing_class (so snapshot folders
 # get tokenizer files), a checkpoint at the end from the training thread.
@@ -77,21 +77,12 @@ def test_save_chatter_is_silenced_for_snapshots_only_even_at_info(tmp_path):
     assert "hf-pma: a snapshot every 256 tokens" in err
 
 
-class Collect(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.DEBUG)
-        self.messages: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.messages.append(record.getMessage())
-
-
 def test_quiet_info_drops_only_the_calling_threads_records():
     config = LlamaConfig()
     module_logger = logging.getLogger(
         "transformers.configuration_utils"
     )  # where "Configuration saved in" goes
-    collect = Collect()
+    collect = CollectLogs()
     module_logger.addHandler(collect)
     previous = hf_logging.get_verbosity()
     hf_logging.set_verbosity_info()
