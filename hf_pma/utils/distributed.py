@@ -12,6 +12,7 @@ NCCL's default timeout would kill the waiting ranks during a long evaluation or 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import contextvars
 import datetime
@@ -34,6 +35,7 @@ __all__ = [
     "check_folder_shared",
     "distributed_rank_and_size",
     "local_world_size",
+    "release_wait_groups",
     "wait_group",
     "is_main_process",
     "run_locally",
@@ -102,8 +104,29 @@ def wait_group(timeout: datetime.timedelta = DEFAULT_WAIT_TIMEOUT) -> Any:
 
     key = (id(dist.group.WORLD), timeout)
     if key not in _WAIT_GROUPS:
+        if not _WAIT_GROUPS:
+            atexit.register(release_wait_groups)
         _WAIT_GROUPS[key] = dist.new_group(backend="gloo", timeout=timeout)
     return _WAIT_GROUPS[key]
+
+
+def release_wait_groups() -> None:
+    """Destroy the gloo groups :func:`wait_group` made (registered to run at exit).
+
+    Training scripts rarely call ``destroy_process_group()``; a gloo group left to the
+    interpreter's final teardown can abort the process there ("terminate called without an
+    active exception", seen under load), after training succeeded. Destroying a group is local
+    (no collective), so each rank does it on its own way out.
+    """
+    import torch.distributed as dist
+
+    groups = list(_WAIT_GROUPS.values())
+    _WAIT_GROUPS.clear()
+    if not (dist.is_available() and dist.is_initialized()):
+        return  # the user destroyed every group already
+    for group in groups:
+        with contextlib.suppress(Exception):  # already destroyed with its world
+            dist.destroy_process_group(group)
 
 
 def local_world_size() -> int:

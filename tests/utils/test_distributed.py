@@ -24,3 +24,23 @@ def test_two_nodes_with_separate_disks_stop_with_a_clear_error(shared_launch):
         )
     # Nothing trained, no snapshot written; the probe file is gone.
     assert sorted(p.name for p in (tmp_path / "node0" / "pma").iterdir()) == ["manifest.json"]
+
+
+def test_wait_groups_are_released_at_exit_and_after_the_users_own_teardown(tmp_path):
+    import torch.distributed as dist
+
+    from hf_pma.utils import distributed
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        group = distributed.wait_group()
+        assert distributed.wait_group() is group  # made once per world
+        distributed.release_wait_groups()
+        assert distributed._WAIT_GROUPS == {}
+        assert group not in dist.distributed_c10d._world.pg_map  # destroyed: no longer a group of this world
+        distributed.wait_group()
+    finally:
+        dist.destroy_process_group()
+    distributed.release_wait_groups()  # after the user destroyed every group: nothing to do, no error
+    assert distributed._WAIT_GROUPS == {}
