@@ -4,10 +4,12 @@
     python benchmarks/gpu_check.py --hidden 256 --layers 2 --vocab 4096 --steps 30 --no-save   # a smoke run
 
 1. **bf16 training with and without PMACallback** (``TrainingArguments(bf16=True)``, the same
-   model, seed and batches): median step time of each, the overhead in percent, the time the
-   training thread is blocked per snapshot (inside PMACallback's events), and whether the pinned
-   host staging buffers are reused from one snapshot to the next (every buffer pinned, the same
-   buffers every time).
+   model, seed and batches, ``--rounds`` runs of each, alternating): median and mean step time of
+   each (the mean counts the steps that take a snapshot: the throughput overhead in percent),
+   the time the training thread is blocked per snapshot (inside PMACallback's events; the first
+   snapshot apart, since it allocates the host buffers), the background write per snapshot, and
+   whether the pinned host staging buffers are reused from one snapshot to the next (every
+   buffer pinned, the same buffers every time).
 2. **FSDP2 through accelerate launch** (``--use_fsdp --fsdp_version 2``, ``--fsdp-procs``
    processes, 1 by default) with sharded snapshots (``sharded="auto"``): every snapshot holds one
    file per rank, and the run folder merges into a model that ``from_pretrained`` loads.
@@ -38,7 +40,17 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results" / "gpu_check"
 # The model and run sizes an FSDP worker is given again on its own command line.
-MODEL_ARGUMENTS = ("hidden", "layers", "heads", "intermediate", "vocab", "seq", "batch", "steps", "interval_steps")
+MODEL_ARGUMENTS = (
+    "hidden",
+    "layers",
+    "heads",
+    "intermediate",
+    "vocab",
+    "seq",
+    "batch",
+    "steps",
+    "interval_steps",
+)
 PARTS = ("train", "fsdp", "eval")
 
 
@@ -62,8 +74,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=512, help="tokens per sequence")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step (per process)")
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps of each training run")
-    parser.add_argument("--warmup", type=int, default=10, help="first steps left out of the step-time median")
+    parser.add_argument("--warmup", type=int, default=10, help="first steps left out of the step times")
     parser.add_argument("--interval-steps", type=int, default=10, help="a snapshot every this many steps")
+    parser.add_argument(
+        "--rounds", type=int, default=3, help="runs of part 1 with and without PMACallback, alternating"
+    )
     parser.add_argument(
         "--fsdp-procs", type=int, default=1, help="processes of the FSDP2 run (world size; 1 is allowed)"
     )
@@ -74,7 +89,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-save", action="store_true", help="print the table only")
     parser.add_argument("--fsdp-worker", type=Path, help=argparse.SUPPRESS)  # internal: one rank of part 2
     args = parser.parse_args(argv)
-    positive = (*MODEL_ARGUMENTS, "fsdp_procs")
+    positive = (*MODEL_ARGUMENTS, "fsdp_procs", "rounds")
     for name in positive:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -129,16 +144,44 @@ def llama_parameter_count(
 
 
 def median_step_ms(step_seconds: list[float], warmup: int) -> float:
-    """The median step time in milliseconds, the first ``warmup`` steps left out."""
+    """The median step time in milliseconds, the first ``warmup`` steps left out (a typical
+    step: the steps that take a snapshot do not move it)."""
+    return 1000 * statistics.median(_timed(step_seconds, warmup))
+
+
+def mean_step_ms(step_seconds: list[float], warmup: int) -> float:
+    """The mean step time in milliseconds, the first ``warmup`` steps left out: the steps that
+    take a snapshot count, so this is what throughput sees."""
+    return 1000 * statistics.fmean(_timed(step_seconds, warmup))
+
+
+def _timed(step_seconds: list[float], warmup: int) -> list[float]:
     timed = step_seconds[warmup:]
     if not timed:
         raise ValueError(f"no step left after {warmup} warm-up steps (of {len(step_seconds)})")
-    return 1000 * statistics.median(timed)
+    return timed
 
 
 def overhead_percent(baseline_ms: float, with_pma_ms: float) -> float:
     """How much slower a step is with snapshots, in percent of the step without."""
     return 100 * (with_pma_ms - baseline_ms) / baseline_ms
+
+
+def snapshot_costs(blocked_s: list[float], write_s: list[float]) -> dict[str, Any]:
+    """Per-snapshot costs in milliseconds: the training thread blocked by the first snapshot (it
+    allocates the host buffers) and by the later ones (median: the steady state), and the
+    median background write."""
+    if not blocked_s:
+        raise ValueError("no snapshot was taken")
+    later = blocked_s[1:]
+    return {
+        "snapshots": len(blocked_s),
+        "blocked_first_ms": 1000 * blocked_s[0],
+        "blocked_steady_ms": 1000 * statistics.median(later) if later else None,
+        "blocked_ms": [round(1000 * s, 3) for s in blocked_s],
+        "write_median_ms": 1000 * statistics.median(write_s) if write_s else None,
+        "write_ms": [round(1000 * s, 3) for s in write_s],
+    }
 
 
 def staging_reuse(history: list[tuple[frozenset[int], bool]]) -> dict[str, Any]:
@@ -161,23 +204,22 @@ def build_table(results: dict[str, Any]) -> str:
     train = results.get("train")
     if train:
         base, pma = train["baseline"], train["pma"]
-        reuse = pma["staging"]
+        reuse, costs = pma["staging"], pma["costs"]
         rows += [
             [
                 "bf16 step time, no snapshots",
                 f"{format_number(base['step_ms'], '.1f')} ms",
-                f"{train['parameters'] / 1e6:.0f}M parameters, {base['steps']} steps",
+                f"mean {format_number(base['mean_ms'], '.1f')} ms; "
+                f"{train['parameters'] / 1e6:.0f}M parameters, {base['steps']} steps timed",
             ],
             [
                 "bf16 step time, PMACallback",
                 f"{format_number(pma['step_ms'], '.1f')} ms",
-                f"overhead {format_number(train['overhead_percent'], '+.1f')} %",
+                f"mean {format_number(pma['mean_ms'], '.1f')} ms: throughput overhead "
+                f"{format_number(train['overhead_percent'], '+.1f')} % at a snapshot every {train['interval_steps']} steps",
             ],
-            [
-                "blocked per snapshot",
-                f"{format_number(pma['blocked_ms_per_snapshot'], '.1f')} ms",
-                f"{pma['snapshots']} snapshots",
-            ],
+            _blocked_row("blocked per snapshot", costs),
+            _write_row("background write per snapshot", costs, train["interval_ms"]),
             [
                 "pinned staging reuse",
                 f"{reuse['reused']}/{reuse['possible']}",
@@ -191,14 +233,13 @@ def build_table(results: dict[str, Any]) -> str:
             [
                 f"FSDP2 sharded snapshots (accelerate launch, world {fsdp['world_size']})",
                 f"{fsdp['snapshots']} snapshots",
-                (
-                    "one file per rank, merge loads"
-                    if ok
-                    else "FAILED: " + fsdp.get("problem", "see results.json")
-                )
-                + f"; blocked {format_number(fsdp['blocked_ms_per_snapshot'], '.1f')} ms/snapshot",
+                "one file per rank, merge loads"
+                if ok
+                else "FAILED: " + fsdp.get("problem", "see results.json"),
             ]
         )
+        rows.append(_blocked_row("FSDP2 blocked per snapshot", fsdp["costs"]))
+        rows.append(_write_row("FSDP2 rank write per snapshot", fsdp["costs"], fsdp["interval_ms"]))
     evaluation = results.get("eval")
     if evaluation:
         rows.append(
@@ -211,6 +252,30 @@ def build_table(results: dict[str, Any]) -> str:
     if not rows:
         raise ValueError("no part of the check ran: nothing to put in the table")
     return markdown_table(["check", "result", "detail"], rows, align="lrl")
+
+
+def _blocked_row(label: str, costs: dict[str, Any]) -> list[str]:
+    from hf_pma.utils.formatting import format_number
+
+    steady = costs["blocked_steady_ms"]
+    return [
+        label,
+        f"{format_number(steady if steady is not None else costs['blocked_first_ms'], '.1f')} ms",
+        f"median of snapshots 2-{costs['snapshots']}; the first {format_number(costs['blocked_first_ms'], '.1f')} ms"
+        if steady is not None
+        else "one snapshot",
+    ]
+
+
+def _write_row(label: str, costs: dict[str, Any], interval_ms: float) -> list[str]:
+    from hf_pma.utils.formatting import format_number
+
+    write = costs["write_median_ms"]
+    return [
+        label,
+        f"{format_number(write, '.1f')} ms" if write is not None else "-",
+        f"median, off the training thread; snapshots {format_number(interval_ms, '.0f')} ms apart",
+    ]
 
 
 def save_results(out: Path, results: dict[str, Any], table: str) -> list[Path]:
@@ -308,14 +373,16 @@ def _timing_callbacks():
             self.seconds.append(time.perf_counter() - self._start)
 
     class TimedPMACallback(PMACallback):
-        """PMACallback that adds up the time the training thread spends in its events and, at
-        every snapshot, notes which host buffers the copy went to."""
+        """PMACallback that adds up the time the training thread spends in its events, notes
+        the time of each event call that took a snapshot, and, at every snapshot, which host
+        buffers the copy went to."""
 
         blocked_s = 0.0
 
         def __init__(self, *a: Any, **k: Any) -> None:
             super().__init__(*a, **k)
             self.staging_history: list[tuple[frozenset[int], bool]] = []
+            self.snapshot_blocked_s: list[float] = []
 
         def on_train_begin(self, *a: Any, **k: Any):
             result = super().on_train_begin(*a, **k)
@@ -341,67 +408,78 @@ def _timing_callbacks():
                     (frozenset(t.data_ptr() for t in tensors), all(t.is_pinned() for t in tensors))
                 )
 
+        def costs(self) -> dict[str, Any]:
+            """Per-snapshot costs (:func:`snapshot_costs`) of this run's snapshots."""
+            return snapshot_costs(self.snapshot_blocked_s, list(self._sink.worker.task_seconds))
+
     for event in ("on_step_begin", "on_optimizer_step", "on_step_end", "on_log", "on_save", "on_train_end"):
         original = getattr(PMACallback, event)
 
         def timed(self, *a: Any, _original=original, **k: Any):
+            taken = len(self.staging_history)
             start = time.perf_counter()
             try:
                 return _original(self, *a, **k)
             finally:
-                self.blocked_s += time.perf_counter() - start
+                seconds = time.perf_counter() - start
+                self.blocked_s += seconds
+                if len(self.staging_history) > taken:
+                    self.snapshot_blocked_s.append(seconds)
 
         setattr(TimedPMACallback, event, timed)
     return StepTimer, TimedPMACallback
 
 
 def run_training(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    """Part 1: the same bf16 run without and with PMACallback."""
+    """Part 1: the same bf16 run without and with PMACallback, ``--rounds`` times each,
+    alternating (so that a slow start of the GPU or the process weighs on neither): the step
+    times of all rounds, the snapshot costs and staging of the first round with PMACallback."""
+    import torch
     from transformers import Trainer
 
     StepTimer, TimedPMACallback = _timing_callbacks()
     tokens_per_step = args.batch * args.seq
     dataset = _dataset(args, args.steps * args.batch)
+    step_seconds: dict[str, list[float]] = {"baseline": [], "pma": []}
     runs: dict[str, Any] = {}
-    for name in ("baseline", "pma"):
-        out = workdir / f"train-{name}"
-        shutil.rmtree(out, ignore_errors=True)
-        timer = StepTimer()
-        callbacks: list[Any] = [timer]
-        pma = None
-        if name == "pma":
-            pma = TimedPMACallback(
-                interval_tokens=args.interval_steps * tokens_per_step,
-                save_dtype="bfloat16",
-                phases=("stable",),
+    for _ in range(args.rounds):
+        for name in ("baseline", "pma"):
+            out = workdir / f"train-{name}"
+            shutil.rmtree(out, ignore_errors=True)
+            timer = StepTimer()
+            callbacks: list[Any] = [timer]
+            pma = None
+            if name == "pma":
+                pma = TimedPMACallback(
+                    interval_tokens=args.interval_steps * tokens_per_step,
+                    save_dtype="bfloat16",
+                    phases=("stable",),
+                )
+                callbacks.insert(0, pma)
+            trainer = Trainer(
+                model=_model(args),
+                args=_training_arguments(args, out),
+                train_dataset=dataset,
+                callbacks=callbacks,
             )
-            callbacks.insert(0, pma)
-        trainer = Trainer(
-            model=_model(args),
-            args=_training_arguments(args, out),
-            train_dataset=dataset,
-            callbacks=callbacks,
+            trainer.train()
+            step_seconds[name] += timer.seconds[args.warmup :]
+            if pma is not None and name not in runs:
+                runs[name] = {"costs": pma.costs(), "staging": staging_reuse(pma.staging_history)}
+            del trainer
+            torch.cuda.empty_cache()
+    for name, seconds in step_seconds.items():
+        runs.setdefault(name, {}).update(
+            steps=len(seconds), step_ms=median_step_ms(seconds, 0), mean_ms=mean_step_ms(seconds, 0)
         )
-        trainer.train()
-        run = {"steps": len(timer.seconds), "step_ms": median_step_ms(timer.seconds, args.warmup)}
-        if pma is not None:
-            snapshots = len(pma.staging_history)
-            run.update(
-                snapshots=snapshots,
-                blocked_ms_per_snapshot=1000 * pma.blocked_s / max(1, snapshots),
-                staging=staging_reuse(pma.staging_history),
-            )
-        runs[name] = run
-        del trainer
-        import torch
-
-        torch.cuda.empty_cache()
     return {
         "parameters": llama_parameter_count(
             args.hidden, args.layers, args.intermediate, args.vocab, args.heads
         ),
         **runs,
-        "overhead_percent": overhead_percent(runs["baseline"]["step_ms"], runs["pma"]["step_ms"]),
+        "interval_steps": args.interval_steps,
+        "interval_ms": runs["baseline"]["mean_ms"] * args.interval_steps,
+        "overhead_percent": overhead_percent(runs["baseline"]["mean_ms"], runs["pma"]["mean_ms"]),
     }
 
 
@@ -410,7 +488,8 @@ def fsdp_worker(args: argparse.Namespace, workdir: Path) -> None:
     sharded snapshots; rank 0 writes ``fsdp-worker.json``."""
     from transformers import Trainer
 
-    _, TimedPMACallback = _timing_callbacks()
+    StepTimer, TimedPMACallback = _timing_callbacks()
+    timer = StepTimer()
     out = workdir / "fsdp"
     callback = TimedPMACallback(
         interval_tokens=args.interval_steps * args.batch * args.seq, phases=("stable",), sharded="auto"
@@ -420,15 +499,15 @@ def fsdp_worker(args: argparse.Namespace, workdir: Path) -> None:
         model=_model(args),
         args=training_args,
         train_dataset=_dataset(args, args.steps * args.batch * training_args.world_size),
-        callbacks=[callback],
+        callbacks=[callback, timer],
     )
     trainer.train()
     if training_args.process_index == 0:
-        taken = len(callback.staging_history)
         report = {
             "world_size": training_args.world_size,
             "sink": type(callback._sink).__name__,
-            "blocked_ms_per_snapshot": 1000 * callback.blocked_s / max(1, taken),
+            "costs": callback.costs(),
+            "interval_ms": mean_step_ms(timer.seconds, args.warmup) * args.interval_steps,
             "staging": staging_reuse(callback.staging_history),
         }
         (workdir / "fsdp-worker.json").write_text(json.dumps(report))
@@ -465,7 +544,7 @@ def fsdp_command(args: argparse.Namespace, workdir: Path) -> list[str]:
     ]
     for name in MODEL_ARGUMENTS:
         command += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
-    command += ["--warmup", "0"]
+    command += ["--warmup", str(args.warmup)]
     return command
 
 

@@ -52,6 +52,7 @@ def test_without_cuda_it_stops_at_once_with_one_line(tmp_path):
     "argv, message",
     [
         (["--steps", "0"], "--steps must be at least 1, got 0"),
+        (["--rounds", "0"], "--rounds must be at least 1, got 0"),
         (["--hidden", "100", "--heads", "12"], "--hidden (100) must be a multiple of --heads (12)"),
         (["--steps", "10", "--warmup", "10"], "--warmup must be in [0, --steps)"),
         (["--steps", "10", "--warmup", "2", "--interval-steps", "10"], "no snapshot would be taken"),
@@ -122,29 +123,53 @@ def test_numbers(gpu_check):
     assert gpu_check.staging_reuse([]) == {"snapshots": 0, "reused": 0, "possible": 0, "all_pinned": True}
 
 
+COSTS = {
+    "snapshots": 5,
+    "blocked_first_ms": 150.0,
+    "blocked_steady_ms": 12.34,
+    "blocked_ms": [150.0, 12.0, 12.34, 13.0, 11.0],
+    "write_median_ms": 80.0,
+    "write_ms": [90.0, 80.0, 80.0, 70.0, 85.0],
+}
 RESULTS = {
     "machine": {"gpu": "Some GPU", "torch": "2.13.0"},
     "train": {
         "parameters": 109_000_000,
-        "baseline": {"steps": 60, "step_ms": 100.0},
+        "baseline": {"steps": 60, "step_ms": 100.0, "mean_ms": 100.5},
         "pma": {
             "steps": 60,
-            "step_ms": 101.5,
-            "snapshots": 5,
-            "blocked_ms_per_snapshot": 12.34,
+            "step_ms": 100.2,
+            "mean_ms": 102.0,
+            "costs": COSTS,
             "staging": {"snapshots": 5, "reused": 4, "possible": 4, "all_pinned": True},
         },
-        "overhead_percent": 1.5,
+        "interval_steps": 10,
+        "interval_ms": 1005.0,
+        "overhead_percent": 1.49,
     },
     "fsdp": {
         "world_size": 1,
         "snapshots": 5,
         "rank_files_ok": True,
         "merged_loads": True,
-        "blocked_ms_per_snapshot": 30.0,
+        "costs": {**COSTS, "blocked_steady_ms": 30.0},
+        "interval_ms": 990.0,
     },
     "eval": {"eval_pma_loss": 5.4321, "eval_loss": 5.6789, "seconds": 2.5},
 }
+
+
+def test_snapshot_costs_split_the_first_snapshot_from_the_steady_state(gpu_check):
+    costs = gpu_check.snapshot_costs([0.2, 0.01, 0.03, 0.02], [0.1, 0.3])
+    assert costs["snapshots"] == 4 and costs["blocked_first_ms"] == pytest.approx(200.0)
+    assert costs["blocked_steady_ms"] == pytest.approx(20.0) and costs["write_median_ms"] == pytest.approx(
+        200.0
+    )
+    assert costs["blocked_ms"] == [200.0, 10.0, 30.0, 20.0]
+    single = gpu_check.snapshot_costs([0.5], [])
+    assert single["blocked_steady_ms"] is None and single["write_median_ms"] is None
+    with pytest.raises(ValueError, match="no snapshot was taken"):
+        gpu_check.snapshot_costs([], [0.1])
 
 
 def test_one_table_and_the_results_files(gpu_check, tmp_path):
@@ -152,14 +177,26 @@ def test_one_table_and_the_results_files(gpu_check, tmp_path):
     rows = markdown_rows(table)
     assert rows[0] == ["check", "result", "detail"]
     body = {row[0]: row[1:] for row in rows[1:]}
-    assert body["bf16 step time, no snapshots"] == ["100.0 ms", "109M parameters, 60 steps"]
-    assert body["bf16 step time, PMACallback"] == ["101.5 ms", "overhead +1.5 %"]
-    assert body["blocked per snapshot"] == ["12.3 ms", "5 snapshots"]
+    assert body["bf16 step time, no snapshots"] == [
+        "100.0 ms",
+        "mean 100.5 ms; 109M parameters, 60 steps timed",
+    ]
+    assert body["bf16 step time, PMACallback"] == [
+        "100.2 ms",
+        "mean 102.0 ms: throughput overhead +1.5 % at a snapshot every 10 steps",
+    ]
+    assert body["blocked per snapshot"] == ["12.3 ms", "median of snapshots 2-5; the first 150.0 ms"]
+    assert body["background write per snapshot"] == [
+        "80.0 ms",
+        "median, off the training thread; snapshots 1005 ms apart",
+    ]
     assert body["pinned staging reuse"] == ["4/4", "every buffer pinned"]
     assert body["FSDP2 sharded snapshots (accelerate launch, world 1)"] == [
         "5 snapshots",
-        "one file per rank, merge loads; blocked 30.0 ms/snapshot",
+        "one file per rank, merge loads",
     ]
+    assert body["FSDP2 blocked per snapshot"] == ["30.0 ms", "median of snapshots 2-5; the first 150.0 ms"]
+    assert body["FSDP2 rank write per snapshot"][0] == "80.0 ms"
     assert body["merged evaluation (eval_pma_loss)"] == ["5.4321", "live eval_loss 5.6789; 2.5 s"]
     # A part that did not run has no row; a failed check says so.
     partial = gpu_check.build_table(
@@ -171,7 +208,7 @@ def test_one_table_and_the_results_files(gpu_check, tmp_path):
             }
         }
     )
-    (row,) = markdown_rows(partial)[1:]
+    row = markdown_rows(partial)[1]
     assert row[2].startswith("FAILED: snapshots without one file per rank")
     with pytest.raises(ValueError, match="no part of the check ran"):
         gpu_check.build_table({"machine": {}})

@@ -6,9 +6,10 @@
   :class:`SnapshotBudgetError` naming both numbers and the knobs, before anything is written.
   As snapshots land the check is repeated with their real size (one ``statvfs`` call): a warning
   when the rest of the run no longer fits, an error when the next snapshot does not.
-* :class:`TimeBudget`: the cost of the first snapshot (seconds the training thread was blocked,
-  seconds of writing, bytes) against the training time between snapshots; a warning, with the
-  interval that would do, when snapshots take more than :data:`TIME_SHARE_LIMIT` of it.
+* :class:`TimeBudget`: the cost of a snapshot (seconds the training thread was blocked,
+  seconds of writing, bytes; the second snapshot's, since the first also allocates the host
+  buffers) against the training time between snapshots; a warning, with the interval that
+  would do, when snapshots take more than :data:`TIME_SHARE_LIMIT` of it.
 """
 
 from __future__ import annotations
@@ -135,11 +136,17 @@ class DiskBudget:
 
 @dataclasses.dataclass
 class SnapshotCost:
-    """What one snapshot cost: training-thread seconds blocked, writer seconds, bytes written."""
+    """What one snapshot cost: training-thread seconds blocked, writer seconds, bytes written.
+
+    ``first_blocked_s``: the first snapshot's blocked seconds when this cost is a later
+    snapshot's (the first pays one-time costs: host buffers are allocated then); ``None`` when
+    this is the run's only snapshot.
+    """
 
     blocked_s: float
     write_s: float
     num_bytes: int
+    first_blocked_s: float | None = None
 
 
 class TimeBudget:
@@ -167,7 +174,7 @@ class TimeBudget:
         return max(0.0, time.perf_counter() - self._start - self.blocked_s) / self._steps
 
     def report(self, cost: SnapshotCost, steps_between: float, tokens_per_step: int, async_write: bool) -> str:
-        """Log what the first snapshot cost against the steps between snapshots; warn when too costly.
+        """Log what a snapshot costs against the steps between snapshots; warn when too costly.
 
         Returns the message logged.
         """
@@ -178,8 +185,13 @@ class TimeBudget:
         # synchronous, or the part of an asynchronous write that outlasts the interval.
         lost = cost.blocked_s + (cost.write_s if not async_write else max(0.0, cost.write_s - interval_s))
         share = lost / interval_s if interval_s > 0 else math.inf
+        blocked = f"{cost.blocked_s:.2f}s of blocked training"
+        if cost.first_blocked_s is None:
+            what = f"the only snapshot cost {blocked}"
+        else:
+            what = f"a snapshot costs {blocked} (the first {cost.first_blocked_s:.2f}s, with one-time set-up)"
         message = (
-            f"hf-pma: the first snapshot cost {cost.blocked_s:.2f}s of blocked training, {cost.write_s:.2f}s of "
+            f"hf-pma: {what}, {cost.write_s:.2f}s of "
             f"{'background ' if async_write else ''}writing, {human_bytes(cost.num_bytes)}; snapshots come every "
             f"{steps_between:.1f} steps of {step_s:.3f}s ({interval_s:.1f}s): {100 * share:.1f}% of training time"
         )

@@ -91,9 +91,10 @@ class PMACallback(TrainerCallback, ExportableState):
     respected when set.
 
     Guards for the zero-argument default: one warning at train begin when the schedule has no
-    constant-LR phase (PMA's premise), the disk budget above, and once the first snapshot is
-    written its cost (blocked and write seconds, bytes) against the training time between
-    snapshots, with a warning and the interval that would do when it exceeds 5%.
+    constant-LR phase (PMA's premise), the disk budget above, and once the second snapshot is
+    written what a snapshot costs (blocked and write seconds, bytes; the second, since the
+    first also allocates the host buffers) against the training time between snapshots, with a
+    warning and the interval that would do when it exceeds 5%.
     """
 
     def __init__(
@@ -155,7 +156,7 @@ class PMACallback(TrainerCallback, ExportableState):
         self._disk: DiskBudget | None = None
         self._time: TimeBudget | None = None
         self._disk_checked = False
-        self._first_blocked_s: float | None = None
+        self._taken_blocked_s: list[float] = []  # per snapshot of this train(): the training thread blocked
 
     # ------------------------------------------------------------------ public API
 
@@ -266,7 +267,7 @@ class PMACallback(TrainerCallback, ExportableState):
         self._disk = DiskBudget(self._pma_dir, self.max_disk_bytes)
         self._time = TimeBudget()
         self._disk_checked = False
-        self._first_blocked_s = None
+        self._taken_blocked_s = []
         self._last_snapshot_step = int(state.global_step)
         self._last_loss = None
         if model is not None:
@@ -353,7 +354,7 @@ class PMACallback(TrainerCallback, ExportableState):
         self._sink.close(model)
         if self.interval_tokens is not None and self.schedule.tokens > self.schedule.tokens_at_begin:
             steps = max(1, state.global_step - self._plan_step0)
-            self._report_cost(max(1, (self.schedule.tokens - self.schedule.tokens_at_begin) // steps))
+            self._report_cost(max(1, (self.schedule.tokens - self.schedule.tokens_at_begin) // steps), at_end=True)
         if self._is_main and isinstance(self._sink, DiskSnapshotSink):
             self._announce_end()
 
@@ -541,14 +542,23 @@ class PMACallback(TrainerCallback, ExportableState):
         if error is not None:
             raise SnapshotBudgetError(error)
 
-    def _report_cost(self, tokens_per_step: int) -> None:
-        """Once the first snapshot of this run is written: its cost against the time between snapshots."""
-        if self._time.reported or self._first_blocked_s is None or not self._is_main:
+    def _report_cost(self, tokens_per_step: int, at_end: bool = False) -> None:
+        """Once the second snapshot of this run is written (or at the end, after a single one):
+        what a snapshot costs against the time between snapshots. The first snapshot also pays
+        one-time costs (pinned host buffers are allocated then), so the second is the one that
+        tells what every later snapshot costs."""
+        if self._time.reported or not self._taken_blocked_s or not self._is_main:
             return
         seconds = self._sink.worker.task_seconds
-        if not seconds:
+        which = 1 if len(self._taken_blocked_s) > 1 and len(seconds) > 1 else 0
+        if not seconds or (which == 0 and not at_end):
             return
-        cost = SnapshotCost(self._first_blocked_s, seconds[0], self._sink.last_written_bytes() or 0)
+        cost = SnapshotCost(
+            self._taken_blocked_s[which],
+            seconds[which],
+            self._sink.last_written_bytes() or 0,
+            first_blocked_s=self._taken_blocked_s[0] if which else None,
+        )
         self._time.report(cost, self.interval_tokens / tokens_per_step, tokens_per_step, self.async_write)
 
     def _warn_small_interval(self, step_tokens: int) -> None:
@@ -581,8 +591,7 @@ class PMACallback(TrainerCallback, ExportableState):
         self._sink.take(model, record)
         blocked = time.perf_counter() - start
         self._time.add_blocked(blocked)
-        if self._first_blocked_s is None:
-            self._first_blocked_s = blocked
+        self._taken_blocked_s.append(blocked)
         if self._is_main:
             self._recheck_disk(model, state, tick)
         self._pending = record

@@ -81,11 +81,17 @@ def test_gpu_check_small_run(tmp_path):
     assert done.returncode == 0, done.stderr[-5000:]
     results = json.loads((out / "results.json").read_text())
     train = results["train"]
-    assert train["pma"]["snapshots"] >= 4 and train["pma"]["staging"]["all_pinned"]
+    costs = train["pma"]["costs"]
+    assert costs["snapshots"] >= 4 and len(costs["write_ms"]) == costs["snapshots"]
+    assert train["pma"]["staging"]["all_pinned"]
     assert train["pma"]["staging"]["reused"] == train["pma"]["staging"]["possible"] > 0
-    assert train["baseline"]["step_ms"] > 0 and train["pma"]["blocked_ms_per_snapshot"] > 0
+    assert train["baseline"]["step_ms"] > 0 and costs["blocked_steady_ms"] > 0
     fsdp = results["fsdp"]
     assert fsdp["sink"] == "ShardedSnapshotSink" and fsdp["rank_files_ok"] and fsdp["merged_loads"], fsdp
+    assert (
+        fsdp["costs"]["snapshots"] == fsdp["snapshots"]
+        and fsdp["staging"]["reused"] == fsdp["staging"]["possible"]
+    )
     evaluation = results["eval"]
     assert evaluation["eval_pma_loss"] > 0 and evaluation["eval_pma_loss"] != evaluation["eval_loss"]
     assert (out / "results.md").read_text().count("| ") > 5 and "bf16 step time, PMACallback" in done.stdout

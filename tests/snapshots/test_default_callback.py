@@ -128,15 +128,60 @@ def test_disk_budget_recheck_as_snapshots_land(tmp_path, caplog):
         real.check_plan(2**62, folders=1, snapshots=1, what="a test")
 
 
-def test_first_snapshot_cost_is_logged_against_the_interval(tmp_path, caplog):
+def test_a_snapshots_cost_is_the_second_snapshots_and_is_logged_against_the_interval(tmp_path, caplog):
     callback = PMACallback(interval_tokens=3 * SEQ * BATCH, async_write=False)
     with caplog.at_level(logging.INFO, logger="hf_pma"):
         train(tmp_path, [callback], max_steps=12, lr_scheduler_type="constant")
-    cost = [m for m in messages(caplog) if "the first snapshot cost" in m]
+    cost = [m for m in messages(caplog) if "snapshot cost" in m]
     assert len(cost) == 1
     first = callback.snapshots()[0][0]
     assert human_bytes(first.num_bytes) in cost[0] and "every 3.0 steps" in cost[0]
     assert "% of training time" in cost[0]
+    # The first snapshot pays one-time costs (host buffers): the second's is what every snapshot costs.
+    blocked = callback._taken_blocked_s
+    assert len(blocked) == 4
+    assert cost[0].startswith(f"hf-pma: a snapshot costs {blocked[1]:.2f}s of blocked training (the first {blocked[0]:.2f}s")
+
+
+def test_a_run_with_one_snapshot_reports_its_cost_at_the_end(tmp_path, caplog):
+    callback = PMACallback(interval_tokens=4 * SEQ * BATCH, async_write=True)
+    with caplog.at_level(logging.INFO, logger="hf_pma"):
+        train(tmp_path, [callback], max_steps=6, lr_scheduler_type="constant")
+    cost = [m for m in messages(caplog) if "snapshot cost" in m]
+    assert len(callback.snapshots()) == 1 and len(cost) == 1
+    assert cost[0].startswith(f"hf-pma: the only snapshot cost {callback._taken_blocked_s[0]:.2f}s of blocked training")
+
+
+def test_the_time_share_is_the_steady_cost_not_the_first_snapshots(caplog, monkeypatch):
+    import types
+
+    from hf_pma.snapshots import budget as budget_module
+    from hf_pma.snapshots.budget import SnapshotCost, TimeBudget
+
+    clock = types.SimpleNamespace(now=100.0)
+    monkeypatch.setattr(budget_module, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
+
+    def after_ten_steps_of_one_second() -> TimeBudget:
+        budget = TimeBudget()
+        for _ in range(10):
+            clock.now += 1.0
+            budget.step_done()
+        assert budget.step_seconds() == 1.0
+        return budget
+
+    # A first snapshot of 1000 s (pinned buffers) beside a steady cost of 1% of the 10 s interval.
+    budget = after_ten_steps_of_one_second()
+    cost = SnapshotCost(blocked_s=0.1, write_s=0.0, num_bytes=2**20, first_blocked_s=1000.0)
+    with caplog.at_level(logging.INFO, logger="hf_pma"):
+        message = budget.report(cost, steps_between=10, tokens_per_step=64, async_write=True)
+    assert budget.reported and "1.0% of training time" in message and "above 5%" not in message
+    assert "(the first 1000.00s, with one-time set-up)" in message
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    # A steady cost above the limit warns, with the interval that would do (2 s / 5% = 40 steps).
+    costly = SnapshotCost(blocked_s=2.0, write_s=0.0, num_bytes=2**20, first_blocked_s=2.0)
+    message = after_ten_steps_of_one_second().report(costly, steps_between=10, tokens_per_step=64, async_write=True)
+    assert "20.0% of training time, above 5%" in message
+    assert "an interval_tokens of at least 2,560 (40 steps)" in message
 
 
 def test_pmatrainer_applies_the_disk_budget(tmp_path):

@@ -59,7 +59,7 @@ def test_plain_script_default_logging_shows_the_summary_and_no_save_chatter(tmp_
     start = [line for line in err.splitlines() if "hf-pma: a snapshot every 256 tokens" in line]
     assert len(start) == 1, err
     assert pma in start[0] and "2.0 steps" in start[0] and "disk:" in start[0] and "free space of" in start[0]
-    assert sum("the first snapshot cost" in line for line in err.splitlines()) == 1
+    assert sum("hf-pma: a snapshot costs" in line for line in err.splitlines()) == 1
     end = [line for line in err.splitlines() if "hf-pma: 4 snapshots" in line]
     assert len(end) == 1 and f"hf-pma merge {pma}" in end[0]
     assert "saved in" not in err
