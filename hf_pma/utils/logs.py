@@ -50,19 +50,30 @@ class RedactingFilter(logging.Filter):
         return True
 
 
+# The level the last ``enable_logging()`` without a level set: a level the user set (their own
+# ``enable_logging(level)`` or ``logging.getLogger("hf_pma").setLevel``) is any other one.
+_default_level: int | None = None
+
+
 def enable_logging(level: int | None = None) -> None:
     """Send ``hf_pma`` log records to stderr at ``level`` (default: transformers' verbosity).
 
-    Adds one handler, once, unless handlers are already configured (on ``hf_pma`` or the root
-    logger); records still propagate, so ``logging`` setups and test captures see them. The
-    handler redacts access tokens (:class:`RedactingFilter`).
+    Without ``level`` (what :class:`hf_pma.PMATrainer` calls), a level the user gave the
+    ``hf_pma`` logger before is kept: a script's ``enable_logging(logging.INFO)`` is not undone
+    by the Trainer it builds next. Adds one handler, once, unless handlers are already
+    configured (on ``hf_pma`` or the root logger); records still propagate, so ``logging``
+    setups and test captures see them. The handler redacts access tokens (:class:`RedactingFilter`).
     """
-    if level is None:
+    global _default_level
+    logger = logging.getLogger("hf_pma")
+    if level is not None:
+        _default_level = None
+        logger.setLevel(level)
+    elif logger.level in (logging.NOTSET, _default_level):
         from transformers.utils import logging as hf_logging
 
-        level = hf_logging.get_verbosity()
-    logger = logging.getLogger("hf_pma")
-    logger.setLevel(level)
+        _default_level = hf_logging.get_verbosity()
+        logger.setLevel(_default_level)
     if logger.handlers or logging.getLogger().handlers:
         return  # the user configured logging: records propagate to their handlers
     handler = logging.StreamHandler(sys.stderr)

@@ -126,6 +126,39 @@ def test_notice_is_a_warning_for_plain_scripts_and_info_where_info_is_shown(capl
     assert got == [("WARNING", "one"), ("INFO", "two")]
 
 
+def test_a_level_the_script_set_survives_the_pmatrainer_it_builds(tmp_path, monkeypatch):
+    from hf_pma import PMATrainer, PMATrainingArguments
+    from hf_pma.utils import logs
+
+    hf_pma_logger = logging.getLogger("hf_pma")
+    monkeypatch.setattr(hf_pma_logger, "level", hf_pma_logger.level)  # restored afterwards
+    monkeypatch.setattr(logs, "_default_level", None)
+    previous = hf_logging.get_verbosity()
+
+    def build() -> None:
+        args = PMATrainingArguments(output_dir=str(tmp_path), max_steps=1, use_cpu=True, report_to=[])
+        PMATrainer(model=make_tiny_model(seed=0), args=args)
+
+    try:
+        logs.enable_logging(logging.INFO)  # the script asks for hf-pma's INFO lines
+        build()
+        assert hf_pma_logger.level == logging.INFO
+        # Nobody set a level: the Trainer's call follows transformers' verbosity, each time.
+        hf_pma_logger.setLevel(logging.NOTSET)
+        logs._default_level = None
+        build()
+        assert hf_pma_logger.level == hf_logging.get_verbosity()
+        hf_logging.set_verbosity_error()
+        logs.enable_logging()
+        assert hf_pma_logger.level == logging.ERROR
+        # A level set on the logger directly is the user's too.
+        hf_pma_logger.setLevel(logging.DEBUG)
+        build()
+        assert hf_pma_logger.level == logging.DEBUG
+    finally:
+        hf_logging.set_verbosity(previous)
+
+
 def run_cli(*argv: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     return subprocess.run(
