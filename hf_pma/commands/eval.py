@@ -30,8 +30,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "Hub model) on held-out text (--eval-file: loss, perplexity, bits-per-byte) and/or lm-eval tasks "
             "(--tasks; local YAML tasks with --include-path, e.g. from `hf-pma make-tasks`), then print one "
             "table (rows: metrics, columns: models) and write the results as JSON (-o FILE; default: "
-            f"{DEFAULT_OUTPUT} in the current folder, replaced if present). With --last or --every, a run folder "
-            "(its PMA snapshots, else its checkpoint-* folders) stands for its newest snapshots. Under "
+            f"{DEFAULT_OUTPUT} in the current folder, replaced if present). A run folder is its final model; "
+            "with --last or --every, it stands for its newest snapshots (its PMA snapshots, else its "
+            "checkpoint-* folders). Under "
             "`accelerate launch` the main process evaluates and the others wait."
         ),
     )
@@ -81,6 +82,12 @@ def _hub_models(args: argparse.Namespace) -> tuple[list[str], list[str] | None]:
                 models.append(str(source.path))
                 labels.append(None)
             continue
+        if model in runs and not run_layout(model).top_weights:
+            # Alone, a run folder is its final model: say so before loading anything.
+            raise ValueError(
+                f"{model} is a run folder ({run_layout(model).found()}) without a final model at its top: "
+                "--last N evaluates its newest N snapshots, or name a snapshot folder"
+            )
         if Path(model).is_file():
             model = str(model_source(model).path)  # RUN/model.safetensors: the model at RUN's top
         spec = None if Path(model).exists() else parse_hub_spec(model)
