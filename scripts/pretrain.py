@@ -54,6 +54,7 @@ from hf_pma.evaluation.corpus import load_documents, split_documents
 from hf_pma.evaluation.evaluator import EVAL_RECORD_NAME, evaluate_models, results_table, write_eval_record
 from hf_pma.evaluation.generated_tasks import TaskOptions, fits_context, make_tasks_from_split
 from hf_pma.training.pretrain_data import pack_dataset, stdlib_documents, train_bpe_tokenizer
+from hf_pma.training.trainer import save_full_model
 from hf_pma.utils.distributed import is_main_process, run_on_main_process
 from hf_pma.utils.fs import atomic_write_json, read_json, remove_tree
 from hf_pma.utils.logs import enable_logging
@@ -276,7 +277,7 @@ def train_annealed_fork(
     )
     with tied_keys_not_missing(model):
         trainer.train(resume_from_checkpoint=str(checkpoint))
-    trainer.save_model(str(out))
+    save_full_model(trainer, out)  # FSDP with sharded checkpoints too
     return out
 
 
@@ -608,7 +609,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     trainer.pma_command = reproduce_command(argv)
     trainer.train()
-    trainer.save_model(str(out / "final"))
+    save_full_model(trainer, out / "final")
     if trainer.pma_merged_dir is None:
         logger.warning("No snapshot was taken: no merge to evaluate (lengthen the run or lower pma_interval_tokens).")
         return 1

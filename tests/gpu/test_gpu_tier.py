@@ -95,3 +95,30 @@ def test_gpu_check_small_run(tmp_path):
     evaluation = results["eval"]
     assert evaluation["eval_pma_loss"] > 0 and evaluation["eval_pma_loss"] != evaluation["eval_loss"]
     assert (out / "results.md").read_text().count("| ") > 5 and "bf16 step time, PMACallback" in done.stdout
+
+
+def test_pretrain_under_the_fsdp2_config_saves_whole_final_and_annealed_models(tmp_path):
+    """``accelerate launch --config_file scripts/configs/fsdp2.yaml scripts/pretrain.py``: the
+    config keeps checkpoints sharded (SHARDED_STATE_DICT), where ``Trainer.save_model`` writes no
+    weights; the final and annealed models must still load, and the snapshots are per rank."""
+    from transformers import AutoModelForCausalLM
+
+    from hf_pma.core.manifest import manifest_snapshots
+    from tests.training.test_pretrain_script import SHORT
+
+    out = tmp_path / "run"
+    command = [
+        sys.executable, "-m", "accelerate.commands.launch",
+        "--config_file", str(REPO_ROOT / "scripts" / "configs" / "fsdp2.yaml"),
+        "--num_processes", "1", "--main_process_port", "0",
+        str(REPO_ROOT / "scripts" / "pretrain.py"), *SHORT,
+        "--use_cpu", "false", "--make_tasks", "false", "--output_dir", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HOME": str(tmp_path / "hf_home")}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1200)
+    assert done.returncode == 0, done.stderr[-5000:]
+    for name in ("final", "annealed"):
+        model = AutoModelForCausalLM.from_pretrained(out / name)
+        assert sum(p.numel() for p in model.parameters()) > 0
+    records = manifest_snapshots(out / "pma")
+    assert records and all(r.extra.get("sharded") for r in records)
