@@ -113,3 +113,41 @@ def test_schedule_matches_tiny_yaml():
             assert name == CONFIG["lr_scheduler_type"], (page, name)
         if CONSTANT:
             assert "warmup-stable-decay schedule" not in text, page
+
+
+def _benchmark_tables_hook():
+    spec = importlib.util.spec_from_file_location("benchmark_tables", REPO_ROOT / "docs" / "hooks" / "benchmark_tables.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    return hook
+
+
+def test_gpu_numbers_quoted_in_the_docs_are_those_of_the_committed_gpu_check():
+    """docs quote the GPU check's blocked times in prose; the tables themselves are rendered from
+    benchmarks/results/gpu_check/ by a docs hook."""
+    import json
+
+    results = json.loads((REPO_ROOT / "benchmarks" / "results" / "gpu_check" / "results.json").read_text())
+    costs, interval_ms = results["train"]["pma"]["costs"], results["train"]["interval_ms"]
+    first, steady = round(costs["blocked_first_ms"]), round(costs["blocked_steady_ms"])
+    share = round(100 * costs["blocked_steady_ms"] / interval_ms)
+    choosing = " ".join((REPO_ROOT / "docs" / "choosing-v.md").read_text().split())
+    assert f"blocked training for {first} ms at its first snapshot and {steady} ms at each later one" in choosing
+    assert f"a snapshot every {interval_ms / 1000:.1f} s looked like a third of the training time; it was {share}%" in choosing
+    benchmarks = " ".join((REPO_ROOT / "docs" / "benchmarks.md").read_text().split())
+    assert f"{steady} ms per snapshot of a 110M-parameter model, {share}% of the {interval_ms / 1000:.1f} s" in benchmarks
+    assert results["train"]["parameters"] // 10**6 == 109  # "110M": 109.5M
+
+
+def test_the_docs_hook_renders_the_committed_result_tables():
+    hook = _benchmark_tables_hook()
+    page = (REPO_ROOT / "docs" / "benchmarks.md").read_text()
+    markers = hook.MARKER.findall(page)
+    assert "gpu_check/results.md" in markers and "gpu_check/interval30/results.md" in markers
+    table = hook.results_tables("gpu_check/results.md")
+    assert table.startswith("| check") and "| bf16 step time, PMACallback" in table
+    rendered = hook.on_page_markdown(page)
+    assert "<!-- hf-pma-table" not in rendered and table in rendered
+    for bad in ("gpu_check/missing.md", "../../README.md"):
+        with pytest.raises(ValueError, match="no such file under benchmarks/results/"):
+            hook.results_tables(bad)

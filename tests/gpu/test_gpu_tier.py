@@ -114,7 +114,7 @@ def test_pretrain_under_the_fsdp2_config_saves_whole_final_and_annealed_models(t
         str(REPO_ROOT / "scripts" / "pretrain.py"), *SHORT,
         "--use_cpu", "false", "--make_tasks", "false", "--output_dir", str(out),
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "HF_HOME": str(tmp_path / "hf_home")}
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home")}  # PYTHONPATH: tests/conftest.py's
     done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1200)
     assert done.returncode == 0, done.stderr[-5000:]
     for name in ("final", "annealed"):
