@@ -92,7 +92,7 @@ class DiskBudget:
 
         ``snapshots`` is how many will be taken and ``what`` where that count comes from (both
         for the message); ``used_bytes`` what the run's snapshots take already (a resumed run).
-        Returns the plan in words (logged at INFO; :class:`hf_pma.PMACallback` shows it once).
+        Returns the plan in words (logged at DEBUG; :class:`hf_pma.PMACallback` shows it once).
         """
         projected = snapshot_bytes * folders
         available, source = self.available(used_bytes)
@@ -108,7 +108,7 @@ class DiskBudget:
             f"{snapshots} snapshots of {human_bytes(snapshot_bytes)} ({kept}; {what}) take "
             f"{human_bytes(projected)} of {human_bytes(available)} ({source})"
         )
-        logger.info(f"hf-pma: disk budget: {plan}")
+        logger.debug(f"hf-pma: disk budget: {plan}")
         return plan
 
     def check_next(self, snapshot_bytes: int, extra_folders: int, remaining: int, used_bytes: int) -> None:

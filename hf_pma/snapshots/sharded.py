@@ -356,9 +356,9 @@ class ShardedSnapshotSink(DiskSnapshotSink):
             self.layout = layout
             self.writer.update_manifest(shard_layout=layout)
         for old in deleted:
-            logger.info(f"hf-pma: deleted {old.path} (keep_last={self.keep_last})")
+            logger.debug(f"hf-pma: deleted {old.path} (keep_last={self.keep_last})")
         self.writer.written.append(record)
-        logger.info(
+        logger.debug(
             f"hf-pma: sharded snapshot {record.path} written by {self.world_size} ranks "
             f"({(record.num_bytes or 0) / 2**20:.1f} MiB in all)"
         )

@@ -464,9 +464,9 @@ class SnapshotWriter:
         with self.lock:
             deleted = add_snapshot(self.pma_dir, record, keep_last=self.keep_last)
         for old in deleted:
-            logger.info(f"hf-pma: deleted {old.path} (keep_last={self.keep_last})")
+            logger.debug(f"hf-pma: deleted {old.path} (keep_last={self.keep_last})")
         self.written.append(record)
-        logger.info(f"hf-pma: snapshot {record.path} written ({(record.num_bytes or 0) / 2**20:.1f} MiB)")
+        logger.debug(f"hf-pma: snapshot {record.path} written ({(record.num_bytes or 0) / 2**20:.1f} MiB)")
         return record
 
     def submit(self, job: SnapshotJob) -> None:
