@@ -112,8 +112,7 @@ def _hub_models(args: argparse.Namespace) -> tuple[list[str], list[str] | None]:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``hf-pma eval``."""
-    from hf_pma.evaluation.evaluator import evaluate_models, results_table, write_eval_record
-    from hf_pma.utils.distributed import is_main_process
+    from hf_pma.evaluation.model_checks import resolve_model
     from hf_pma.utils.fs import atomic_write_json
 
     set_verbosity(args)
@@ -130,6 +129,11 @@ def run(args: argparse.Namespace) -> int:
     texts = load_heldout(args)
 
     models, hub_labels = _hub_models(args)
+    for model in models:  # a missing folder or an unknown Hub name: one line before torch is imported
+        resolve_model(model, args.tokenizer)
+    from hf_pma.evaluation.evaluator import evaluate_models, results_table, write_eval_record
+    from hf_pma.utils.distributed import is_main_process
+
     report = evaluate_models(
         models,
         labels=labels or hub_labels,

@@ -57,7 +57,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``hf-pma make-tasks``."""
-    from transformers.utils import logging
+    import logging
 
     from hf_pma.core.outputs import check_overwrite_target
     from hf_pma.evaluation.corpus import load_documents
@@ -68,9 +68,10 @@ def run(args: argparse.Namespace) -> int:
         make_tasks,
     )
     from hf_pma.utils.fs import check_output_folder
+    from hf_pma.utils.logs import set_transformers_verbosity
 
     if args.quiet:
-        logging.set_verbosity_warning()
+        set_transformers_verbosity(logging.WARNING)  # without importing transformers
     same_names = ("num_items", "num_choices", "context_lines", "min_line_chars", "max_line_chars")
     options = TaskOptions(**{k: getattr(args, k) for k in same_names})
     kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]

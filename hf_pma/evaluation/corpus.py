@@ -16,9 +16,9 @@ import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from transformers.utils import logging
+from hf_pma.utils.logs import get_logger
 
-logger = logging.get_logger(__name__)
+logger = get_logger(__name__)
 
 __all__ = ["TABLE_SUFFIXES", "load_documents", "split_documents", "document_id"]
 

@@ -26,13 +26,13 @@ import torch
 from tqdm.auto import tqdm
 from transformers.utils import logging
 
-from hf_pma.core.manifest import EVAL_RECORD_NAME, MANIFEST_NAME, PMA_SUBDIR
+from hf_pma.core.manifest import EVAL_RECORD_NAME
 from hf_pma.evaluation.harness import flatten_lm_eval_results, jsonable, load_task_manager, run_lm_eval
+from hf_pma.evaluation.model_checks import _resolve, check_hub_model
 from hf_pma.evaluation.options import EvalOptions
 from hf_pma.utils.distributed import require_unsharded_model, run_on_main_process
 from hf_pma.utils.formatting import MISSING, format_metric, markdown_table, metric_label
 from hf_pma.utils.fs import atomic_write_json, read_json
-from hf_pma.utils.names import looks_local
 
 logger = logging.get_logger(__name__)
 
@@ -57,7 +57,6 @@ __all__ = [
 LM_TASK = "lm"
 _LM_METRICS = ("loss", "perplexity", "bits_per_byte")
 _DEFAULT_CONTEXT = 2048
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
 
 
 # ---------------------------------------------------------------- held-out LM metrics
@@ -310,93 +309,6 @@ def check_tokenizer(vocab_rows: int, tokenizer: Any, model_name: str, tokenizer_
             f"tokenizer {tokenizer_name} has {size} tokens, model {model_name} has {vocab_rows} embedding rows: "
             "make sure it is the tokenizer the model was trained with"
         )
-
-
-def _find_tokenizer_folder(folder: Path) -> Path | None:
-    # A snapshot (<run>/pma/snapshot-N) often holds weights only: look in the run folder too.
-    for candidate in (folder, folder.parent, folder.parent.parent):
-        if any((candidate / name).is_file() for name in _TOKENIZER_FILES):
-            return candidate
-    return None
-
-
-def _check_model_folder(path: Path) -> None:
-    from hf_pma.io.sharded import sharded_weight_files
-    from hf_pma.merging.sources import find_weight_files
-
-    if not path.is_dir():
-        raise ValueError(f"model {path} is a file: give the model folder that holds it")
-    weights = find_weight_files(path)
-    if weights is None and sharded_weight_files(path) is not None:  # a sharded snapshot
-        weights = ("model", sharded_weight_files(path))
-    if (path / "config.json").is_file() and weights is not None and weights[0] == "model":
-        return
-    if (path / MANIFEST_NAME).is_file() or (path / PMA_SUBDIR / MANIFEST_NAME).is_file():
-        raise ValueError(
-            f"model {path} is a PMA run folder, not a model: evaluate its snapshots (pma/snapshot-*) or merge "
-            f"(pma/merged) instead"
-        )
-    missing = [what for what, ok in (("config.json", (path / "config.json").is_file()), ("weights", weights)) if not ok]
-    raise FileNotFoundError(f"model folder {path} is not readable: no {' and no '.join(missing)} in it")
-
-
-def _resolve(model: str | os.PathLike[str], tokenizer: str | os.PathLike[str] | None, find_tokenizer: bool = True) -> tuple[str, str | None]:
-    """(model name, tokenizer name) after checking that a local model folder is readable."""
-    path = Path(model)
-    if path.exists():
-        _check_model_folder(path)
-        if tokenizer is None and find_tokenizer:
-            found = _find_tokenizer_folder(path)
-            if found is None:
-                raise FileNotFoundError(
-                    f"no tokenizer in model folder {path} (nor in its parent folders): pass one with --tokenizer"
-                )
-            tokenizer = found
-        return str(path), None if tokenizer is None else str(tokenizer)
-    if looks_local(model):
-        raise FileNotFoundError(f"model folder {model} does not exist")
-    check_hub_model(str(model))  # a Hub model id: one request now, not a loader's retries
-    if tokenizer is not None and not Path(tokenizer).exists():
-        if looks_local(tokenizer):
-            raise FileNotFoundError(f"tokenizer folder {tokenizer} does not exist")
-        if str(tokenizer) != str(model):
-            check_hub_model(str(tokenizer))
-    return str(model), str(tokenizer or model)
-
-
-def check_hub_model(name: str) -> None:
-    """Check that the Hub (``HF_ENDPOINT``) has the model ``name``, or that the Hugging Face cache
-    holds it, with one request (no retries); one-line errors: ``FileNotFoundError`` when it has
-    no such model, ``ConnectionError`` when it cannot be reached and the cache does not hold it,
-    or it answers another error (HTTP 5xx)."""
-    from huggingface_hub import HfApi, constants, try_to_load_from_cache
-    from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
-
-    if isinstance(try_to_load_from_cache(name, "config.json"), str):
-        return
-    api = HfApi()
-    where = f"the Hub at {api.endpoint}"
-    if constants.HF_HUB_OFFLINE:
-        raise FileNotFoundError(f"{name} is not a local folder, and not in the Hugging Face cache (HF_HUB_OFFLINE is set)")
-    try:
-        api.model_info(name)
-    except RepositoryNotFoundError:
-        raise FileNotFoundError(
-            f"{name} is neither a local folder nor a model on {where} (or it is private and no token gives access)"
-        ) from None
-    except HfHubHTTPError as err:
-        status = getattr(getattr(err, "response", None), "status_code", None)
-        raise ConnectionError(f"{where} answered HTTP {status} for model {name}: {_first_line(err)}") from None
-    except Exception as err:  # noqa: BLE001 - a network failure: one line
-        raise ConnectionError(
-            f"{name} is not a local folder, and {where} cannot be reached ({_first_line(err)}); check the name, "
-            "the network or HF_ENDPOINT"
-        ) from None
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 def _load_tokenizer(name: str) -> Any:

@@ -16,14 +16,13 @@ import struct
 from collections.abc import Sequence
 from pathlib import Path
 
-from transformers.utils import logging
-
 from hf_pma.core.manifest import CARD_NAME, EVAL_RECORD_NAME, MERGE_RECORD_NAME, TRAINING_RECORD_NAME
 from hf_pma.publishing.records import find_local_paths, find_tokens, load_records
 from hf_pma.utils.fs import read_json
+from hf_pma.utils.logs import get_logger
 from hf_pma.utils.names import check_revision_name
 
-logger = logging.get_logger(__name__)
+logger = get_logger(__name__)
 
 __all__ = [
     "HubAuthError",

@@ -20,8 +20,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-from transformers.utils import logging
-
 from hf_pma.core.manifest import (
     EVAL_RECORD_NAME,
     MANIFEST_NAME,
@@ -31,6 +29,7 @@ from hf_pma.core.manifest import (
     read_manifest,
 )
 from hf_pma.utils.fs import read_json
+from hf_pma.utils.logs import get_logger
 from hf_pma.utils.secrets import find_named_secrets, find_token_shapes, redact, redact_obj
 
 __all__ = [
@@ -202,7 +201,7 @@ def load_records(folder: str | os.PathLike[str], require_merge: bool = True) -> 
             manifest = read_manifest(manifest_path.parent)  # checked, as every reader of it
         except ValueError as err:
             # The run's manifest only adds context: a bad one is left out, not fatal here.
-            logging.get_logger(__name__).warning(f"Leaving out the run's manifest: {err}")
+            get_logger(__name__).warning(f"Leaving out the run's manifest: {err}")
             manifest = None
     resolved = folder.resolve()
     run_name = resolved.parent.parent.name if resolved.parent.name == PMA_SUBDIR else None

@@ -1,24 +1,17 @@
-"""``hf-pma merge`` end to end, through the installed console script."""
+"""``hf-pma merge`` end to end (in process, ``tests.testing_utils.run_cli``; the console script
+itself: tests/test_run_folder_trust.py and tests/merging/test_merge_crash.py)."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from hf_pma.core.strategies import merge_weights
-from tests.testing_utils import make_tiny_model, save_model_folder
+from tests.testing_utils import make_tiny_model, run_cli, save_model_folder
 
-
-def _hf_pma(*args, cwd=None):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    exe = os.path.join(os.path.dirname(sys.executable), "hf-pma")
-    return subprocess.run([exe, *map(str, args)], capture_output=True, text=True, env=env, cwd=cwd, timeout=300)
 
 
 def test_cli_merge_end_to_end(tmp_path, tiny_tokenizer):
@@ -26,7 +19,7 @@ def test_cli_merge_end_to_end(tmp_path, tiny_tokenizer):
     for i in range(4):
         save_model_folder(run / f"checkpoint-{10 * (i + 1)}", make_tiny_model(seed=i), tiny_tokenizer)
         (run / f"checkpoint-{10 * (i + 1)}" / "trainer_state.json").write_text(json.dumps({"global_step": 10 * (i + 1)}))
-    result = _hf_pma("merge", run, "-o", tmp_path / "merged", "--strategy", "ema", "--alpha", "0.5", "--last", "3",
+    result = run_cli("merge", run, "-o", tmp_path / "merged", "--strategy", "ema", "--alpha", "0.5", "--last", "3",
                      "--dtype", "bfloat16", "--max-shard-size", "30KB", "--quiet")
     assert result.returncode == 0, result.stderr
     out = tmp_path / "merged"
@@ -45,22 +38,22 @@ def test_cli_merge_end_to_end(tmp_path, tiny_tokenizer):
 def test_cli_merge_explicit_weights_and_errors(tmp_path):
     a = save_model_folder(tmp_path / "a", make_tiny_model(seed=0))
     b = save_model_folder(tmp_path / "b", make_tiny_model(seed=1))
-    ok = _hf_pma("merge", a, b, "-o", tmp_path / "m", "--weights", "3,1", "-q")
+    ok = run_cli("merge", a, b, "-o", tmp_path / "m", "--weights", "3,1", "-q")
     assert ok.returncode == 0, ok.stderr
     merged = load_file(tmp_path / "m" / "model.safetensors")
     sa, sb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
     torch.testing.assert_close(merged["model.norm.weight"], 0.75 * sa["model.norm.weight"] + 0.25 * sb["model.norm.weight"])
 
-    again = _hf_pma("merge", a, b, "-o", tmp_path / "m", "-q")
+    again = run_cli("merge", a, b, "-o", tmp_path / "m", "-q")
     assert again.returncode == 2 and "is not empty" in again.stderr and "Traceback" not in again.stderr
-    missing = _hf_pma("merge", a, tmp_path / "missing", "-o", tmp_path / "m2")
+    missing = run_cli("merge", a, tmp_path / "missing", "-o", tmp_path / "m2")
     assert missing.returncode == 2 and "missing does not exist" in missing.stderr
-    too_few = _hf_pma("merge", a, b, "-o", tmp_path / "m3", "--last", "5")
+    too_few = run_cli("merge", a, b, "-o", tmp_path / "m3", "--last", "5")
     assert too_few.returncode == 2 and "last 5 sources but found only 2" in too_few.stderr
-    bad_weights = _hf_pma("merge", a, b, "-o", tmp_path / "m4", "--weights", "1,-1")
+    bad_weights = run_cli("merge", a, b, "-o", tmp_path / "m4", "--weights", "1,-1")
     assert bad_weights.returncode == 2 and "negative" in bad_weights.stderr
     assert not any((tmp_path / n).exists() for n in ("m2", "m3", "m4"))
-    help_text = _hf_pma("merge", "--help")
+    help_text = run_cli("merge", "--help")
     assert "--strategy" in help_text.stdout and "1-sqrt-decay" in help_text.stdout
 
 
@@ -68,10 +61,10 @@ def test_a_whole_run_without_a_window_is_merged_with_a_warning(tmp_path):
     from tests.snapshot_runs import noise_deviation, write_run
 
     run, _ = write_run(tmp_path / "run", 4, noise_deviation())
-    whole = _hf_pma("merge", run, "-o", tmp_path / "all", "-q")
+    whole = run_cli("merge", run, "-o", tmp_path / "all", "-q")
     assert whole.returncode == 0, whole.stderr
     assert "merging all 4 sources" in whole.stderr and "--last N" in whole.stderr
-    windowed = _hf_pma("merge", run, "-o", tmp_path / "end", "--last", "2", "-q")
+    windowed = run_cli("merge", run, "-o", tmp_path / "end", "--last", "2", "-q")
     assert windowed.returncode == 0 and "merging all" not in windowed.stderr, windowed.stderr
-    listed = _hf_pma("merge", *sorted((run / "pma").glob("snapshot-*")), "-o", tmp_path / "listed", "-q")
+    listed = run_cli("merge", *sorted((run / "pma").glob("snapshot-*")), "-o", tmp_path / "listed", "-q")
     assert listed.returncode == 0 and "merging all" not in listed.stderr, listed.stderr
