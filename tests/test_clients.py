@@ -9,14 +9,13 @@ merge of that folder must take the snapshots, not the final model.
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.testing_utils import hf_pma_command, make_tiny_model, require_trl, sample_text
+from tests.testing_utils import make_tiny_model, require_trl, run_cli, sample_text
 
 STEPS = 24
 INTERVAL_TOKENS = 512  # 2 steps of 4 rows x 64 tokens: 12 snapshots
@@ -62,8 +61,8 @@ def sft_run(tmp_path_factory, tiny_tokenizer) -> Path:
     return output_dir
 
 
-def _merge(*argv: str) -> subprocess.CompletedProcess:
-    return subprocess.run([hf_pma_command(), "merge", *argv], capture_output=True, text=True, timeout=300)
+def _merge(*argv: str):
+    return run_cli("merge", *argv)
 
 
 def _weights(folder: Path) -> dict[str, torch.Tensor]:

@@ -6,10 +6,7 @@ is ever deleted, and a malformed manifest is one line naming the file, the entry
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +18,7 @@ from hf_pma.snapshots.callback import PMACallback
 from tests.dist.pma_common import TokenDataset, make_args, make_tiny_model, pad_collate
 from tests.pma_records import write_merged_folder
 from tests.snapshot_runs import noise_deviation, write_run
-from tests.testing_utils import require_matplotlib, sample_text, save_model_folder
+from tests.testing_utils import require_matplotlib, run_cli, sample_text, save_model_folder
 
 SEQ, BATCH = 16, 4
 TPS = SEQ * BATCH  # tokens per step
@@ -160,14 +157,7 @@ def test_malformed_manifest_is_one_line_and_exit_2(handed_over, tmp_path, capsys
 def test_the_installed_command_exits_2_with_one_line(handed_over, tmp_path):
     run, victim, _ = handed_over
     add_entries(run / "pma", {"path": "../../victim/model", "tokens": 4000, "step": 40})
-    exe = os.path.join(os.path.dirname(sys.executable), "hf-pma")
-    done = subprocess.run(
-        [exe, "merge", str(run), "-o", str(tmp_path / "m")],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-        timeout=300,
-    )
+    done = run_cli("merge", run, "-o", tmp_path / "m", process=True)
     assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
     assert (
         "snapshots[3] ('../../victim/model'): 'path' refused: the path '../../victim/model' leaves"

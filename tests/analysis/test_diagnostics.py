@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -25,7 +22,7 @@ from hf_pma.analysis.diagnostics import (
 from hf_pma.core.strategies import merge_weights
 from hf_pma.merging.sources import resolve_sources
 from tests.snapshot_runs import INTERVAL, noise_deviation, write_run
-from tests.testing_utils import text_rows
+from tests.testing_utils import run_cli, text_rows
 
 
 def _gram(points: torch.Tensor) -> torch.Tensor:
@@ -141,12 +138,6 @@ def test_compute_gram_matches_stacked_weights_in_any_chunking(tmp_path):
 # ---------------------------------------------------------------- hf-pma inspect
 
 
-def _hf_pma(*args):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    exe = os.path.join(os.path.dirname(sys.executable), "hf-pma")
-    return subprocess.run([exe, *map(str, args)], capture_output=True, text=True, env=env, timeout=300)
-
-
 def test_inspect_cli(tmp_path):
     run, states = write_run(tmp_path / "run", 6, noise_deviation(), excluded=[2])
     reference = tmp_path / "reference"
@@ -156,7 +147,7 @@ def test_inspect_cli(tmp_path):
     usable = [s for i, s in enumerate(states) if i != 2]
     save_file({n: sum(s[n] for s in usable) / len(usable) for n in weights}, reference / "model.safetensors", metadata={"format": "pt"})
 
-    out = _hf_pma("inspect", run, "--window", "4", "--plot", tmp_path / "i.png", "-o", tmp_path / "i.json",
+    out = run_cli("inspect", run, "--window", "4", "--plot", tmp_path / "i.png", "-o", tmp_path / "i.json",
                   "--reference", reference, "-q")
     assert out.returncode == 0, out.stderr
     rows = text_rows(out.stdout)
@@ -183,20 +174,19 @@ def test_inspect_cli(tmp_path):
 
 
 
-def test_inspect_cli_listing_and_errors(tmp_path, capsys):
-    from hf_pma.cli import main
-
+def test_inspect_cli_listing_and_errors(tmp_path):
     run, _ = write_run(tmp_path / "run", 3, noise_deviation())
-    assert main(["inspect", str(run), "--no-diagnostics", "--plot", ""]) == 0
-    listing = capsys.readouterr().out
+    done = run_cli("inspect", run, "--no-diagnostics", "--plot", "")
+    assert done.returncode == 0, done.stderr
+    listing = done.stdout
     assert "Window" not in listing and "snapshot-3000" in listing and not (tmp_path / "inspect.png").exists()
-    assert main(["inspect", str(tmp_path / "nope")]) == 2
-    assert "nope does not exist" in capsys.readouterr().err
-    assert main(["inspect", str(run), "--plot", str(tmp_path / "no" / "dir.png")]) == 2
-    assert "the folder of --plot" in capsys.readouterr().err
+    done = run_cli("inspect", tmp_path / "nope")
+    assert done.returncode == 2 and "nope does not exist" in done.stderr
+    done = run_cli("inspect", run, "--plot", tmp_path / "no" / "dir.png")
+    assert done.returncode == 2 and "the folder of --plot" in done.stderr
     # A window larger than the run shrinks to the run (with a warning), and still reports.
-    assert main(["inspect", str(run), "--window", "10", "--plot", str(tmp_path / "p.png"), "-q"]) == 0
-    assert "Window: 3 snapshots" in capsys.readouterr().out
+    done = run_cli("inspect", run, "--window", "10", "--plot", tmp_path / "p.png", "-q")
+    assert done.returncode == 0 and "Window: 3 snapshots" in done.stdout, done.stderr
 
 
 def test_inspect_writes_files_only_where_asked_and_a_full_disk_leaves_nothing(tmp_path, small_filesystem):
@@ -204,15 +194,12 @@ def test_inspect_writes_files_only_where_asked_and_a_full_disk_leaves_nothing(tm
     before = sorted(p.relative_to(run) for p in run.rglob("*"))
     elsewhere = tmp_path / "cwd"
     elsewhere.mkdir()
-    exe = os.path.join(os.path.dirname(sys.executable), "hf-pma")
-    done = subprocess.run([exe, "inspect", str(run), "--window", "2", "-q"], cwd=elsewhere, capture_output=True, text=True,
-                          timeout=300)
+    done = run_cli("inspect", run, "--window", "2", "-q", cwd=elsewhere)
     assert done.returncode == 0, done.stderr
     # No plot unless asked: nothing new in the run folder nor in the folder the user stands in.
     assert sorted(p.relative_to(run) for p in run.rglob("*")) == before and list(elsewhere.iterdir()) == []
     assert "plot:" not in done.stdout
-    done = subprocess.run([exe, "inspect", str(run), "--window", "2", "-q", "--plot", "i.png"], cwd=elsewhere,
-                          capture_output=True, text=True, timeout=300)
+    done = run_cli("inspect", run, "--window", "2", "-q", "--plot", "i.png", cwd=elsewhere)
     assert done.returncode == 0, done.stderr
     assert (elsewhere / "i.png").stat().st_size > 10_000 and "plot: i.png" in done.stdout
 
@@ -224,8 +211,7 @@ def test_inspect_writes_files_only_where_asked_and_a_full_disk_leaves_nothing(tm
                 fh.write(b"x" * 4096)
                 fh.flush()
     filler.write_bytes(filler.read_bytes()[: -12 * 1024])  # 12 kB free: less than the plot
-    done = subprocess.run([exe, "inspect", str(run), "--window", "2", "-q", "--plot", str(small_filesystem / "i.png")],
-                          cwd=elsewhere, capture_output=True, text=True, timeout=300)
+    done = run_cli("inspect", run, "--window", "2", "-q", "--plot", small_filesystem / "i.png", cwd=elsewhere)
     assert done.returncode == 2, done.stderr
     error = done.stderr.strip().splitlines()
     assert len(error) == 1 and error[0].startswith("hf-pma inspect: error: no space left on the device to write")
@@ -234,28 +220,30 @@ def test_inspect_writes_files_only_where_asked_and_a_full_disk_leaves_nothing(tm
 
 
 
-def test_inspect_uses_the_runs_own_window_shows_one_distance_for_sma_and_reads_the_numbers(tmp_path, capsys):
-    from hf_pma.cli import main
+def _inspect(run, *args) -> str:
+    done = run_cli("inspect", run, *args)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
 
+
+def test_inspect_uses_the_runs_own_window_shows_one_distance_for_sma_and_reads_the_numbers(tmp_path):
     run, _ = write_run(tmp_path / "run", 6, noise_deviation())
     merged = run / "pma" / "merged"
     merged.mkdir()
     # No record: the documented default (10, shrunk to the run's 6).
-    assert main(["inspect", str(run), "-q"]) == 0
-    assert "Window: 6 snapshots (the default: the run records no merge window)" in capsys.readouterr().out
+    out = _inspect(run, "-q")
+    assert "Window: 6 snapshots (the default: the run records no merge window)" in out
     # The training record's pma_window.
     (merged / "pma_training.json").write_text(json.dumps({"pma_window": 5}))
-    assert main(["inspect", str(run), "-q"]) == 0
-    assert "Window: 5 snapshots (the run's own, pma/merged/pma_training.json)" in capsys.readouterr().out
+    out = _inspect(run, "-q")
+    assert "Window: 5 snapshots (the run's own, pma/merged/pma_training.json)" in out
     # The merge record wins: the number of snapshots it merged, or its window in tokens.
     (merged / "pma_merge.json").write_text(json.dumps({"num_sources": 4, "sources": []}))
-    assert main(["inspect", str(run), "-q"]) == 0
-    out = capsys.readouterr().out
+    out = _inspect(run, "-q")
     assert "Window: 4 snapshots (the run's own, pma/merged/pma_merge.json)" in out
     window = {"unit": "tokens", "first": 4000, "last": 6000, "span": 2000, "requested": 3 * INTERVAL}
     (merged / "pma_merge.json").write_text(json.dumps({"num_sources": 3, "window": window}))
-    assert main(["inspect", str(run), "-q"]) == 0
-    out = capsys.readouterr().out
+    out = _inspect(run, "-q")
     assert "Window: 3 snapshots (the last 3,000 tokens; the run's own, pma/merged/pma_merge.json)" in out
     # SMA: the distance to the merge is the deviation from the mean: one column.
     header = next(r for r in text_rows(out) if r[0] == "snapshot" and "weight" in r)
@@ -264,8 +252,7 @@ def test_inspect_uses_the_runs_own_window_shows_one_distance_for_sma_and_reads_t
     last = out.strip().splitlines()[-1]
     assert last.startswith("Reading: the 3 snapshots") and "oscillate around a common centre" in last
     # The command line wins; WMA weights differ: two distance columns.
-    assert main(["inspect", str(run), "--window-tokens", "4k", "--strategy", "wma", "-q"]) == 0
-    out = capsys.readouterr().out
+    out = _inspect(run, "--window-tokens", "4k", "--strategy", "wma", "-q")
     assert "Window: 4 snapshots (the last 4,000 tokens; --window-tokens)" in out
     header = next(r for r in text_rows(out) if r[0] == "snapshot" and "weight" in r)
     assert header[2:4] == ["|dev from mean|", "dist to merge"]

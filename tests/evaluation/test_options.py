@@ -6,13 +6,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
-import subprocess
 
 import pytest
 
 from hf_pma.cli import build_parser
 from hf_pma.evaluation.options import DEFAULT_BOOTSTRAP_ITERS, EvalOptions
-from tests.testing_utils import hf_pma_command, make_tiny_model, require_lm_eval, save_model_folder
+from tests.testing_utils import make_tiny_model, require_lm_eval, run_cli, save_model_folder
 
 
 def _subcommand(name: str):
@@ -58,11 +57,10 @@ def test_a_hub_task_offline_is_one_line_naming_task_and_dataset(tmp_path, tiny_t
     tasks.mkdir()
     shutil.copy(os.path.join(os.path.dirname(lm_eval.tasks.__file__), "arc", "arc_easy.yaml"), tasks)
     model = save_model_folder(tmp_path / "model", make_tiny_model(), tiny_tokenizer)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "cache")}
-    done = subprocess.run(
-        [hf_pma_command(), "eval", str(model), "--tasks", "arc_easy", "--include-path", str(tasks), "--limit", "2", "-q"],
-        capture_output=True, text=True, env=env, timeout=300,
-    )
+    # A process of its own: the datasets library reads HF_DATASETS_OFFLINE when it is imported.
+    env = {"HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "cache")}
+    done = run_cli("eval", model, "--tasks", "arc_easy", "--include-path", tasks, "--limit", "2", "-q", env=env,
+                   process=True)
     assert done.returncode == 2, done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("hf-pma eval: error:")]
     assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr

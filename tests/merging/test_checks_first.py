@@ -5,15 +5,11 @@ stand-in (``tests/hub_server.py``)."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 
 from hf_pma.merging.engine import merge_checkpoints
 from tests.hub_server import HubServer
-from tests.testing_utils import make_tiny_model, sample_text, save_model_folder
+from tests.testing_utils import make_tiny_model, run_cli, sample_text, save_model_folder
 
 REPO = "org/tiny"
 
@@ -39,23 +35,10 @@ def fresh(hub):
 
 
 def _cli(args, endpoint, tmp_path, cwd=None):
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN")
-    }
-    env.update(
-        HF_ENDPOINT=endpoint,
-        NO_PROXY="127.0.0.1,localhost",
-        HF_HOME=str(tmp_path / "hf-home"),
-        OMP_NUM_THREADS="1",
-    )
-    return subprocess.run(
-        [sys.executable, "-m", "hf_pma.cli", *map(str, args)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=cwd,
-    )
+    """``hf-pma ARGS`` as a process of its own: ``HF_ENDPOINT`` is read when huggingface_hub is imported."""
+    env = dict(HF_HUB_OFFLINE=None, TRANSFORMERS_OFFLINE=None, HF_TOKEN=None, HF_ENDPOINT=endpoint,
+               NO_PROXY="127.0.0.1,localhost", HF_HOME=str(tmp_path / "hf-home"), OMP_NUM_THREADS="1")
+    return run_cli(*args, env=env, cwd=cwd, process=True)
 
 
 def _error_line(proc, command):

@@ -1,5 +1,6 @@
 """Outputs are created exclusively: two jobs aiming at the same new folder never both succeed
-(real processes: two ``hf-pma merge`` at once, a live holder, a killed holder)."""
+(real processes: two ``hf-pma merge`` at once, a live holder, a killed holder; the merge that
+meets them runs in this process, ``tests.testing_utils.run_cli``)."""
 
 from __future__ import annotations
 
@@ -22,7 +23,7 @@ from hf_pma.utils.fs import (
 )
 from tests.evaluation.test_tasks import corpus
 from tests.snapshot_runs import noise_deviation, write_run
-from tests.testing_utils import REPO_ROOT, make_tiny_model, save_model_folder
+from tests.testing_utils import REPO_ROOT, hf_pma_command, make_tiny_model, run_cli, save_model_folder
 
 # A process that claims an output folder, says so, and holds the claim until its stdin closes.
 HOLDER = """
@@ -39,7 +40,8 @@ def _env() -> dict[str, str]:
 
 
 def _merge_cmd(*args) -> list[str]:
-    return [sys.executable, "-m", "hf_pma.cli", "merge", *map(str, args), "-q"]
+    """``hf-pma merge ARGS -q`` as a process of its own (two merges racing each other)."""
+    return [hf_pma_command(), "merge", *map(str, args), "-q"]
 
 
 def _error_line(stderr: str) -> str:
@@ -123,13 +125,7 @@ def test_a_merge_into_a_folder_another_merge_is_writing_stops_and_the_first_one_
     try:
         line = first.stdout.readline()
         assert line.startswith("PAUSED "), line + first.stderr.read()
-        second = subprocess.run(
-            _merge_cmd(*sources, "-o", out, "--strategy", "wma"),
-            capture_output=True,
-            text=True,
-            env=_env(),
-            timeout=300,
-        )
+        second = run_cli("merge", *sources, "-o", out, "--strategy", "wma", "-q")
         first.stdin.write("\n")
         first.stdin.flush()
         assert first.wait(timeout=300) == 0, first.stderr.read()
@@ -149,16 +145,8 @@ def test_a_merge_stops_at_once_naming_the_process_that_writes_the_folder(tmp_pat
     out = tmp_path / "merged"
     holder = _holder(out)
     try:
-        busy = subprocess.run(
-            _merge_cmd(*sources, "-o", out), capture_output=True, text=True, env=_env(), timeout=300
-        )
-        busy_overwrite = subprocess.run(
-            _merge_cmd(*sources, "-o", out, "--overwrite"),
-            capture_output=True,
-            text=True,
-            env=_env(),
-            timeout=300,
-        )
+        busy = run_cli("merge", *sources, "-o", out, "-q")
+        busy_overwrite = run_cli("merge", *sources, "-o", out, "--overwrite", "-q")
     finally:
         holder.stdin.close()
         holder.wait(timeout=60)
@@ -171,9 +159,7 @@ def test_a_merge_stops_at_once_naming_the_process_that_writes_the_folder(tmp_pat
         )
     assert not out.exists() and not claim_path(out).exists()
     # Released: the next merge goes through.
-    done = subprocess.run(
-        _merge_cmd(*sources, "-o", out), capture_output=True, text=True, env=_env(), timeout=300
-    )
+    done = run_cli("merge", *sources, "-o", out, "-q")
     assert done.returncode == 0, done.stderr
     assert (out / "model.safetensors").is_file() and not claim_path(out).exists()
 
@@ -184,9 +170,7 @@ def test_a_killed_holder_never_blocks_the_next_job(tmp_path, sources):
     os.kill(holder.pid, signal.SIGKILL)
     holder.wait(timeout=60)
     assert claim_path(out).exists()  # left behind by the kill, with the dead holder's pid inside
-    done = subprocess.run(
-        _merge_cmd(*sources, "-o", out), capture_output=True, text=True, env=_env(), timeout=300
-    )
+    done = run_cli("merge", *sources, "-o", out, "-q")
     assert done.returncode == 0, done.stderr
     assert not claim_path(out).exists()
 
@@ -231,16 +215,6 @@ def _files(folder):
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
 
 
-def _run_cli(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "hf_pma.cli", *map(str, args)],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        timeout=300,
-    )
-
-
 def test_overwrite_never_replaces_a_listed_snapshot_a_checkpoint_or_a_user_folder(tmp_path, sources):
     run, _ = write_run(tmp_path / "run", 3, noise_deviation())
     pma = run / "pma"
@@ -262,23 +236,23 @@ def test_overwrite_never_replaces_a_listed_snapshot_a_checkpoint_or_a_user_folde
     }
     before = {folder: _files(folder) for folder in cases}
     for folder, reason in cases.items():
-        result = _run_cli("merge", run, "--last", "2", "-o", folder, "--overwrite", "-q")
+        result = run_cli("merge", run, "--last", "2", "-o", folder, "--overwrite", "-q")
         assert result.returncode == 2 and reason in _error_line(result.stderr), (folder, result.stderr)
         assert _files(folder) == before[folder], folder
     # a symlink to a merge hf-pma wrote is not replaced either (nor followed)
     merged = tmp_path / "merged"
-    assert _run_cli("merge", *sources, "-o", merged, "-q").returncode == 0
+    assert run_cli("merge", *sources, "-o", merged, "-q").returncode == 0
     link = tmp_path / "link"
     link.symlink_to(merged)
-    refused = _run_cli("merge", *sources, "-o", link, "--overwrite", "-q")
+    refused = run_cli("merge", *sources, "-o", link, "--overwrite", "-q")
     assert refused.returncode == 2 and "hf-pma did not write it" in _error_line(refused.stderr)
     # a merge hf-pma wrote that is a source of this merge is not replaced
     before = _files(merged)
-    refused = _run_cli("merge", merged, sources[0], "-o", merged, "--overwrite", "-q")
+    refused = run_cli("merge", merged, sources[0], "-o", merged, "--overwrite", "-q")
     assert refused.returncode == 2 and "overlaps source" in _error_line(refused.stderr)
     assert _files(merged) == before
     # an earlier merge is replaced
-    again = _run_cli("merge", *sources, "-o", merged, "--overwrite", "--strategy", "wma", "-q")
+    again = run_cli("merge", *sources, "-o", merged, "--overwrite", "--strategy", "wma", "-q")
     assert again.returncode == 0, again.stderr
     assert json.loads((merged / "pma_merge.json").read_text())["strategy"] == "wma" and link.is_symlink()
 
@@ -292,15 +266,15 @@ def test_make_tasks_overwrite_replaces_only_a_task_folder(tmp_path):
     user.mkdir()
     (user / "notes.txt").write_text("my notes")
     args = [source, "--eval-fraction", "0.3", "--num-items", "10", "--overwrite", "-q"]
-    refused = _run_cli("make-tasks", *args[:1], "-o", user, *args[1:])
+    refused = run_cli("make-tasks", *args[:1], "-o", user, *args[1:])
     assert refused.returncode == 2 and "hf-pma did not write it (no tasks_info.json" in refused.stderr
     assert _files(user) == {"notes.txt": b"my notes"}
     tasks = tmp_path / "tasks"
     assert (
-        _run_cli(
+        run_cli(
             "make-tasks", source, "-o", tasks, "--eval-fraction", "0.3", "--num-items", "10", "-q"
         ).returncode
         == 0
     )
-    replaced = _run_cli("make-tasks", *args[:1], "-o", tasks, *args[1:])
+    replaced = run_cli("make-tasks", *args[:1], "-o", tasks, *args[1:])
     assert replaced.returncode == 0, replaced.stderr

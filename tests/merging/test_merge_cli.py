@@ -13,7 +13,6 @@ from hf_pma.core.strategies import merge_weights
 from tests.testing_utils import make_tiny_model, run_cli, save_model_folder
 
 
-
 def test_cli_merge_end_to_end(tmp_path, tiny_tokenizer):
     run = tmp_path / "run"
     for i in range(4):

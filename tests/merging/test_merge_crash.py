@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -10,7 +9,7 @@ import sys
 import torch
 from safetensors.torch import load_file
 
-from tests.testing_utils import REPO_ROOT, hf_pma_command, make_tiny_model, save_model_folder
+from tests.testing_utils import REPO_ROOT, make_tiny_model, run_cli, save_model_folder
 
 
 def _sources(tmp_path):
@@ -41,8 +40,7 @@ def test_sigkilled_merge_then_rerun_leaves_no_temporary(tmp_path):
     assert (out.parent / left[0] / "model.safetensors").is_file() and not out.exists()
     assert f'"pid": {proc.pid}' in (out.parent / ".merged.claim").read_text()
 
-    again = subprocess.run([hf_pma_command(), "merge", *map(str, sources), "-o", str(out), "-q"],
-                           capture_output=True, text=True, timeout=300)
+    again = run_cli("merge", *sources, "-o", out, "-q", process=True)
     assert again.returncode == 0, again.stderr
     assert sorted(p.name for p in out.parent.iterdir()) == ["merged"]  # the killed run's folder is gone
     merged = load_file(out / "model.safetensors")
@@ -54,8 +52,7 @@ def test_sigkilled_merge_then_rerun_leaves_no_temporary(tmp_path):
 def test_merge_onto_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, small_filesystem):
     sources = [save_model_folder(tmp_path / f"s{i}", make_tiny_model(seed=i, vocab_size=2048)) for i in range(2)]
     out = small_filesystem / "merged"
-    done = subprocess.run([hf_pma_command(), "merge", *map(str, sources), "-o", str(out)],
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    done = run_cli("merge", *sources, "-o", out, process=True)
     assert done.returncode == 2, done.stderr
     lines = [line for line in done.stderr.splitlines() if "error" in line]
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr

@@ -14,9 +14,6 @@ from __future__ import annotations
 import datetime
 import json
 import logging
-import os
-import subprocess
-import sys
 
 import pytest
 from huggingface_hub import constants as hf_constants
@@ -33,7 +30,7 @@ from hf_pma.merging.hub_revisions import (
 )
 from hf_pma.merging.sources import resolve_sources
 from tests.hub_server import HubServer
-from tests.testing_utils import REPO_ROOT, make_tiny_model
+from tests.testing_utils import REPO_ROOT, make_tiny_model, run_cli
 
 PYTHIA = "org/pythia-tiny"
 OLMO = "org/olmo-tiny"
@@ -318,13 +315,13 @@ def test_a_failed_run_resumes_where_it_stopped(hub, checkpoints, tmp_path):
 
 
 def _cli(args, hub, tmp_path):
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN")}
-    env.update(HF_ENDPOINT=hub.url, NO_PROXY="127.0.0.1,localhost", HF_HOME=str(tmp_path / "hf-home"))
-    return subprocess.run([sys.executable, "-m", "hf_pma.cli", *args], env=env, capture_output=True, text=True, timeout=300)
+    """``hf-pma ARGS`` as a process of its own: ``HF_ENDPOINT`` is read when huggingface_hub is imported."""
+    env = dict(HF_HUB_OFFLINE=None, TRANSFORMERS_OFFLINE=None, HF_TOKEN=None, HF_ENDPOINT=hub.url,
+               NO_PROXY="127.0.0.1,localhost", HF_HOME=str(tmp_path / "hf-home"))
+    return run_cli(*args, env=env, process=True)
 
 
-def test_cli_merge_of_revisions_and_its_card(hub, checkpoints, tmp_path, monkeypatch, capsys):
-    from hf_pma.cli import main
+def test_cli_merge_of_revisions_and_its_card(hub, checkpoints, tmp_path, monkeypatch):
     from hf_pma.publishing.card import build_model_card
 
     out = tmp_path / "merged"
@@ -346,8 +343,9 @@ def test_cli_merge_of_revisions_and_its_card(hub, checkpoints, tmp_path, monkeyp
     assert bad.returncode == 2
     assert bad.stderr.strip().splitlines()[-1].startswith("hf-pma merge: error: --revisions 'nope*' matches none of")
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
-    assert main(["merge", f"{PYTHIA}@step1000", "-o", str(tmp_path / "y"), "--cache-dir", str(cache)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
+    offline = run_cli("merge", f"{PYTHIA}@step1000", "-o", tmp_path / "y", "--cache-dir", cache)
+    assert offline.returncode == 2
+    err = offline.stderr.strip().splitlines()
     assert err[-1] == f"hf-pma merge: error: cannot read revision step1000 of {PYTHIA}: the Hub is off (HF_HUB_OFFLINE is set)"
 
 

@@ -9,9 +9,6 @@ suite) would block 127.0.0.1 too, so these tests lift it.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 from huggingface_hub import ModelCard
@@ -21,6 +18,7 @@ from hf_pma.cli import main
 from hf_pma.publishing.hub import HubAuthError, check_model_folder, push_folder_to_hub
 from tests.hub_server import online_hub
 from tests.pma_records import EVAL_RECORD, FAKE_TOKEN, write_merged_folder
+from tests.testing_utils import run_cli
 
 TOKEN = "hf_test_token_for_the_local_hub_0000"
 
@@ -96,10 +94,10 @@ def test_bare_name_goes_to_the_token_owner_and_the_card_says_so(hub, merged):
 
 
 def test_cli_push_uses_hf_token_and_hf_endpoint(hub, merged):
-    env = {k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN")}
-    env.update(HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN, NO_PROXY="127.0.0.1,localhost", HF_HOME=str(merged.parent / "hf-home"))
-    cmd = [sys.executable, "-m", "hf_pma.cli", "push", str(merged), "--repo-id", "cli-org/model", "--commit-message", "from the CLI"]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    env = dict(HF_HUB_OFFLINE=None, TRANSFORMERS_OFFLINE=None, HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN,
+               NO_PROXY="127.0.0.1,localhost", HF_HOME=str(merged.parent / "hf-home"))
+    proc = run_cli("push", merged, "--repo-id", "cli-org/model", "--commit-message", "from the CLI", env=env,
+                   process=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     repo = hub.repos["cli-org/model"]
     assert proc.stdout.strip() == f"{hub.url}/cli-org/model/commit/{repo.heads['main']}"

@@ -4,15 +4,13 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
 from hf_pma.publishing.hub import push_folder_to_hub
 from tests.hub_server import online_hub
 from tests.pma_records import write_merged_folder
+from tests.testing_utils import run_cli
 
 # Not shaped like a Hugging Face token: only its value gives it away.
 PLAIN_TOKEN = "plain-secret-value-0123456789"
@@ -30,17 +28,10 @@ def merged(tmp_path, tiny_tokenizer):
 
 
 def _push_cli(hub, folder, *args):
-    env = {
-        k: v for k, v in os.environ.items() if k not in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE", "HF_TOKEN")
-    }
-    env.update(
-        HF_ENDPOINT=hub.url,
-        HF_TOKEN=PLAIN_TOKEN,
-        NO_PROXY="127.0.0.1,localhost",
-        HF_HOME=str(folder.parent / "hf-home"),
-    )
-    cmd = [sys.executable, "-m", "hf_pma.cli", "push", str(folder), "--repo-id", "my-org/model", *args]
-    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    # A process of its own: HF_ENDPOINT is read when huggingface_hub is imported.
+    env = dict(HF_HUB_OFFLINE=None, TRANSFORMERS_OFFLINE=None, HF_ENDPOINT=hub.url, HF_TOKEN=PLAIN_TOKEN,
+               NO_PROXY="127.0.0.1,localhost", HF_HOME=str(folder.parent / "hf-home"))
+    return run_cli("push", folder, "--repo-id", "my-org/model", *args, env=env, process=True, timeout=120)
 
 
 @pytest.mark.parametrize("where", ["notes.txt", "logs/run.log", "config.json"])

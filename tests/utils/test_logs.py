@@ -15,7 +15,7 @@ from transformers import LlamaConfig
 from transformers.utils import logging as hf_logging
 
 from hf_pma.utils.logs import notice, quiet_info
-from tests.testing_utils import REPO_ROOT, CollectLogs, make_tiny_model, save_model_folder
+from tests.testing_utils import REPO_ROOT, CollectLogs, make_tiny_model, run_cli, save_model_folder
 
 # A user's script: nothing about logging, a tokenizer as processing_class (so snapshot folders
 # get tokenizer files), a checkpoint at the end from the training thread.
@@ -159,32 +159,30 @@ def test_a_level_the_script_set_survives_the_pmatrainer_it_builds(tmp_path, monk
         hf_logging.set_verbosity(previous)
 
 
-def run_cli(*argv: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "hf_pma.cli", *argv], capture_output=True, text=True, timeout=120, env=env
-    )
+def _cli(*argv: str):
+    """``hf-pma ARGV`` in a terminal: a process of its own."""
+    return run_cli(*argv, env={"OMP_NUM_THREADS": "1"}, process=True, timeout=120)
 
 
 def test_cli_quiet_and_verbose(tmp_path):
     sources = [str(save_model_folder(tmp_path / f"m{i}", make_tiny_model(seed=i))) for i in range(2)]
-    default = run_cli("merge", *sources, "-o", str(tmp_path / "a"))
+    default = _cli("merge", *sources, "-o", str(tmp_path / "a"))
     assert default.returncode == 0, default.stderr
     assert "[INFO|hf_pma.merging.engine]" in default.stderr and "DEBUG" not in default.stderr
     assert "saved in" not in default.stderr  # transformers' own INFO stays hidden by default
     for quiet in (["merge", "-q"], ["-q", "merge"]):
         out = tmp_path / f"q{len(quiet[0])}"
-        proc = run_cli(*quiet, *sources, "-o", str(out))
+        proc = _cli(*quiet, *sources, "-o", str(out))
         assert proc.returncode == 0, proc.stderr
         assert (out / "model.safetensors").is_file()
         assert proc.stderr == "", proc.stderr  # nothing: no info logs, no progress bar
-    verbose = run_cli("merge", "-v", *sources, "-o", str(tmp_path / "v"))
+    verbose = _cli("merge", "-v", *sources, "-o", str(tmp_path / "v"))
     assert verbose.returncode == 0, verbose.stderr
     assert "[INFO|hf_pma.merging.engine]" in verbose.stderr
     # -v shows the traceback of a bad input, without it one line.
-    bad = run_cli("merge", str(tmp_path / "missing"), "-o", str(tmp_path / "b"))
+    bad = _cli("merge", str(tmp_path / "missing"), "-o", str(tmp_path / "b"))
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "Traceback" not in bad.stderr
-    bad_v = run_cli("merge", "-v", str(tmp_path / "missing"), "-o", str(tmp_path / "b"))
+    bad_v = _cli("merge", "-v", str(tmp_path / "missing"), "-o", str(tmp_path / "b"))
     assert bad_v.returncode != 0 and "Traceback" in bad_v.stderr
 
 

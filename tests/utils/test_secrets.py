@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import logging
-import subprocess
-import sys
 
 import pytest
 from huggingface_hub import constants as hf_constants
@@ -13,6 +11,7 @@ from huggingface_hub import constants as hf_constants
 from hf_pma.utils.fs import atomic_write_json
 from hf_pma.utils.logs import RedactingFilter
 from hf_pma.utils.secrets import find_named_secrets, is_secret_name, redact, redact_obj, tokens_in_use
+from tests.testing_utils import run_cli
 
 IN_USE = "in-use-token-not-shaped-like-hf-0123"  # only its value gives it away
 
@@ -96,12 +95,6 @@ def test_cli_error_lines_are_redacted(tmp_path):
         "PATH": "/usr/bin:/bin",
     }
     missing = tmp_path / IN_USE
-    proc = subprocess.run(
-        [sys.executable, "-m", "hf_pma.cli", "merge", str(missing), "-o", str(tmp_path / "m")],
-        capture_output=True,
-        text=True,
-        env={**env, "PYTHONPATH": ":".join(sys.path)},
-        timeout=120,
-    )
+    proc = run_cli("merge", missing, "-o", tmp_path / "m", env=env, process=True, timeout=120)
     assert proc.returncode == 2 and "does not exist" in proc.stderr
     assert IN_USE not in proc.stderr and "***" in proc.stderr
