@@ -76,3 +76,33 @@ def test_merge_and_consolidate_of_safetensors_import_neither_torch_nor_transform
         assert json.loads(out.stdout.strip().splitlines()[-1]) == [], name
     assert (tmp_path / "merged" / "model.safetensors").is_file()
     assert (tmp_path / "merged" / "config.json").is_file() and (tmp_path / "plain" / "config.json").is_file()
+
+
+def test_run_cli_in_process_puts_back_what_the_command_changes(tmp_path, monkeypatch):
+    """The in-process runner (tests.testing_utils.run_cli) leaves no state for the next test:
+    loggers, environment, current folder, torch's threads, progress bars."""
+    import logging
+    import os
+
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from tests.testing_utils import run_cli
+
+    monkeypatch.delenv("TRANSFORMERS_VERBOSITY", raising=False)
+    loggers = [logging.getLogger(), logging.getLogger("hf_pma"), hf_logging.get_logger()]
+    before = [(lg.level, list(lg.handlers), [h.formatter for h in lg.handlers]) for lg in loggers]
+    env, cwd, threads = dict(os.environ), os.getcwd(), torch.get_num_threads()
+    bars = hf_logging.is_progress_bar_enabled()
+    done = run_cli(
+        "merge", "-v", tmp_path / "missing", "-o", tmp_path / "m", cwd=tmp_path, env={"HF_PMA_X": "1"}
+    )
+    assert done.returncode == 1 and "Traceback" in done.stderr and "does not exist" in done.stderr
+    quiet = run_cli("merge", tmp_path / "missing", "-o", tmp_path / "m", "-q")
+    assert quiet.returncode == 2 and quiet.stderr.count("\n") == 1 and "Traceback" not in quiet.stderr
+    usage = run_cli("merge", "--strategy", "median")
+    assert usage.returncode == 2 and "usage: hf-pma merge" in usage.stderr
+    assert run_cli("--help").returncode == 0
+    assert [(lg.level, list(lg.handlers), [h.formatter for h in lg.handlers]) for lg in loggers] == before
+    assert dict(os.environ) == env and os.getcwd() == cwd and torch.get_num_threads() == threads
+    assert hf_logging.is_progress_bar_enabled() == bars

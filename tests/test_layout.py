@@ -12,7 +12,18 @@ from tests.testing_utils import REPO_ROOT
 
 PACKAGE = REPO_ROOT / "hf_pma"
 # Bottom to top: a subpackage may import its own modules and those of the subpackages below it.
-LAYERS = ["utils", "io", "core", "merging", "snapshots", "evaluation", "publishing", "analysis", "training", "commands"]
+LAYERS = [
+    "utils",
+    "io",
+    "core",
+    "merging",
+    "snapshots",
+    "evaluation",
+    "publishing",
+    "analysis",
+    "training",
+    "commands",
+]
 
 
 def _module_name(path: Path) -> str:
@@ -38,7 +49,9 @@ def _imports(path: Path, modules: dict[str, Path]) -> set[str]:
                 anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join([*anchor, base] if base else anchor)
             # ``from hf_pma.x import y``: y may be a module of its own.
-            targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names]
+            targets = [
+                f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base for alias in node.names
+            ]
         else:
             continue
         found.update(t for t in targets if t == "hf_pma" or t.startswith("hf_pma."))
@@ -69,7 +82,10 @@ def test_subpackages_import_downward_only():
 
 def test_no_import_cycle_between_modules():
     modules = _modules()
-    graph = {m: {t for t in _imports(p, modules) if t in modules and t != m and t != "hf_pma"} for m, p in modules.items()}
+    graph = {
+        m: {t for t in _imports(p, modules) if t in modules and t != m and t != "hf_pma"}
+        for m, p in modules.items()
+    }
     cycles = []
     state: dict[str, int] = {}
 
@@ -77,7 +93,7 @@ def test_no_import_cycle_between_modules():
         state[node] = 1
         for nxt in sorted(graph[node]):
             if state.get(nxt) == 1:
-                cycles.append(" -> ".join([*stack[stack.index(nxt):], nxt]))
+                cycles.append(" -> ".join([*stack[stack.index(nxt) :], nxt]))
             elif nxt not in state:
                 visit(nxt, [*stack, nxt])
         state[node] = 2
@@ -112,7 +128,9 @@ def test_snapshots_and_merging_share_only_the_io_layer():
                 continue
             other = b if layer == a else a
             crossing += [f"{module} imports {t}" for t in _imports(path, modules) if _layer(t) == other]
-    assert not crossing, "imports between sibling layers (move what both need to hf_pma.io):\n" + "\n".join(crossing)
+    assert not crossing, "imports between sibling layers (move what both need to hf_pma.io):\n" + "\n".join(
+        crossing
+    )
 
 
 # What starting ranks by hand looks like: a launcher module or its port / process-count flags.
@@ -144,10 +162,48 @@ def test_tests_launch_processes_through_the_one_launcher():
             continue
         for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
             where = f"{path.relative_to(REPO_ROOT)}:{getattr(node, 'lineno', '?')}"
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and re.search(r"(^|_)ports?(_|$)", node.name.lower()):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and re.search(
+                r"(^|_)ports?(_|$)", node.name.lower()
+            ):
                 offenders.append(f"{where} defines {node.name}()")
-            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in LAUNCH_STRINGS:
+            elif (
+                isinstance(node, ast.Constant)
+                and isinstance(node.value, str)
+                and node.value in LAUNCH_STRINGS
+            ):
                 offenders.append(f"{where} builds a launch command ({node.value!r})")
             elif isinstance(node, ast.Attribute) and node.attr == "bind":
                 offenders.append(f"{where} binds a socket")
-    assert not offenders, "launch multi-process tests with tests.testing_utils.launch:\n" + "\n".join(offenders)
+    assert not offenders, "launch multi-process tests with tests.testing_utils.launch:\n" + "\n".join(
+        offenders
+    )
+
+
+# What running the hf-pma command by hand looks like: its console script or its module.
+CLI_STRINGS = {"hf-pma", "hf_pma.cli"}
+
+
+def test_tests_run_the_command_through_the_one_helper():
+    """No test module starts ``hf-pma`` (or ``python -m hf_pma.cli``) itself:
+    ``tests.testing_utils.run_cli`` runs it in this process (putting back what the command
+    changes: logging, environment, current folder, threads) or, with ``process=True``, as a
+    process of its own."""
+    tests = REPO_ROOT / "tests"
+    allowed = {
+        tests / "testing_utils.py",  # the helper
+        tests / "test_cli.py",  # fresh interpreters that report what importing the command loads
+        tests / "test_install.py",  # the console script of a freshly built wheel
+        tests / "merging" / "test_exclusive_outputs.py",  # two merges racing each other (Popen)
+        Path(__file__).resolve(),
+    }
+    offenders = []
+    for path in sorted(tests.rglob("*.py")):
+        if path in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            where = f"{path.relative_to(REPO_ROOT)}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in CLI_STRINGS:
+                offenders.append(f"{where} builds an hf-pma command ({node.value!r})")
+            elif isinstance(node, ast.Name) and node.id == "hf_pma_command":
+                offenders.append(f"{where} starts the console script itself")
+    assert not offenders, "run hf-pma with tests.testing_utils.run_cli:\n" + "\n".join(offenders)

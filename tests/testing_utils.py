@@ -88,9 +88,7 @@ def train_tiny_tokenizer(vocab_size: int = 512):
         show_progress=False,
     )
     tok.train_from_iterator(sample_text().splitlines(), trainer=trainer)
-    return PreTrainedTokenizerFast(
-        tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>"
-    )
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
 def _missing(module: str) -> bool:
@@ -99,14 +97,20 @@ def _missing(module: str) -> bool:
 
 # Optional extras: CI installs them all and fails on any skip (see .ci/run).
 require_peft = pytest.mark.skipif(_missing("peft"), reason="needs the peft extra (pip install hf-pma[peft])")
-require_lm_eval = pytest.mark.skipif(_missing("lm_eval"), reason="needs the eval extra (pip install hf-pma[eval])")
-require_matplotlib = pytest.mark.skipif(_missing("matplotlib"), reason="needs the plot extra (pip install hf-pma[plot])")
+require_lm_eval = pytest.mark.skipif(
+    _missing("lm_eval"), reason="needs the eval extra (pip install hf-pma[eval])"
+)
+require_matplotlib = pytest.mark.skipif(
+    _missing("matplotlib"), reason="needs the plot extra (pip install hf-pma[plot])"
+)
 require_trl = pytest.mark.skipif(
     _missing("trl"), reason="needs the clients extra (pip install hf-pma[clients])"
 )
 
 
-def save_model_folder(path: Path, model, tokenizer=None, max_shard_size: str | int = "5GB", extra: dict | None = None) -> Path:
+def save_model_folder(
+    path: Path, model, tokenizer=None, max_shard_size: str | int = "5GB", extra: dict | None = None
+) -> Path:
     """Save a model (and tokenizer) as a plain HF folder; ``extra`` is written as pma.json."""
     path = Path(path)
     model.save_pretrained(path, max_shard_size=max_shard_size)
@@ -115,6 +119,7 @@ def save_model_folder(path: Path, model, tokenizer=None, max_shard_size: str | i
     if extra is not None:
         (path / "pma.json").write_text(json.dumps(extra))
     return path
+
 
 BLOCK = 32
 
@@ -234,8 +239,9 @@ def run_cli(
                 full_env.pop(name, None)
             else:
                 full_env[name] = value
-        done = subprocess.run([hf_pma_command(), *args], capture_output=True, text=True, env=full_env, cwd=cwd,
-                              timeout=timeout)
+        done = subprocess.run(
+            [hf_pma_command(), *args], capture_output=True, text=True, env=full_env, cwd=cwd, timeout=timeout
+        )
         return CliResult(args, done.returncode, done.stdout, done.stderr)
     return _run_cli_here(args, env or {}, cwd)
 
@@ -250,7 +256,9 @@ def _run_cli_here(args: list[str], env: dict[str, str | None], cwd) -> CliResult
 
     from hf_pma.cli import main
 
-    hf_tqdm = importlib.import_module("huggingface_hub.utils.tqdm")  # the module (the package exports a class so named)
+    hf_tqdm = importlib.import_module(
+        "huggingface_hub.utils.tqdm"
+    )  # the module (the package exports a class so named)
     saved_env, saved_cwd, saved_threads = dict(os.environ), os.getcwd(), torch.get_num_threads()
     root, ours, theirs = logging.getLogger(), logging.getLogger("hf_pma"), hf_logging.get_logger()
     saved_loggers = [(lg, lg.level, list(lg.handlers), lg.propagate) for lg in (root, ours, theirs)]
@@ -271,8 +279,12 @@ def _run_cli_here(args: list[str], env: dict[str, str | None], cwd) -> CliResult
         for handler in theirs.handlers:
             if isinstance(handler, logging.StreamHandler):
                 handler.setStream(err)
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings(), \
-                mock.patch.object(warnings, "showwarning", _show_warning):
+        with (
+            contextlib.redirect_stdout(out),
+            contextlib.redirect_stderr(err),
+            warnings.catch_warnings(),
+            mock.patch.object(warnings, "showwarning", _show_warning),
+        ):
             warnings.resetwarnings()
             for action, category, module in reversed(_STARTUP_WARNING_FILTERS):
                 warnings.filterwarnings(action, category=category, module=module or "")
@@ -306,7 +318,6 @@ def _run_cli_here(args: list[str], env: dict[str, str | None], cwd) -> CliResult
         hf_logging._tqdm_active = saved_bars[1]
 
 
-
 def text_rows(text: str) -> list[list[str]]:
     """The rows of the plain-text tables in ``text`` (``hf_pma.utils.formatting.text_table``):
     each table's header and body rows, cut at the columns its dashed rule marks, cells stripped."""
@@ -325,8 +336,12 @@ def text_rows(text: str) -> list[list[str]]:
                 break
             table.append(line)
         for line in table:
-            rows.append([line[starts[i] : starts[i + 1]].strip() if starts[i + 1] else line[starts[i] :].strip()
-                         for i in range(len(spans))])
+            rows.append(
+                [
+                    line[starts[i] : starts[i + 1]].strip() if starts[i + 1] else line[starts[i] :].strip()
+                    for i in range(len(spans))
+                ]
+            )
     return rows
 
 
@@ -337,7 +352,9 @@ def text_rows(text: str) -> list[list[str]]:
 # What a launcher prints when the port it was given was taken between choosing and binding.
 _PORT_TAKEN = re.compile(r"EADDRINUSE|address already in use", re.IGNORECASE)
 # Errors a rank raises because another rank died first (never the root cause).
-_PEER_GONE = re.compile(r"Connection closed by peer|Connection reset by peer|Broken pipe|NCCL communicator was aborted")
+_PEER_GONE = re.compile(
+    r"Connection closed by peer|Connection reset by peer|Broken pipe|NCCL communicator was aborted"
+)
 
 
 @dataclasses.dataclass
@@ -367,7 +384,11 @@ class RankLog:
         """The rank's last Python traceback: from its error file, else from its stderr log."""
         error = self.error
         if error and isinstance(error.get("message"), dict):
-            return error["message"].get("message", "") + "\n" + error["message"].get("extraInfo", {}).get("py_callstack", "")
+            return (
+                error["message"].get("message", "")
+                + "\n"
+                + error["message"].get("extraInfo", {}).get("py_callstack", "")
+            )
         text = self.read("stderr")
         start = text.rfind("Traceback (most recent call last)")
         if start < 0:
@@ -400,7 +421,9 @@ class Launch:
     stderr: str
     log_dir: Path
     timed_out: bool = False
-    outputs: dict[tuple[int, str], str] = dataclasses.field(default_factory=dict)  # kept when the logs are deleted
+    outputs: dict[tuple[int, str], str] = dataclasses.field(
+        default_factory=dict
+    )  # kept when the logs are deleted
 
     def rank_logs(self) -> list[RankLog]:
         """One :class:`RankLog` per rank (torchrun's layout: ``<run>/attempt_<k>/<rank>/``, last attempt)."""
@@ -429,7 +452,10 @@ class Launch:
         failed = [log for log in self.rank_logs() if log.traceback]
         if not failed:
             return None
-        return min(failed, key=lambda log: (bool(_PEER_GONE.search(log.traceback.strip().splitlines()[-1])), log.failed_at))
+        return min(
+            failed,
+            key=lambda log: (bool(_PEER_GONE.search(log.traceback.strip().splitlines()[-1])), log.failed_at),
+        )
 
     def report(self) -> str:
         """Why the launch failed, for an assertion message: the first failing rank's full
@@ -438,7 +464,9 @@ class Launch:
         lines = [f"{' '.join(self.command)}\n{what}; per-rank logs under {self.log_dir}"]
         first = None if self.timed_out else self.first_failure()
         if first is not None:
-            lines.append(f"--- first failing rank: {first.rank} ({first.folder}) ---\n{first.traceback.rstrip()}")
+            lines.append(
+                f"--- first failing rank: {first.rank} ({first.folder}) ---\n{first.traceback.rstrip()}"
+            )
             others = [log.rank for log in self.rank_logs() if log.traceback and log.rank != first.rank]
             if others:
                 lines.append(f"(ranks {others} failed after it)")
@@ -473,22 +501,55 @@ def _launch_command(launcher: str, nproc: int, log_dir: Path, launcher_args: lis
 def _launcher(launcher: str, nproc: int, log_dir: Path) -> list[str]:
     if launcher == "torchrun":
         # --standalone: the rendezvous store binds port 0 itself, so no port is ever chosen here.
-        return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-                "--log-dir", str(log_dir), "--tee", "3"]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(nproc),
+            "--log-dir",
+            str(log_dir),
+            "--tee",
+            "3",
+        ]
     if launcher == "accelerate":
         # --cpu would start one process; ACCELERATE_USE_CPU with --multi_gpu starts nproc on gloo.
         # The console script, as users type it (the scripts read their parent's command line).
         accelerate = os.path.join(os.path.dirname(sys.executable), "accelerate")
-        return [accelerate, "launch", "--multi_gpu", "--num_processes", str(nproc),
-                "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                "--main_process_port", str(_port_for_accelerate()), "--log_dir", str(log_dir), "--tee", "3"]
+        return [
+            accelerate,
+            "launch",
+            "--multi_gpu",
+            "--num_processes",
+            str(nproc),
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(_port_for_accelerate()),
+            "--log_dir",
+            str(log_dir),
+            "--tee",
+            "3",
+        ]
     raise ValueError(f"unknown launcher {launcher!r}: use 'torchrun' or 'accelerate'")
 
 
 def _run(command: list[str], env: dict, cwd: Path | None, timeout: float) -> tuple[int, str, str, bool]:
     """Run in a session of its own: on timeout the launcher *and* its ranks are killed."""
-    with subprocess.Popen(command, env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                          start_new_session=True) as proc:
+    with subprocess.Popen(
+        command,
+        env=env,
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    ) as proc:
         try:
             out, err = proc.communicate(timeout=timeout)
             return proc.returncode, out, err, False
@@ -522,14 +583,23 @@ def launch(
     script = Path(script)
     if not script.is_absolute():
         script = DIST_DIR / script
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                "PYTHONUNBUFFERED": "1"}
+    full_env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+    }
     if launcher == "accelerate":
         full_env["ACCELERATE_USE_CPU"] = "1"
     full_env.update(env or {})
     for _ in range(3):
         log_dir = Path(tempfile.mkdtemp(prefix="hf-pma-launch-"))
-        command = [*_launch_command(launcher, nproc, log_dir, list(launcher_args)), str(script), *map(str, args)]
+        command = [
+            *_launch_command(launcher, nproc, log_dir, list(launcher_args)),
+            str(script),
+            *map(str, args),
+        ]
         returncode, out, err, timed_out = _run(command, full_env, Path(cwd) if cwd else None, timeout)
         result = Launch(command, nproc, returncode, out, err, log_dir, timed_out)
         if returncode == 0 or timed_out or not _PORT_TAKEN.search(out + err):

@@ -36,10 +36,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "`accelerate launch` the main process evaluates and the others wait."
         ),
     )
-    p.add_argument("models", nargs="+", metavar="MODEL", help="model folder, Hub model id or Hub revision (org/model@REV)")
+    p.add_argument(
+        "models",
+        nargs="+",
+        metavar="MODEL",
+        help="model folder, Hub model id or Hub revision (org/model@REV)",
+    )
     add_revision_arguments(p)
     p.add_argument(
-        "--last", type=positive_int, help="with --revisions or a run folder: only the newest N revisions or snapshots"
+        "--last",
+        type=positive_int,
+        help="with --revisions or a run folder: only the newest N revisions or snapshots",
     )
     EvalOptions.add_arguments(p)
     add_heldout_arguments(p)
@@ -47,7 +54,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--labels", help="comma-separated column labels, one per model (default: folder names)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", help="device (default: cuda if available, else cpu)")
-    p.add_argument("-o", "--output", metavar="FILE", help=f"write the results as JSON here (default: ./{DEFAULT_OUTPUT})")
+    p.add_argument(
+        "-o", "--output", metavar="FILE", help=f"write the results as JSON here (default: ./{DEFAULT_OUTPUT})"
+    )
     p.add_argument(
         "--record",
         metavar="DIR",
@@ -98,8 +107,11 @@ def _hub_models(args: argparse.Namespace) -> tuple[list[str], list[str] | None]:
         any_revision = True
         pattern = spec[1] is None  # --revisions, --last and --every select among a repo's revisions
         for source in resolve_sources(
-            [model], last=args.last if pattern else None, every=args.every if pattern else None,
-            revisions=args.revisions if pattern else None, cache_dir=args.cache_dir,
+            [model],
+            last=args.last if pattern else None,
+            every=args.every if pattern else None,
+            revisions=args.revisions if pattern else None,
+            cache_dir=args.cache_dir,
         ):
             models.append(str(source.path))
             labels.append(f"{spec[0].split('/')[-1]}@{source.name}")
@@ -125,7 +137,9 @@ def run(args: argparse.Namespace) -> int:
     if not output.absolute().parent.is_dir():
         raise FileNotFoundError(f"the folder of --output {args.output} does not exist")
     if args.output is None and not os.access(output.absolute().parent, os.W_OK):
-        raise PermissionError(f"cannot write {DEFAULT_OUTPUT} in the current folder {Path.cwd()}: give -o FILE")
+        raise PermissionError(
+            f"cannot write {DEFAULT_OUTPUT} in the current folder {Path.cwd()}: give -o FILE"
+        )
     texts = load_heldout(args)
 
     models, hub_labels = _hub_models(args)

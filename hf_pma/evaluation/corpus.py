@@ -69,7 +69,9 @@ def _read_table(path: Path, text_column: str) -> list[str]:
 
         table = pq.read_table(path)
         if text_column not in table.column_names:
-            raise ValueError(f"{path} has no column {text_column!r} (columns: {', '.join(table.column_names)})")
+            raise ValueError(
+                f"{path} has no column {text_column!r} (columns: {', '.join(table.column_names)})"
+            )
         values = table.column(text_column).to_pylist()
     else:
         if suffix == ".csv":
@@ -126,7 +128,9 @@ def _read_dataset(name: str, text_column: str, split: str) -> list[str]:
         repo, _, config = name.partition(":")
         data = datasets.load_dataset(repo, config or None, split=split)
     if text_column not in data.column_names:
-        raise ValueError(f"dataset {name} has no column {text_column!r} (columns: {', '.join(data.column_names)})")
+        raise ValueError(
+            f"dataset {name} has no column {text_column!r} (columns: {', '.join(data.column_names)})"
+        )
     return [_text_or_error(v, f"dataset {name} column {text_column!r}") for v in data[text_column]]
 
 
@@ -136,7 +140,10 @@ _FILE_SUFFIXES = {*TABLE_SUFFIXES, ".txt", ".text", ".md", ".rst", ".py", ".gz",
 
 def _looks_like_dataset_name(text: str) -> bool:
     # "wikitext:wikitext-2-raw-v1" or "org/name"; "data/train.txt" is a missing file, not a dataset.
-    return bool(_DATASET_NAME_RE.fullmatch(text)) and Path(text.partition(":")[0]).suffix.lower() not in _FILE_SUFFIXES
+    return (
+        bool(_DATASET_NAME_RE.fullmatch(text))
+        and Path(text.partition(":")[0]).suffix.lower() not in _FILE_SUFFIXES
+    )
 
 
 def _read_hub_dataset(name: str, text_column: str, split: str) -> list[str]:
@@ -192,7 +199,11 @@ def load_documents(
                     raise ValueError(f"{path} is not a UTF-8 text file")
                 docs.append(text)
         elif path.is_dir():
-            docs.extend(_read_dataset(str(path), text_column, split) if _is_saved_dataset(path) else _read_folder(path))
+            docs.extend(
+                _read_dataset(str(path), text_column, split)
+                if _is_saved_dataset(path)
+                else _read_folder(path)
+            )
         elif _looks_like_dataset_name(str(item)):
             docs.extend(_read_hub_dataset(str(item), text_column, split))
         else:

@@ -180,7 +180,9 @@ def _evaluate_language_modeling(
     model = require_unsharded_model(model)
     prefix = _prefix_token_id(tokenizer)
     if prefix is None:
-        logger.warning("the tokenizer has neither a BOS nor an EOS token: the first token of each text is not scored")
+        logger.warning(
+            "the tokenizer has neither a BOS nor an EOS token: the first token of each text is not scored"
+        )
     texts = [t for t in texts if t]
     encoded = tokenizer(texts, add_special_tokens=False, verbose=False)["input_ids"]
     sequences = [([prefix] if prefix is not None else []) + list(ids) for ids in encoded]
@@ -227,7 +229,9 @@ def _evaluate_language_modeling(
     result = load_metric("bits_per_byte").compute(
         nll=nll, tokens=scored, bytes=[len(t.encode("utf-8")) for t in texts]
     )
-    result.update(texts=len(texts), block_size=block_size, stride=stride, per_text={"nll": nll, "tokens": scored})
+    result.update(
+        texts=len(texts), block_size=block_size, stride=stride, per_text={"nll": nll, "tokens": scored}
+    )
     logger.info(
         f"Held-out LM: {len(texts)} texts, {result['tokens']} tokens, {result['bytes']} bytes: "
         f"loss {result['loss']:.4f}, perplexity {result['perplexity']:.3f}, bits/byte {result['bits_per_byte']:.4f}"
@@ -271,20 +275,36 @@ def evaluate_model(
 
 
 def _evaluate_model(
-    model: Any, tokenizer: Any, texts: Sequence[str] | None, options: EvalOptions, task_manager: Any, progress: bool
+    model: Any,
+    tokenizer: Any,
+    texts: Sequence[str] | None,
+    options: EvalOptions,
+    task_manager: Any,
+    progress: bool,
 ) -> dict[str, Any]:
     flat: dict[str, dict[str, float | None]] = {}
     lm = raw = None
     if texts:
         lm = evaluate_language_modeling(
-            model, tokenizer, texts, block_size=options.block_size, stride=options.stride,
-            batch_size=options.batch_size, progress=progress,
+            model,
+            tokenizer,
+            texts,
+            block_size=options.block_size,
+            stride=options.stride,
+            batch_size=options.batch_size,
+            progress=progress,
         )
         flat[LM_TASK] = {name: lm[name] for name in _LM_METRICS}
     if options.tasks:
         results = run_lm_eval(
-            model, tokenizer, options.tasks, limit=options.limit, batch_size=options.batch_size,
-            num_fewshot=options.num_fewshot, bootstrap_iters=options.bootstrap_iters, task_manager=task_manager,
+            model,
+            tokenizer,
+            options.tasks,
+            limit=options.limit,
+            batch_size=options.batch_size,
+            num_fewshot=options.num_fewshot,
+            bootstrap_iters=options.bootstrap_iters,
+            task_manager=task_manager,
         )
         flat.update(flatten_lm_eval_results(results))
         raw = jsonable(results)
@@ -446,7 +466,13 @@ def _evaluate_models(
             if rows is not None:
                 check_tokenizer(rows, _load_tokenizer(tok_name), name, tok_name)
 
-    report: dict[str, Any] = {"results": {}, "eval_dataset": eval_dataset, "models": {}, "lm": {}, "lm_eval": {}}
+    report: dict[str, Any] = {
+        "results": {},
+        "eval_dataset": eval_dataset,
+        "models": {},
+        "lm": {},
+        "lm_eval": {},
+    }
     for index, (model, label) in enumerate(zip(models, labels), start=1):
         logger.info(f"[{index}/{len(models)}] evaluating {label} ({model})")
         loaded, tok = load_model_for_eval(model, tokenizer, dtype=dtype, device=device)
@@ -472,13 +498,17 @@ def _evaluate_models(
 def _check_results(results: Mapping[str, Any]) -> None:
     for label, tasks in results.items():
         if not isinstance(tasks, Mapping):
-            raise ValueError(f"results[{label!r}] should map task names to metrics, found {type(tasks).__name__}")
+            raise ValueError(
+                f"results[{label!r}] should map task names to metrics, found {type(tasks).__name__}"
+            )
         for task, metrics in tasks.items():
             if not isinstance(metrics, Mapping):
                 raise ValueError(f"results[{label!r}][{task!r}] should map metric names to numbers")
             for metric, value in metrics.items():
                 if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                    raise ValueError(f"results[{label!r}][{task!r}][{metric!r}] is {value!r}, not a number or null")
+                    raise ValueError(
+                        f"results[{label!r}][{task!r}][{metric!r}] is {value!r}, not a number or null"
+                    )
 
 
 def write_eval_record(
@@ -507,7 +537,9 @@ def write_eval_record(
             old = read_eval_record(folder)
             record["results"].update(old["results"])
             record["eval_dataset"] = old.get("eval_dataset")
-        record["results"].update({str(k): {str(t): dict(m) for t, m in v.items()} for k, v in results.items()})
+        record["results"].update(
+            {str(k): {str(t): dict(m) for t, m in v.items()} for k, v in results.items()}
+        )
         if eval_dataset is not None:
             record["eval_dataset"] = str(eval_dataset)
         atomic_write_json(path, record)

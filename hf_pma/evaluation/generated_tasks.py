@@ -163,7 +163,11 @@ def next_line_items(
     def answer(line: str) -> bool:
         return _usable(line, options) and line.strip() not in seen_in_train
 
-    pool = list(dict.fromkeys((j, line.rstrip()) for j, lines in enumerate(doc_lines) for line in lines if answer(line)))
+    pool = list(
+        dict.fromkeys(
+            (j, line.rstrip()) for j, lines in enumerate(doc_lines) for line in lines if answer(line)
+        )
+    )
     k = options.context_lines
     positions = [
         (j, i)
@@ -188,7 +192,14 @@ def next_line_items(
             continue
         done.add((context, gold))
         items.append(
-            {"id": f"next_line-{len(items)}", "doc": j, "line": i, "context": context, "choices": choices, "label": label}
+            {
+                "id": f"next_line-{len(items)}",
+                "doc": j,
+                "line": i,
+                "context": context,
+                "choices": choices,
+                "label": label,
+            }
         )
     return items
 
@@ -211,7 +222,12 @@ def cloze_items(
     doc_lines = [doc.splitlines() for doc in heldout]
     k = options.context_lines
     words = list(
-        dict.fromkeys((j, m.group(0)) for j, lines in enumerate(doc_lines) for line in lines for m in _WORD_RE.finditer(line))
+        dict.fromkeys(
+            (j, m.group(0))
+            for j, lines in enumerate(doc_lines)
+            for line in lines
+            for m in _WORD_RE.finditer(line)
+        )
     )
     positions = [
         (j, i)
@@ -288,7 +304,9 @@ def check_task_settings(kinds: Sequence[str], prefix: str, options: TaskOptions)
     options.validate()
     unknown = [k for k in kinds if k not in TASK_KINDS]
     if unknown or not kinds:
-        raise ValueError(f"unknown task kind(s) {list(unknown or kinds)}; choose from {', '.join(TASK_KINDS)}")
+        raise ValueError(
+            f"unknown task kind(s) {list(unknown or kinds)}; choose from {', '.join(TASK_KINDS)}"
+        )
     if not _PREFIX_RE.fullmatch(prefix):
         raise ValueError(f"prefix {prefix!r} must be letters, digits and underscores, starting with a letter")
 
@@ -329,7 +347,9 @@ def _write_tasks(
             items = cloze_items(heldout, seen_in_train, options, rng, train, exclude=used, fits=fits)
         leaks = find_leaks(items, train, TARGET_DELIMITERS[kind])
         if leaks:  # the generators exclude these; this is the independent check
-            raise RuntimeError(f"{kind}: {len(leaks)} choice line(s) occur in the training documents, e.g. {leaks[0][1]!r}")
+            raise RuntimeError(
+                f"{kind}: {len(leaks)} choice line(s) occur in the training documents, e.g. {leaks[0][1]!r}"
+            )
         if not items:
             raise ValueError(
                 f"{kind}: the held-out documents give no usable item (lines of {options.min_line_chars} to "
@@ -362,7 +382,9 @@ def _write_tasks(
             name = f"{prefix}_{kind}"
             _write_jsonl(tmp / f"{name}.jsonl", items)
             config = task_yaml(name, output_dir / f"{name}.jsonl", kind, tag=f"{prefix}_tasks")
-            (tmp / f"{name}.yaml").write_text(yaml.safe_dump(config, sort_keys=False, allow_unicode=True), encoding="utf-8")
+            (tmp / f"{name}.yaml").write_text(
+                yaml.safe_dump(config, sort_keys=False, allow_unicode=True), encoding="utf-8"
+            )
         _write_jsonl(tmp / HELDOUT_NAME, ({"text": doc} for doc in heldout))
         if write_train:
             _write_jsonl(tmp / TRAIN_NAME, ({"text": doc} for doc in train))

@@ -12,7 +12,13 @@ from hf_pma.utils.names import looks_local
 
 __all__ = ["check_hub_model", "resolve_model"]
 
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+_TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "vocab.json",
+    "spiece.model",
+)
 # Hub models that check_hub_model found in this process (the command checks before the evaluator does).
 _FOUND_ON_HUB: set[tuple[str, str]] = set()
 
@@ -41,11 +47,17 @@ def _check_model_folder(path: Path) -> None:
             f"model {path} is a PMA run folder, not a model: evaluate its snapshots (pma/snapshot-*) or merge "
             f"(pma/merged) instead"
         )
-    missing = [what for what, ok in (("config.json", (path / "config.json").is_file()), ("weights", weights)) if not ok]
+    missing = [
+        what
+        for what, ok in (("config.json", (path / "config.json").is_file()), ("weights", weights))
+        if not ok
+    ]
     raise FileNotFoundError(f"model folder {path} is not readable: no {' and no '.join(missing)} in it")
 
 
-def _resolve(model: str | os.PathLike[str], tokenizer: str | os.PathLike[str] | None, find_tokenizer: bool = True) -> tuple[str, str | None]:
+def _resolve(
+    model: str | os.PathLike[str], tokenizer: str | os.PathLike[str] | None, find_tokenizer: bool = True
+) -> tuple[str, str | None]:
     """(model name, tokenizer name) after checking that a local model folder is readable."""
     path = Path(model)
     if path.exists():
@@ -84,7 +96,9 @@ def check_hub_model(name: str) -> None:
         return
     where = f"the Hub at {api.endpoint}"
     if constants.HF_HUB_OFFLINE:
-        raise FileNotFoundError(f"{name} is not a local folder, and not in the Hugging Face cache (HF_HUB_OFFLINE is set)")
+        raise FileNotFoundError(
+            f"{name} is not a local folder, and not in the Hugging Face cache (HF_HUB_OFFLINE is set)"
+        )
     try:
         api.model_info(name)
         _FOUND_ON_HUB.add((api.endpoint, name))
@@ -94,7 +108,9 @@ def check_hub_model(name: str) -> None:
         ) from None
     except HfHubHTTPError as err:
         status = getattr(getattr(err, "response", None), "status_code", None)
-        raise ConnectionError(f"{where} answered HTTP {status} for model {name}: {_first_line(err)}") from None
+        raise ConnectionError(
+            f"{where} answered HTTP {status} for model {name}: {_first_line(err)}"
+        ) from None
     except Exception as err:  # noqa: BLE001 - a network failure: one line
         raise ConnectionError(
             f"{name} is not a local folder, and {where} cannot be reached ({_first_line(err)}); check the name, "
@@ -108,7 +124,9 @@ def _first_line(err: BaseException) -> str:
 
 
 def resolve_model(
-    model: str | os.PathLike[str], tokenizer: str | os.PathLike[str] | None = None, find_tokenizer: bool = True
+    model: str | os.PathLike[str],
+    tokenizer: str | os.PathLike[str] | None = None,
+    find_tokenizer: bool = True,
 ) -> tuple[str, str | None]:
     """(model name, tokenizer name) after checking that a local model folder is readable and holds
     (or sits in a run folder that holds) a tokenizer, or that the Hub has the model; one-line

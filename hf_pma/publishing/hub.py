@@ -71,7 +71,9 @@ def check_repo_id(repo_id: str) -> str:
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     if not isinstance(repo_id, str) or not repo_id:
-        raise ValueError(f"invalid repo id {repo_id!r}: expected 'namespace/name', e.g. 'my-org/my-model-pma'")
+        raise ValueError(
+            f"invalid repo id {repo_id!r}: expected 'namespace/name', e.g. 'my-org/my-model-pma'"
+        )
     try:
         validate_repo_id(repo_id)
     except HFValidationError as err:
@@ -90,7 +92,9 @@ def _check_safetensors(path: Path) -> None:
             raise ValueError(f"{path.name} is not a safetensors file (only {size} bytes)")
         (header_len,) = struct.unpack("<Q", head)
         if header_len > size - 8:
-            raise ValueError(f"{path.name} is truncated: its header says {header_len} bytes, the file has {size}")
+            raise ValueError(
+                f"{path.name} is truncated: its header says {header_len} bytes, the file has {size}"
+            )
         try:
             header = json.loads(fh.read(header_len))
         except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -127,7 +131,9 @@ def check_model_folder(folder: str | os.PathLike[str]) -> list[Path]:
         shards = sorted(set(weight_map.values()))
         missing = [s for s in shards if not (folder / s).is_file()]
         if missing:
-            raise ValueError(f"{folder.name} is not a complete model: {index_name} names missing shard(s) {missing}")
+            raise ValueError(
+                f"{folder.name} is not a complete model: {index_name} names missing shard(s) {missing}"
+            )
         weights += [folder / s for s in shards]
     weights += [folder / n for n in _WEIGHT_FILES if (folder / n).is_file()]
     if not weights:
@@ -150,10 +156,14 @@ def _check_no_secrets(folder: Path) -> None:
             continue
         text = path.read_text(encoding="utf-8", errors="replace")
         if find_tokens(text, flag_values=False):
-            raise ValueError(f"{path.name} in {folder.name} contains what looks like an access token: remove it before pushing")
+            raise ValueError(
+                f"{path.name} in {folder.name} contains what looks like an access token: remove it before pushing"
+            )
         paths = find_local_paths(text)
         if paths:
-            logger.warning(f"{path.name} in {folder.name} names {len(paths)} absolute local path(s); they will be public")
+            logger.warning(
+                f"{path.name} in {folder.name} names {len(paths)} absolute local path(s); they will be public"
+            )
 
 
 def check_no_token_in_files(folder: str | os.PathLike[str], token: str) -> None:
@@ -241,7 +251,9 @@ def push_folder_to_hub(
     if needs_card:
         load_records(folder)  # malformed records fail here, before any request
     elif not (folder / CARD_NAME).is_file():
-        logger.warning(f"{folder.name} has no {CARD_NAME} and no {MERGE_RECORD_NAME}: pushing it without a model card")
+        logger.warning(
+            f"{folder.name} has no {CARD_NAME} and no {MERGE_RECORD_NAME}: pushing it without a model card"
+        )
 
     api = HfApi(endpoint=endpoint, token=token)
     where = f"{repo_id}" + (f" (branch {revision})" if revision else "")
@@ -260,7 +272,9 @@ def push_folder_to_hub(
             folder_path=folder,
             revision=revision,
             commit_message=commit_message or f"Upload {folder.name} with hf-pma",
-            ignore_patterns=list(ignore_patterns) if ignore_patterns is not None else list(DEFAULT_IGNORE_PATTERNS),
+            ignore_patterns=list(ignore_patterns)
+            if ignore_patterns is not None
+            else list(DEFAULT_IGNORE_PATTERNS),
         )
     except HfHubHTTPError as err:
         status = _http_status(err)
@@ -274,6 +288,8 @@ def push_folder_to_hub(
                 f"the Hub at {api.endpoint} refused to write to {where} (HTTP 403): the token has no write access "
                 "to this namespace or repo; use a token with the 'write' role"
             ) from None
-        raise HubError(f"the Hub at {api.endpoint} failed while pushing to {where}: {_first_line(err)}") from None
+        raise HubError(
+            f"the Hub at {api.endpoint} failed while pushing to {where}: {_first_line(err)}"
+        ) from None
     logger.info(f"Pushed {folder.name} to {api.endpoint}/{full_id}: {info.commit_url}")
     return str(info.commit_url)

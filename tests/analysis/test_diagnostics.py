@@ -61,7 +61,12 @@ def test_anti_correlated_pairs_and_straight_drift():
     osc = torch.stack([c + (-1) ** i * v for i in range(4)])
     diag = window_diagnostics(_gram(osc), [0, 1, 2, 3])
     expected = [[(-1.0) ** (a + b) for b in range(4)] for a in range(4)]
-    torch.testing.assert_close(torch.tensor(diag.cosine, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64), atol=1e-12, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(diag.cosine, dtype=torch.float64),
+        torch.tensor(expected, dtype=torch.float64),
+        atol=1e-12,
+        rtol=0,
+    )
     assert diag.merge_shift == pytest.approx(float(v.norm()), rel=1e-12)  # the mean is c, the newest c - v
     assert diag.path_length == pytest.approx(3 * 2 * float(v.norm()), rel=1e-12)
     assert diag.straightness == pytest.approx(1 / 3, rel=1e-12)
@@ -70,7 +75,12 @@ def test_anti_correlated_pairs_and_straight_drift():
     diag = window_diagnostics(_gram(drift), [0, 1, 2, 3])
     signs = [-1, -1, 1, 1]
     expected = [[float(signs[a] * signs[b]) for b in range(4)] for a in range(4)]
-    torch.testing.assert_close(torch.tensor(diag.cosine, dtype=torch.float64), torch.tensor(expected, dtype=torch.float64), atol=1e-12, rtol=0)
+    torch.testing.assert_close(
+        torch.tensor(diag.cosine, dtype=torch.float64),
+        torch.tensor(expected, dtype=torch.float64),
+        atol=1e-12,
+        rtol=0,
+    )
     assert diag.straightness == pytest.approx(1.0, rel=1e-12)
     # SMA lags the newest by 1.5 v; WMA (1,2,3,4)/10 by 1.0 v.
     assert diag.merge_shift == pytest.approx(1.5 * float(v.norm()), rel=1e-12)
@@ -125,7 +135,9 @@ def test_compute_gram_matches_stacked_weights_in_any_chunking(tmp_path):
     expected = centred @ centred.T
     sources = resolve_sources([run])
     big = compute_gram(sources, progress=False)
-    small = compute_gram(sources, chunk_bytes=4 * 8 * 1000, progress=False)  # 1000 elements a chunk: many chunks per tensor
+    small = compute_gram(
+        sources, chunk_bytes=4 * 8 * 1000, progress=False
+    )  # 1000 elements a chunk: many chunks per tensor
     for got in (big, small):
         torch.testing.assert_close(got.gram, expected, rtol=1e-6, atol=1e-9)
     assert big.numel == flat.shape[1] and big.tokens == [INTERVAL * (i + 1) for i in range(4)]
@@ -145,14 +157,31 @@ def test_inspect_cli(tmp_path):
     shutil.copytree(run / "pma" / "snapshot-6000", reference)
     weights = load_file(reference / "model.safetensors")
     usable = [s for i, s in enumerate(states) if i != 2]
-    save_file({n: sum(s[n] for s in usable) / len(usable) for n in weights}, reference / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {n: sum(s[n] for s in usable) / len(usable) for n in weights},
+        reference / "model.safetensors",
+        metadata={"format": "pt"},
+    )
 
-    out = run_cli("inspect", run, "--window", "4", "--plot", tmp_path / "i.png", "-o", tmp_path / "i.json",
-                  "--reference", reference, "-q")
+    out = run_cli(
+        "inspect",
+        run,
+        "--window",
+        "4",
+        "--plot",
+        tmp_path / "i.png",
+        "-o",
+        tmp_path / "i.json",
+        "--reference",
+        reference,
+        "-q",
+    )
     assert out.returncode == 0, out.stderr
     rows = text_rows(out.stdout)
     assert rows[0][:7] == ["snapshot", "tokens", "step", "lr", "phase", "loss", "size"]
-    assert "\\|" not in out.stdout and not any(line.startswith("|") for line in out.stdout.splitlines())  # plain text
+    assert "\\|" not in out.stdout and not any(
+        line.startswith("|") for line in out.stdout.splitlines()
+    )  # plain text
     row = next(r for r in rows if r[0] == "snapshot-3000")
     assert row[1] == "3,000" and row[4] == "stable" and row[7] == "excluded (loss spike at step 99)"
     assert "mean off-diagonal cosine" in out.stdout and "Over training" in out.stdout
@@ -165,13 +194,14 @@ def test_inspect_cli(tmp_path):
     # Distances recomputed from the states.
     window_states = [usable[i] for i in range(1, 5)]
     mean = {n: sum(s[n].double() for s in window_states) / 4 for n in window_states[0]}
-    direct = [math.sqrt(sum(float(((s[n].double() - mean[n]) ** 2).sum()) for n in mean)) for s in window_states]
+    direct = [
+        math.sqrt(sum(float(((s[n].double() - mean[n]) ** 2).sum()) for n in mean)) for s in window_states
+    ]
     assert report["window"]["distances_to_merge"] == pytest.approx(direct, rel=1e-5)
     # 5 usable snapshots, window 4: series of 2 windows; the reference is the mean of all 5.
     assert len(report["series"]) == 2 and report["series"][-1]["x"] == 6000
     ref = report["window"]["reference"]
     assert ref["merge_to_reference"] < ref["newest_to_reference"]
-
 
 
 def test_inspect_cli_listing_and_errors(tmp_path):
@@ -214,10 +244,11 @@ def test_inspect_writes_files_only_where_asked_and_a_full_disk_leaves_nothing(tm
     done = run_cli("inspect", run, "--window", "2", "-q", "--plot", small_filesystem / "i.png", cwd=elsewhere)
     assert done.returncode == 2, done.stderr
     error = done.stderr.strip().splitlines()
-    assert len(error) == 1 and error[0].startswith("hf-pma inspect: error: no space left on the device to write")
+    assert len(error) == 1 and error[0].startswith(
+        "hf-pma inspect: error: no space left on the device to write"
+    )
     assert str(small_filesystem / "i.png") in error[0] and "free in" in error[0]
     assert sorted(p.name for p in small_filesystem.iterdir()) == ["filler"]
-
 
 
 def _inspect(run, *args) -> str:
@@ -266,6 +297,10 @@ def test_reading_tells_drift_from_oscillation():
     gram = points @ points.T
     assert "drift along a nearly straight path" in reading(window_diagnostics(gram, list(range(5))))
     # Back and forth along one axis and around a centre: oscillation.
-    points = torch.tensor([[1.0, 0.0], [-1.0, 0.1], [1.0, 0.05], [-1.0, -0.1], [1.0, 0.0]], dtype=torch.float64)
-    assert "oscillate around a common centre" in reading(window_diagnostics(points @ points.T, list(range(5))))
+    points = torch.tensor(
+        [[1.0, 0.0], [-1.0, 0.1], [1.0, 0.05], [-1.0, -0.1], [1.0, 0.0]], dtype=torch.float64
+    )
+    assert "oscillate around a common centre" in reading(
+        window_diagnostics(points @ points.T, list(range(5)))
+    )
     assert "too small" in reading(window_diagnostics(gram[:2, :2], [0, 1]))

@@ -40,14 +40,27 @@ def test_plan_sweep_selects_every_kth_snapshot_from_the_newest():
         plan_sweep(7, strategies=["median"])
     with pytest.raises(ValueError, match="window must be positive"):
         plan_sweep(7, windows=[0, 3])
-    assert lower_is_better("lm/loss") and lower_is_better("lm/bits_per_byte") and not lower_is_better("pma_cloze/acc")
+    assert (
+        lower_is_better("lm/loss")
+        and lower_is_better("lm/bits_per_byte")
+        and not lower_is_better("pma_cloze/acc")
+    )
 
 
 def test_plan_sweep_windows_in_tokens():
     tokens = [1000 * (i + 1) for i in range(7)]
-    combos, skipped = plan_sweep(7, windows=[3], every=[1, 2], strategies=["sma"], window_tokens=[3000, 4001], tokens=tokens)
+    combos, skipped = plan_sweep(
+        7, windows=[3], every=[1, 2], strategies=["sma"], window_tokens=[3000, 4001], tokens=tokens
+    )
     by = {c.label: c for c in combos}
-    assert set(by) == {"sma N=3 k=1", "sma N=3 k=2", "sma T=3000 k=1", "sma T=4001 k=1", "sma T=3000 k=2", "sma T=4001 k=2"}
+    assert set(by) == {
+        "sma N=3 k=1",
+        "sma N=3 k=2",
+        "sma T=3000 k=1",
+        "sma T=4001 k=1",
+        "sma T=3000 k=2",
+        "sma T=4001 k=2",
+    }
     assert by["sma T=3000 k=1"].indices == (4, 5, 6) and by["sma T=3000 k=1"].key() == by["sma N=3 k=1"].key()
     assert by["sma T=4001 k=1"].indices == (2, 3, 4, 5, 6) and by["sma T=4001 k=1"].window == 5
     assert by["sma T=3000 k=2"].indices == (4, 6) and by["sma T=4001 k=2"].indices == (2, 4, 6)
@@ -64,8 +77,17 @@ def test_plan_sweep_windows_in_tokens():
 def test_sweep_numbers_equal_separately_merged_and_evaluated_models(tmp_path, tiny_tokenizer):
     run, _ = write_run(tmp_path / "run", 5, noise_deviation(0.03), tokenizer=tiny_tokenizer)
     texts = _texts()
-    report = run_sweep(run, windows=[1, 2, 3], every=[1, 2], strategies=["sma", "ema"], alpha=0.4, texts=texts,
-                       block_size=64, batch_size=4, progress=False)
+    report = run_sweep(
+        run,
+        windows=[1, 2, 3],
+        every=[1, 2],
+        strategies=["sma", "ema"],
+        alpha=0.4,
+        texts=texts,
+        block_size=64,
+        batch_size=4,
+        progress=False,
+    )
     combos = report["combinations"]
     assert len(combos) == 12 and not report["skipped"]
     # Distinct merges: N=1 (= the baseline, never re-evaluated), N=2 and N=3 for k=1,2 and both strategies.
@@ -76,26 +98,37 @@ def test_sweep_numbers_equal_separately_merged_and_evaluated_models(tmp_path, ti
     folders, labels = [str(sources[-1].path)], ["last"]
     for c in checked:
         picked = [s for s in sources if s.name in c["snapshots"]]
-        out = merge_checkpoints(picked, tmp_path / c["label"].replace(" ", "_"), strategy=c["strategy"], alpha=0.4,
-                                progress=False)
-        assert json.loads((out / "pma_merge.json").read_text())["weights"] == pytest.approx(c["weights"], rel=1e-12)
+        out = merge_checkpoints(
+            picked, tmp_path / c["label"].replace(" ", "_"), strategy=c["strategy"], alpha=0.4, progress=False
+        )
+        assert json.loads((out / "pma_merge.json").read_text())["weights"] == pytest.approx(
+            c["weights"], rel=1e-12
+        )
         folders.append(str(out))
         labels.append(c["label"])
-    separate = evaluate_models(folders, labels=labels, tokenizer=run, texts=texts, block_size=64, batch_size=4,
-                               progress=False)
+    separate = evaluate_models(
+        folders, labels=labels, tokenizer=run, texts=texts, block_size=64, batch_size=4, progress=False
+    )
     assert separate["results"]["last"]["lm"] == pytest.approx(report["baseline"]["results"]["lm"], rel=1e-6)
     for c in checked:
-        assert c["results"]["lm"] == pytest.approx(separate["results"][c["label"]]["lm"], rel=1e-6), c["label"]
+        assert c["results"]["lm"] == pytest.approx(separate["results"][c["label"]]["lm"], rel=1e-6), c[
+            "label"
+        ]
     assert report["metric"] == "lm/loss" and report["higher_is_better"] is False
     best = min(combos, key=lambda c: c["value"])
-    assert report["best"] == best["label"] and best["delta"] == pytest.approx(best["value"] - report["baseline"]["value"])
+    assert report["best"] == best["label"] and best["delta"] == pytest.approx(
+        best["value"] - report["baseline"]["value"]
+    )
     # The table says whether the best merge beats the last snapshot (a "best" alone would suggest it does).
     beats = best["value"] < report["baseline"]["value"]
     assert report["best_beats_last"] is beats
     footer = sweep_table(report).splitlines()[-1]
     assert f"best merge: {best['label']}" in footer
     assert ("no merge beats the last snapshot" in footer) is (not beats)
-    assert "no merge beats the last snapshot" in sweep_table({**report, "best_beats_last": False}).splitlines()[-1]
+    assert (
+        "no merge beats the last snapshot"
+        in sweep_table({**report, "best_beats_last": False}).splitlines()[-1]
+    )
 
 
 def test_sweep_errors_are_clear(tmp_path, tiny_tokenizer):
@@ -105,8 +138,15 @@ def test_sweep_errors_are_clear(tmp_path, tiny_tokenizer):
     with pytest.raises(ValueError, match="nothing to evaluate"):
         run_sweep(run, windows=[2], every=[1], progress=False)
     with pytest.raises(ValueError, match="metric 'lm/accuracy' is not among the results: lm/loss"):
-        run_sweep(run, windows=[2], every=[1], texts=["x = 1\n" * 50], metric="lm/accuracy", block_size=32,
-                  progress=False)
+        run_sweep(
+            run,
+            windows=[2],
+            every=[1],
+            texts=["x = 1\n" * 50],
+            metric="lm/accuracy",
+            block_size=32,
+            progress=False,
+        )
 
 
 def test_sweep_cli_with_tasks_writes_table_json_heatmap_and_best(tmp_path, tiny_tokenizer):
@@ -114,21 +154,50 @@ def test_sweep_cli_with_tasks_writes_table_json_heatmap_and_best(tmp_path, tiny_
 
     run, _ = write_run(tmp_path / "run", 4, noise_deviation(0.03), tokenizer=tiny_tokenizer)
     docs = _texts()
-    make_tasks_from_split(docs[:2], docs[2:], tmp_path / "tasks",
-                          options=TaskOptions(num_items=12, min_line_chars=8), kinds=["next_line"])
+    make_tasks_from_split(
+        docs[:2],
+        docs[2:],
+        tmp_path / "tasks",
+        options=TaskOptions(num_items=12, min_line_chars=8),
+        kinds=["next_line"],
+    )
     (tmp_path / "heldout.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in docs[2:]))
     best_dir = tmp_path / "best"
     out = run_cli(
-        "sweep", run, "--window", "1,3", "--every", "1,2", "--strategy", "sma,wma",
-        "--eval-file", tmp_path / "heldout.jsonl", "--tasks", "pma_next_line", "--include-path", tmp_path / "tasks",
-        "--metric", "pma_next_line/acc", "--block-size", "64", "--batch-size", "4",
-        "-o", tmp_path / "sweep.json", "--best", best_dir, "-q",
+        "sweep",
+        run,
+        "--window",
+        "1,3",
+        "--every",
+        "1,2",
+        "--strategy",
+        "sma,wma",
+        "--eval-file",
+        tmp_path / "heldout.jsonl",
+        "--tasks",
+        "pma_next_line",
+        "--include-path",
+        tmp_path / "tasks",
+        "--metric",
+        "pma_next_line/acc",
+        "--block-size",
+        "64",
+        "--batch-size",
+        "4",
+        "-o",
+        tmp_path / "sweep.json",
+        "--best",
+        best_dir,
+        "-q",
     )
     assert out.returncode == 0, out.stderr
     report = json.loads((tmp_path / "sweep.json").read_text())
     assert report["metric"] == "pma_next_line/acc" and report["higher_is_better"] is True
     # N=3 every 2nd needs 5 snapshots; N=1 is the last snapshot: 2 merges evaluated besides it.
-    assert {(s["strategy"], s["window"], s["every"]) for s in report["skipped"]} == {("sma", 3, 2), ("wma", 3, 2)}
+    assert {(s["strategy"], s["window"], s["every"]) for s in report["skipped"]} == {
+        ("sma", 3, 2),
+        ("wma", 3, 2),
+    }
     assert report["evaluations"] == 3
     assert (tmp_path / "sweep.png").stat().st_size > 5_000
     rows = markdown_rows(out.stdout)
@@ -140,13 +209,24 @@ def test_sweep_cli_with_tasks_writes_table_json_heatmap_and_best(tmp_path, tiny_
     best = next(c for c in report["combinations"] if c["label"] == report["best"])
     merge_record = json.loads((best_dir / "pma_merge.json").read_text())
     assert [s["name"] for s in merge_record["sources"]] == best["snapshots"]
-    assert merge_record["sweep"]["every"] == best["every"] and merge_record["interval_tokens"] == INTERVAL * best["every"]
+    assert (
+        merge_record["sweep"]["every"] == best["every"]
+        and merge_record["interval_tokens"] == INTERVAL * best["every"]
+    )
     assert read_eval_record(best_dir)["results"]["PMA merge"] == best["results"]
-    again = evaluate_models([best_dir], labels=["best"], tokenizer=run, texts=docs[2:], tasks="pma_next_line",
-                            include_path=tmp_path / "tasks", block_size=64, batch_size=4, progress=False)
+    again = evaluate_models(
+        [best_dir],
+        labels=["best"],
+        tokenizer=run,
+        texts=docs[2:],
+        tasks="pma_next_line",
+        include_path=tmp_path / "tasks",
+        block_size=64,
+        batch_size=4,
+        progress=False,
+    )
     assert again["results"]["best"]["pma_next_line"]["acc"] == best["results"]["pma_next_line"]["acc"]
     assert again["results"]["best"]["lm"]["loss"] == pytest.approx(best["results"]["lm"]["loss"], rel=1e-6)
-
 
 
 def test_sweep_cli_rejects_bad_input_before_evaluating(tmp_path, tiny_tokenizer):

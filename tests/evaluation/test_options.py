@@ -27,8 +27,22 @@ def test_eval_and_sweep_take_the_same_flags_with_the_same_defaults():
         for name, field in fields.items():
             assert actions[name].option_strings == ["--" + name.replace("_", "-")], (command, name)
             assert actions[name].default == field.default, (command, name)
-    args = build_parser().parse_args(["eval", "m", "--tasks", "a,b", "--include-path", "x", "--include-path", "y",
-                                      "--bootstrap-iters", "0", "--limit", "3"])
+    args = build_parser().parse_args(
+        [
+            "eval",
+            "m",
+            "--tasks",
+            "a,b",
+            "--include-path",
+            "x",
+            "--include-path",
+            "y",
+            "--bootstrap-iters",
+            "0",
+            "--limit",
+            "3",
+        ]
+    )
     options = EvalOptions.from_args(args)
     assert options == EvalOptions(tasks="a,b", include_path=["x", "y"], limit=3, bootstrap_iters=0)
     assert EvalOptions().bootstrap_iters == DEFAULT_BOOTSTRAP_ITERS == 1000  # one default, everywhere
@@ -59,8 +73,19 @@ def test_a_hub_task_offline_is_one_line_naming_task_and_dataset(tmp_path, tiny_t
     model = save_model_folder(tmp_path / "model", make_tiny_model(), tiny_tokenizer)
     # A process of its own: the datasets library reads HF_DATASETS_OFFLINE when it is imported.
     env = {"HF_DATASETS_OFFLINE": "1", "HF_DATASETS_CACHE": str(tmp_path / "cache")}
-    done = run_cli("eval", model, "--tasks", "arc_easy", "--include-path", tasks, "--limit", "2", "-q", env=env,
-                   process=True)
+    done = run_cli(
+        "eval",
+        model,
+        "--tasks",
+        "arc_easy",
+        "--include-path",
+        tasks,
+        "--limit",
+        "2",
+        "-q",
+        env=env,
+        process=True,
+    )
     assert done.returncode == 2, done.stderr
     errors = [line for line in done.stderr.splitlines() if line.startswith("hf-pma eval: error:")]
     assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr

@@ -36,8 +36,15 @@ def fresh(hub):
 
 def _cli(args, endpoint, tmp_path, cwd=None):
     """``hf-pma ARGS`` as a process of its own: ``HF_ENDPOINT`` is read when huggingface_hub is imported."""
-    env = dict(HF_HUB_OFFLINE=None, TRANSFORMERS_OFFLINE=None, HF_TOKEN=None, HF_ENDPOINT=endpoint,
-               NO_PROXY="127.0.0.1,localhost", HF_HOME=str(tmp_path / "hf-home"), OMP_NUM_THREADS="1")
+    env = dict(
+        HF_HUB_OFFLINE=None,
+        TRANSFORMERS_OFFLINE=None,
+        HF_TOKEN=None,
+        HF_ENDPOINT=endpoint,
+        NO_PROXY="127.0.0.1,localhost",
+        HF_HOME=str(tmp_path / "hf-home"),
+        OMP_NUM_THREADS="1",
+    )
     return run_cli(*args, env=env, cwd=cwd, process=True)
 
 

@@ -17,9 +17,26 @@ def test_cli_merge_end_to_end(tmp_path, tiny_tokenizer):
     run = tmp_path / "run"
     for i in range(4):
         save_model_folder(run / f"checkpoint-{10 * (i + 1)}", make_tiny_model(seed=i), tiny_tokenizer)
-        (run / f"checkpoint-{10 * (i + 1)}" / "trainer_state.json").write_text(json.dumps({"global_step": 10 * (i + 1)}))
-    result = run_cli("merge", run, "-o", tmp_path / "merged", "--strategy", "ema", "--alpha", "0.5", "--last", "3",
-                     "--dtype", "bfloat16", "--max-shard-size", "30KB", "--quiet")
+        (run / f"checkpoint-{10 * (i + 1)}" / "trainer_state.json").write_text(
+            json.dumps({"global_step": 10 * (i + 1)})
+        )
+    result = run_cli(
+        "merge",
+        run,
+        "-o",
+        tmp_path / "merged",
+        "--strategy",
+        "ema",
+        "--alpha",
+        "0.5",
+        "--last",
+        "3",
+        "--dtype",
+        "bfloat16",
+        "--max-shard-size",
+        "30KB",
+        "--quiet",
+    )
     assert result.returncode == 0, result.stderr
     out = tmp_path / "merged"
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -41,7 +58,9 @@ def test_cli_merge_explicit_weights_and_errors(tmp_path):
     assert ok.returncode == 0, ok.stderr
     merged = load_file(tmp_path / "m" / "model.safetensors")
     sa, sb = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
-    torch.testing.assert_close(merged["model.norm.weight"], 0.75 * sa["model.norm.weight"] + 0.25 * sb["model.norm.weight"])
+    torch.testing.assert_close(
+        merged["model.norm.weight"], 0.75 * sa["model.norm.weight"] + 0.25 * sb["model.norm.weight"]
+    )
 
     again = run_cli("merge", a, b, "-o", tmp_path / "m", "-q")
     assert again.returncode == 2 and "is not empty" in again.stderr and "Traceback" not in again.stderr

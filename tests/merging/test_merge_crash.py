@@ -20,7 +20,14 @@ def test_sigkilled_merge_then_rerun_leaves_no_temporary(tmp_path):
     sources = _sources(tmp_path)
     out = tmp_path / "out" / "merged"
     proc = subprocess.Popen(
-        [sys.executable, str(REPO_ROOT / "tests" / "dist" / "merge_stall.py"), *map(str, sources), "-o", str(out), "-q"],
+        [
+            sys.executable,
+            str(REPO_ROOT / "tests" / "dist" / "merge_stall.py"),
+            *map(str, sources),
+            "-o",
+            str(out),
+            "-q",
+        ],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -50,7 +57,9 @@ def test_sigkilled_merge_then_rerun_leaves_no_temporary(tmp_path):
 
 
 def test_merge_onto_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, small_filesystem):
-    sources = [save_model_folder(tmp_path / f"s{i}", make_tiny_model(seed=i, vocab_size=2048)) for i in range(2)]
+    sources = [
+        save_model_folder(tmp_path / f"s{i}", make_tiny_model(seed=i, vocab_size=2048)) for i in range(2)
+    ]
     out = small_filesystem / "merged"
     done = run_cli("merge", *sources, "-o", out, process=True)
     assert done.returncode == 2, done.stderr

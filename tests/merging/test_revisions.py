@@ -70,17 +70,23 @@ def server(checkpoints):
         hub.commits = {}
         hub.add_repo(PYTHIA)
         for i, step in enumerate(STEPS):
-            oid = hub.commit_files(PYTHIA, f"step{step}", _folder_files(checkpoints[i]), date=T0 + datetime.timedelta(days=i))
+            oid = hub.commit_files(
+                PYTHIA, f"step{step}", _folder_files(checkpoints[i]), date=T0 + datetime.timedelta(days=i)
+            )
             hub.commits[f"step{step}"] = oid
         hub.set_branch(PYTHIA, "main", "step10000")  # as published runs do: main is the last checkpoint
         hub.add_tag(PYTHIA, "final", "step10000")
         hub.add_repo(OLMO)
         for i, name in enumerate(OLMO_NAMES):
-            hub.commits[name] = hub.commit_files(OLMO, name, _folder_files(checkpoints[i]), date=T0 + datetime.timedelta(days=i))
+            hub.commits[name] = hub.commit_files(
+                OLMO, name, _folder_files(checkpoints[i]), date=T0 + datetime.timedelta(days=i)
+            )
         hub.add_repo(PLAIN)
         for name, position in PLAIN_NAMES.items():
             files = _folder_files(checkpoints[position])
-            hub.commits[name] = hub.commit_files(PLAIN, name, files, date=T0 + datetime.timedelta(days=position))
+            hub.commits[name] = hub.commit_files(
+                PLAIN, name, files, date=T0 + datetime.timedelta(days=position)
+            )
         yield hub
 
 
@@ -170,13 +176,19 @@ def test_order_follows_parsed_progress_not_names(hub):
 def test_names_without_progress_are_ordered_by_commit_date(hub, caplog):
     with caplog.at_level(logging.WARNING, logger="hf_pma"):
         revisions = list_revisions(PLAIN, "ckpt_*", endpoint=hub.url)
-    assert [r.name for r in revisions] == sorted(PLAIN_NAMES, key=PLAIN_NAMES.get)  # ckpt_010, ckpt_100, ckpt_002
+    assert [r.name for r in revisions] == sorted(
+        PLAIN_NAMES, key=PLAIN_NAMES.get
+    )  # ckpt_010, ckpt_100, ckpt_002
     assert "ordering the 3 revisions by commit date" in caplog.text
     # A regular expression with a named group orders them by their names instead.
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="hf_pma"):
         named = list_revisions(PLAIN, r"/^ckpt_(?P<step>\d+)$/", endpoint=hub.url)
-    assert [r.name for r in named] == ["ckpt_002", "ckpt_010", "ckpt_100"] and [r.step for r in named] == [2, 10, 100]
+    assert [r.name for r in named] == ["ckpt_002", "ckpt_010", "ckpt_100"] and [r.step for r in named] == [
+        2,
+        10,
+        100,
+    ]
     assert "commit date" not in caplog.text
 
 
@@ -214,12 +226,18 @@ def test_explicit_revisions_by_branch_tag_and_commit(hub, checkpoints, tmp_path)
     given = [f"{PYTHIA}@final", f"{PYTHIA}@{commit}", f"{PYTHIA}@step1000"]  # out of order on purpose
     # The tag "final" and the commit carry no step in their names: ordered as given... unless
     # every name has one. Name them by branch to get the training order.
-    sources = resolve_sources([f"{PYTHIA}@step3000", f"{PYTHIA}@step1000", f"{PYTHIA}@step2000"], cache_dir=tmp_path / "c", endpoint=hub.url)
+    sources = resolve_sources(
+        [f"{PYTHIA}@step3000", f"{PYTHIA}@step1000", f"{PYTHIA}@step2000"],
+        cache_dir=tmp_path / "c",
+        endpoint=hub.url,
+    )
     assert [s.name for s in sources] == ["step1000", "step2000", "step3000"]
     mixed = resolve_sources(given, cache_dir=tmp_path / "c", endpoint=hub.url)
     assert [s.record["commit"] for s in mixed] == [hub.commits["step10000"], commit, hub.commits["step1000"]]
     out = merge_checkpoints(mixed, tmp_path / "merged", progress=False)
-    local = merge_checkpoints([checkpoints[9], checkpoints[1], checkpoints[0]], tmp_path / "local", progress=False)
+    local = merge_checkpoints(
+        [checkpoints[9], checkpoints[1], checkpoints[0]], tmp_path / "local", progress=False
+    )
     assert _weights_equal(out, local)
     # The same commit named twice is refused.
     with pytest.raises(ValueError, match="given twice"):
@@ -227,23 +245,34 @@ def test_explicit_revisions_by_branch_tag_and_commit(hub, checkpoints, tmp_path)
 
 
 def test_last_and_every_pick_before_downloading(hub, tmp_path):
-    sources = resolve_sources([PYTHIA], revisions="step*", every=3, last=3, cache_dir=tmp_path / "c", endpoint=hub.url)
+    sources = resolve_sources(
+        [PYTHIA], revisions="step*", every=3, last=3, cache_dir=tmp_path / "c", endpoint=hub.url
+    )
     # every 3rd counting back from the newest: 10000, 7000, 4000, 1000; then the newest 3
     assert [s.step for s in sources] == [4000, 7000, 10000]
     assert _downloaded_revisions(hub) == [hub.commits[f"step{s}"] for s in (4000, 7000, 10000)]
-    regex = resolve_sources([PYTHIA], revisions=r"/^step[1-3]000$/", cache_dir=tmp_path / "c", endpoint=hub.url)
+    regex = resolve_sources(
+        [PYTHIA], revisions=r"/^step[1-3]000$/", cache_dir=tmp_path / "c", endpoint=hub.url
+    )
     assert [s.name for s in regex] == ["step1000", "step2000", "step3000"]
     with pytest.raises(ValueError, match="asked for the last 5 sources but found only 3"):
-        resolve_sources([PYTHIA], revisions=r"/^step[1-3]000$/", last=5, cache_dir=tmp_path / "c", endpoint=hub.url)
+        resolve_sources(
+            [PYTHIA], revisions=r"/^step[1-3]000$/", last=5, cache_dir=tmp_path / "c", endpoint=hub.url
+        )
 
 
 # ---------------------------------------------------------------- bad input
 
 
 def test_missing_revision_and_empty_pattern_are_clear_errors(hub, tmp_path):
-    with pytest.raises(HubRevisionError, match=r"revision 'step99' not found in org/pythia-tiny \(its branches and tags: "):
+    with pytest.raises(
+        HubRevisionError, match=r"revision 'step99' not found in org/pythia-tiny \(its branches and tags: "
+    ):
         resolve_sources([f"{PYTHIA}@step99"], cache_dir=tmp_path, endpoint=hub.url)
-    with pytest.raises(HubRevisionError, match=r"--revisions 'final-\*' matches none of the 12 branches and tags of org/pythia-tiny"):
+    with pytest.raises(
+        HubRevisionError,
+        match=r"--revisions 'final-\*' matches none of the 12 branches and tags of org/pythia-tiny",
+    ):
         resolve_sources([PYTHIA], revisions="final-*", cache_dir=tmp_path, endpoint=hub.url)
     with pytest.raises(HubRevisionError, match="Hub repo org/nothing not found"):
         resolve_sources(["org/nothing"], revisions="*", cache_dir=tmp_path, endpoint=hub.url)
@@ -285,7 +314,9 @@ def test_a_dropped_connection_resumes_with_a_range_request(hub, checkpoints, tmp
     sources = resolve_sources([f"{PYTHIA}@step5000"], cache_dir=tmp_path / "c", endpoint=hub.url)
     gets = [r for r in hub.downloads() if r["file"] == dropped[0]]
     assert len(gets) == 2 and gets[0]["range"] is None
-    resumed_at = int(gets[1]["range"].removeprefix("bytes=").rstrip("-"))  # the second request asked for the rest only
+    resumed_at = int(
+        gets[1]["range"].removeprefix("bytes=").rstrip("-")
+    )  # the second request asked for the rest only
     assert 0 < resumed_at <= 20_000
     assert _weights_equal(sources[0].path, checkpoints[4])
 
@@ -298,7 +329,9 @@ def test_a_failed_run_resumes_where_it_stopped(hub, checkpoints, tmp_path):
 
     hub.file_hook = fail_step9000
     cache = tmp_path / "cache"
-    with pytest.raises(HubRevisionError, match=r"downloading .* of org/pythia-tiny@step9000 .* failed.*run again to resume"):
+    with pytest.raises(
+        HubRevisionError, match=r"downloading .* of org/pythia-tiny@step9000 .* failed.*run again to resume"
+    ):
         resolve_sources([PYTHIA], revisions="step*", last=3, cache_dir=cache, endpoint=hub.url)
     first = {r["file"] for r in hub.downloads() if "/" + broken + "/" not in r["file"]}
     assert first and all(f"/{hub.commits['step8000']}/" in f for f in first)  # step8000 arrived complete
@@ -306,7 +339,10 @@ def test_a_failed_run_resumes_where_it_stopped(hub, checkpoints, tmp_path):
     hub.file_hook = None
     hub.requests.clear()
     sources = resolve_sources([PYTHIA], revisions="step*", last=3, cache_dir=cache, endpoint=hub.url)
-    assert _downloaded_revisions(hub) == [hub.commits["step9000"], hub.commits["step10000"]]  # step8000 not again
+    assert _downloaded_revisions(hub) == [
+        hub.commits["step9000"],
+        hub.commits["step10000"],
+    ]  # step8000 not again
     for source, folder in zip(sources, checkpoints[-3:]):
         assert _weights_equal(source.path, folder)
 
@@ -316,8 +352,14 @@ def test_a_failed_run_resumes_where_it_stopped(hub, checkpoints, tmp_path):
 
 def _cli(args, hub, tmp_path):
     """``hf-pma ARGS`` as a process of its own: ``HF_ENDPOINT`` is read when huggingface_hub is imported."""
-    env = dict(HF_HUB_OFFLINE=None, TRANSFORMERS_OFFLINE=None, HF_TOKEN=None, HF_ENDPOINT=hub.url,
-               NO_PROXY="127.0.0.1,localhost", HF_HOME=str(tmp_path / "hf-home"))
+    env = dict(
+        HF_HUB_OFFLINE=None,
+        TRANSFORMERS_OFFLINE=None,
+        HF_TOKEN=None,
+        HF_ENDPOINT=hub.url,
+        NO_PROXY="127.0.0.1,localhost",
+        HF_HOME=str(tmp_path / "hf-home"),
+    )
     return run_cli(*args, env=env, process=True)
 
 
@@ -326,10 +368,32 @@ def test_cli_merge_of_revisions_and_its_card(hub, checkpoints, tmp_path, monkeyp
 
     out = tmp_path / "merged"
     cache = tmp_path / "cli-cache"
-    proc = _cli(["merge", PYTHIA, "--revisions", "step*", "--every", "2", "--last", "3", "-o", str(out), "--cache-dir", str(cache), "-q"], hub, tmp_path)
+    proc = _cli(
+        [
+            "merge",
+            PYTHIA,
+            "--revisions",
+            "step*",
+            "--every",
+            "2",
+            "--last",
+            "3",
+            "-o",
+            str(out),
+            "--cache-dir",
+            str(cache),
+            "-q",
+        ],
+        hub,
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
-    assert any(cache.iterdir()) and not (tmp_path / "hf-home" / "hub").exists()  # --cache-dir, not the default cache
-    local = merge_checkpoints([checkpoints[5], checkpoints[7], checkpoints[9]], tmp_path / "local", progress=False)
+    assert (
+        any(cache.iterdir()) and not (tmp_path / "hf-home" / "hub").exists()
+    )  # --cache-dir, not the default cache
+    local = merge_checkpoints(
+        [checkpoints[5], checkpoints[7], checkpoints[9]], tmp_path / "local", progress=False
+    )
     assert _weights_equal(out, local)
 
     card = build_model_card(out, template=REPO_ROOT / "model_cards" / "pma_model_card.md")
@@ -339,14 +403,25 @@ def test_cli_merge_of_revisions_and_its_card(hub, checkpoints, tmp_path, monkeyp
     assert f'"{PYTHIA}@step6000",' in card.text  # the merge code names the revisions
 
     # Bad input is one line: a pattern that matches nothing, or no Hub at all (HF_HUB_OFFLINE).
-    bad = _cli(["merge", PYTHIA, "--revisions", "nope*", "-o", str(tmp_path / "x"), "--cache-dir", str(cache)], hub, tmp_path)
+    bad = _cli(
+        ["merge", PYTHIA, "--revisions", "nope*", "-o", str(tmp_path / "x"), "--cache-dir", str(cache)],
+        hub,
+        tmp_path,
+    )
     assert bad.returncode == 2
-    assert bad.stderr.strip().splitlines()[-1].startswith("hf-pma merge: error: --revisions 'nope*' matches none of")
+    assert (
+        bad.stderr.strip()
+        .splitlines()[-1]
+        .startswith("hf-pma merge: error: --revisions 'nope*' matches none of")
+    )
     monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
     offline = run_cli("merge", f"{PYTHIA}@step1000", "-o", tmp_path / "y", "--cache-dir", cache)
     assert offline.returncode == 2
     err = offline.stderr.strip().splitlines()
-    assert err[-1] == f"hf-pma merge: error: cannot read revision step1000 of {PYTHIA}: the Hub is off (HF_HUB_OFFLINE is set)"
+    assert (
+        err[-1]
+        == f"hf-pma merge: error: cannot read revision step1000 of {PYTHIA}: the Hub is off (HF_HUB_OFFLINE is set)"
+    )
 
 
 def test_push_of_a_revision_merge_credits_the_source_repo(hub, tmp_path):
@@ -354,7 +429,9 @@ def test_push_of_a_revision_merge_credits_the_source_repo(hub, tmp_path):
 
     from hf_pma.publishing.hub import push_folder_to_hub
 
-    sources = resolve_sources([f"{OLMO}@{OLMO_NAMES[0]}", f"{OLMO}@{OLMO_NAMES[1]}"], cache_dir=tmp_path / "c", endpoint=hub.url)
+    sources = resolve_sources(
+        [f"{OLMO}@{OLMO_NAMES[0]}", f"{OLMO}@{OLMO_NAMES[1]}"], cache_dir=tmp_path / "c", endpoint=hub.url
+    )
     merged = merge_checkpoints(sources, tmp_path / "merged", progress=False)
     token = next(iter(hub.tokens))
     push_folder_to_hub(merged, "tester/olmo-pma", token=token, endpoint=hub.url)
@@ -384,24 +461,85 @@ def test_cli_eval_sweep_and_inspect_take_revisions(hub, tmp_path):
     common = ["--cache-dir", cache, "-q"]
 
     out = tmp_path / "eval.json"
-    proc = _cli(["eval", PYTHIA, f"{OLMO}@{OLMO_NAMES[0]}", "--revisions", "step*", "--last", "2", "--eval-file", str(text),
-                 "--block-size", "64", "-o", str(out), *common], hub, tmp_path)
+    proc = _cli(
+        [
+            "eval",
+            PYTHIA,
+            f"{OLMO}@{OLMO_NAMES[0]}",
+            "--revisions",
+            "step*",
+            "--last",
+            "2",
+            "--eval-file",
+            str(text),
+            "--block-size",
+            "64",
+            "-o",
+            str(out),
+            *common,
+        ],
+        hub,
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     labels = list(json.loads(out.read_text())["results"])
     assert labels == ["pythia-tiny@step9000", "pythia-tiny@step10000", f"olmo-tiny@{OLMO_NAMES[0]}"]
 
     out = tmp_path / "sweep.json"
-    proc = _cli(["sweep", PYTHIA, "--revisions", "/^step\\d+$/", "--last", "4", "--window", "2,4", "--every", "1",
-                 "--strategy", "sma", "--eval-file", str(text), "--block-size", "64", "-o", str(out), "--no-plot", *common],
-                hub, tmp_path)
+    proc = _cli(
+        [
+            "sweep",
+            PYTHIA,
+            "--revisions",
+            "/^step\\d+$/",
+            "--last",
+            "4",
+            "--window",
+            "2,4",
+            "--every",
+            "1",
+            "--strategy",
+            "sma",
+            "--eval-file",
+            str(text),
+            "--block-size",
+            "64",
+            "-o",
+            str(out),
+            "--no-plot",
+            *common,
+        ],
+        hub,
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert [s["name"] for s in report["snapshots"]] == ["step7000", "step8000", "step9000", "step10000"]
-    assert [c["snapshots"] for c in report["combinations"]] == [["step9000", "step10000"], ["step7000", "step8000", "step9000", "step10000"]]
+    assert [c["snapshots"] for c in report["combinations"]] == [
+        ["step9000", "step10000"],
+        ["step7000", "step8000", "step9000", "step10000"],
+    ]
 
     out = tmp_path / "inspect.json"
-    proc = _cli(["inspect", PYTHIA, "--revisions", "step*", "--last", "3", "--window", "3", "--plot", "", "-o", str(out), *common],
-                hub, tmp_path)
+    proc = _cli(
+        [
+            "inspect",
+            PYTHIA,
+            "--revisions",
+            "step*",
+            "--last",
+            "3",
+            "--window",
+            "3",
+            "--plot",
+            "",
+            "-o",
+            str(out),
+            *common,
+        ],
+        hub,
+        tmp_path,
+    )
     assert proc.returncode == 0, proc.stderr
     report = json.loads(out.read_text())
     assert [r["name"] for r in report["snapshots"]] == ["step8000", "step9000", "step10000"]
@@ -424,4 +562,6 @@ def test_the_stand_in_serves_byte_ranges_as_hffilesystem_reads_them(hub, checkpo
         assert f.read(stop - start) == data[8 + size + start : 8 + size + stop]
     ranges = [r["range"] for r in hub.downloads()]
     assert ranges and all(r.startswith("bytes=") for r in ranges)
-    assert sum(int(r.split("-")[1]) - int(r[6:].split("-")[0]) + 1 for r in ranges) < len(data)  # not the whole file
+    assert sum(int(r.split("-")[1]) - int(r[6:].split("-")[0]) + 1 for r in ranges) < len(
+        data
+    )  # not the whole file

@@ -50,7 +50,9 @@ def test_push_round_trip(hub, merged, tmp_path):
 
     # The card (and its plot) were written before the upload, and everything arrived byte-identical.
     local = _local_files(merged)
-    assert {"README.md", "pma_training.png", "model.safetensors", "config.json", "pma_merge.json"} <= set(local)
+    assert {"README.md", "pma_training.png", "model.safetensors", "config.json", "pma_merge.json"} <= set(
+        local
+    )
     received = hub.files("my-org/tiny-pma")
     assert received == local
     repo = hub.repos["my-org/tiny-pma"]
@@ -61,7 +63,9 @@ def test_push_round_trip(hub, merged, tmp_path):
     # The received card parses and holds the merge's results in its model-index.
     card = _card_from(received["README.md"], tmp_path)
     assert card.data.model_name == "tiny-pma"
-    losses = {r.metric_type: r.metric_value for r in card.data.eval_results if r.dataset_type == "held-out-text"}
+    losses = {
+        r.metric_type: r.metric_value for r in card.data.eval_results if r.dataset_type == "held-out-text"
+    }
     assert losses["loss"] == EVAL_RECORD["results"]["PMA merge"]["lm"]["loss"]
     assert 'from_pretrained("my-org/tiny-pma")' in card.text
 
@@ -75,7 +79,13 @@ def test_push_sharded_to_a_branch_of_a_private_repo(hub, tmp_path):
     assert json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]
     (folder / ".README.md.x1y2.tmp").write_text("left by an interrupted write")  # never uploaded
     url = push_folder_to_hub(
-        folder, "my-org/sharded", private=True, revision="pma-merged", commit_message="PMA merge of 6", token=TOKEN, endpoint=hub.url
+        folder,
+        "my-org/sharded",
+        private=True,
+        revision="pma-merged",
+        commit_message="PMA merge of 6",
+        token=TOKEN,
+        endpoint=hub.url,
     )
     repo = hub.repos["my-org/sharded"]
     assert repo.private
@@ -94,10 +104,25 @@ def test_bare_name_goes_to_the_token_owner_and_the_card_says_so(hub, merged):
 
 
 def test_cli_push_uses_hf_token_and_hf_endpoint(hub, merged):
-    env = dict(HF_HUB_OFFLINE=None, TRANSFORMERS_OFFLINE=None, HF_ENDPOINT=hub.url, HF_TOKEN=TOKEN,
-               NO_PROXY="127.0.0.1,localhost", HF_HOME=str(merged.parent / "hf-home"))
-    proc = run_cli("push", merged, "--repo-id", "cli-org/model", "--commit-message", "from the CLI", env=env,
-                   process=True, timeout=120)
+    env = dict(
+        HF_HUB_OFFLINE=None,
+        TRANSFORMERS_OFFLINE=None,
+        HF_ENDPOINT=hub.url,
+        HF_TOKEN=TOKEN,
+        NO_PROXY="127.0.0.1,localhost",
+        HF_HOME=str(merged.parent / "hf-home"),
+    )
+    proc = run_cli(
+        "push",
+        merged,
+        "--repo-id",
+        "cli-org/model",
+        "--commit-message",
+        "from the CLI",
+        env=env,
+        process=True,
+        timeout=120,
+    )
     assert proc.returncode == 0, proc.stderr
     repo = hub.repos["cli-org/model"]
     assert proc.stdout.strip() == f"{hub.url}/cli-org/model/commit/{repo.heads['main']}"
@@ -132,7 +157,9 @@ def test_invalid_repo_id_uploads_nothing(hub, merged, repo_id):
 
 def test_wrong_token_is_401(hub, merged):
     with pytest.raises(HubAuthError, match=r"rejected the token \(HTTP 401\).*HF_TOKEN"):
-        push_folder_to_hub(merged, "my-org/tiny-pma", token="hf_wrong_token_for_the_local_hub", endpoint=hub.url)
+        push_folder_to_hub(
+            merged, "my-org/tiny-pma", token="hf_wrong_token_for_the_local_hub", endpoint=hub.url
+        )
     assert hub.uploads() == [] and hub.repos == {}
 
 
@@ -152,7 +179,9 @@ def test_no_write_access_is_403_and_uploads_nothing(hub, merged, capsys):
 
 @pytest.mark.parametrize("damage", ["no config", "no weights", "missing shard", "truncated"])
 def test_incomplete_folder_uploads_nothing(hub, tmp_path, damage):
-    folder = write_merged_folder(tmp_path, max_shard_size=100_000 if damage == "missing shard" else "5GB", careless=False)
+    folder = write_merged_folder(
+        tmp_path, max_shard_size=100_000 if damage == "missing shard" else "5GB", careless=False
+    )
     if damage == "no config":
         (folder / "config.json").unlink()
         match = "config.json is missing"
