@@ -120,7 +120,7 @@ def _cell(value: float) -> str:
     [
         ("empty-folder", "not readable: no config.json and no weights"),
         ("tokenizer-mismatch", "does not match model"),
-        ("run-folder", "PMA run folder"),
+        ("run-folder", "is a run folder (a PMA manifest (pma/manifest.json)) without a final model at its top: --last N"),
         ("unknown-task", "'pma_next_lin' (close matches: pma_next_line"),
         ("nothing", "nothing to evaluate"),
     ],
