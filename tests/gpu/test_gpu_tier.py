@@ -16,7 +16,7 @@ from hf_pma.io.sharded import rank_file_name
 from hf_pma.merging.engine import merge_state_dict
 from hf_pma.snapshots.gather import LocalSlice
 from hf_pma.snapshots.sharded import StagingBuffers, write_rank_file
-from tests.testing_utils import REPO_ROOT, make_tiny_model
+from tests.testing_utils import REPO_ROOT, launch, make_tiny_model
 
 pytestmark = pytest.mark.gpu
 
@@ -107,16 +107,16 @@ def test_pretrain_under_the_fsdp2_config_saves_whole_final_and_annealed_models(t
     from tests.training.test_pretrain_script import SHORT
 
     out = tmp_path / "run"
-    command = [
-        sys.executable, "-m", "accelerate.commands.launch",
-        "--config_file", str(REPO_ROOT / "scripts" / "configs" / "fsdp2.yaml"),
-        "--num_processes", "1", "--main_process_port", "0",
-        str(REPO_ROOT / "scripts" / "pretrain.py"), *SHORT,
-        "--use_cpu", "false", "--make_tasks", "false", "--output_dir", str(out),
-    ]  # fmt: skip
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home")}  # PYTHONPATH: tests/conftest.py's
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=1200)
-    assert done.returncode == 0, done.stderr[-5000:]
+    launch(
+        REPO_ROOT / "scripts" / "pretrain.py",
+        *SHORT,
+        "--use_cpu", "false", "--make_tasks", "false", "--output_dir", out,
+        nproc=1,
+        launcher="accelerate",
+        launcher_args=["--config_file", str(REPO_ROOT / "scripts" / "configs" / "fsdp2.yaml")],
+        env={"ACCELERATE_USE_CPU": "false", "HF_HOME": str(tmp_path / "hf_home")},
+        timeout=1200,
+    )  # fmt: skip
     for name in ("final", "annealed"):
         model = AutoModelForCausalLM.from_pretrained(out / name)
         assert sum(p.numel() for p in model.parameters()) > 0
