@@ -7,19 +7,27 @@ tensor, a rank's shard of it) or on the order chunks run in: the output is bit-i
 for any ``workers``.
 
 Each of ``workers`` threads pulls the next chunk from a shared queue (in the planned order, so
-the threads work on neighbouring bytes of the files), accumulates it in float32 / float64
-and hands the merged chunk to the chunk's *sink* (write it into a file at its offset, copy it
-into a tensor, ...). While a worker accumulates source ``i`` its own I/O thread reads source
-``i + 1`` (and, at a chunk's end, the first source of its next chunk) into a second buffer,
-so reading and arithmetic overlap. ``read`` and ``sink`` run concurrently from several
-threads: readers use ``pread`` (no shared file position), sinks write disjoint ranges.
-Memory: each worker holds two read buffers, an accumulator and an output buffer of one chunk
-each; nothing grows with the number of sources or the model size.
+the threads work on neighbouring bytes of the files), reads each source's bytes of it into
+its own buffer, accumulates them in float32 / float64 and hands the merged chunk to the
+chunk's *sink* (write it into a file at its offset, copy it into a tensor, ...). ``read``
+and ``sink`` run concurrently from several threads: readers use ``pread`` (no shared file
+position), sinks write disjoint ranges. A worker reads and computes in turn (both release
+the GIL, so the workers overlap each other's reads): a read thread per worker that reads
+source ``i + 1`` while source ``i`` is added (``prefetch=True``) was measured slower on 2
+cores, the hand-over of each chunk between the threads costing more than the overlap gains
+(issue 21). Memory: each worker holds two read buffers, an accumulator and an output buffer
+of one chunk each; nothing grows with the number of sources or the model size.
 
 The arithmetic is numpy's, on raw bytes (neither torch nor transformers is imported): readers
 return the bytes of a chunk (:mod:`hf_pma.io`), decoded exactly to float32
 (:mod:`hf_pma.merging.casts`); sinks receive the merged chunk's bytes in the output dtype,
 rounded as torch rounds. numpy ops (and ``pread``) release the GIL, so threads scale.
+
+Per source after the first, a worker computes ``w * x`` (one rounding) into the buffer that
+holds ``x`` when that is its own read buffer or decode scratch (still in the CPU cache; a
+separate buffer otherwise, e.g. for memory-mapped ``.bin`` tensors), then adds it to the
+accumulator (a second rounding): the same two numpy operations, in the same order, wherever
+the product is stored, so where it goes never changes a bit.
 
 How the result compares with torch's ``acc.add_(x, alpha=w)`` (one fused multiply-add per
 element): numpy rounds the product ``w * x``, then the sum (two roundings). Where the products
@@ -217,16 +225,22 @@ class _Worker:
                 pending = self._submit(current, slot)
                 continue
             x = pending.result()
+            own = (self._bufs[slot], self._decoded)  # where x's values may lie, this worker's own
             current = next(items, None)
             slot ^= 1
             pending = self._submit(current, slot)  # the next read fills the other buffer meanwhile
             acc = self._acc[: task.stop - task.start]
             weight = self._kind(self.weights[i])
+            values = self._values(task, x)
             if i == 0:
-                np.multiply(self._values(task, x), weight, out=acc)
+                np.multiply(values, weight, out=acc)
             else:
-                tmp = self._tmp[: acc.size]
-                np.multiply(self._values(task, x), weight, out=tmp)
+                # The product overwrites the values where they lie in this worker's own read
+                # buffer or decode scratch (still in the CPU cache; never a reader's memory,
+                # such as a memory-mapped .bin tensor); the same operations either way.
+                mine = values.dtype == acc.dtype and any(np.may_share_memory(values, b) for b in own)
+                tmp = values if mine else self._tmp[: acc.size]
+                np.multiply(values, weight, out=tmp)
                 np.add(acc, tmp, out=acc)
             if i == len(self.readers) - 1:
                 task.sink(task.start, self._finish(task, acc))
@@ -275,7 +289,7 @@ def run_chunks(
     accumulate_dtype: Any = "F32",
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     workers: int | None = None,
-    prefetch: bool = True,
+    prefetch: bool = False,
     progress: bool = False,
     desc: str = "Merging",
 ) -> None:
@@ -286,6 +300,8 @@ def run_chunks(
     the float64 ones). ``workers`` threads (default: the usable cores); the first error stops
     every worker and is raised here. Readers return raw bytes
     (:mod:`hf_pma.io`); sinks receive the merged chunk's bytes in the output dtype.
+    ``prefetch``: give each worker a thread that reads its next source meanwhile (off by
+    default: slower where measured, see the module's docstring; the result is the same).
     """
     accumulate_dtype = accumulate_name(accumulate_dtype)
     workers = default_workers() if workers is None else int(workers)

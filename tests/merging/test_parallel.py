@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
 
 from hf_pma.cli import main
-from hf_pma.merging.chunks import TensorPlan, chunk_tasks
+from hf_pma.io.safetensors import TensorInfo
+from hf_pma.merging.chunks import TensorPlan, chunk_tasks, run_chunks
 from hf_pma.merging.engine import MergeError, merge_checkpoints, merge_state_dict
 from tests.testing_utils import make_tiny_model, save_model_folder
 
@@ -94,3 +96,71 @@ def test_chunks_are_cut_at_the_same_places_whatever_the_range():
     assert whole == [(0, 16), (16, 32), (32, 48), (48, 64), (64, 70)]
     part = [(t.start, t.stop) for t in chunk_tasks(plan, 20, 50, 16, print)]
     assert part == [(20, 32), (32, 48), (48, 50)]
+
+
+class _ArrayReader:
+    """A reader that returns views of its own arrays (memory it does not lend to be written,
+    as the ``.bin`` reader's memory-mapped tensors)."""
+
+    def __init__(self, arrays: dict[str, np.ndarray], dtype: str) -> None:
+        self.arrays = arrays
+        self.infos = {n: TensorInfo(n, dtype, a.shape, 0, a.nbytes) for n, a in arrays.items()}
+
+    def read(self, name, start=0, stop=None, buffer=None):
+        raw = self.arrays[name].reshape(-1).view(np.uint8)
+        item = self.arrays[name].itemsize
+        return raw[start * item : None if stop is None else stop * item]
+
+
+class _CopyingReader(_ArrayReader):
+    """The same bytes, copied into the worker's buffer as the safetensors reader does."""
+
+    def read(self, name, start=0, stop=None, buffer=None):
+        raw = super().read(name, start, stop)
+        out = buffer[: raw.size]
+        out[...] = raw
+        return out
+
+
+@pytest.mark.parametrize(
+    ("in_dtype", "acc"), [("F32", "F32"), ("BF16", "F32"), ("F32", "F64"), ("F16", "F32")]
+)
+def test_the_product_in_place_changes_no_bit_and_never_writes_a_readers_memory(in_dtype, acc):
+    """Per source, ``w * x`` goes into the worker's own read buffer (or decode scratch) when it
+    can: same bits as a plain numpy ``acc + w * x`` with a separate product, with or without the
+    read thread, and a reader's own memory is never written."""
+    rng = np.random.default_rng(0)
+    numpy_dtype = {"F32": np.float32, "F16": np.float16, "BF16": np.uint16}[in_dtype]
+    sources = []
+    for _ in range(5):
+        values = (rng.standard_normal(3001) * 2.0 ** rng.integers(-12, 12, 3001)).astype(np.float32)
+        if in_dtype == "BF16":
+            values = (values.view(np.uint32) >> 16).astype(np.uint16)
+        sources.append({"t": values.astype(numpy_dtype)})
+    kept = [{n: a.copy() for n, a in s.items()} for s in sources]
+    weights = [0.1, 0.15, 0.2, 0.25, 0.3]
+    kind = np.float32 if acc == "F32" else np.float64
+    reference = None
+    for state, w in zip(sources, weights):
+        x = state["t"]
+        x = (x.astype(np.uint32) << 16).view(np.float32) if in_dtype == "BF16" else x.astype(np.float32)
+        product = np.multiply(x, kind(w), dtype=kind)
+        reference = product if reference is None else reference + product
+    plan = TensorPlan("t", (3001,), in_dtype, acc)
+    results = []
+    for reader_type in (_ArrayReader, _CopyingReader):
+        for prefetch in (False, True):
+            out = np.zeros(3001, dtype=kind)
+
+            def sink(start, chunk, out=out):
+                out[start : start + chunk.size // out.itemsize] = chunk.view(kind)
+
+            readers = [reader_type(s, in_dtype) for s in sources]
+            tasks = chunk_tasks(plan, 0, 3001, 256, sink)
+            run_chunks(
+                tasks, ["a", "b", "c", "d", "e"], readers, weights, acc, 256 * out.itemsize, 2, prefetch
+            )
+            results.append(out)
+            assert all(np.array_equal(s["t"], k["t"]) for s, k in zip(sources, kept))
+    for out in results:
+        assert out.tobytes() == reference.tobytes()
