@@ -81,6 +81,41 @@ def test_written_file_is_what_safetensors_reads(tmp_path):
         unfinished.close()
 
 
+@pytest.mark.parametrize("fadvise", ["works", "fails", "missing"])
+def test_write_at_starts_the_writeback_of_each_range_and_never_needs_it(tmp_path, monkeypatch, fadvise):
+    """Each range written by write_at has its writeback started at once (posix_fadvise
+    DONTNEED); where that hint fails or does not exist the file is the same."""
+    import hf_pma.io.safetensors as module
+
+    calls = []
+    real = getattr(module.os, "posix_fadvise", None)
+
+    def fake(fd, offset, length, advice):
+        calls.append((offset, length))
+        if fadvise == "fails":
+            raise OSError(22, "Invalid argument")
+        if real is not None:
+            real(fd, offset, length, advice)
+
+    if fadvise == "missing":
+        monkeypatch.delattr(module.os, "posix_fadvise", raising=False)
+    else:
+        monkeypatch.setattr(module.os, "posix_fadvise", fake, raising=False)
+        monkeypatch.setattr(
+            module.os, "POSIX_FADV_DONTNEED", getattr(module.os, "POSIX_FADV_DONTNEED", 4), raising=False
+        )
+    path = tmp_path / "w.safetensors"
+    values = np.arange(1000, dtype=np.float32)
+    writer = SafetensorsWriter(path, [("x", "F32", (1000,))])
+    writer.write_at("x", 500, values[500:])
+    writer.write_at("x", 0, values[:500])
+    writer.close()
+    assert np.array_equal(load_file(path)["x"], values)
+    if fadvise != "missing":
+        start = path.stat().st_size - 4000  # the data section: the header comes first
+        assert calls == [(start + 2000, 2000), (start, 2000)]
+
+
 @pytest.mark.parametrize(
     ("mutate", "message"),
     [
