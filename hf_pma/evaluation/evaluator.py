@@ -28,7 +28,7 @@ from transformers.utils import logging
 
 from hf_pma.core.manifest import EVAL_RECORD_NAME
 from hf_pma.evaluation.harness import flatten_lm_eval_results, jsonable, load_task_manager, run_lm_eval
-from hf_pma.evaluation.model_checks import _resolve, check_hub_model
+from hf_pma.evaluation.model_checks import check_hub_model, resolve_model
 from hf_pma.evaluation.options import EvalOptions
 from hf_pma.utils.distributed import require_unsharded_model, run_on_main_process
 from hf_pma.utils.formatting import MISSING, format_metric, markdown_table, metric_label
@@ -371,10 +371,10 @@ def load_model_for_eval(
 
     tok_obj = None if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)) else tokenizer
     if tok_obj is not None:
-        name, _ = _resolve(model, None, find_tokenizer=False)
+        name, _ = resolve_model(model, None, find_tokenizer=False)
         tok, tok_name = tok_obj, type(tok_obj).__name__
     else:
-        name, tok_name = _resolve(model, tokenizer)
+        name, tok_name = resolve_model(model, tokenizer)
         tok = _load_tokenizer(tok_name)
     rows = _config_vocab_rows(name)
     if rows is not None:  # cheap check before the weights are read
@@ -460,7 +460,7 @@ def _evaluate_models(
         tasks, task_manager = load_task_manager(options.tasks, options.include_path)
         options = options.replace(tasks=tasks)
     for model in models:  # fail on a bad folder or tokenizer now, not after hours of evaluation
-        name, tok_name = _resolve(model, tokenizer)
+        name, tok_name = resolve_model(model, tokenizer)
         if Path(name).exists():
             rows = _config_vocab_rows(name)
             if rows is not None:

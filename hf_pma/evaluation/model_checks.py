@@ -55,10 +55,14 @@ def _check_model_folder(path: Path) -> None:
     raise FileNotFoundError(f"model folder {path} is not readable: no {' and no '.join(missing)} in it")
 
 
-def _resolve(
-    model: str | os.PathLike[str], tokenizer: str | os.PathLike[str] | None, find_tokenizer: bool = True
+def resolve_model(
+    model: str | os.PathLike[str],
+    tokenizer: str | os.PathLike[str] | None = None,
+    find_tokenizer: bool = True,
 ) -> tuple[str, str | None]:
-    """(model name, tokenizer name) after checking that a local model folder is readable."""
+    """(model name, tokenizer name) after checking that a local model folder is readable and holds
+    (or sits in a run folder that holds) a tokenizer, or that the Hub has the model; one-line
+    ``FileNotFoundError`` / ``ValueError`` / ``ConnectionError`` otherwise."""
     path = Path(model)
     if path.exists():
         _check_model_folder(path)
@@ -121,14 +125,3 @@ def check_hub_model(name: str) -> None:
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
-
-
-def resolve_model(
-    model: str | os.PathLike[str],
-    tokenizer: str | os.PathLike[str] | None = None,
-    find_tokenizer: bool = True,
-) -> tuple[str, str | None]:
-    """(model name, tokenizer name) after checking that a local model folder is readable and holds
-    (or sits in a run folder that holds) a tokenizer, or that the Hub has the model; one-line
-    ``FileNotFoundError`` / ``ValueError`` / ``ConnectionError`` otherwise."""
-    return _resolve(model, tokenizer, find_tokenizer)
