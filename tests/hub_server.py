@@ -458,3 +458,16 @@ def online_hub(monkeypatch, tmp_path, tokens: tuple[str, ...]):
     monkeypatch.setattr(hf_constants, "HF_TOKEN_PATH", str(tmp_path / "no-login" / "token"))
     with HubServer(tokens=tokens) as server:
         yield server
+
+
+def online_cli_env(hub: HubServer, token: str, hf_home: str) -> dict[str, str | None]:
+    """The environment of an ``hf-pma`` process that talks to ``hub`` with ``token`` (for
+    ``run_cli(..., env=..., process=True)``: huggingface_hub reads ``HF_ENDPOINT`` at import)."""
+    return {
+        "HF_HUB_OFFLINE": None,
+        "TRANSFORMERS_OFFLINE": None,
+        "HF_ENDPOINT": hub.url,
+        "HF_TOKEN": token,
+        "NO_PROXY": "127.0.0.1,localhost",
+        "HF_HOME": hf_home,
+    }

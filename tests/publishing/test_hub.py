@@ -16,7 +16,7 @@ from huggingface_hub import constants as hf_constants
 
 from hf_pma.cli import main
 from hf_pma.publishing.hub import HubAuthError, check_model_folder, push_folder_to_hub
-from tests.hub_server import online_hub
+from tests.hub_server import online_cli_env, online_hub
 from tests.pma_records import EVAL_RECORD, FAKE_TOKEN, write_merged_folder
 from tests.testing_utils import run_cli
 
@@ -104,14 +104,7 @@ def test_bare_name_goes_to_the_token_owner_and_the_card_says_so(hub, merged):
 
 
 def test_cli_push_uses_hf_token_and_hf_endpoint(hub, merged):
-    env = dict(
-        HF_HUB_OFFLINE=None,
-        TRANSFORMERS_OFFLINE=None,
-        HF_ENDPOINT=hub.url,
-        HF_TOKEN=TOKEN,
-        NO_PROXY="127.0.0.1,localhost",
-        HF_HOME=str(merged.parent / "hf-home"),
-    )
+    env = online_cli_env(hub, TOKEN, str(merged.parent / "hf-home"))
     proc = run_cli(
         "push",
         merged,

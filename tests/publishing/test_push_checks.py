@@ -8,7 +8,7 @@ import json
 import pytest
 
 from hf_pma.publishing.hub import push_folder_to_hub
-from tests.hub_server import online_hub
+from tests.hub_server import online_cli_env, online_hub
 from tests.pma_records import write_merged_folder
 from tests.testing_utils import run_cli
 
@@ -29,14 +29,7 @@ def merged(tmp_path, tiny_tokenizer):
 
 def _push_cli(hub, folder, *args):
     # A process of its own: HF_ENDPOINT is read when huggingface_hub is imported.
-    env = dict(
-        HF_HUB_OFFLINE=None,
-        TRANSFORMERS_OFFLINE=None,
-        HF_ENDPOINT=hub.url,
-        HF_TOKEN=PLAIN_TOKEN,
-        NO_PROXY="127.0.0.1,localhost",
-        HF_HOME=str(folder.parent / "hf-home"),
-    )
+    env = online_cli_env(hub, PLAIN_TOKEN, str(folder.parent / "hf-home"))
     return run_cli("push", folder, "--repo-id", "my-org/model", *args, env=env, process=True, timeout=120)
 
 
