@@ -149,6 +149,14 @@ LAUNCH_STRINGS = {
 }
 
 
+def _test_nodes(allowed: set[Path]):
+    """(``path:line``, node) for every AST node of the test modules but the ``allowed`` ones."""
+    for path in sorted((REPO_ROOT / "tests").rglob("*.py")):
+        if path not in allowed:
+            for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+                yield f"{path.relative_to(REPO_ROOT)}:{getattr(node, 'lineno', '?')}", node
+
+
 def test_tests_launch_processes_through_the_one_launcher():
     """No test module chooses a port or builds a torchrun / accelerate command of its own:
     ``tests.testing_utils.launch`` holds the port safely, keeps per-rank logs and reports the
@@ -157,23 +165,15 @@ def test_tests_launch_processes_through_the_one_launcher():
     # The launcher; the Hub stand-in (serves on port 0); this rule's own list.
     allowed = {tests / "testing_utils.py", tests / "hub_server.py", Path(__file__).resolve()}
     offenders = []
-    for path in sorted(tests.rglob("*.py")):
-        if path in allowed:
-            continue
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            where = f"{path.relative_to(REPO_ROOT)}:{getattr(node, 'lineno', '?')}"
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and re.search(
-                r"(^|_)ports?(_|$)", node.name.lower()
-            ):
-                offenders.append(f"{where} defines {node.name}()")
-            elif (
-                isinstance(node, ast.Constant)
-                and isinstance(node.value, str)
-                and node.value in LAUNCH_STRINGS
-            ):
-                offenders.append(f"{where} builds a launch command ({node.value!r})")
-            elif isinstance(node, ast.Attribute) and node.attr == "bind":
-                offenders.append(f"{where} binds a socket")
+    for where, node in _test_nodes(allowed):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and re.search(
+            r"(^|_)ports?(_|$)", node.name.lower()
+        ):
+            offenders.append(f"{where} defines {node.name}()")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in LAUNCH_STRINGS:
+            offenders.append(f"{where} builds a launch command ({node.value!r})")
+        elif isinstance(node, ast.Attribute) and node.attr == "bind":
+            offenders.append(f"{where} binds a socket")
     assert not offenders, "launch multi-process tests with tests.testing_utils.launch:\n" + "\n".join(
         offenders
     )
@@ -197,13 +197,9 @@ def test_tests_run_the_command_through_the_one_helper():
         Path(__file__).resolve(),
     }
     offenders = []
-    for path in sorted(tests.rglob("*.py")):
-        if path in allowed:
-            continue
-        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
-            where = f"{path.relative_to(REPO_ROOT)}:{getattr(node, 'lineno', '?')}"
-            if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in CLI_STRINGS:
-                offenders.append(f"{where} builds an hf-pma command ({node.value!r})")
-            elif isinstance(node, ast.Name) and node.id == "hf_pma_command":
-                offenders.append(f"{where} starts the console script itself")
+    for where, node in _test_nodes(allowed):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value in CLI_STRINGS:
+            offenders.append(f"{where} builds an hf-pma command ({node.value!r})")
+        elif isinstance(node, ast.Name) and node.id == "hf_pma_command":
+            offenders.append(f"{where} starts the console script itself")
     assert not offenders, "run hf-pma with tests.testing_utils.run_cli:\n" + "\n".join(offenders)
