@@ -32,10 +32,7 @@ def stdlib_documents(max_bytes: int = 8_000_000, min_chars: int = 500) -> list[s
     """
     root = Path(sysconfig.get_paths()["stdlib"])
     docs, total = [], 0
-    for path in sorted(root.rglob("*.py")):
-        rel = path.relative_to(root).parts
-        if any(p in {"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3"} for p in rel):
-            continue
+    for path in _stdlib_sources(root):
         try:
             text = path.read_text(encoding="utf-8")
         except (UnicodeDecodeError, OSError):
@@ -49,6 +46,22 @@ def stdlib_documents(max_bytes: int = 8_000_000, min_chars: int = 500) -> list[s
     if not docs:
         raise FileNotFoundError(f"no standard-library source files found under {root}")
     return docs
+
+
+_SKIPPED_FOLDERS = frozenset({"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3"})
+
+
+def _stdlib_sources(root: Path) -> list[Path]:
+    """The ``*.py`` files under ``root`` outside the skipped folders, sorted as paths.
+
+    The skipped folders are pruned while walking: site-packages sits inside the standard
+    library's folder and can hold hundreds of thousands of files that would be listed for nothing.
+    """
+    found = []
+    for folder, subfolders, files in os.walk(root):
+        subfolders[:] = [name for name in subfolders if name not in _SKIPPED_FOLDERS]
+        found += [Path(folder, name) for name in files if name.endswith(".py")]
+    return sorted(found)
 
 
 def _corpus_digest(texts: Sequence[str], vocab_size: int) -> str:
