@@ -15,6 +15,7 @@ import json
 import logging as std_logging
 import os
 import re
+import threading
 from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
@@ -118,6 +119,41 @@ def _quiet(logger_name: str, level: int = std_logging.ERROR):
         target.setLevel(old)
 
 
+_ENVIRONMENT_REPORT_LOCK = threading.Lock()
+_environment_report_off = 0  # how many evaluations are running without it
+
+
+@contextmanager
+def _without_environment_report():
+    # lm-eval's simple_evaluate ends by describing the machine for its results file: `git
+    # describe` (which prints "fatal: not a git repository" outside a checkout) and torch's
+    # collect_env, which runs pip, nvidia-smi and a dozen more subprocesses (about 0.7 s of CPU
+    # here, more on a cluster node). hf-pma keeps none of it, and merged evaluations during
+    # training would pay it at every evaluation, so both are skipped while hf-pma evaluates.
+    import lm_eval.evaluator as evaluator
+
+    global _environment_report_off
+    names = [n for n in ("add_env_info", "get_git_commit_hash") if callable(getattr(evaluator, n, None))]
+    with _ENVIRONMENT_REPORT_LOCK:
+        if _environment_report_off == 0:
+            _without_environment_report.saved = {n: getattr(evaluator, n) for n in names}
+            for name in names:
+                setattr(evaluator, name, _no_environment_report)
+        _environment_report_off += 1
+    try:
+        yield
+    finally:
+        with _ENVIRONMENT_REPORT_LOCK:
+            _environment_report_off -= 1
+            if _environment_report_off == 0:
+                for name, original in _without_environment_report.saved.items():
+                    setattr(evaluator, name, original)
+
+
+def _no_environment_report(*_args: Any) -> None:
+    return None
+
+
 def run_lm_eval(
     model: Any,
     tokenizer: Any,
@@ -194,7 +230,8 @@ def _run_lm_eval(
             lm = HFLM(pretrained=model, tokenizer=tokenizer, **hflm_kwargs)
         logger.info(f"lm-eval: {', '.join(names)}")
         try:
-            results = simple_evaluate(model=lm, tasks=names, task_manager=task_manager, **kwargs)
+            with _without_environment_report():
+                results = simple_evaluate(model=lm, tasks=names, task_manager=task_manager, **kwargs)
         except ConnectionError as err:
             raise TaskDataUnreachableError.from_error(names, task_manager, err) from err
     finally:

@@ -261,3 +261,29 @@ def test_results_table_rows_are_metrics_columns_are_models():
         ["t/acc", "0.2500 ± 0.0500", "0.5000"],
     ]
     assert table.splitlines()[1].startswith("| :---")  # a markdown table: labels left, numbers right
+
+
+def test_lm_eval_runs_no_subprocess_and_leaves_lm_eval_as_it_was(peaked_model, tiny_tokenizer, task_dir, monkeypatch):
+    """lm-eval's machine report (git describe, torch's collect_env: pip, nvidia-smi, ...) is skipped
+    while hf-pma evaluates, and put back afterwards for the user's own lm-eval runs."""
+    import subprocess
+
+    import lm_eval.evaluator
+
+    originals = (lm_eval.evaluator.add_env_info, lm_eval.evaluator.get_git_commit_hash)
+    started = []
+    popen_init = subprocess.Popen.__init__
+
+    def spy(self, args, *rest, **kwargs):
+        started.append(args)
+        popen_init(self, args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", spy)
+    results = run_lm_eval(peaked_model, tiny_tokenizer, "pma_cloze", include_path=task_dir, limit=2, batch_size=4)
+    assert started == []
+    assert "pretty_env_info" not in results and results["results"]["pma_cloze"]["acc,none"] is not None
+    assert (lm_eval.evaluator.add_env_info, lm_eval.evaluator.get_git_commit_hash) == originals
+    # the spy sees processes: lm-eval's own report starts some when called outside hf-pma
+    storage = {}
+    lm_eval.evaluator.add_env_info(storage)
+    assert started and "pretty_env_info" in storage
