@@ -119,7 +119,10 @@ class HubServer:
 
     def start(self) -> HubServer:
         """Serve in a daemon thread."""
-        self._thread = threading.Thread(target=self._httpd.serve_forever, name="hub-server", daemon=True)
+        # shutdown() waits for the serving loop's next poll: 0.5 s by default, at every test's end
+        self._thread = threading.Thread(
+            target=self._httpd.serve_forever, kwargs={"poll_interval": 0.02}, name="hub-server", daemon=True
+        )
         self._thread.start()
         return self
 
