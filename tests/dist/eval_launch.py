@@ -1,34 +1,46 @@
-"""Launched by tests/test_eval_cli.py with ``accelerate launch --num_processes 2``.
+"""The ``eval`` scenario of tests/dist/scenarios.py (read by tests/evaluation/test_eval_cli.py).
 
 Evaluation must run once, on the main process, while the other rank waits and then receives the
-same result; the CLI must print its table once. Each rank writes what it saw to OUT/rank<r>.json.
-
-    python tests/dist/eval_launch.py MODEL_DIR TASK_DIR OUT_DIR
+same result; the CLI must print its table once. Rank 0 first writes the inputs (a tiny model
+with its tokenizer, generated tasks) to ``OUT/inputs``; each rank writes what it saw to
+``OUT/rank<r>.json``, and the CLI its report to ``OUT/cli.json``.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
-import torch
+import torch.distributed as dist
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_pma.cli import main
 from hf_pma.evaluation.evaluator import evaluate_language_modeling, evaluate_model
+from hf_pma.evaluation.generated_tasks import TaskOptions, make_tasks
 from hf_pma.utils.distributed import distributed_rank_and_size, run_locally, run_on_main_process
-
-torch.set_num_threads(1)
+from tests.testing_utils import make_tiny_model, sample_text, save_model_folder, train_tiny_tokenizer
 
 
 def fail_on_main() -> None:
     raise ValueError(f"bad input seen by rank {distributed_rank_and_size()[0]}")
 
 
-def run() -> int:
-    model_dir, task_dir, out_dir = (Path(a) for a in sys.argv[1:4])
+def write_inputs(inputs: Path) -> None:
+    """A tiny model folder with its tokenizer, and generated tasks with their held-out documents."""
+    save_model_folder(inputs / "model", make_tiny_model(seed=1, initializer_range=0.3), train_tiny_tokenizer())
+    lines = sample_text().splitlines()
+    docs = ["\n".join(lines[i : i + 30]) for i in range(0, len(lines), 30)]
+    make_tasks(docs, inputs / "tasks", eval_fraction=0.3, options=TaskOptions(num_items=12, max_line_chars=60))
+
+
+def run(out: Path) -> None:
     rank, world_size = distributed_rank_and_size()
+    inputs = out / "inputs"
+    if rank == 0:
+        with run_locally():  # make_tasks runs on the main process and waits for the others: not here
+            write_inputs(inputs)
+    dist.barrier()
+    model_dir, task_dir = inputs / "model", inputs / "tasks"
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     forwards = []
@@ -52,30 +64,8 @@ def run() -> int:
         # Code guarded to one rank: run_locally keeps it from waiting for the other rank.
         with run_locally():
             report["local"] = evaluate_language_modeling(model, tokenizer, texts, progress=False)
-    (out_dir / f"rank{rank}.json").write_text(json.dumps(report))
-    return main(
-        [
-            "eval",
-            str(model_dir),
-            "--eval-file",
-            str(task_dir / "heldout.jsonl"),
-            "--limit",
-            "4",
-            "--tasks",
-            "pma_cloze",
-            "--include-path",
-            str(task_dir),
-            "--bootstrap-iters",
-            "0",
-            "-o",
-            str(out_dir / "cli.json"),
-            "-q",
-        ]
-    )
-
-
-if __name__ == "__main__":
-    # torch elastic's error file: the test names the first failing rank and shows its traceback.
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    sys.exit(record(run)())
+    (out / f"rank{rank}.json").write_text(json.dumps(report))
+    args = ["eval", str(model_dir), "--eval-file", str(task_dir / "heldout.jsonl"), "--limit", "4"]
+    args += ["--tasks", "pma_cloze", "--include-path", str(task_dir), "--bootstrap-iters", "0"]
+    if main([*args, "-o", str(out / "cli.json"), "-q"]) != 0:
+        raise RuntimeError(f"hf-pma eval failed on rank {rank}")

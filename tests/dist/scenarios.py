@@ -2,6 +2,7 @@
 group (and the torch and transformers imports of every rank) once for all of them.
 
     python -m torch.distributed.run --nproc_per_node W tests/dist/scenarios.py --out OUT NAME [NAME ...]
+    accelerate launch --num_processes W tests/dist/scenarios.py --out OUT NAME [NAME ...]
 
 Each scenario runs on the same gloo process group, one after the other, in ``OUT/<name>/``,
 and writes its ``result-rank<r>.json`` there. A scenario that raises ends the launch; the test
@@ -36,6 +37,12 @@ def _merged_eval(out: Path) -> None:
     merged_eval.run(out)
 
 
+def _eval(out: Path) -> None:
+    from tests.dist import eval_launch
+
+    eval_launch.run(out)
+
+
 def _two_nodes(out: Path) -> None:
     from tests.dist import two_nodes
 
@@ -52,6 +59,7 @@ SCENARIOS: dict[str, Callable[[Path], None]] = {
     "ddp": _ddp,  # tests/snapshots/test_callback_distributed.py
     "fsdp_gather": _fsdp_gather,  # tests/snapshots/test_callback_distributed.py
     "merged_eval": _merged_eval,  # tests/merging/test_slices_distributed.py
+    "eval": _eval,  # tests/evaluation/test_eval_cli.py
     "sharded": _sharded,  # tests/snapshots/test_sharded.py
     "two_nodes": _two_nodes,  # tests/utils/test_distributed.py (raises on every rank: keep it last)
 }

@@ -1,13 +1,12 @@
 """Train a tiny Llama with PMACallback and report what happened, one JSON file per rank.
 
-Launched by tests/test_callback_distributed.py with ``torchrun --nproc_per_node 2`` and with
-``accelerate launch --multi_gpu --num_processes 2`` (gloo, CPU); ``main()`` also runs in the
+The ``ddp`` scenario of tests/dist/scenarios.py (``accelerate launch --multi_gpu --num_processes 2``,
+gloo, CPU), read by tests/snapshots/test_callback_distributed.py; ``main()`` also runs in the
 test process as the single-process reference with the same global batch.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 from pathlib import Path
@@ -73,16 +72,3 @@ def main(out: Path, per_device: int, grad_accum: int, expect_world_size: int) ->
         report["folders"] = sorted(p.name for p in callback.pma_dir.iterdir())
     (Path(out) / f"result-rank{args.process_index}.json").write_text(json.dumps(report, indent=2))
     return report
-
-
-if __name__ == "__main__":
-    # torch elastic's error file: the test names the first failing rank and shows its traceback.
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--per-device", type=int, default=2)
-    parser.add_argument("--grad-accum", type=int, default=1)
-    parser.add_argument("--expect-world-size", type=int, default=2)
-    a = parser.parse_args()
-    record(main)(a.out, a.per_device, a.grad_accum, a.expect_world_size)

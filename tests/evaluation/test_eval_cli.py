@@ -12,7 +12,7 @@ from hf_pma.cli import main
 from hf_pma.core.manifest import write_manifest
 from hf_pma.evaluation.evaluator import evaluate_language_modeling, load_model_for_eval
 from hf_pma.evaluation.generated_tasks import TaskOptions, make_tasks
-from tests.testing_utils import launch, make_tiny_model, markdown_rows, sample_text, save_model_folder
+from tests.testing_utils import make_tiny_model, markdown_rows, sample_text, save_model_folder
 
 
 @pytest.fixture(scope="module")
@@ -161,9 +161,10 @@ def test_load_model_for_eval_with_a_tokenizer_object(setup, tiny_tokenizer, tmp_
 
 
 @pytest.mark.distributed
-def test_two_process_launch_evaluates_once(setup, tmp_path):
-    done = launch("eval_launch.py", setup["merged"], setup["tasks"], tmp_path, launcher="accelerate", cwd=tmp_path)
-    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+@pytest.mark.shared_launch("world2")  # the `eval` scenario of tests/dist/scenarios.py
+def test_two_process_launch_evaluates_once(shared_launch):
+    done, out = shared_launch.result("world2"), shared_launch("world2") / "eval"
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["world_size"] for r in ranks] == [2, 2]
     assert ranks[0]["forwards"] > 0 and ranks[1]["forwards"] == 0  # ran once, on the main process
     assert ranks[0]["results"] == ranks[1]["results"]  # and every rank got the result
@@ -172,5 +173,5 @@ def test_two_process_launch_evaluates_once(setup, tmp_path):
     assert ranks[0]["local"]["loss"] == ranks[0]["results"]["lm"]["loss"] and "local" not in ranks[1]
     # the CLI table is printed once, by the main process
     assert [done.output(rank).count("lm/perplexity") for rank in (0, 1)] == [1, 0]
-    cli = json.loads((tmp_path / "cli.json").read_text())
-    assert set(cli["results"]["merged"]) == {"lm", "pma_cloze"}
+    cli = json.loads((out / "cli.json").read_text())
+    assert set(cli["results"]["model"]) == {"lm", "pma_cloze"}

@@ -1,10 +1,10 @@
 """PMACallback and the gather path in real multi-process runs (gloo on CPU).
 
-* 2-process DDP under ``torchrun`` (the shared launch of tests/dist/scenarios.py) and under
-  ``accelerate launch``: the same token boundaries as a single process with the same global
+* 2-process DDP under ``accelerate launch`` (the shared 2-process launch of
+  tests/dist/scenarios.py): the same token boundaries as a single process with the same global
   batch, exactly one writer, snapshot weights equal to the model's weights at that step.
-* FSDP2 (``fully_shard``) and FSDP1 under ``torchrun`` (same shared launch): the gathered state
-  dict equals the unsharded model. The Trainer cannot run FSDP on CPU (it does not shard with
+* FSDP2 (``fully_shard``) and FSDP1 (same shared launch): the gathered state dict equals the
+  unsharded model. The Trainer cannot run FSDP on CPU (it does not shard with
   ``use_cpu``), so the gather + write path the callback uses is tested directly.
 """
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.testing_utils import launch, rank_reports, shared_launch_job
+from tests.testing_utils import rank_reports
 
 pytestmark = pytest.mark.distributed
 
@@ -46,19 +46,8 @@ def check_ddp_reports(reports: list[dict], reference: dict, out: Path) -> None:
 
 
 @pytest.mark.shared_launch("world2")
-def test_ddp_torchrun(shared_launch, single_process_reference):
-    out = shared_launch("world2") / "ddp"
-    check_ddp_reports(rank_reports(out, 2), single_process_reference, out)
-
-
-shared_launch_job("ddp-accelerate")(
-    lambda out: launch("train_ddp.py", "--out", out, launcher="accelerate", check=False)
-)
-
-
-@pytest.mark.shared_launch("ddp-accelerate")  # started with the session, in the background
 def test_ddp_accelerate_launch(shared_launch, single_process_reference):
-    out = shared_launch("ddp-accelerate")
+    out = shared_launch("world2") / "ddp"
     check_ddp_reports(rank_reports(out, 2), single_process_reference, out)
 
 
