@@ -6,12 +6,12 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 from transformers import Trainer, TrainingArguments
 
 from tests.testing_utils import (
     REPO_ROOT,
     CollectLogs,
-    Launch,
     launch,
     lm_setup,
     load_pretrain_script,
@@ -62,29 +62,20 @@ def test_the_fork_resumes_a_tied_model_without_a_missing_keys_warning(tmp_path, 
     assert keep.filter(record)
 
 
-def _launch(*launcher_args: str) -> Launch:
-    # Bad arguments: the script stops right after the launcher check, in every process it has.
-    return launch(
-        SCRIPT,
-        "--anneal_steps",
-        "-1",
-        launcher="accelerate",
-        launcher_args=launcher_args,
-        cwd=REPO_ROOT,
-        check=False,
+def test_cpu_num_processes_that_starts_one_process_is_reported():
+    # `accelerate launch --cpu --num_processes 2`: one process starts. Bad arguments stop the
+    # script right after the launcher check, in every process it has.
+    one = launch(
+        SCRIPT, "--anneal_steps", "-1", launcher="accelerate", launcher_args=["--cpu"], cwd=REPO_ROOT, check=False
     )
-
-
-def test_cpu_num_processes_that_starts_one_process_is_reported(tmp_path):
-    # `accelerate launch --cpu --num_processes 2`: one process starts.
-    one = _launch("--cpu")
     assert one.stderr.count("pretrain.py: error: anneal_steps") == 1  # one process only
     assert "accelerate launch was asked for 2 processes but this run has 1" in one.stderr
     assert "ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes 2" in one.stderr
-    # The incantation the warning (and the quickstart) gives starts two processes, and says nothing.
-    two = _launch()
-    assert [two.output(rank, "stderr").count("pretrain.py: error: anneal_steps") for rank in (0, 1)] == [
-        1,
-        1,
-    ], two.report()
-    assert "was asked for" not in two.output(0, "stderr") + two.output(1, "stderr")
+
+
+@pytest.mark.shared_launch("pretrain-accelerate")  # started with the session, in the background
+def test_the_incantation_the_warning_gives_starts_two_processes_and_says_nothing(shared_launch):
+    # tests/training/test_pretrain_script.py's 2-process run is started exactly that way
+    two = shared_launch.result("pretrain-accelerate")
+    assert two.command[two.command.index("--num_processes") + 1] == "2" and "--multi_gpu" in two.command
+    assert "was asked for" not in two.stderr + two.output(0, "stderr") + two.output(1, "stderr")
