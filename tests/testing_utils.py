@@ -22,7 +22,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
@@ -233,17 +233,47 @@ def run_cli(
     """
     args = [os.fspath(a) for a in argv]
     if process:
-        full_env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-        for name, value in (env or {}).items():
-            if value is None:
-                full_env.pop(name, None)
-            else:
-                full_env[name] = value
         done = subprocess.run(
-            [hf_pma_command(), *args], capture_output=True, text=True, env=full_env, cwd=cwd, timeout=timeout
+            [hf_pma_command(), *args], capture_output=True, text=True, env=_process_env(env), cwd=cwd, timeout=timeout
         )
         return CliResult(args, done.returncode, done.stdout, done.stderr)
     return _run_cli_here(args, env or {}, cwd)
+
+
+def run_cli_in_one_process(
+    *commands: Sequence[str | os.PathLike],
+    env: dict[str, str | None] | None = None,
+    cwd: str | os.PathLike | None = None,
+    timeout: float = 300,
+) -> list[CliResult]:
+    """Run several ``hf-pma`` commands one after the other in one fresh process, each as
+    :func:`run_cli` runs one in this process: for settings read once at import (``HF_ENDPOINT``)
+    without paying the torch and transformers imports once per command."""
+    argvs = [[os.fspath(a) for a in command] for command in commands]
+    driver = (
+        "import dataclasses, json, sys\n"
+        "from tests.testing_utils import _run_cli_here\n"
+        "done = [dataclasses.asdict(_run_cli_here(argv, {}, None)) for argv in json.loads(sys.argv[1])]\n"
+        "sys.stdout.write('\\n' + json.dumps(done))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", driver, json.dumps(argvs)],
+        capture_output=True, text=True, env=_process_env(env), cwd=cwd, timeout=timeout,
+    )
+    if done.returncode != 0:
+        raise AssertionError(f"the process running {len(argvs)} hf-pma commands failed:\n{done.stderr[-6000:]}")
+    return [CliResult(**result) for result in json.loads(done.stdout.rsplit("\n", 1)[-1])]
+
+
+def _process_env(env: dict[str, str | None] | None) -> dict[str, str]:
+    """This environment, offline, with ``env`` on top (``None`` unsets a variable)."""
+    full_env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    for name, value in (env or {}).items():
+        if value is None:
+            full_env.pop(name, None)
+        else:
+            full_env[name] = value
+    return full_env
 
 
 def _run_cli_here(args: list[str], env: dict[str, str | None], cwd) -> CliResult:

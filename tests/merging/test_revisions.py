@@ -30,7 +30,7 @@ from hf_pma.merging.hub_revisions import (
 )
 from hf_pma.merging.sources import resolve_sources
 from tests.hub_server import HubServer
-from tests.testing_utils import REPO_ROOT, make_tiny_model, run_cli
+from tests.testing_utils import REPO_ROOT, make_tiny_model, run_cli, run_cli_in_one_process
 
 PYTHIA = "org/pythia-tiny"
 OLMO = "org/olmo-tiny"
@@ -350,9 +350,8 @@ def test_a_failed_run_resumes_where_it_stopped(hub, checkpoints, tmp_path):
 # ---------------------------------------------------------------- CLI, card, push
 
 
-def _cli(args, hub, tmp_path):
-    """``hf-pma ARGS`` as a process of its own: ``HF_ENDPOINT`` is read when huggingface_hub is imported."""
-    env = dict(
+def _online_env(hub, tmp_path) -> dict[str, str | None]:
+    return dict(
         HF_HUB_OFFLINE=None,
         TRANSFORMERS_OFFLINE=None,
         HF_TOKEN=None,
@@ -360,7 +359,11 @@ def _cli(args, hub, tmp_path):
         NO_PROXY="127.0.0.1,localhost",
         HF_HOME=str(tmp_path / "hf-home"),
     )
-    return run_cli(*args, env=env, process=True)
+
+
+def _cli(args, hub, tmp_path):
+    """``hf-pma ARGS`` as a process of its own: ``HF_ENDPOINT`` is read when huggingface_hub is imported."""
+    return run_cli(*args, env=_online_env(hub, tmp_path), process=True)
 
 
 def test_cli_merge_of_revisions_and_its_card(hub, checkpoints, tmp_path, monkeypatch):
@@ -457,91 +460,36 @@ def test_cli_eval_sweep_and_inspect_take_revisions(hub, tmp_path):
 
     text = tmp_path / "heldout.txt"
     text.write_text(sample_text(4000))
-    cache = str(tmp_path / "cache")
-    common = ["--cache-dir", cache, "-q"]
-
-    out = tmp_path / "eval.json"
-    proc = _cli(
+    common = ["--eval-file", str(text), "--block-size", "64", "--cache-dir", str(tmp_path / "cache"), "-q"]
+    out = {name: tmp_path / f"{name}.json" for name in ("eval", "sweep", "inspect")}
+    # one process for the three commands: HF_ENDPOINT is read when huggingface_hub is imported
+    evaluated, swept, inspected = run_cli_in_one_process(
+        ["eval", PYTHIA, f"{OLMO}@{OLMO_NAMES[0]}", "--revisions", "step*", "--last", "2", "-o", out["eval"], *common],
         [
-            "eval",
-            PYTHIA,
-            f"{OLMO}@{OLMO_NAMES[0]}",
-            "--revisions",
-            "step*",
-            "--last",
-            "2",
-            "--eval-file",
-            str(text),
-            "--block-size",
-            "64",
-            "-o",
-            str(out),
-            *common,
+            "sweep", PYTHIA, "--revisions", "/^step\\d+$/", "--last", "4", "--window", "2,4", "--every", "1",
+            "--strategy", "sma", "-o", out["sweep"], "--no-plot", *common,
         ],
-        hub,
-        tmp_path,
+        [
+            "inspect", PYTHIA, "--revisions", "step*", "--last", "3", "--window", "3", "--plot", "", "-o", out["inspect"],
+            "--cache-dir", str(tmp_path / "cache"), "-q",
+        ],
+        env=_online_env(hub, tmp_path),
     )
-    assert proc.returncode == 0, proc.stderr
-    labels = list(json.loads(out.read_text())["results"])
+
+    assert evaluated.returncode == 0, evaluated.stderr
+    labels = list(json.loads(out["eval"].read_text())["results"])
     assert labels == ["pythia-tiny@step9000", "pythia-tiny@step10000", f"olmo-tiny@{OLMO_NAMES[0]}"]
 
-    out = tmp_path / "sweep.json"
-    proc = _cli(
-        [
-            "sweep",
-            PYTHIA,
-            "--revisions",
-            "/^step\\d+$/",
-            "--last",
-            "4",
-            "--window",
-            "2,4",
-            "--every",
-            "1",
-            "--strategy",
-            "sma",
-            "--eval-file",
-            str(text),
-            "--block-size",
-            "64",
-            "-o",
-            str(out),
-            "--no-plot",
-            *common,
-        ],
-        hub,
-        tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(out.read_text())
+    assert swept.returncode == 0, swept.stderr
+    report = json.loads(out["sweep"].read_text())
     assert [s["name"] for s in report["snapshots"]] == ["step7000", "step8000", "step9000", "step10000"]
     assert [c["snapshots"] for c in report["combinations"]] == [
         ["step9000", "step10000"],
         ["step7000", "step8000", "step9000", "step10000"],
     ]
 
-    out = tmp_path / "inspect.json"
-    proc = _cli(
-        [
-            "inspect",
-            PYTHIA,
-            "--revisions",
-            "step*",
-            "--last",
-            "3",
-            "--window",
-            "3",
-            "--plot",
-            "",
-            "-o",
-            str(out),
-            *common,
-        ],
-        hub,
-        tmp_path,
-    )
-    assert proc.returncode == 0, proc.stderr
-    report = json.loads(out.read_text())
+    assert inspected.returncode == 0, inspected.stderr
+    report = json.loads(out["inspect"].read_text())
     assert [r["name"] for r in report["snapshots"]] == ["step8000", "step9000", "step10000"]
     assert report["window"]["names"] == ["step8000", "step9000", "step10000"]
 
