@@ -4,9 +4,6 @@ warning exactly when there is no constant-LR phase, the disk and time budgets.""
 from __future__ import annotations
 
 import logging
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,7 +16,7 @@ from hf_pma.snapshots.budget import DiskBudget, SnapshotBudgetError, human_bytes
 from hf_pma.snapshots.callback import PMACallback
 from hf_pma.snapshots.gather import full_state_dict_bytes
 from tests.dist.pma_common import TokenDataset, WeightRecorder, make_args, make_tiny_model, pad_collate
-from tests.testing_utils import REPO_ROOT
+from tests.testing_utils import REPO_ROOT, load_pretrain_script
 
 SEQ, BATCH, STEPS = 16, 4, 60
 INTENDED = SNAPSHOTS_PER_WINDOW * WINDOWS_PER_STABLE_PHASE  # 40
@@ -201,15 +198,16 @@ def test_pmatrainer_applies_the_disk_budget(tmp_path):
 
 
 @pytest.mark.slow
-def test_pretrain_script_applies_the_disk_budget(tmp_path):
-    script = [
-        sys.executable, str(REPO_ROOT / "scripts" / "pretrain.py"), str(REPO_ROOT / "scripts" / "configs" / "tiny.yaml"),
+def test_pretrain_script_applies_the_disk_budget(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    script = load_pretrain_script(monkeypatch)
+    args = [
+        str(REPO_ROOT / "scripts" / "configs" / "tiny.yaml"),
         "--output_dir", str(tmp_path / "script"), "--max_steps", "20", "--default_corpus_bytes", "200000",
         "--vocab_size", "512", "--block_size", "64", "--pma_max_disk_bytes", "10KB", "--anneal_steps", "0",
     ]
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(script, capture_output=True, text=True, timeout=300, env=env)
-    assert result.returncode != 0 and "SnapshotBudgetError" in result.stderr and "max_disk_bytes is 9.8 KiB" in result.stderr
+    with pytest.raises(SnapshotBudgetError, match="max_disk_bytes is 9.8 KiB"):
+        script.main(args)
     assert not list((tmp_path / "script" / "pma").glob("snapshot-*"))
 
 
