@@ -77,13 +77,13 @@ def small_filesystem(tmp_path):
 # The shared launches of the multi-process tests (tests/dist/scenarios.py runs several scenarios
 # in one launch); test modules register their own with ``shared_launch_job`` too. World size 2
 # runs under `accelerate launch` (the quickstart's launcher), world size 4 under torchrun.
-for _name, (_scenarios, _nproc, _launcher) in {
-    "world2": (("ddp", "fsdp_gather", "merged_eval", "eval", "two_nodes"), 2, "accelerate"),
-    "world4": (("sharded", "merged_eval"), 4, "torchrun"),
+for _name, (_scenarios, _options) in {
+    "world2": (("ddp", "fsdp_gather", "merged_eval", "eval", "two_nodes"), {"launcher": "accelerate"}),
+    "world4": (("sharded", "merged_eval"), {"nproc": 4}),
 }.items():
     shared_launch_job(_name)(
-        lambda out, scenarios=_scenarios, nproc=_nproc, launcher=_launcher: launch(
-            "scenarios.py", "--out", out, *scenarios, nproc=nproc, launcher=launcher, check=False
+        lambda out, scenarios=_scenarios, options=_options: launch(
+            "scenarios.py", "--out", out, *scenarios, check=False, **options
         )
     )
 shared_launch_job("zero3")(lambda out: launch("sharded_zero3.py", "--out", out, check=False))

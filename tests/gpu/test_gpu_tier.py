@@ -104,7 +104,7 @@ def test_pretrain_under_the_fsdp2_config_saves_whole_final_and_annealed_models(t
     from transformers import AutoModelForCausalLM
 
     from hf_pma.core.manifest import manifest_snapshots
-    from tests.training.test_pretrain_script import SHORT
+    from tests.pretrain_runs import SHORT
 
     out = tmp_path / "run"
     launch(

@@ -9,6 +9,7 @@ import logging
 import pytest
 from transformers import Trainer, TrainingArguments
 
+from tests.pretrain_runs import SCRIPT  # registers the shared 2-process launch
 from tests.testing_utils import (
     REPO_ROOT,
     CollectLogs,
@@ -17,8 +18,6 @@ from tests.testing_utils import (
     load_pretrain_script,
     quiet_args,
 )
-
-SCRIPT = REPO_ROOT / "scripts" / "pretrain.py"
 
 
 def _resume_messages(tmp_path, model, train, collator, wrap) -> list[str]:
@@ -75,7 +74,7 @@ def test_cpu_num_processes_that_starts_one_process_is_reported():
 
 @pytest.mark.shared_launch("pretrain-accelerate")  # started with the session, in the background
 def test_the_incantation_the_warning_gives_starts_two_processes_and_says_nothing(shared_launch):
-    # tests/training/test_pretrain_script.py's 2-process run is started exactly that way
+    # the shared 2-process run of tests/pretrain_runs.py is started exactly that way
     two = shared_launch.result("pretrain-accelerate")
-    assert two.command[two.command.index("--num_processes") + 1] == "2" and "--multi_gpu" in two.command
+    assert two.nproc == 2 and "--multi_gpu" in two.command
     assert "was asked for" not in two.stderr + two.output(0, "stderr") + two.output(1, "stderr")

@@ -4,10 +4,8 @@ Hub stand-in, and two processes under ``accelerate launch`` (gloo on CPU)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,37 +13,8 @@ import yaml
 from huggingface_hub import ModelCard
 
 from tests.hub_server import HubServer
-from tests.testing_utils import REPO_ROOT, Launch, launch, load_pretrain_script, shared_launch_job
-
-SCRIPT = REPO_ROOT / "scripts" / "pretrain.py"
-
-# The embedded default run, shortened: same code path, a few seconds of training.
-SHORT = [
-    "--max_steps", "24",
-    "--warmup_steps", "2",
-    "--anneal_steps", "6",
-    "--default_corpus_bytes", "600000",
-    "--eval_fraction", "0.25",
-    "--vocab_size", "512",
-    "--config_overrides", "hidden_size=64,intermediate_size=128,num_hidden_layers=2",
-    "--block_size", "64",
-    "--per_device_train_batch_size", "4",
-    "--per_device_eval_batch_size", "8",
-    "--pma_interval_tokens", "512",
-    "--pma_window", "4",
-    "--eval_steps", "8",
-    "--logging_steps", "4",
-    "--task_items", "16",
-    "--max_eval_texts", "4",
-    "--max_eval_blocks", "8",
-    "--dataloader_num_workers", "0",
-]
-
-
-def _env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    env = {**os.environ, "HF_HOME": str(tmp_path / "hf_home"), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    env.update(extra)
-    return env
+from tests.pretrain_runs import SCRIPT, SHORT, script_env
+from tests.testing_utils import load_pretrain_script
 
 
 @pytest.fixture()
@@ -57,7 +26,7 @@ def hub():
 def test_default_run_shortened_with_card_plot_and_push(tmp_path, hub):
     out = tmp_path / "run"
     token = next(iter(hub.tokens))
-    env = _env(tmp_path, HF_ENDPOINT=hub.url)
+    env = script_env(tmp_path, HF_ENDPOINT=hub.url)
     env.pop("HF_HUB_OFFLINE", None)
     env.pop("HF_TOKEN", None)
     result = subprocess.run(
@@ -179,21 +148,13 @@ def test_bad_arguments_fail_before_training(tmp_path, capsys, monkeypatch):
     assert pretrain.main([str(bad_yaml)]) == 2
     assert "unknown argument(s) learning_rat" in capsys.readouterr().err
     # A missing token (read from a fresh process's environment) stops the real script before training.
-    env = {**_env(tmp_path), "HF_TOKEN": "", "HF_HOME": str(tmp_path / "empty_home")}
+    env = {**script_env(tmp_path), "HF_TOKEN": "", "HF_HOME": str(tmp_path / "empty_home")}
     no_token = subprocess.run(
         [sys.executable, str(SCRIPT), *SHORT, "--output_dir", str(tmp_path / "o"), "--push_to_hub", "--hub_model_id", "a/b"],
         capture_output=True, text=True, env=env, timeout=120,
     )
     assert no_token.returncode != 0 and "no Hugging Face token found" in no_token.stderr
     assert not (tmp_path / "o" / "pma").exists()
-
-
-@shared_launch_job("pretrain-accelerate")
-def _two_processes(tmp_path: Path) -> Launch:
-    return launch(
-        SCRIPT, *SHORT, "--output_dir", tmp_path / "run2", "--per_device_train_batch_size", "2", "--make_tasks", "false",
-        launcher="accelerate", env=_env(tmp_path), cwd=tmp_path, check=False,
-    )
 
 
 @pytest.mark.shared_launch("pretrain-accelerate")  # started with the session, in the background
