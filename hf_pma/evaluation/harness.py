@@ -119,35 +119,39 @@ def _quiet(logger_name: str, level: int = std_logging.ERROR):
         target.setLevel(old)
 
 
-_ENVIRONMENT_REPORT_LOCK = threading.Lock()
+# lm-eval's simple_evaluate ends by describing the machine for its results file: `git describe`
+# (which prints "fatal: not a git repository" outside a checkout) and torch's collect_env, which
+# runs pip, nvidia-smi and a dozen more subprocesses (0.7 s of CPU here, more on a cluster node)
+# at every evaluation: a sweep pays it per combination. hf-pma keeps none of it.
+_ENVIRONMENT_REPORT = ("add_env_info", "get_git_commit_hash")
+_environment_report_lock = threading.Lock()
+_environment_report_saved: dict[str, Any] = {}
 _environment_report_off = 0  # how many evaluations are running without it
 
 
 @contextmanager
 def _without_environment_report():
-    # lm-eval's simple_evaluate ends by describing the machine for its results file: `git
-    # describe` (which prints "fatal: not a git repository" outside a checkout) and torch's
-    # collect_env, which runs pip, nvidia-smi and a dozen more subprocesses (about 0.7 s of CPU
-    # here, more on a cluster node). hf-pma keeps none of it, and merged evaluations during
-    # training would pay it at every evaluation, so both are skipped while hf-pma evaluates.
+    """lm-eval's machine report skipped while hf-pma evaluates (threads may overlap: the last
+    one out puts lm-eval's functions back)."""
     import lm_eval.evaluator as evaluator
 
     global _environment_report_off
-    names = [n for n in ("add_env_info", "get_git_commit_hash") if callable(getattr(evaluator, n, None))]
-    with _ENVIRONMENT_REPORT_LOCK:
+    with _environment_report_lock:
         if _environment_report_off == 0:
-            _without_environment_report.saved = {n: getattr(evaluator, n) for n in names}
-            for name in names:
-                setattr(evaluator, name, _no_environment_report)
+            for name in _ENVIRONMENT_REPORT:
+                if callable(getattr(evaluator, name, None)):
+                    _environment_report_saved[name] = getattr(evaluator, name)
+                    setattr(evaluator, name, _no_environment_report)
         _environment_report_off += 1
     try:
         yield
     finally:
-        with _ENVIRONMENT_REPORT_LOCK:
+        with _environment_report_lock:
             _environment_report_off -= 1
             if _environment_report_off == 0:
-                for name, original in _without_environment_report.saved.items():
+                for name, original in _environment_report_saved.items():
                     setattr(evaluator, name, original)
+                _environment_report_saved.clear()
 
 
 def _no_environment_report(*_args: Any) -> None:
