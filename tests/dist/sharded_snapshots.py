@@ -10,6 +10,11 @@ torch DCP itself (``HuggingFaceStorageWriter(save_distributed=True)``), and FSDP
 
 ``--crash-at K``: rank 1 is killed (SIGKILL) half-way through writing its K-th rank file.
 ``--resume-at STEP``: a run resumed from a checkpoint at optimizer step STEP.
+
+At step ``CHECKPOINT_STEP`` every rank waits until its snapshot writes are done (rank 0's: until
+the snapshots at 128 tokens are listed), as a Trainer checkpoint written at that step gives them
+the time to be: the run killed later always resumes from a checkpoint whose snapshots are listed
+(without the wait, a loaded machine could kill rank 1 before rank 0 had seen its files).
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from tests.testing_utils import make_tiny_model
 STEPS = 6
 TOKENS_PER_STEP = 64
 INTERVAL = 2 * TOKENS_PER_STEP  # a snapshot every 2 steps: at 128, 256, 384 tokens
+CHECKPOINT_STEP = 2  # the step a killed run resumes from (tests/snapshots/test_sharded.py)
 LR = 1e-2
 DTYPES = {"float32": None, "bfloat16": "bfloat16"}
 
@@ -111,6 +117,10 @@ def run(out: Path, rank: int, world: int, resume_at: int) -> dict:
         state.num_input_tokens_seen = step * TOKENS_PER_STEP
         for cb in callbacks.values():
             cb.on_step_end(args, state, control, model=model, lr_scheduler=None)
+        if step == CHECKPOINT_STEP:
+            for cb in callbacks.values():
+                cb._sink.wait()
+            dist.barrier()
     for cb in callbacks.values():
         cb.on_train_end(args, state, control, model=model)
     sinks = {name: cb._sink for name, cb in callbacks.items()}
