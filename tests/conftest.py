@@ -7,6 +7,7 @@ import os
 import subprocess
 from pathlib import Path
 
+import hypothesis
 import pytest
 import torch
 
@@ -24,6 +25,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Scripts launched by the tests (torchrun, accelerate, python) import ``tests.*`` like the tests do.
 os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH")) if p)
 torch.set_num_threads(1)
+
+# CI decides whether work lands, so the property tests draw the same examples on every run
+# ("fixed"); HF_PMA_HYPOTHESIS=random draws new ones each run, to look for new failures.
+hypothesis.settings.register_profile("fixed", derandomize=True)
+hypothesis.settings.register_profile("random", derandomize=False)
+hypothesis.settings.load_profile(os.environ.get("HF_PMA_HYPOTHESIS", "fixed"))
 
 
 def _fail_skip(report, when: str) -> None:

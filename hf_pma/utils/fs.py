@@ -204,14 +204,14 @@ def is_confined(
 def confined_path(folder: str | os.PathLike[str], relative: Any) -> Path:
     """``folder / relative`` for a path read from a file, when it stays inside ``folder``.
 
-    ``relative`` must be a non-empty relative path string without ``..`` components, naming
-    something strictly inside ``folder`` after every symlink. Otherwise ``ValueError`` says why
+    ``relative`` must be a non-empty relative path string without ``..`` components or control
+    characters, naming something strictly inside ``folder`` after every symlink. Otherwise ``ValueError`` says why
     in a few words (the caller adds which file and entry it came from). Nothing is read.
     """
     if not isinstance(relative, str) or not relative.strip():
         raise ValueError(f"expected a non-empty relative path, got {_shown(relative)}")
-    if "\x00" in relative:
-        raise ValueError(f"the path {_shown(relative)} holds a NUL character")
+    if re.search(r"[\x00-\x1f\x7f]", relative):  # a newline would split a one-line error, an escape the terminal
+        raise ValueError(f"the path {_shown(relative)} holds a control character")
     parts = relative.replace("\\", "/").split("/")
     if relative.startswith(("/", "\\")) or os.path.isabs(relative) or re.match(r"^[A-Za-z]:", relative):
         raise ValueError(f"the path {_shown(relative)} is absolute; it must be relative to {folder}")

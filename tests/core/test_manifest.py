@@ -267,7 +267,7 @@ def test_snapshot_record_file_is_checked(tmp_path):
 
 
 def _paths_leaving(pma: Path, victim: Path) -> dict[str, str]:
-    """Entry paths that lead outside ``pma`` -> what the error says."""
+    """Entry paths that are refused (most lead outside ``pma``) -> what the error says."""
     (pma / "snapshot-900").symlink_to(victim / "snapshot-1")
     (pma / "inner").mkdir()
     (pma / "inner" / "up").symlink_to(victim)
@@ -279,6 +279,8 @@ def _paths_leaving(pma: Path, victim: Path) -> dict[str, str]:
         "inner/up/snapshot-1": "outside",
         ".": "itself",
         "./": "itself",
+        "0\n": "control character",  # found by the fuzz test: the error was two lines
+        "snapshot-1\x1b[2J": "control character",
     }
 
 
@@ -403,6 +405,7 @@ def path_values(victim: str) -> st.SearchStrategy:
             "loop",
             "nonexistent",
             "a\x00b",
+            "0\n",
             "\udcff",
             "snapshot-100/",
             "./snapshot-200",

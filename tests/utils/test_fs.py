@@ -182,7 +182,10 @@ def test_confined_path_refuses_what_leaves_the_folder(tmp_path):
         "to_outside/model": "outside",
         ".": "itself",
         "": "non-empty",
-        "a\x00b": "NUL",
+        "a\x00b": "control character",
+        "0\n": "control character",
+        "snap\x1b[2Jshot": "control character",
+        "a\x7f": "control character",
         "loop": "cannot be resolved",
         "\ud800": "cannot be resolved",
     }
