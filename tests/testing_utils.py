@@ -73,6 +73,17 @@ def sample_text(max_chars: int = 60_000) -> str:
     return "\n".join(parts)[:max_chars]
 
 
+def write_small_tasks(folder: Path) -> Path:
+    """Generated lm-eval tasks (12 items each, lines of at most 60 characters) with their held-out
+    documents, from :func:`sample_text` cut into 30-line documents; returns ``folder``."""
+    from hf_pma.evaluation.generated_tasks import TaskOptions, make_tasks
+
+    lines = sample_text().splitlines()
+    docs = ["\n".join(lines[i : i + 30]) for i in range(0, len(lines), 30)]
+    make_tasks(docs, folder, eval_fraction=0.3, options=TaskOptions(num_items=12, max_line_chars=60))
+    return Path(folder)
+
+
 def train_tiny_tokenizer(vocab_size: int = 512):
     """A byte-level BPE tokenizer trained locally, wrapped as a transformers fast tokenizer."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers

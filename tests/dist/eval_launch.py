@@ -16,9 +16,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from hf_pma.cli import main
 from hf_pma.evaluation.evaluator import evaluate_language_modeling, evaluate_model
-from hf_pma.evaluation.generated_tasks import TaskOptions, make_tasks
 from hf_pma.utils.distributed import distributed_rank_and_size, run_locally, run_on_main_process
-from tests.testing_utils import make_tiny_model, sample_text, save_model_folder, train_tiny_tokenizer
+from tests.testing_utils import make_tiny_model, save_model_folder, train_tiny_tokenizer, write_small_tasks
 
 
 def fail_on_main() -> None:
@@ -28,9 +27,7 @@ def fail_on_main() -> None:
 def write_inputs(inputs: Path) -> None:
     """A tiny model folder with its tokenizer, and generated tasks with their held-out documents."""
     save_model_folder(inputs / "model", make_tiny_model(seed=1, initializer_range=0.3), train_tiny_tokenizer())
-    lines = sample_text().splitlines()
-    docs = ["\n".join(lines[i : i + 30]) for i in range(0, len(lines), 30)]
-    make_tasks(docs, inputs / "tasks", eval_fraction=0.3, options=TaskOptions(num_items=12, max_line_chars=60))
+    write_small_tasks(inputs / "tasks")
 
 
 def run(out: Path) -> None:

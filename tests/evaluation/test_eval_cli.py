@@ -11,8 +11,13 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_pma.cli import main
 from hf_pma.core.manifest import write_manifest
 from hf_pma.evaluation.evaluator import evaluate_language_modeling, load_model_for_eval
-from hf_pma.evaluation.generated_tasks import TaskOptions, make_tasks
-from tests.testing_utils import make_tiny_model, markdown_rows, sample_text, save_model_folder
+from tests.testing_utils import (
+    make_tiny_model,
+    markdown_rows,
+    sample_text,
+    save_model_folder,
+    write_small_tasks,
+)
 
 
 @pytest.fixture(scope="module")
@@ -24,10 +29,7 @@ def setup(tmp_path_factory, tiny_tokenizer):
     tiny_tokenizer.save_pretrained(run)
     snapshot = save_model_folder(run / "pma" / "snapshot-100", make_tiny_model(seed=0, initializer_range=0.3))
     merged = save_model_folder(run / "pma" / "merged", make_tiny_model(seed=1, initializer_range=0.3), tiny_tokenizer)
-    lines = sample_text().splitlines()
-    docs = ["\n".join(lines[i : i + 30]) for i in range(0, len(lines), 30)]
-    tasks = root / "tasks"
-    make_tasks(docs, tasks, eval_fraction=0.3, options=TaskOptions(num_items=12, max_line_chars=60))
+    tasks = write_small_tasks(root / "tasks")
     return {"root": root, "run": run, "snapshot": snapshot, "merged": merged, "tasks": tasks}
 
 

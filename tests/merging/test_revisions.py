@@ -460,7 +460,8 @@ def test_cli_eval_sweep_and_inspect_take_revisions(hub, tmp_path):
 
     text = tmp_path / "heldout.txt"
     text.write_text(sample_text(4000))
-    common = ["--eval-file", str(text), "--block-size", "64", "--cache-dir", str(tmp_path / "cache"), "-q"]
+    cache = ["--cache-dir", str(tmp_path / "cache"), "-q"]
+    common = ["--eval-file", str(text), "--block-size", "64", *cache]
     out = {name: tmp_path / f"{name}.json" for name in ("eval", "sweep", "inspect")}
     # one process for the three commands: HF_ENDPOINT is read when huggingface_hub is imported
     evaluated, swept, inspected = run_cli_in_one_process(
@@ -471,7 +472,7 @@ def test_cli_eval_sweep_and_inspect_take_revisions(hub, tmp_path):
         ],
         [
             "inspect", PYTHIA, "--revisions", "step*", "--last", "3", "--window", "3", "--plot", "", "-o", out["inspect"],
-            "--cache-dir", str(tmp_path / "cache"), "-q",
+            *cache,
         ],
         env=_online_env(hub, tmp_path),
     )
