@@ -38,6 +38,7 @@ from hf_pma.utils.fs import (
     remove_stale_temporaries,
     remove_tree,
 )
+from hf_pma.utils.text import shown
 
 __all__ = [
     "MANIFEST_NAME",
@@ -165,7 +166,7 @@ def check_record(data: Any, where: str, required: Iterable[str] = ("path", "toke
     ``required`` keys, each field of the right type and range (see :func:`validate_manifest`);
     :class:`ManifestError` starting with ``where`` (the file and entry) names the first bad one."""
     if not isinstance(data, dict):
-        raise ManifestError(f"{where}: expected an object, got {_shown(data)}")
+        raise ManifestError(f"{where}: expected an object, got {shown(data, 60)}")
     missing = [key for key in required if key not in data]
     if missing:
         raise ManifestError(
@@ -176,19 +177,13 @@ def check_record(data: Any, where: str, required: Iterable[str] = ("path", "toke
         if key in _RECORD_FIELDS:
             check, expected = _RECORD_FIELDS[key]
             if not check(value):
-                raise ManifestError(f"{where}: '{key}' must be {expected}, got {_shown(value)}")
+                raise ManifestError(f"{where}: '{key}' must be {expected}, got {shown(value, 60)}")
     extra = {**data.get("extra", {}), **{str(k): v for k, v in data.items() if k not in names}}
     for key, value in extra.items():
         if key in _EXTRA_FIELDS and not _EXTRA_FIELDS[key][0](value):
             raise ManifestError(
-                f"{where}: 'extra.{key}' must be {_EXTRA_FIELDS[key][1]}, got {_shown(value)}"
+                f"{where}: 'extra.{key}' must be {_EXTRA_FIELDS[key][1]}, got {shown(value, 60)}"
             )
-
-
-def _shown(value: Any, limit: int = 60) -> str:
-    """A value as an error message shows it: ``repr``, on one line, cut to ``limit`` characters."""
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _is_int(value: Any, minimum: int) -> bool:
@@ -316,7 +311,7 @@ def validate_manifest(data: Any, path: str | os.PathLike[str]) -> list[SnapshotR
         )
     version = data.get("format_version", FORMAT_VERSION)
     if not _is_int(version, -(2**63)):
-        raise ManifestError(f"{path}: 'format_version' must be an integer, got {_shown(version)}")
+        raise ManifestError(f"{path}: 'format_version' must be an integer, got {shown(version, 60)}")
     if version > FORMAT_VERSION:
         raise ManifestError(
             f"{path} was written by a newer hf-pma (format_version {version}; this one reads "
@@ -328,15 +323,15 @@ def validate_manifest(data: Any, path: str | os.PathLike[str]) -> list[SnapshotR
         )
     for key, (check, expected) in _MANIFEST_FIELDS.items():
         if key in data and not check(data[key]):
-            raise ManifestError(f"{path}: '{key}' must be {expected}, got {_shown(data[key])}")
+            raise ManifestError(f"{path}: '{key}' must be {expected}, got {shown(data[key], 60)}")
     entries = data.get("snapshots")
     if not isinstance(entries, list):
-        raise ManifestError(f"{path}: 'snapshots' must be a list of snapshot records, got {_shown(entries)}")
+        raise ManifestError(f"{path}: 'snapshots' must be a list of snapshot records, got {shown(entries, 60)}")
     records: list[SnapshotRecord] = []
     folders: dict[Path, str] = {}
     for i, entry in enumerate(entries):
         name = entry.get("path") if isinstance(entry, dict) else None
-        where = f"{path}: snapshots[{i}]" + (f" ({_shown(name, 200)})" if isinstance(name, str) else "")
+        where = f"{path}: snapshots[{i}]" + (f" ({shown(name, 200)})" if isinstance(name, str) else "")
         record = SnapshotRecord.from_dict(entry, where)
         try:
             folder = confined_path(path.parent, record.path).resolve()
@@ -344,7 +339,7 @@ def validate_manifest(data: Any, path: str | os.PathLike[str]) -> list[SnapshotR
             raise ManifestError(f"{where}: 'path' refused: {err}") from None
         if folder in folders:
             raise ManifestError(
-                f"{where}: 'path' names the same folder as the entry {_shown(folders[folder])}"
+                f"{where}: 'path' names the same folder as the entry {shown(folders[folder], 60)}"
             )
         folders[folder] = record.path
         if records:

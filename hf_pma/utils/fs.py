@@ -31,6 +31,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+from hf_pma.utils.text import shown
+
 __all__ = [
     "FOREIGN_STALE_AFTER_S",
     "NoSpaceError",
@@ -209,23 +211,23 @@ def confined_path(folder: str | os.PathLike[str], relative: Any) -> Path:
     in a few words (the caller adds which file and entry it came from). Nothing is read.
     """
     if not isinstance(relative, str) or not relative.strip():
-        raise ValueError(f"expected a non-empty relative path, got {_shown(relative)}")
+        raise ValueError(f"expected a non-empty relative path, got {shown(relative)}")
     if re.search(r"[\x00-\x1f\x7f]", relative):  # a newline would split a one-line error, an escape the terminal
-        raise ValueError(f"the path {_shown(relative)} holds a control character")
+        raise ValueError(f"the path {shown(relative)} holds a control character")
     parts = relative.replace("\\", "/").split("/")
     if relative.startswith(("/", "\\")) or os.path.isabs(relative) or re.match(r"^[A-Za-z]:", relative):
-        raise ValueError(f"the path {_shown(relative)} is absolute; it must be relative to {folder}")
+        raise ValueError(f"the path {shown(relative)} is absolute; it must be relative to {folder}")
     if ".." in parts:
-        raise ValueError(f"the path {_shown(relative)} leaves {folder} ('..')")
+        raise ValueError(f"the path {shown(relative)} leaves {folder} ('..')")
     path = Path(folder) / relative
     try:
         target, root = path.resolve(), Path(folder).resolve()
     except (OSError, RuntimeError, ValueError) as err:  # a symlink loop, an unencodable name
-        raise ValueError(f"the path {_shown(relative)} cannot be resolved ({err})") from None
+        raise ValueError(f"the path {shown(relative)} cannot be resolved ({err})") from None
     if target == root:
-        raise ValueError(f"the path {_shown(relative)} names {folder} itself, not a folder inside it")
+        raise ValueError(f"the path {shown(relative)} names {folder} itself, not a folder inside it")
     if not target.is_relative_to(root):
-        raise ValueError(f"the path {_shown(relative)} resolves to {target}, outside {folder} (a symlink)")
+        raise ValueError(f"the path {shown(relative)} resolves to {target}, outside {folder} (a symlink)")
     return path
 
 
@@ -254,11 +256,6 @@ def is_library_folder(
         return any((path / m).is_file() and not (path / m).is_symlink() for m in markers)
     except OSError:
         return False
-
-
-def _shown(value: Any, limit: int = 200) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 # ---------------------------------------------------------------- no space left
