@@ -14,6 +14,10 @@ Every command line or argument record the library writes (the reproducing comman
   ``HUGGING_FACE_HUB_TOKEN``, the cached login of ``huggingface_hub.get_token()``, and any
   value given by the caller) are replaced wherever they appear, whatever their shape; so are
   strings shaped like Hugging Face tokens (``hf_...``, ``api_org_...``).
+* **in URLs**: the user information of a URL (``scheme://user:password@host``, as in an
+  ``HF_ENDPOINT`` or a proxy) is replaced whole: ``scheme://***@host``. A URL with a user
+  and no password (``https://NAME@host``) is redacted the same way, since the "user" of such a
+  URL is often a token (``https://hf_xxx@host``); the scheme, host, port and path are kept.
 """
 
 from __future__ import annotations
@@ -40,6 +44,9 @@ REDACTED = "***"
 MIN_TOKEN_CHARS = 8
 # Hugging Face user/org tokens ("hf_" + 34 characters) and old org API tokens.
 _TOKEN_SHAPE_RE = re.compile(r"\b(?:hf_[A-Za-z0-9]{20,}|api_org_[A-Za-z0-9]{20,})\b")
+# scheme://USERINFO@host: the user information ends at the last "@" before the host's path,
+# query or fragment (a raw "@" in a password included).
+_URL_USERINFO_RE = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<userinfo>[^/\s?#\"'<>`]+)@")
 _SECRET_WORD = r"(?:token|api[_-]?key|secret|password|passwd)"
 # A name that carries a secret: "token", "hub_token", "hub-token", "use_auth_token", "api_key",
 # "WANDB_API_KEY", "HF_TOKEN" (case-insensitive; the words must end the name).
@@ -107,12 +114,18 @@ def _redact(text: str, tokens: list[str]) -> str:
         text = text.replace(token, REDACTED)
     text = _FLAG_RE.sub(_mask, text)
     text = _ASSIGN_RE.sub(_mask, text)
+    text = _URL_USERINFO_RE.sub(_mask_userinfo, text)
     return _TOKEN_SHAPE_RE.sub(REDACTED, text)
+
+
+def _mask_userinfo(match: re.Match[str]) -> str:
+    return f"{match.group('scheme')}{REDACTED}@"
 
 
 def redact(text: str, values: Iterable[str | None] = ()) -> str:
     """``text`` with every secret replaced by ``***``: values given to secret names, Hugging Face
-    token shapes, and the tokens in use (:func:`tokens_in_use` with ``values``)."""
+    token shapes, the user information of URLs (``http://user:pass@host`` is
+    ``http://***@host``), and the tokens in use (:func:`tokens_in_use` with ``values``)."""
     return _redact(text, tokens_in_use(values))
 
 

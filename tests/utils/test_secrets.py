@@ -98,3 +98,27 @@ def test_cli_error_lines_are_redacted(tmp_path):
     proc = run_cli("merge", missing, "-o", tmp_path / "m", env=env, process=True, timeout=120)
     assert proc.returncode == 2 and "does not exist" in proc.stderr
     assert IN_USE not in proc.stderr and "***" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("HF_ENDPOINT=http://user:pass@host:8080/api", "HF_ENDPOINT=http://***@host:8080/api"),
+        ("cannot reach https://hub-user:p@ss@mirror.local/x", "cannot reach https://***@mirror.local/x"),
+        ("https://tok-not-hf-shaped@hf.co/org/m", "https://***@hf.co/org/m"),  # a token as the user alone
+        # no user information: kept as they are
+        ("https://huggingface.co/org/m?x=a@b", "https://huggingface.co/org/m?x=a@b"),
+        ("git@github.com:org/repo, mail a@b.com", "git@github.com:org/repo, mail a@b.com"),
+        ("http://***@host", "http://***@host"),
+    ],
+)
+def test_redact_credentials_in_urls(text, expected):
+    assert redact(text) == expected
+    assert redact_obj({"endpoint": text}) == {"endpoint": expected}
+
+
+def test_cli_error_lines_redact_a_password_in_hf_endpoint(tmp_path):
+    env = {"HF_ENDPOINT": "http://someone:s3cr3t-pw@127.0.0.1:9/", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
+    proc = run_cli("merge", "http://someone:s3cr3t-pw@127.0.0.1:9/x", "-o", tmp_path / "m", env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert "s3cr3t-pw" not in proc.stderr and "someone" not in proc.stderr and "***@127.0.0.1" in proc.stderr
