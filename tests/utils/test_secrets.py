@@ -118,7 +118,11 @@ def test_redact_credentials_in_urls(text, expected):
 
 
 def test_cli_error_lines_redact_a_password_in_hf_endpoint(tmp_path):
-    env = {"HF_ENDPOINT": "http://someone:s3cr3t-pw@127.0.0.1:9/", "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path)}
+    env = {
+        "HF_ENDPOINT": "http://someone:s3cr3t-pw@127.0.0.1:9/",
+        "HF_HUB_OFFLINE": "1",
+        "HF_HOME": str(tmp_path),
+    }
     proc = run_cli("merge", "http://someone:s3cr3t-pw@127.0.0.1:9/x", "-o", tmp_path / "m", env=env)
     assert proc.returncode == 2, proc.stderr
     assert "s3cr3t-pw" not in proc.stderr and "someone" not in proc.stderr and "***@127.0.0.1" in proc.stderr
