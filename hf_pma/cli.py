@@ -73,7 +73,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     fit_cpu_threads()  # a shared CPU: the cores others leave free (OMP_NUM_THREADS overrides)
     from hf_pma.utils.fs import NoSpaceError
-    from hf_pma.utils.secrets import redact
 
     try:
         return int(args.func(args) or 0)
@@ -81,14 +80,36 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Bad input: one clear line, no traceback (use -v for the traceback).
         if getattr(args, "verbose", False):
             raise
-        sys.stderr.write(redact(f"hf-pma {args.command}: error: {err}\n"))
+        write_error_line(args.command, f"error: {err}")
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C: the ``finally`` blocks on the way up have removed what was half written.
+        if getattr(args, "verbose", False):
+            raise
+        write_error_line(args.command, "interrupted")
+        return INTERRUPTED
     except Exception as err:
         line = hub_error_line(err)
         if line is None or getattr(args, "verbose", False):
             raise
-        sys.stderr.write(redact(f"hf-pma {args.command}: error: {line}\n"))
+        write_error_line(args.command, f"error: {line}")
         return 2
+
+
+# The exit code of a command stopped by Ctrl-C (SIGINT): 128 + 2, as a shell reports it.
+INTERRUPTED = 130
+
+
+def write_error_line(command: str, text: str) -> None:
+    """Write ``hf-pma COMMAND: TEXT`` to stderr as one line: secrets redacted
+    (:func:`hf_pma.utils.secrets.redact`: tokens, passwords in URLs), then every control, bidi or
+    line-breaking character the text holds (a name from a folder or a record) escaped
+    (:func:`hf_pma.utils.text.escape`)."""
+    from hf_pma.utils.secrets import redact
+    from hf_pma.utils.text import escape
+
+    sys.stderr.write(escape(redact(f"hf-pma {command}: {text}")) + "\n")
+    sys.stderr.flush()
 
 
 def hub_error_line(err: BaseException) -> str | None:

@@ -5,7 +5,8 @@ Every command (``eval``, ``sweep``, ``inspect``) and the model card show a metri
 ``0.3120 ± 0.0140`` (:func:`format_metric`), and tables as GitHub markdown with padded columns
 (:func:`markdown_table`), which paste into an issue, a model card or the docs as they are.
 What is only read in a terminal (``inspect``'s tables) is a plain-text table
-(:func:`text_table`): no pipes, no escapes.
+(:func:`text_table`): no pipes, no markdown escapes. The cells of both are escaped
+(:func:`hf_pma.utils.text.escape`): a table never writes a control character it was given.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from hf_pma.utils.text import escape
 
 __all__ = ["MISSING", "format_bytes", "format_number", "format_metric", "markdown_table", "metric_label", "text_table"]
 
@@ -63,7 +66,7 @@ def format_bytes(num_bytes: Any, missing: str = MISSING) -> str:
 
 
 def _cell(value: Any) -> str:
-    return str(value).replace("|", "\\|").replace("\n", " ")
+    return escape(value).replace("|", "\\|")
 
 
 def markdown_table(header: Sequence[Any], rows: Sequence[Sequence[Any]], align: str | None = None) -> str:
@@ -71,7 +74,9 @@ def markdown_table(header: Sequence[Any], rows: Sequence[Sequence[Any]], align: 
 
     ``align`` has one letter per column, ``l`` (left) or ``r`` (right); default: the first
     column left, the others right (labels, then numbers). Cells are converted with ``str``
-    (format numbers with :func:`format_number` first); ``|`` in a cell is escaped.
+    (format numbers with :func:`format_number` first) and escaped (:func:`hf_pma.utils.text.escape`:
+    a name from a folder or a record shows its control characters and newlines as ``\\x1b``,
+    ``\\n``); ``|`` in a cell is escaped.
     """
     header, body, align, widths = _aligned(header, rows, align, _cell)
 
@@ -105,11 +110,12 @@ def _aligned(
 
 def text_table(header: Sequence[Any], rows: Sequence[Sequence[Any]], align: str | None = None) -> str:
     """A plain-text table for a terminal: padded columns two spaces apart, the header
-    underlined with dashes, cells shown as they are (``|`` included).
+    underlined with dashes, cells shown as they are (``|`` included) but escaped as in
+    :func:`markdown_table` (control characters and newlines).
 
     ``align`` as in :func:`markdown_table`; trailing spaces are stripped from each line.
     """
-    header, body, align, widths = _aligned(header, rows, align, lambda c: str(c).replace("\n", " "))
+    header, body, align, widths = _aligned(header, rows, align, escape)
 
     def line(cells: Sequence[str]) -> str:
         return "  ".join(

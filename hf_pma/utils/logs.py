@@ -38,13 +38,20 @@ _HANDLER_NAME = "hf_pma_default_handler"
 
 class RedactingFilter(logging.Filter):
     """Replace access tokens in a log record's message (by name and by value, see
-    :func:`hf_pma.utils.secrets.redact`) before a handler writes it."""
+    :func:`hf_pma.utils.secrets.redact`; passwords in URLs too) and escape its control, bidi and
+    line-breaking characters (:func:`hf_pma.utils.text.escape`: a folder name or a record field
+    holding a newline or a terminal escape shows as ``\\n``, ``\\x1b``) before a handler writes it.
+
+    Every message is one line: hf-pma logs no message that is multi-line by design (what spans
+    lines, a table, is written to stdout by the command that shows it). The traceback of
+    ``logger.exception`` is not part of the message and is left as it is."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         from hf_pma.utils.secrets import redact
+        from hf_pma.utils.text import escape
 
         message = record.getMessage()
-        clean = redact(message)
+        clean = escape(redact(message))
         if clean != message:
             record.msg, record.args = clean, None
         return True
@@ -62,7 +69,8 @@ def enable_logging(level: int | None = None) -> None:
     ``hf_pma`` logger before is kept: a script's ``enable_logging(logging.INFO)`` is not undone
     by the Trainer it builds next. Adds one handler, once, unless handlers are already
     configured (on ``hf_pma`` or the root logger); records still propagate, so ``logging``
-    setups and test captures see them. The handler redacts access tokens (:class:`RedactingFilter`).
+    setups and test captures see them. The handler redacts access tokens and escapes control
+    characters (:class:`RedactingFilter`).
     """
     global _default_level
     logger = logging.getLogger("hf_pma")

@@ -8,15 +8,24 @@ character that is not printable (Unicode's "other" and "separator" categories bu
 C0 and C1 controls, DEL, bidi and other format characters, line and paragraph separators, lone
 surrogates from undecodable file names) the way Python's ``repr`` writes it (``\\n``, ``\\x1b``,
 ``\\u202e``), and leaves every other character as it is. :func:`shown` is a value as a one-line
-error shows it: its ``repr`` (quoted, escaped the same way), cut to a length. Torch-free.
+error shows it: its ``repr`` (quoted, escaped the same way), cut to a length.
+
+What a command writes to stdout goes through :func:`write_line` (one line, escaped whole) or
+:func:`write_lines` (a table whose cells are escaped already: each line escaped again).
+:func:`command_line` builds a command line for a person to paste (``hf-pma merge RUN ...``):
+each argument shell-quoted, on one line. :func:`plot_text` is a label for matplotlib, which
+reads ``$...$`` as math. Torch-free.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+import shlex
+import sys
+from collections.abc import Iterable
+from typing import Any, TextIO
 
-__all__ = ["escape", "is_printable", "shown"]
+__all__ = ["command_line", "escape", "is_printable", "plot_text", "shown", "write_line", "write_lines"]
 
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
@@ -60,3 +69,61 @@ def shown(value: Any, limit: int = 200) -> str:
         value = os.fspath(value)
     text = escape(repr(value))
     return text if len(text) <= limit else text[: max(limit - 3, 0)] + "..."
+
+
+def write_line(text: Any = "", stream: TextIO | None = None) -> None:
+    """Write ``text`` as one line (:func:`escape`: a newline or an escape sequence in a name it
+    holds shows as ``\\n``, ``\\x1b``, and cannot forge a line) and a newline, to ``stream``
+    (default: stdout)."""
+    (stream or sys.stdout).write(escape(text) + "\n")
+
+
+def write_lines(text: str, stream: TextIO | None = None) -> None:
+    """Write a block of lines (a table) to ``stream`` (default: stdout), each line escaped.
+
+    For text whose line breaks are the tool's own: a table whose cells are escaped already
+    (:func:`hf_pma.utils.formatting.text_table`); what the lines hold is escaped once more. A
+    value that may hold a newline must be escaped before it is put in such a block (or written
+    with :func:`write_line`), else its newline would start a line of its own."""
+    for line in text.split("\n"):
+        write_line(line, stream)
+
+
+def _shell_word(arg: str) -> str:
+    """One argument quoted for a POSIX shell; one that holds a control character as bash's
+    ANSI-C quoting ``$'...'`` (bash, zsh and ksh read it back exactly, and it stays on one line)."""
+    if arg.isprintable():
+        return shlex.quote(arg)
+    body = "".join(
+        "\\\\" if ch == "\\" else "\\'" if ch == "'" else ch if ch.isprintable() else _ansi_c(ch)
+        for ch in arg
+    )
+    return f"$'{body}'"
+
+
+def _ansi_c(ch: str) -> str:
+    code = ord(ch)
+    if ch in _NAMED:
+        return _NAMED[ch]
+    if 0xDC80 <= code <= 0xDCFF:  # a byte of an undecodable file name (os.fsdecode): the byte itself
+        return f"\\x{code - 0xDC00:02x}"
+    if code <= 0xFF:
+        return f"\\x{code:02x}"
+    if code <= 0xFFFF:
+        return f"\\u{code:04x}"
+    return f"\\U{code:08x}"
+
+
+def command_line(args: Iterable[Any]) -> str:
+    """A command line for a person to paste into a shell (``hf-pma merge 'my run/pma' --last 4``):
+    each argument (a string, a path, a number) shell-quoted with :func:`shlex.quote`, one with a
+    control character written ``$'...'`` so that the line stays one line; arguments joined by
+    spaces. Every command line hf-pma prints or logs for pasting is built here."""
+    return " ".join(_shell_word(os.fspath(a) if isinstance(a, os.PathLike) else str(a)) for a in args)
+
+
+def plot_text(text: Any) -> str:
+    """A label for matplotlib from a name or a record value: escaped (:func:`escape`) and with
+    ``$`` written ``\\$``, since matplotlib reads ``$...$`` as mathtext (a hostile name could
+    make it fail or draw something else)."""
+    return escape(text).replace("$", "\\$")
