@@ -513,15 +513,18 @@ class PMACallback(TrainerCallback, ExportableState):
         )
 
     def _announce_end(self) -> None:
-        """Main process, at train end: how many snapshots there are and how to merge them."""
+        """Main process, at train end: how many snapshots there are and how to merge them (the
+        command shell-quoted, to paste)."""
+        from hf_pma.utils.text import command_line
+
         listed = self._sink.snapshots()
         if not listed:
             return
         size = human_bytes(sum(r.num_bytes or 0 for r, _ in listed))
         notice(
             logger,
-            f"hf-pma: {len(listed)} snapshots ({size}) in {self._pma_dir}; `hf-pma merge {self._pma_dir} --last N "
-            "-o MERGED` averages the last N",
+            f"hf-pma: {len(listed)} snapshots ({size}) in {self._pma_dir}; "
+            f"`{command_line(['hf-pma', 'merge', self._pma_dir])} --last N -o MERGED` averages the last N",
         )
 
     def _recheck_disk(self, model: Any, state: Any, tick: StepTick) -> None:
