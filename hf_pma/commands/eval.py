@@ -14,6 +14,7 @@ from hf_pma.commands import (
     positive_int,
     set_verbosity,
 )
+from hf_pma.core.manifest import EVAL_RECORD_NAME
 from hf_pma.evaluation.options import EvalOptions
 
 # Where the results go without -o: the current folder (never a model folder, which may be published).
@@ -124,29 +125,37 @@ def _hub_models(args: argparse.Namespace) -> tuple[list[str], list[str] | None]:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``hf-pma eval``."""
-    from hf_pma.evaluation.model_checks import resolve_model
-    from hf_pma.utils.fs import atomic_write_json
+    from hf_pma.evaluation.model_checks import check_record_folder, resolve_model
+    from hf_pma.utils.fs import atomic_write_json, check_output_file
 
     set_verbosity(args)
     if not args.tasks and not args.eval_file:
         raise ValueError("nothing to evaluate: give --tasks and/or --eval-file")
     labels = [label.strip() for label in args.labels.split(",")] if args.labels else None
-    if args.record and not Path(args.record).is_dir():
-        raise FileNotFoundError(f"--record folder {args.record} does not exist")
+    # Every output is checked here, before a model is loaded: results are never lost at the end.
     output = Path(args.output or DEFAULT_OUTPUT)
-    if not output.absolute().parent.is_dir():
-        raise FileNotFoundError(f"the folder of --output {args.output} does not exist")
-    if args.output is None and not os.access(output.absolute().parent, os.W_OK):
+    if args.output is None and not os.access(output.absolute().parent, os.W_OK | os.X_OK):
         raise PermissionError(
             f"cannot write {DEFAULT_OUTPUT} in the current folder {Path.cwd()}: give -o FILE"
         )
+    check_output_file(output, "--output")
+    if args.record:
+        check_record_folder(args.record)
     texts = load_heldout(args)
 
     models, hub_labels = _hub_models(args)
     for model in models:  # a missing folder or an unknown Hub name: one line before torch is imported
         resolve_model(model, args.tokenizer)
-    from hf_pma.evaluation.evaluator import evaluate_models, results_table, write_eval_record
+    from hf_pma.evaluation.evaluator import (
+        evaluate_models,
+        read_eval_record,
+        results_table,
+        write_eval_record,
+    )
     from hf_pma.utils.distributed import is_main_process
+
+    if args.record and (Path(args.record) / EVAL_RECORD_NAME).is_file():
+        read_eval_record(args.record)  # the record is updated at the end: a malformed one fails now
 
     report = evaluate_models(
         models,

@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     from hf_pma.core.strategies import merge_weights
     from hf_pma.merging.hub_revisions import parse_hub_spec
     from hf_pma.merging.sources import describe_sources, resolve_sources
-    from hf_pma.utils.fs import atomic_write_json, check_output_folder
+    from hf_pma.utils.fs import atomic_write_json, check_output_file, check_output_folder
 
     set_verbosity(args)
     # Everything that can be checked is checked before the first model is loaded.
@@ -115,11 +115,10 @@ def run(args: argparse.Namespace) -> int:
     if args.output is None and (len(args.run) > 1 or not Path(args.run[0]).is_dir()):
         raise ValueError("give --output: the results go to RUN/sweep.json only when RUN is one run folder")
     output = Path(args.output) if args.output else Path(args.run[0]) / "sweep.json"
-    if not output.absolute().parent.is_dir():
-        raise FileNotFoundError(f"the folder of --output {output} does not exist")
+    check_output_file(output, "--output")
     plot = None if args.no_plot else Path(args.plot) if args.plot else output.with_suffix(".png")
-    if plot is not None and not plot.absolute().parent.is_dir():
-        raise FileNotFoundError(f"the folder of --plot {plot} does not exist")
+    if plot is not None:
+        check_output_file(plot, "--plot")
     if args.best:
         check_output_folder(args.best, args.overwrite)
     texts = load_heldout(args)

@@ -7,10 +7,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from hf_pma.core.manifest import MANIFEST_NAME, PMA_SUBDIR
+from hf_pma.core.manifest import EVAL_RECORD_NAME, MANIFEST_NAME, PMA_SUBDIR
+from hf_pma.utils.fs import check_output_file
 from hf_pma.utils.names import looks_local
 
-__all__ = ["check_hub_model", "resolve_model"]
+__all__ = ["check_hub_model", "check_record_folder", "resolve_model"]
 
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -125,3 +126,16 @@ def check_hub_model(name: str) -> None:
 def _first_line(err: BaseException) -> str:
     text = str(err).strip()
     return text.splitlines()[0] if text else type(err).__name__
+
+
+def check_record_folder(folder: str | os.PathLike[str]) -> Path:
+    """The ``pma_eval.json`` that evaluation results will be recorded in, inside ``folder``,
+    checked before anything is evaluated: ``FileNotFoundError`` when ``folder`` is not a folder,
+    ``FileExistsError`` / ``PermissionError`` when the record cannot be written there (a link, a
+    folder, a read-only folder; see :func:`hf_pma.utils.fs.check_output_file`)."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"--record folder {folder} does not exist")
+    path = folder / EVAL_RECORD_NAME
+    check_output_file(path, "--record")
+    return path

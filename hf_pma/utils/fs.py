@@ -19,22 +19,25 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import itertools
 import json
 import os
 import re
 import shutil
 import socket
+import stat
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
-from hf_pma.utils.text import shown
+from hf_pma.utils.text import escape, shown
 
 __all__ = [
     "FOREIGN_STALE_AFTER_S",
+    "RUN_MANIFESTS",
     "NoSpaceError",
     "TEMP_KINDS",
     "atomic_write_file",
@@ -42,16 +45,19 @@ __all__ = [
     "atomic_write_text",
     "OutputBusyError",
     "OutputExistsError",
+    "check_output_file",
     "check_output_folder",
     "claim_output",
     "claim_path",
     "confined_path",
+    "embedded_name",
     "free_bytes",
     "fsync_dir",
     "fsync_tree",
     "is_confined",
     "is_library_folder",
     "is_stale_temporary",
+    "listed_snapshot_of",
     "parse_temporary",
     "publish_folder",
     "raise_if_no_space",
@@ -75,6 +81,11 @@ FOREIGN_STALE_AFTER_S = 6 * 3600
 LEGACY_PREFIXES = (".tmp-", ".deleting-")
 _NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _counter = itertools.count()
+# Temporary and claim names embed the target's name in at most NAME_MAX less this many bytes:
+# ".", ".deleting-", a host of at most _HOST_CHARS, "-", a pid, "-", a counter.
+_HOST_CHARS = 64
+_SUFFIX_RESERVE = 1 + 10 + _HOST_CHARS + 1 + 10 + 1 + 20
+_HASH_CHARS = 12
 _TEMP_RE = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|deleting)-(?P<host>[A-Za-z0-9_.-]+)-(?P<pid>\d+)-(?P<n>\d+)$")
 
 
@@ -89,15 +100,47 @@ def _logger() -> Any:
 
 
 def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "localhost"
+    return (re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "localhost")[:_HOST_CHARS]
+
+
+def _name_max(folder: Path) -> int:
+    """The longest file name (bytes) the filesystem of ``folder`` (or its nearest existing parent) takes."""
+    try:
+        return min(255, int(os.pathconf(_existing_parent(folder.absolute()), "PC_NAME_MAX")))
+    except (OSError, ValueError, TypeError):
+        return 255
+
+
+def embedded_name(target: str | os.PathLike[str]) -> str:
+    """The form of ``target``'s name inside its temporary and claim names.
+
+    The name itself when ``.<name>.deleting-<host>-<pid>-<n>`` fits the file-name limit of
+    ``target``'s folder (``NAME_MAX``, 255 bytes on most filesystems) whatever the host, pid and
+    counter; otherwise a prefix of it, ``~`` and 12 hex digits of its SHA-256 (recognisable, and
+    the same for the same name, so :func:`remove_stale_temporaries` finds an earlier run's).
+    """
+    target = Path(target)
+    name = target.name
+    budget = max(_name_max(target.parent) - _SUFFIX_RESERVE, _HASH_CHARS + 1)
+    if len(os.fsencode(name)) <= budget:
+        return name
+    digest = hashlib.sha256(os.fsencode(name)).hexdigest()[:_HASH_CHARS]
+    prefix, size = "", 0
+    for char in name:
+        size += len(os.fsencode(char))
+        if size > budget - _HASH_CHARS - 1:
+            break
+        prefix += char
+    return f"{prefix}~{digest}"
 
 
 def temporary_path(target: str | os.PathLike[str], kind: str = "tmp") -> Path:
-    """A fresh temporary name beside ``target``: ``.<name>.<kind>-<host>-<pid>-<n>``."""
+    """A fresh temporary name beside ``target``: ``.<name>.<kind>-<host>-<pid>-<n>`` (``<name>``
+    shortened to fit the file-name limit: :func:`embedded_name`)."""
     if kind not in TEMP_KINDS:
         raise ValueError(f"kind must be one of {TEMP_KINDS}, got {kind!r}")
     target = Path(target)
-    return target.with_name(f".{target.name}.{kind}-{_host()}-{os.getpid()}-{next(_counter)}")
+    return target.with_name(f".{embedded_name(target)}.{kind}-{_host()}-{os.getpid()}-{next(_counter)}")
 
 
 def parse_temporary(name: str) -> dict[str, Any] | None:
@@ -172,12 +215,13 @@ def remove_stale_temporaries(folder: str | os.PathLike[str], name: str | None = 
     folder = Path(folder)
     if not folder.is_dir():
         return []
+    wanted = embedded_name(folder / name) if name is not None else None
     with os.scandir(folder) as entries:
         candidates = sorted(Path(e.path) for e in entries if e.name.startswith("."))
     removed = []
     for path in candidates:
         info = parse_temporary(path.name)
-        if info is None or (name is not None and info["name"] != name) or not is_stale_temporary(path):
+        if info is None or (name is not None and info["name"] != wanted) or not is_stale_temporary(path):
             continue
         remove_path(path)
         _logger().info(f"hf-pma: removed {path}, left by an interrupted write")
@@ -355,15 +399,32 @@ def fsync_tree(path: str | os.PathLike[str]) -> None:
         fsync_dir(root)
 
 
+def _new_temporary_file(target: Path) -> Path:
+    """Create an empty temporary file beside ``target``, exclusively and never through a link
+    (``O_CREAT | O_EXCL | O_NOFOLLOW``): something already at a temporary name (a link planted
+    there) is never written through; the next name is tried."""
+    for _ in range(100):
+        tmp = temporary_path(target)
+        try:
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o666)
+        except FileExistsError:
+            continue
+        os.close(fd)
+        return tmp
+    raise FileExistsError(f"cannot create a temporary file beside {escape(target)}: every name tried exists")
+
+
 def atomic_write_file(path: str | os.PathLike[str], write: Callable[[Path], T], needed: int | None = None) -> T:
     """Run ``write(tmp)`` on a temporary file name beside ``path``, fsync it, rename it into place.
 
-    ``write`` creates the file (a plot's ``savefig``, ...). On any error the temporary is
+    ``write`` writes the file (a plot's ``savefig``, ...), which already exists, empty: created
+    exclusively and never through a symbolic link (a link planted at a temporary name is never
+    followed; see :func:`temporary_path` for the names). On any error the temporary is
     removed; running out of space raises :class:`NoSpaceError`. The file is readable by others
     (mode 0644 less the umask), like a file that ``open()`` creates. Returns ``write``'s result.
     """
     path = Path(path)
-    tmp = temporary_path(path)
+    tmp = _new_temporary_file(path)
     try:
         with no_space_errors(path, needed):
             result = write(tmp)
@@ -493,16 +554,17 @@ class OutputBusyError(FileExistsError):
 
 
 def claim_path(final_dir: str | os.PathLike[str]) -> Path:
-    """The claim file of an output folder: ``.<name>.claim`` beside it."""
+    """The claim file of an output folder: ``.<name>.claim`` beside it (``<name>`` shortened to
+    fit the file-name limit: :func:`embedded_name`)."""
     final_dir = Path(final_dir)
-    return final_dir.with_name(f".{final_dir.name}.claim")
+    return final_dir.with_name(f".{embedded_name(final_dir)}.claim")
 
 
 def _claim_holder(fd: int) -> str:
     try:
         os.lseek(fd, 0, os.SEEK_SET)
         info = json.loads(os.read(fd, 4096) or b"{}")
-        return f"host {info['host']}, pid {info['pid']}"
+        return f"host {escape(info['host'])}, pid {escape(info['pid'])}"
     except (OSError, ValueError, KeyError, TypeError):
         return "a process that has not said which yet"
 
@@ -534,18 +596,46 @@ def claim_output(final_dir: str | os.PathLike[str], overwrite: bool = False) -> 
         yield final_dir
     finally:
         try:
-            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+            if os.fstat(fd).st_ino == os.lstat(path).st_ino:
                 path.unlink()
         except OSError:
             pass
         os.close(fd)
 
 
+def _open_claim(path: Path, final_dir: Path) -> int:
+    """Open (creating it) the claim file ``path`` of ``final_dir``, never through a symbolic link,
+    and only when it is a regular file of its own (one link): the claim is truncated and written,
+    so anything else (a link or a hard link to another file, a FIFO, a folder) is refused in one
+    line naming it."""
+    refused = (
+        f"the claim file {escape(path)} of output folder {escape(final_dir)} is not a regular file that hf-pma "
+        "made ({}); remove it or choose another output folder"
+    )
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    try:
+        fd = os.open(path, flags, 0o644)
+    except OSError as err:
+        if err.errno == errno.ELOOP or (err.errno == errno.EMLINK and path.is_symlink()):
+            raise FileExistsError(refused.format("a symbolic link")) from None
+        if err.errno in (errno.EISDIR, errno.ENXIO):
+            raise FileExistsError(refused.format("a folder" if err.errno == errno.EISDIR else "a special file")) from None
+        raise
+    info = os.fstat(fd)
+    why = None if stat.S_ISREG(info.st_mode) else "a FIFO" if stat.S_ISFIFO(info.st_mode) else "a special file"
+    if why is None and info.st_nlink != 1:
+        why = f"a file with {info.st_nlink} hard links"
+    if why is not None:
+        os.close(fd)
+        raise FileExistsError(refused.format(why))
+    return fd
+
+
 def _acquire_claim(path: Path, final_dir: Path) -> int:
     import fcntl
 
     while True:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = _open_claim(path, final_dir)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -570,15 +660,111 @@ def _acquire_claim(path: Path, final_dir: Path) -> int:
         os.close(fd)  # the holder released (and removed) it between our open and our lock: retry
 
 
+def check_output_file(path: str | os.PathLike[str], what: str = "output file") -> None:
+    """Check, before any work, that the file ``path`` can be written (atomically replaced) later.
+
+    ``FileExistsError`` when ``path`` is a folder, a symbolic link (it would be replaced by a
+    regular file, and what it names left as it was) or another special file;
+    ``FileNotFoundError`` when its folder does not exist; ``PermissionError`` when its folder is
+    not writable (read-only permissions or a read-only filesystem). An existing regular file is
+    fine: it is replaced. ``what`` names the path in the error (``"--output"``).
+    """
+    path = Path(path)
+    if path.is_symlink():
+        raise FileExistsError(f"{what} {path} is a symbolic link: give the path of a new or regular file")
+    if path.exists() and not path.is_file():
+        kind = "a folder" if path.is_dir() else "not a regular file"
+        raise FileExistsError(f"{what} {path} is {kind}: give a file path")
+    parent = path.absolute().parent
+    if not parent.is_dir():
+        raise FileNotFoundError(f"the folder of {what} {path} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"cannot write {what} {path}: its folder {parent} is not writable")
+
+
 def check_output_folder(output_dir: str | os.PathLike[str], overwrite: bool) -> None:
-    """Check that ``output_dir`` can be written now: ``FileExistsError`` when it is a file, or a
-    non-empty folder without ``overwrite``; ``PermissionError`` when its parent is not writable."""
+    """Check, before any work, that the output folder ``output_dir`` can be written.
+
+    The one check of every command that writes an output folder (merge, consolidate, make-tasks,
+    sweep's best merge...), run again once the folder is claimed (:func:`claim_output`). Raises,
+    in one line naming the path:
+
+    * ``FileExistsError`` when ``output_dir`` is a symbolic link (even to an empty folder:
+      outputs are never written through a link), a file or another non-folder, or lies inside
+      (or is) a snapshot folder listed in a run's manifest (:func:`listed_snapshot_of`: rotation
+      and resume replace or delete such folders);
+    * :class:`OutputExistsError` (a ``FileExistsError``) when it is a non-empty folder and
+      ``overwrite`` is false (what ``overwrite`` may replace is
+      :func:`hf_pma.core.outputs.check_overwrite_target`'s check);
+    * ``PermissionError`` when the folder it goes in is not writable (permissions, or a
+      read-only filesystem).
+
+    Nothing is created. Signature: ``(output_dir, overwrite)``, both positional.
+    """
     output_dir = Path(output_dir)
+    shown_dir = escape(output_dir)
+    if output_dir.is_symlink():
+        raise FileExistsError(
+            f"output path {shown_dir} is a symbolic link; hf-pma never writes an output through a link: give the "
+            "folder it points to, or another"
+        )
     if output_dir.exists():
         if not output_dir.is_dir():
-            raise FileExistsError(f"output path {output_dir} exists and is not a folder")
+            raise FileExistsError(f"output path {shown_dir} exists and is not a folder")
         if any(output_dir.iterdir()) and not overwrite:
-            raise OutputExistsError(f"output folder {output_dir} is not empty; pass overwrite=True (--overwrite) to replace it")
+            raise OutputExistsError(f"output folder {shown_dir} is not empty; pass overwrite=True (--overwrite) to replace it")
+    listed = listed_snapshot_of(output_dir)
+    if listed is not None:
+        snapshot, manifest = listed
+        where = "is" if snapshot == _resolved(output_dir) else "lies inside"
+        raise FileExistsError(
+            f"output folder {shown_dir} {where} the snapshot folder {escape(snapshot)} listed in {escape(manifest)}, "
+            "which hf-pma replaces or deletes as its run goes on (keep_last, resume); choose a folder outside it"
+        )
     parent = _existing_parent(output_dir.absolute().parent)
-    if not parent.is_dir() or not os.access(parent, os.W_OK):
-        raise PermissionError(f"cannot write to {output_dir.parent}")
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise PermissionError(f"cannot write to {escape(output_dir.parent)}: the folder is not writable")
+
+
+# Where a run keeps its manifest, relative to a folder: hf_pma.core.manifest's MANIFEST_NAME,
+# and PMA_SUBDIR / MANIFEST_NAME (utils imports nothing above it; a test keeps them the same).
+RUN_MANIFESTS = ("manifest.json", "pma/manifest.json")
+
+
+def _resolved(path: Path) -> Path | None:
+    try:
+        return path.resolve()
+    except (OSError, RuntimeError, ValueError):
+        return None
+
+
+def listed_snapshot_of(path: str | os.PathLike[str]) -> tuple[Path, Path] | None:
+    """The snapshot folder that ``path`` is or lies inside, and the manifest that lists it, if any.
+
+    Looks, after symbolic links, in every folder above ``path`` for a run manifest
+    (:data:`RUN_MANIFESTS`) whose ``snapshots`` list names ``path`` or a folder above it. The
+    manifests are read leniently (this only looks for a reason to refuse: one that cannot be read
+    lists nothing). Nothing is written.
+    """
+    target = _resolved(Path(path))
+    if target is None:
+        return None
+    wanted = {target, *target.parents}
+    for folder in target.parents:
+        for relative in RUN_MANIFESTS:
+            manifest = folder / relative
+            try:
+                if not manifest.is_file():
+                    continue
+                data = read_json(manifest)
+            except (OSError, ValueError, RecursionError):
+                continue
+            entries = data.get("snapshots") if isinstance(data, dict) else None
+            for entry in entries if isinstance(entries, list) else []:
+                name = entry.get("path") if isinstance(entry, dict) else None
+                if not isinstance(name, str) or not name.strip() or "\x00" in name:
+                    continue
+                snapshot, base = _resolved(manifest.parent / name), _resolved(manifest.parent)
+                if snapshot in wanted and base is not None and base in snapshot.parents:  # strictly inside its run
+                    return snapshot, manifest
+    return None
