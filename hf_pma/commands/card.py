@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -43,5 +42,7 @@ def run(args: argparse.Namespace) -> int:
         language=args.language,
         template=args.template,
     )
-    sys.stdout.write(f"{path}\n")
+    from hf_pma.utils.text import write_line
+
+    write_line(path)
     return 0

@@ -172,7 +172,9 @@ def run(args: argparse.Namespace) -> int:
         write_eval_record(args.record, report["results"], eval_dataset=report["eval_dataset"])
     if is_main_process():
         atomic_write_json(output, report)
-        sys.stdout.write(results_table(report["results"]) + "\n")
-        sys.stdout.write(f"results: {output}\n")
+        from hf_pma.utils.text import write_line, write_lines
+
+        write_lines(results_table(report["results"]))  # its cells are escaped
+        write_line(f"results: {output}")
         sys.stdout.flush()
     return 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -136,6 +135,7 @@ def run(args: argparse.Namespace) -> int:
     from hf_pma.merging.sources import model_source, resolve_sources
     from hf_pma.utils.formatting import format_number, text_table
     from hf_pma.utils.fs import atomic_write_json
+    from hf_pma.utils.text import write_line, write_lines
 
     set_verbosity(args)
     log = logging.get_logger("hf_pma.inspect")
@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         ]
     else:
         rows = snapshot_rows(args.run, include_final=args.include_final)
-    sys.stdout.write(snapshot_table(rows) + "\n")
+    write_lines(snapshot_table(rows))  # its cells are escaped
     report = {"snapshots": rows}
     if not args.no_diagnostics:
         sources = hub if hub is not None else resolve_sources([args.run], include_final=args.include_final)
@@ -183,11 +183,13 @@ def run(args: argparse.Namespace) -> int:
         ends = [d.indices[-1] for d in series]
         use_tokens = all(gram.tokens[i] is not None for i in ends)
         xs = [gram.tokens[i] if use_tokens else (gram.steps[i] or i) for i in ends]
-        sys.stdout.write(f"\nWindow: {len(indices)} snapshots ({origin}), every {args.every}, {args.strategy} weights "
-                         f"({gram.numel:,} weights in {gram.num_tensors} tensors)\n")
-        sys.stdout.write(diagnostics_table(gram.names, diag) + "\n")
+        write_line()
+        write_line(f"Window: {len(indices)} snapshots ({origin}), every {args.every}, {args.strategy} weights "
+                   f"({gram.numel:,} weights in {gram.num_tensors} tensors)")
+        write_lines(diagnostics_table(gram.names, diag))
         if len(series) > 1:
-            sys.stdout.write("\nOver training (window ending at each snapshot):\n")
+            write_line()
+            write_line("Over training (window ending at each snapshot):")
             header = ["window end", "mean cos", "straight", "spread", "merge shift"]
             header += ["|M - ref|", "|new - ref|"] if reference is not None else []
             body = []
@@ -198,11 +200,12 @@ def run(args: argparse.Namespace) -> int:
                     row += [format_number(d.reference["merge_to_reference"], ".4g"),
                             format_number(d.reference["newest_to_reference"], ".4g")]
                 body.append(row)
-            sys.stdout.write(text_table(header, body) + "\n")
+            write_lines(text_table(header, body))
         if plot is not None:
             title = f"{Path(args.run).name}: {args.strategy} window of {len(indices)} (every {args.every})"
             plot_diagnostics(plot, gram.names, diag, series, xs, "tokens" if use_tokens else "step", title)
-            sys.stdout.write(f"\nplot: {plot}\n")
+            write_line()
+            write_line(f"plot: {plot}")
         report.update(
             window=diag.to_dict() | {"names": [gram.names[i] for i in indices], "strategy": args.strategy, "every": args.every,
                                      "origin": origin},
@@ -212,7 +215,8 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.output:
         atomic_write_json(Path(args.output), report)
-        sys.stdout.write(f"report: {args.output}\n")
+        write_line(f"report: {args.output}")
     if "reading" in report:
-        sys.stdout.write(f"\n{report['reading']}\n")
+        write_line()
+        write_line(report["reading"])
     return 0

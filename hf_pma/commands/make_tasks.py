@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from hf_pma.commands import add_output_arguments
 
@@ -93,10 +92,12 @@ def run(args: argparse.Namespace) -> int:
         write_train=args.write_train,
         overwrite=args.overwrite,
     )
+    from hf_pma.utils.text import command_line, write_line
+
     for name, task in info["tasks"].items():
-        sys.stdout.write(f"{name}: {task['items']} items ({task['kind']})\n")
-    sys.stdout.write(
+        write_line(f"{name}: {task['items']} items ({task['kind']})")
+    write_line(
         f"{info['num_heldout_documents']} held-out / {info['num_train_documents']} training documents; "
-        f"run: hf-pma eval MODEL --include-path {args.output} --tasks {info['tag']}\n"
+        f"run: hf-pma eval MODEL {command_line(['--include-path', args.output, '--tasks', info['tag']])}"
     )
     return 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from hf_pma.commands import add_output_arguments, add_revision_arguments, positive_int
@@ -125,5 +124,7 @@ def run(args: argparse.Namespace) -> int:
     how = "explicit weights" if args.weights is not None else args.strategy
     unit = "tokens" if args.window_tokens else "steps" if args.window_steps else None
     said = describe_sources(sources, args.window_tokens or args.window_steps, unit)
-    sys.stdout.write(f"merged {said}; {how} -> {output}\n")
+    from hf_pma.utils.text import write_line
+
+    write_line(f"merged {said}; {how} -> {output}")
     return 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -37,5 +36,7 @@ def run(args: argparse.Namespace) -> int:
         revision=args.revision,
         commit_message=args.commit_message,
     )
-    sys.stdout.write(f"{url}\n")
+    from hf_pma.utils.text import write_line
+
+    write_line(url)
     return 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -151,7 +150,9 @@ def run(args: argparse.Namespace) -> int:
     if args.best:
         write_best(report, args.best, overwrite=args.overwrite, progress=not args.quiet)
     snapshots = [SimpleNamespace(**s) for s in report["snapshots"]]
-    sys.stdout.write(f"sweep over {describe_sources(snapshots)}\n")
-    sys.stdout.write(sweep_table(report) + "\n")
-    sys.stdout.write(f"results: {output}" + (f", heatmap: {plot}" if plot else "") + (f", best merge: {args.best}" if args.best else "") + "\n")
+    from hf_pma.utils.text import write_line, write_lines
+
+    write_line(f"sweep over {describe_sources(snapshots)}")
+    write_lines(sweep_table(report))  # its cells are escaped
+    write_line(f"results: {output}" + (f", heatmap: {plot}" if plot else "") + (f", best merge: {args.best}" if args.best else ""))
     return 0
