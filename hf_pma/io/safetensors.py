@@ -15,6 +15,13 @@ header ``{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__"
 the tensor bytes, offsets relative to the end of the header. As the ``safetensors`` library
 does, a header is refused unless the tensors' byte ranges tile the data section exactly: no
 overlap, no gap, nothing outside the file.
+
+A header is also bounded by what a file can hold, so that a crafted one costs neither memory nor
+time: at most :data:`MAX_TENSORS` tensors per file, at most :data:`MAX_DIMS` dimensions per
+tensor, every dimension below ``2**63`` (torch's sizes are int64), and the product of the
+dimensions never overflowing 64 bits, taken left to right as the ``safetensors`` library
+computes it (``[2**64, 0]`` and ``[2**63, 2, 0]`` are refused). Files are opened through
+:mod:`hf_pma.io.guarded`: confined to their folder after symbolic links, regular files only.
 """
 
 from __future__ import annotations
@@ -30,6 +37,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from hf_pma.io.guarded import open_file
+from hf_pma.utils.text import escape, shown
 
 __all__ = [
     "CheckpointFormatError",
@@ -83,15 +93,25 @@ TORCH_NAMES: dict[str, str] = {
 }
 SAFETENSORS_NAMES: dict[str, str] = {v: k for k, v in TORCH_NAMES.items()}
 
-# A header larger than this is not a real checkpoint (safetensors itself caps it at 100 MB).
-_MAX_HEADER_BYTES = 100 * 1024 * 1024
+# A header larger than this is not a real checkpoint (the safetensors library's own cap).
+_MAX_HEADER_BYTES = 100_000_000
+# Tensors per file. Real checkpoints hold at most tens of thousands in one file (a 70B dense
+# model ~700; an unsharded DeepSeek-V3, the most tensors of any public model, ~92,000: one per
+# expert matrix and its scale): 2**18 leaves nearly 3x room. A header at the cap parses in
+# about a second and holds ~100 MB of Python objects (measured: tests/io/test_safetensors.py);
+# the 89 MB header of 1.5M empty tensors that the cap refuses cost 1.4 GB and 30 s per file.
+MAX_TENSORS = 2**18
+# Dimensions per tensor: numpy holds at most 64, and no model uses more than a handful.
+MAX_DIMS = 64
+_U64 = 2**64 - 1
+_MAX_DIM = 2**63 - 1
 
 
 class CheckpointFormatError(ValueError):
     """A checkpoint file is missing, truncated, corrupt or inconsistent; the message names it."""
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class TensorInfo:
     """Where one tensor lives in a file: dtype (a safetensors name), shape and absolute byte range."""
 
@@ -117,8 +137,28 @@ class TensorInfo:
         return self.dtype in FLOAT_DTYPES
 
 
-def _is_count(value: Any) -> bool:
-    return type(value) is int and value >= 0
+def _is_count(value: Any, limit: int = _U64) -> bool:
+    return type(value) is int and 0 <= value <= limit
+
+
+class _TooManyTensors(Exception):
+    pass
+
+
+def _counting_hook(limit: int):
+    """An ``object_pairs_hook`` that builds dicts (last key wins, as ``json.loads`` does) and
+    stops the parse once more than ``limit`` objects were built: a crafted header is refused
+    before it costs the memory of its millions of entries."""
+    count = 0
+
+    def hook(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        nonlocal count
+        count += 1
+        if count > limit:
+            raise _TooManyTensors
+        return dict(pairs)
+
+    return hook
 
 
 class SafetensorsReader:
@@ -130,15 +170,23 @@ class SafetensorsReader:
     naming the file and the tensor(s), before any merge work starts.
     """
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        folder: str | os.PathLike[str] | None = None,
+        *,
+        max_tensors: int | None = None,
+    ) -> None:
+        """Open ``path``, a file under ``folder`` (the folder the user gave; default: the folder
+        holding it), through :func:`hf_pma.io.guarded.open_file`, and validate its header.
+        ``max_tensors`` (default :data:`MAX_TENSORS`) caps the tensors it may list."""
         self.path = Path(path)
         self._fd = -1
+        self._max_tensors = MAX_TENSORS if max_tensors is None else max_tensors
         try:
-            self._fd = os.open(self.path, os.O_RDONLY)
+            self._fd = open_file(self.path, folder)
         except FileNotFoundError as err:
             raise CheckpointFormatError(f"weights file {self.path} does not exist") from err
-        except IsADirectoryError as err:
-            raise CheckpointFormatError(f"weights file {self.path} is a directory") from err
         try:
             self.metadata, self.tensors = self._read_header()
         except BaseException:
@@ -146,7 +194,7 @@ class SafetensorsReader:
             raise
 
     def _fail(self, why: str) -> CheckpointFormatError:
-        return CheckpointFormatError(f"{self.path} is not a valid safetensors file: {why}")
+        return CheckpointFormatError(f"{escape(self.path)} is not a valid safetensors file: {why}")
 
     def _read_header(self) -> tuple[dict[str, str], dict[str, TensorInfo]]:
         size = os.fstat(self._fd).st_size
@@ -157,10 +205,19 @@ class SafetensorsReader:
             raise self._fail(
                 f"header length {header_len} does not fit in a {size}-byte file (truncated or corrupt)"
             )
+        raw = os.pread(self._fd, header_len, 8)
+        if not raw.startswith(b"{"):
+            raise self._fail("header is not a JSON object")
+        # One object per tensor, one for __metadata__, one for the header itself.
+        hook = _counting_hook(self._max_tensors + 2)
         try:
-            header = json.loads(os.pread(self._fd, header_len, 8))
-        except (UnicodeDecodeError, ValueError, RecursionError) as err:
-            raise self._fail(f"header is not valid JSON ({str(err)[:200]})") from err
+            header = json.loads(raw, object_pairs_hook=hook)
+        except _TooManyTensors:
+            raise self._fail(f"header lists more than {self._max_tensors:,} tensors") from None
+        except RecursionError:
+            raise self._fail("header is not valid JSON (nested too deep)") from None
+        except (UnicodeDecodeError, ValueError) as err:
+            raise self._fail(f"header is not valid JSON ({shown(str(err), 200)})") from None
         if not isinstance(header, dict):
             raise self._fail("header is not a JSON object")
         metadata = header.pop("__metadata__", None)
@@ -168,6 +225,8 @@ class SafetensorsReader:
             metadata = {}
         if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
             raise self._fail("__metadata__ is not an object of strings")
+        if len(header) > self._max_tensors:
+            raise self._fail(f"header lists more than {self._max_tensors:,} tensors")
         data_start = 8 + header_len
         tensors = {name: self._entry(name, entry, data_start) for name, entry in header.items()}
         self._check_layout(tensors, data_start, size - data_start)
@@ -176,19 +235,30 @@ class SafetensorsReader:
     def _entry(self, name: str, entry: Any, data_start: int) -> TensorInfo:
         """One header entry, checked for types and for the byte count its dtype and shape need."""
         if not isinstance(entry, dict):
-            raise self._fail(f"tensor {name!r} has a malformed header entry {str(entry)[:200]}")
+            raise self._fail(f"tensor {shown(name)} has a malformed header entry {shown(entry)}")
         dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
         if not isinstance(dtype, str) or dtype not in DTYPE_ITEMSIZE:
-            raise self._fail(f"tensor {name!r} has an unknown dtype {str(dtype)[:50]!r}")
-        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
-            raise self._fail(f"tensor {name!r} has an invalid shape {str(shape)[:200]}")
+            raise self._fail(f"tensor {shown(name)} has an unknown dtype {shown(dtype, 50)}")
+        if not isinstance(shape, list) or not all(_is_count(d, _MAX_DIM) for d in shape):
+            raise self._fail(
+                f"tensor {shown(name)} has an invalid shape {shown(shape)} (dimensions: integers from 0 to 2**63 - 1)"
+            )
+        if len(shape) > MAX_DIMS:
+            raise self._fail(f"tensor {shown(name)} has {len(shape)} dimensions (at most {MAX_DIMS})")
         if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets):
-            raise self._fail(f"tensor {name!r} has invalid data_offsets {str(offsets)[:200]}")
+            raise self._fail(f"tensor {shown(name)} has invalid data_offsets {shown(offsets)}")
+        numel = 1
+        for dim in shape:  # left to right, as the safetensors library multiplies them
+            numel *= dim
+            if numel > _U64:
+                raise self._fail(f"tensor {shown(name)} has a shape {shown(shape)} whose size overflows 64 bits")
+        if numel * DTYPE_ITEMSIZE[dtype] * 8 > _U64:
+            raise self._fail(f"tensor {shown(name)} has a shape {shown(shape)} whose size overflows 64 bits")
         begin, end = offsets
-        expected = math.prod(shape) * DTYPE_ITEMSIZE[dtype]
+        expected = numel * DTYPE_ITEMSIZE[dtype]
         if end < begin or end - begin != expected:
             raise self._fail(
-                f"tensor {name!r} spans {end - begin} bytes, but {dtype}{shape} needs {expected}"
+                f"tensor {shown(name)} spans {end - begin} bytes, but {dtype}{shape} needs {expected}"
             )
         return TensorInfo(name, dtype, tuple(shape), data_start + begin, data_start + end)
 
@@ -199,15 +269,15 @@ class SafetensorsReader:
             begin, end = info.begin - data_start, info.end - data_start
             if begin != position:
                 if previous is None:
-                    why = f"tensor {info.name!r} starts at byte {begin} of the data, not at 0"
+                    why = f"tensor {shown(info.name)} starts at byte {begin} of the data, not at 0"
                 elif begin < position:
-                    why = f"tensors {previous!r} and {info.name!r} overlap (bytes {begin}..{position})"
+                    why = f"tensors {shown(previous)} and {shown(info.name)} overlap (bytes {begin}..{position})"
                 else:
-                    why = f"{begin - position} bytes between tensors {previous!r} and {info.name!r} belong to none"
+                    why = f"{begin - position} bytes between tensors {shown(previous)} and {shown(info.name)} belong to none"
                 raise self._fail(f"invalid offset: {why}")
             if end > data_bytes:
                 raise self._fail(
-                    f"tensor {info.name!r} ends at byte {end} of the data but the file holds only {data_bytes} (truncated)"
+                    f"tensor {shown(info.name)} ends at byte {end} of the data but the file holds only {data_bytes} (truncated)"
                 )
             position, previous = end, info.name
         if position != data_bytes:
@@ -268,17 +338,20 @@ class SafetensorsCheckpoint:
     files is refused.
     """
 
-    def __init__(self, files: Sequence[str | os.PathLike[str]]) -> None:
+    def __init__(
+        self, files: Sequence[str | os.PathLike[str]], folder: str | os.PathLike[str] | None = None
+    ) -> None:
+        """Open every file of ``files`` (under ``folder``, see :class:`SafetensorsReader`)."""
         self._readers: list[SafetensorsReader] = []
         self._owner: dict[str, SafetensorsReader] = {}
         try:
             for path in files:
-                reader = SafetensorsReader(path)
+                reader = SafetensorsReader(path, folder)
                 self._readers.append(reader)
                 for name in reader.tensors:
                     if name in self._owner:
                         raise CheckpointFormatError(
-                            f"tensor {name!r} appears in two shards: {self._owner[name].path} and {reader.path}"
+                            f"tensor {shown(name)} appears in two shards: {self._owner[name].path} and {reader.path}"
                         )
                     self._owner[name] = reader
         except BaseException:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import json
 import math
 import os
 import re
@@ -31,7 +30,15 @@ from pathlib import Path
 
 import numpy as np
 
-from hf_pma.io.safetensors import DTYPE_ITEMSIZE, CheckpointFormatError, SafetensorsReader, TensorInfo
+from hf_pma.io.guarded import parse_json
+from hf_pma.io.safetensors import (
+    DTYPE_ITEMSIZE,
+    MAX_DIMS,
+    CheckpointFormatError,
+    SafetensorsReader,
+    TensorInfo,
+)
+from hf_pma.utils.text import escape, shown
 
 __all__ = [
     "DCP_SHARDING_INFO_KEY",
@@ -138,12 +145,29 @@ def _json_metadata(reader: SafetensorsReader, key: str) -> dict | None:
     if raw is None:
         return None
     try:
-        value = json.loads(raw)
+        value = parse_json(raw, f"{escape(reader.path)}: metadata {key!r}")
     except ValueError as err:
-        raise CheckpointFormatError(f"{reader.path}: metadata {key!r} is not valid JSON ({err})") from err
+        raise CheckpointFormatError(str(err)) from None
     if not isinstance(value, dict):
-        raise CheckpointFormatError(f"{reader.path}: metadata {key!r} is not a JSON object")
+        raise CheckpointFormatError(f"{escape(reader.path)}: metadata {key!r} is not a JSON object")
     return value
+
+
+_MAX_INDEX = 2**63 - 1
+
+
+def _int_list(value: object, path: Path, name: str, what: str, max_len: int = MAX_DIMS) -> tuple[int, ...]:
+    """A list of integers from 0 to 2**63 - 1 read from a file's metadata, or one line naming it."""
+    if (
+        not isinstance(value, list)
+        or len(value) > max_len
+        or not all(type(v) is int and 0 <= v <= _MAX_INDEX for v in value)
+    ):
+        raise CheckpointFormatError(
+            f"{escape(path)}: tensor {shown(name)} has {what} {shown(value)} "
+            f"(expected a list of at most {max_len} integers from 0 to 2**63 - 1)"
+        )
+    return tuple(value)
 
 
 class ShardedCheckpointTensors:
@@ -154,8 +178,11 @@ class ShardedCheckpointTensors:
     once (a missing or truncated rank file fails here, naming the file or the tensor).
     """
 
-    def __init__(self, files: Sequence[Path]) -> None:
+    def __init__(self, files: Sequence[Path], folder: str | os.PathLike[str] | None = None) -> None:
+        """Open the rank ``files`` (under ``folder``, the folder the user gave: see
+        :class:`~hf_pma.io.safetensors.SafetensorsReader`) and check their slices."""
         self.files = [Path(f) for f in files]
+        self._folder = folder
         self._readers: list[SafetensorsReader] = []
         self._slices: dict[str, list[_Slice]] = {}
         self._infos: dict[str, TensorInfo] = {}
@@ -175,15 +202,19 @@ class ShardedCheckpointTensors:
         """Open every file, gather its slices; returns the full shapes the files declare."""
         shapes: dict[str, tuple[int, ...]] = {}
         for path in self.files:
-            reader = SafetensorsReader(path)
+            reader = SafetensorsReader(path, self._folder)
             self._readers.append(reader)
             info = _json_metadata(reader, DCP_SHARDING_INFO_KEY)
             declared = _json_metadata(reader, GLOBAL_SHAPES_KEY) or {}
             for name, shape in declared.items():
-                shape = tuple(int(d) for d in shape)
+                shape = _int_list(shape, path, name, f"a full shape in {GLOBAL_SHAPES_KEY}")
+                if math.prod(shape) > _MAX_INDEX:
+                    raise CheckpointFormatError(
+                        f"{escape(path)}: tensor {shown(name)} has a full shape {list(shape)} of more than 2**63 - 1 elements"
+                    )
                 if shapes.setdefault(name, shape) != shape:
                     raise CheckpointFormatError(
-                        f"{path}: tensor {name!r} has full shape {list(shape)} here but {list(shapes[name])} in another file"
+                        f"{escape(path)}: tensor {shown(name)} has full shape {list(shape)} here but {list(shapes[name])} in another file"
                     )
             for name, tensor in reader.tensors.items():
                 if info is None:
@@ -192,12 +223,12 @@ class ShardedCheckpointTensors:
                     entry = info.get(name)
                     if not isinstance(entry, dict) or not isinstance(entry.get(SAVED_OFFSETS_KEY), list):
                         raise CheckpointFormatError(
-                            f"{path}: tensor {name!r} has no {SAVED_OFFSETS_KEY} in {DCP_SHARDING_INFO_KEY}"
+                            f"{escape(path)}: tensor {shown(name)} has no {SAVED_OFFSETS_KEY} in {DCP_SHARDING_INFO_KEY}"
                         )
-                    offsets = tuple(int(o) for o in entry[SAVED_OFFSETS_KEY])
-                if len(offsets) != len(tensor.shape) or any(o < 0 for o in offsets):
+                    offsets = _int_list(entry[SAVED_OFFSETS_KEY], path, name, SAVED_OFFSETS_KEY)
+                if len(offsets) != len(tensor.shape):
                     raise CheckpointFormatError(
-                        f"{path}: tensor {name!r} has offsets {list(offsets)} for a slice of shape {list(tensor.shape)}"
+                        f"{escape(path)}: tensor {shown(name)} has offsets {list(offsets)} for a slice of shape {list(tensor.shape)}"
                     )
                 self._slices.setdefault(name, []).append(_Slice(reader, name, offsets, tuple(tensor.shape)))
         return shapes
@@ -206,14 +237,14 @@ class ShardedCheckpointTensors:
         dtypes = {s.reader.tensors[name].dtype for s in slices}
         if len(dtypes) > 1:
             raise CheckpointFormatError(
-                f"tensor {name!r} is stored with different dtypes {sorted(dtypes)} in {self._where(slices)}"
+                f"tensor {shown(name)} is stored with different dtypes {sorted(dtypes)} in {self._where(slices)}"
             )
         dtype = dtypes.pop()
         if shape is None:
             ndim = {len(s.sizes) for s in slices}
             if len(ndim) > 1:
                 raise CheckpointFormatError(
-                    f"tensor {name!r} has slices of different ranks in {self._where(slices)}"
+                    f"tensor {shown(name)} has slices of different ranks in {self._where(slices)}"
                 )
             shape = (
                 tuple(
@@ -230,7 +261,7 @@ class ShardedCheckpointTensors:
             bounds = [numel] if flat else list(shape)
             if len(s.sizes) != len(bounds) or any(o + z > b for o, z, b in zip(s.offsets, s.sizes, bounds)):
                 raise CheckpointFormatError(
-                    f"{s.reader.path}: slice of tensor {name!r} at offsets {list(s.offsets)} with shape {list(s.sizes)} "
+                    f"{escape(s.reader.path)}: slice of tensor {shown(name)} at offsets {list(s.offsets)} with shape {list(s.sizes)} "
                     f"lies outside the full shape {list(shape)}"
                 )
             if s.numel == 0:
@@ -262,13 +293,13 @@ class ShardedCheckpointTensors:
         ):
             return
         raise CheckpointFormatError(
-            f"the slices of tensor {name!r} ({len(slices)} of them, {stored} elements in {self._where(slices)}) do not "
+            f"the slices of tensor {shown(name)} ({len(slices)} of them, {stored} elements in {self._where(slices)}) do not "
             f"cover its {numel} elements (shape {list(shape)}) exactly once: a rank's file is missing or wrong"
         )
 
     @staticmethod
     def _where(slices: Sequence[_Slice]) -> str:
-        names = sorted({s.reader.path.name for s in slices})
+        names = sorted({escape(s.reader.path.name) for s in slices})
         return ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
 
     # ------------------------------------------------------------------ the reader interface
@@ -297,7 +328,7 @@ class ShardedCheckpointTensors:
         stop = info.numel if stop is None else stop
         if not 0 <= start <= stop <= info.numel:
             raise IndexError(
-                f"elements [{start}, {stop}) are outside tensor {name!r} of {info.numel} elements"
+                f"elements [{start}, {stop}) are outside tensor {shown(name)} of {info.numel} elements"
             )
         item = info.itemsize
         nbytes = (stop - start) * item
