@@ -29,6 +29,19 @@ size for a file (a repo bigger than the disk). ``server.fail_status`` makes
 every API request answer that status (401, 403, ...); ``server.fail_on`` limits it to
 endpoints whose kind is listed ("create", "preupload", "commit", ...). Only tokens in
 ``server.tokens`` are accepted (401 otherwise).
+
+A hostile Hub, per repo: ``server.hostile[repo_id]`` is a dict of what that repo's answers do
+(every other repo answers as the Hub does):
+
+* ``"commit": TEXT``: the commit id in ``model_info``, the refs and ``X-Repo-Commit`` (file reads
+  at that "commit" serve the main branch's files);
+* ``"etag": TEXT``: the ``ETag`` and ``X-Linked-Etag`` of every file;
+* ``"endless": True``: file bodies (GET) without a ``Content-Length`` that do not end (the
+  metadata still announces the real size), until the client hangs up or ``ENDLESS_CAP`` bytes;
+  ``server.sent[(repo_id, path)]`` counts what was sent;
+* ``"served": {path: bytes}``: those bytes are served for ``path`` while the metadata (size,
+  sha256, blob id, ETag) describes the committed ones: a file changed on the way;
+* ``"silent": True``: the server reads each request and never answers (until it stops).
 """
 
 from __future__ import annotations
@@ -55,6 +68,8 @@ _RESOLVE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>
 # Stored with Git LFS on the Hub (sha256 ETag, X-Linked-* headers); the rest are regular git blobs.
 LFS_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.model", "*.msgpack", "*.h5")
 _EPOCH = datetime.datetime(2024, 1, 1, tzinfo=datetime.timezone.utc)
+# What an endless body sends at most before the stand-in gives up itself (the test would have failed).
+ENDLESS_CAP = 64 * 2**20
 
 
 def git_blob_sha1(data: bytes) -> str:
@@ -105,8 +120,12 @@ class HubServer:
         self.fail_on: set[str] | None = None
         self.file_hook: Callable[[dict[str, Any]], Any] | None = None
         self.declared_sizes: dict[tuple[str, str], int] = {}
+        self.hostile: dict[str, dict[str, Any]] = {}
+        self.sent: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()
+        self._stopping = threading.Event()
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler_class())
+        self._httpd.daemon_threads = True  # a silent answer must not hold stop() up
         self._thread: threading.Thread | None = None
 
     # ------------------------------------------------------------ lifecycle
@@ -128,6 +147,7 @@ class HubServer:
 
     def stop(self) -> None:
         """Stop serving and close the socket."""
+        self._stopping.set()
         self._httpd.shutdown()
         self._httpd.server_close()
         if self._thread is not None:
@@ -260,6 +280,10 @@ class HubServer:
             self._reply(handler, self.fail_status, {"error": f"refused by the test Hub ({self.fail_status})"})
             return
         repo_name = (match.group("repo") if match else resolve.group("repo") if resolve else None) or ""
+        if self.hostile.get(repo_name, {}).get("silent"):
+            self._stopping.wait(timeout=120)  # the connection stays open; no answer ever comes
+            handler.close_connection = True
+            return
         # Reads need no token unless the repo is private (a missing repo answers 404 RepoNotFound).
         public_read = method in ("GET", "HEAD") and bool(repo_name) and not (repo_name in self.repos and self.repos[repo_name].private)
         if token not in self.tokens and not (token is None and public_read):
@@ -301,15 +325,17 @@ class HubServer:
             blobs = query.get("blobs") == ["true"]
             siblings = [self._sibling(repo, name, data, blobs) for name, data in sorted(repo.trees[oid].items())]
             date = repo.dates[oid].strftime("%Y-%m-%dT%H:%M:%S.000Z")
-            return 200, {"id": repo.repo_id, "sha": oid, "private": repo.private, "lastModified": date, "siblings": siblings}
+            sha = self.hostile.get(repo.repo_id, {}).get("commit", oid)
+            return 200, {"id": repo.repo_id, "sha": sha, "private": repo.private, "lastModified": date, "siblings": siblings}
         if kind == "tree" and method == "GET":
             oid = repo.resolve(rev.split("/", 1)[0])
             if oid is None:
                 return 404, {"error": f"Invalid rev id: {rev}", "code": "RevisionNotFound"}
             return 200, [self._tree_entry(repo, name, data) for name, data in sorted(repo.trees[oid].items())]
         if kind == "refs":
-            branches = [{"name": b, "ref": f"refs/heads/{b}", "targetCommit": repo.heads[b]} for b in repo.branches]
-            tags = [{"name": t, "ref": f"refs/tags/{t}", "targetCommit": oid} for t, oid in repo.tags.items()]
+            fake = self.hostile.get(repo.repo_id, {}).get("commit")
+            branches = [{"name": b, "ref": f"refs/heads/{b}", "targetCommit": fake or repo.heads[b]} for b in repo.branches]
+            tags = [{"name": t, "ref": f"refs/tags/{t}", "targetCommit": fake or oid} for t, oid in repo.tags.items()]
             return 200, {"branches": branches, "converts": [], "tags": tags}
         if kind == "branch" and method == "POST":
             if rev in repo.branches:
@@ -392,6 +418,9 @@ class HubServer:
             self._reply(handler, 404, {"error": "Repository not found", "code": "RepoNotFound"})
             return
         rev, path = unquote(match.group("rev")), unquote(match.group("file"))
+        hostile = self.hostile.get(repo.repo_id, {})
+        if "commit" in hostile and rev == hostile["commit"]:
+            rev = "main"
         with self._lock:
             oid = repo.resolve(rev)
             data = repo.trees[oid].get(path) if oid is not None else None
@@ -411,7 +440,13 @@ class HubServer:
             self._reply(handler, action, {"error": f"refused by the test Hub ({action})"})
             return
         lfs = is_lfs(path)
-        etag = hashlib.sha256(data).hexdigest() if lfs else git_blob_sha1(data)
+        etag = hostile.get("etag") or (hashlib.sha256(data).hexdigest() if lfs else git_blob_sha1(data))
+        size = self._size(repo, path, data)
+        data = hostile.get("served", {}).get(path, data)
+        oid = hostile.get("commit", oid)
+        if hostile.get("endless") and method == "GET":
+            self._serve_endless(handler, repo.repo_id, path, oid, etag, size)
+            return
         start, stop = 0, len(data)
         ranged = handler.headers.get("Range")
         if ranged and method == "GET":
@@ -432,7 +467,7 @@ class HubServer:
         handler.send_header("ETag", f'"{etag}"')
         if lfs:
             handler.send_header("X-Linked-Etag", f'"{etag}"')
-            handler.send_header("X-Linked-Size", str(self._size(repo, path, data)))
+            handler.send_header("X-Linked-Size", str(size))
         if ranged and method == "GET":
             handler.send_header("Content-Range", f"bytes {start}-{stop - 1}/{len(data)}")
         handler.send_header("Content-Length", str(len(body)))
@@ -446,6 +481,28 @@ class HubServer:
             handler.close_connection = True
             return
         handler.wfile.write(body)
+
+    def _serve_endless(self, handler: BaseHTTPRequestHandler, repo_id: str, path: str, oid: str, etag: str, size: int) -> None:
+        """A body that does not end: no Content-Length, bytes until the client hangs up (or ``ENDLESS_CAP``)."""
+        handler.send_response(200)
+        handler.send_header("Content-Type", "application/octet-stream")
+        handler.send_header("X-Repo-Commit", oid)
+        handler.send_header("ETag", f'"{etag}"')
+        if is_lfs(path):
+            handler.send_header("X-Linked-Etag", f'"{etag}"')
+            handler.send_header("X-Linked-Size", str(size))
+        handler.send_header("Connection", "close")
+        handler.end_headers()
+        handler.close_connection = True
+        chunk, sent = b"\0" * 65536, 0
+        try:
+            while sent < ENDLESS_CAP and not self._stopping.is_set():
+                handler.wfile.write(chunk)
+                sent += len(chunk)
+        except OSError:  # the client hung up
+            pass
+        with self._lock:
+            self.sent[(repo_id, path)] = self.sent.get((repo_id, path), 0) + sent
 
 
 @contextlib.contextmanager

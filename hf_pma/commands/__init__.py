@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from hf_pma.utils.argtypes import positive_int
+from hf_pma.utils.hub_client import add_hub_timeout_argument
 
 __all__ = [
     "positive_int",
@@ -26,7 +27,7 @@ def add_output_arguments(p: argparse.ArgumentParser, quiet: str = "no progress b
 
 
 def add_revision_arguments(p: argparse.ArgumentParser, every: bool = True) -> None:
-    """``--revisions``, ``--every`` (when ``every``) and ``--cache-dir``: Hub revisions as sources."""
+    """``--revisions``, ``--every`` (when ``every``), ``--cache-dir`` and ``--hub-timeout``: Hub revisions as sources."""
     p.add_argument(
         "--revisions",
         metavar="PATTERN",
@@ -44,6 +45,7 @@ def add_revision_arguments(p: argparse.ArgumentParser, every: bool = True) -> No
         metavar="DIR",
         help="where Hub revisions are downloaded (default: the Hugging Face cache)",
     )
+    add_hub_timeout_argument(p)
 
 
 def add_heldout_arguments(parser: argparse.ArgumentParser) -> None:

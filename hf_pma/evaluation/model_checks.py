@@ -11,7 +11,7 @@ from hf_pma.core.manifest import EVAL_RECORD_NAME, MANIFEST_NAME, PMA_SUBDIR
 from hf_pma.utils.fs import check_output_file
 from hf_pma.utils.names import looks_local
 
-__all__ = ["check_hub_model", "check_record_folder", "resolve_model"]
+__all__ = ["check_hub_model", "check_record_folder", "hub_model_folder", "resolve_model"]
 
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -22,6 +22,8 @@ _TOKENIZER_FILES = (
 )
 # Hub models that check_hub_model found in this process (the command checks before the evaluator does).
 _FOUND_ON_HUB: set[tuple[str, str]] = set()
+# Their folders in the cache, once downloaded by hub_model_folder.
+_HUB_FOLDERS: dict[tuple[str, str], str] = {}
 
 
 def _find_tokenizer_folder(folder: Path) -> Path | None:
@@ -77,13 +79,32 @@ def resolve_model(
         return str(path), None if tokenizer is None else str(tokenizer)
     if looks_local(model):
         raise FileNotFoundError(f"model folder {model} does not exist")
-    check_hub_model(str(model))  # a Hub model id: one request now, not a loader's retries
+    folder = hub_model_folder(str(model))  # a Hub model id: one request now, not a loader's retries
     if tokenizer is not None and not Path(tokenizer).exists():
         if looks_local(tokenizer):
             raise FileNotFoundError(f"tokenizer folder {tokenizer} does not exist")
         if str(tokenizer) != str(model):
             check_hub_model(str(tokenizer))
-    return str(model), str(tokenizer or model)
+    return folder, str(tokenizer or folder)
+
+
+def hub_model_folder(name: str) -> str:
+    """The local folder of the Hub model ``name`` (its default branch), downloaded into the
+    Hugging Face cache through the checked path of :func:`hf_pma.merging.hub_revisions.download_revisions`
+    (commit id, file names and hashes checked, sizes bounded, contents verified) after
+    :func:`check_hub_model`; ``name`` itself with ``HF_HUB_OFFLINE`` (the loader reads the cache)."""
+    from huggingface_hub import HfApi, constants
+
+    check_hub_model(name)
+    if constants.HF_HUB_OFFLINE:
+        return name
+    key = (HfApi().endpoint, name)
+    if key not in _HUB_FOLDERS:
+        from hf_pma.merging.hub_revisions import download_revisions, resolve_revision
+
+        revision = resolve_revision(name, endpoint=key[0])
+        _HUB_FOLDERS[key] = str(download_revisions([revision], endpoint=key[0], progress=False)[0])
+    return _HUB_FOLDERS[key]
 
 
 def check_hub_model(name: str) -> None:
@@ -94,8 +115,11 @@ def check_hub_model(name: str) -> None:
     from huggingface_hub import HfApi, constants, try_to_load_from_cache
     from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
 
+    from hf_pma.utils.hub_client import hub_failure_line, install_hub_client
+
     if isinstance(try_to_load_from_cache(name, "config.json"), str):
         return
+    install_hub_client()  # timeouts on every request
     api = HfApi()
     if (api.endpoint, name) in _FOUND_ON_HUB:
         return
@@ -117,6 +141,9 @@ def check_hub_model(name: str) -> None:
             f"{where} answered HTTP {status} for model {name}: {_first_line(err)}"
         ) from None
     except Exception as err:  # noqa: BLE001 - a network failure: one line
+        timed_out = hub_failure_line(err, api.endpoint)
+        if timed_out is not None:
+            raise ConnectionError(f"{name} is not a local folder, and {timed_out}") from None
         raise ConnectionError(
             f"{name} is not a local folder, and {where} cannot be reached ({_first_line(err)}); check the name, "
             "the network or HF_ENDPOINT"

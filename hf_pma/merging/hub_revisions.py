@@ -14,10 +14,16 @@ Pythia's ``step0`` ... ``step143000``, OLMo's ``stage1-step150-tokens1B`` or
   commit date (with a notice) when the names carry none.
 
 :func:`download_revisions` fetches only the weights, configuration and tokenizer files of
-each revision into the ``huggingface_hub`` cache (or ``cache_dir``), after checking that
-their total size (from the repo's file metadata) fits on the disk. Files already in the cache
-are not fetched again, so a rerun after an interruption fetches only what is missing; an
-interrupted file transfer is resumed by ``huggingface_hub`` with an HTTP range request.
+each revision into the ``huggingface_hub`` cache (or ``cache_dir``, same layout), after checking
+that their total size (from the repo's file metadata) fits on the disk. Files already in the
+cache are not fetched again, so a rerun after an interruption fetches only what is missing; an
+interrupted file transfer is resumed with an HTTP range request.
+
+The Hub's answers are input (:mod:`hf_pma.utils.hub_client`): commit ids, file names, content
+hashes and ref names are checked before they name a path, a cache entry or a record; every
+request has a connect and a read timeout; a download stops at the size the metadata announced
+and is verified against the hash it gave (sha256 for LFS files, the git blob id for the
+others) before it enters the cache.
 """
 
 from __future__ import annotations
@@ -25,17 +31,29 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import fnmatch
+import os
 import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from tqdm.auto import tqdm
 
 from hf_pma.core.manifest import MODEL_SUPPORT_FILES
 from hf_pma.utils.formatting import format_bytes
 from hf_pma.utils.fs import free_bytes
+from hf_pma.utils.hub_client import (
+    HubAnswerError,
+    check_commit_id,
+    check_content_hash,
+    check_file_name,
+    check_ref_name,
+    hub_failure_line,
+    install_hub_client,
+)
 from hf_pma.utils.logs import get_logger
+from hf_pma.utils.text import escape, shown
 
 logger = get_logger(__name__)
 
@@ -58,7 +76,7 @@ __all__ = [
 _HUB_SPEC = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[^\s@]+))?")
 _SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 # A field is delimited by the start or end of the name, or by - _ . / (so "restep3" is no step).
-_FIELD = r"(?:^|(?<=[-_./])){key}[-_]?(?P<value>\d+(?:\.\d+)?)(?P<suffix>[KMBGTkmbgt])?(?=$|[-_./])"
+_FIELD = r"(?:\A|(?<=[-_./])){key}[-_]?(?P<value>\d+(?:\.\d+)?)(?P<suffix>[KMBGTkmbgt])?(?=\Z|[-_./])"
 _BUILTIN = {
     "step": re.compile(_FIELD.format(key=r"(?:global_)?step")),
     "tokens": re.compile(_FIELD.format(key=r"tokens?")),
@@ -85,7 +103,8 @@ DOWNLOAD_PATTERNS = WEIGHT_PATTERNS + BIN_WEIGHT_PATTERNS + SUPPORT_PATTERNS
 
 
 class HubRevisionError(ValueError):
-    """A Hub repo or revision cannot be used: not found, no match, no weights, download failed."""
+    """A Hub repo or revision cannot be used: not found, no match, no weights, download failed,
+    or the Hub answered something hf-pma does not use (a malformed commit id, name or hash)."""
 
 
 class NotEnoughDiskSpaceError(HubRevisionError):
@@ -94,11 +113,13 @@ class NotEnoughDiskSpaceError(HubRevisionError):
 
 @dataclasses.dataclass
 class HubFile:
-    """One file of a revision, with its size and content id from the repo's metadata."""
+    """One file of a revision, with its size and content id from the repo's metadata: the
+    sha256 of an LFS file (``lfs``), the git blob id of the others."""
 
     path: str
     size: int | None
     blob: str | None
+    lfs: bool = False
 
 
 @dataclasses.dataclass
@@ -166,7 +187,9 @@ def revision_matcher(pattern: str) -> tuple[re.Pattern[str], bool]:
         try:
             return re.compile(source), True
         except re.error as err:
-            raise HubRevisionError(f"--revisions {pattern!r} is not a valid regular expression: {err}") from err
+            raise HubRevisionError(
+                f"--revisions {pattern!r} is not a valid regular expression: {err}"
+            ) from err
     return re.compile(fnmatch.translate(pattern)), False
 
 
@@ -211,46 +234,75 @@ def parse_progress(name: str, regex: re.Pattern[str] | None = None) -> dict[str,
 def _api(endpoint: str | None, token: str | bool | None) -> Any:
     from huggingface_hub import HfApi
 
+    install_hub_client()  # timeouts on every request
     return HfApi(endpoint=endpoint, token=token)
 
 
-def _hub_error(err: Exception, repo_id: str, what: str) -> HubRevisionError:
+def _hub_error(err: Exception, repo_id: str, what: str, endpoint: str | None = None) -> HubRevisionError:
     """A one-line error for a failed Hub request about ``repo_id``."""
     from huggingface_hub import constants
     from huggingface_hub.errors import GatedRepoError, OfflineModeIsEnabled, RepositoryNotFoundError
 
+    if isinstance(err, HubAnswerError):
+        return HubRevisionError(str(err))
+    timed_out = hub_failure_line(err, endpoint or constants.ENDPOINT)
+    if timed_out is not None:
+        return HubRevisionError(f"cannot {what} of {repo_id}: {timed_out}")
     if isinstance(err, OfflineModeIsEnabled) or constants.HF_HUB_OFFLINE:
         return HubRevisionError(f"cannot {what} of {repo_id}: the Hub is off (HF_HUB_OFFLINE is set)")
     if isinstance(err, GatedRepoError):
         return HubRevisionError(f"{repo_id} is gated: accept its conditions on the Hub and log in (HF_TOKEN)")
     if isinstance(err, RepositoryNotFoundError):
-        return HubRevisionError(f"Hub repo {repo_id} not found (or it is private and no token gives access to it)")
+        return HubRevisionError(
+            f"Hub repo {repo_id} not found (or it is private and no token gives access to it)"
+        )
     first_line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
-    return HubRevisionError(f"cannot {what} of {repo_id}: {first_line}")
+    return HubRevisionError(f"cannot {what} of {repo_id}: {escape(first_line)}")
 
 
 def _list_refs(api: Any, repo_id: str) -> list[tuple[str, str, str]]:
-    """``(name, kind, commit)`` of every branch and tag of the repo."""
+    """``(name, kind, commit)`` of every branch and tag of the repo whose name is a ref name that
+    shows as it is (:func:`~hf_pma.utils.hub_client.check_ref_name`); the others are left out
+    with a warning, their names escaped. Commit ids are checked where a ref is used."""
     try:
         refs = api.list_repo_refs(repo_id)
     except Exception as err:  # noqa: BLE001 - every failure becomes one clear line
-        raise _hub_error(err, repo_id, "list the branches and tags") from err
-    return [(r.name, "branch", r.target_commit) for r in refs.branches] + [
-        (r.name, "tag", r.target_commit) for r in refs.tags
-    ]
+        raise _hub_error(err, repo_id, "list the branches and tags", api.endpoint) from err
+    out, refused = [], []
+    for kind, items in (("branch", refs.branches), ("tag", refs.tags)):
+        for r in items:
+            try:
+                out.append((check_ref_name(r.name, f"{repo_id}: a {kind}"), kind, r.target_commit))
+            except HubAnswerError:
+                refused.append(shown(r.name, 80))
+    if refused:
+        logger.warning(
+            f"{repo_id}: left out {len(refused)} branch(es) or tag(s) whose names hold control, bidi or other "
+            f"characters a ref name cannot hold: {_examples(refused)}"
+        )
+    return out
 
 
 def _examples(names: Sequence[str], limit: int = 6) -> str:
-    shown = ", ".join(names[:limit])
-    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+    listed = ", ".join(escape(n) for n in names[:limit])
+    return listed + (f", ... ({len(names)} in all)" if len(names) > limit else "")
 
 
 def _select_files(repo_id: str, name: str, siblings: Sequence[Any]) -> list[HubFile]:
     """The files to fetch: safetensors weights when there are any (else ``.bin``), config, tokenizer."""
 
     def matching(patterns: Sequence[str]) -> list[Any]:
-        return [s for s in siblings if "/" not in s.rfilename and any(fnmatch.fnmatchcase(s.rfilename, p) for p in patterns)]
+        return [
+            s
+            for s in siblings
+            if "/" not in s.rfilename and any(fnmatch.fnmatchcase(s.rfilename, p) for p in patterns)
+        ]
 
+    for s in siblings:
+        if not isinstance(s.rfilename, str):
+            raise HubRevisionError(
+                f"{repo_id}@{name}: the Hub answered a file name that is no text: {shown(s.rfilename, 80)}"
+            )
     weights = matching(WEIGHT_PATTERNS) or matching(BIN_WEIGHT_PATTERNS)
     if not weights:
         raise HubRevisionError(
@@ -258,10 +310,27 @@ def _select_files(repo_id: str, name: str, siblings: Sequence[Any]) -> list[HubF
             f"it has {_examples(sorted(s.rfilename for s in siblings)) or 'no files'}"
         )
     chosen = weights + matching(SUPPORT_PATTERNS)
-    return [
-        HubFile(s.rfilename, s.size, (s.lfs.sha256 if s.lfs is not None else None) or s.blob_id)
-        for s in sorted(chosen, key=lambda s: s.rfilename)
-    ]
+    return [_hub_file(repo_id, name, s) for s in sorted(chosen, key=lambda s: s.rfilename)]
+
+
+def _hub_file(repo_id: str, name: str, sibling: Any) -> HubFile:
+    """A sibling of the repo's metadata as a file to fetch, its name, size and hash checked."""
+    where = f"{repo_id}@{name}"
+    path = check_file_name(sibling.rfilename, where)
+    lfs = sibling.lfs is not None
+    content = sibling.lfs.sha256 if lfs else sibling.blob_id
+    size = sibling.lfs.size if lfs and sibling.lfs.size is not None else sibling.size
+    if content is not None:
+        content = check_content_hash(content, f"{where}/{path}")
+        if lfs and len(content) != 64:
+            raise HubRevisionError(
+                f"{where}/{path}: the Hub answered an LFS sha256 of {len(content)} characters"
+            )
+    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
+        raise HubRevisionError(
+            f"{where}/{path}: the Hub answered the size {shown(size, 40)}, which is no byte count"
+        )
+    return HubFile(path, size, content, lfs)
 
 
 def _fill(api: Any, revision: HubRevision, default_branch: bool = False) -> HubRevision:
@@ -278,11 +347,26 @@ def _fill(api: Any, revision: HubRevision, default_branch: bool = False) -> HubR
             f"(its branches and tags: {_examples(names) or 'none'})"
         ) from err
     except Exception as err:  # noqa: BLE001
-        raise _hub_error(err, revision.repo_id, f"read revision {revision.name}") from err
-    revision.commit = info.sha or revision.commit
+        raise _hub_error(err, revision.repo_id, f"read revision {revision.name}", api.endpoint) from err
+    try:
+        commit = check_commit_id(info.sha, revision.spec)
+    except HubAnswerError as err:
+        raise HubRevisionError(str(err)) from None
+    asked = revision.commit or (revision.name if _is_commit(revision.name) else None)
+    if asked is not None and commit != asked:
+        raise HubRevisionError(f"{revision.spec}: asked for commit {asked}, the Hub answered commit {commit}")
+    revision.commit = commit
     revision.date = info.last_modified
     revision.files = _select_files(revision.repo_id, revision.name, info.siblings or [])
     return revision
+
+
+def _is_commit(text: str) -> bool:
+    try:
+        check_commit_id(text, "")
+    except HubAnswerError:
+        return False
+    return True
 
 
 def resolve_revision(
@@ -296,7 +380,9 @@ def resolve_revision(
     date, files and the progress its name says; ``HubRevisionError`` when it does not exist."""
     name = revision or "main"
     progress = parse_progress(name)
-    return _fill(_api(endpoint, token), HubRevision(repo_id, name, **progress), default_branch=revision is None)
+    return _fill(
+        _api(endpoint, token), HubRevision(repo_id, name, **progress), default_branch=revision is None
+    )
 
 
 def order_revisions(
@@ -352,6 +438,10 @@ def list_revisions(
         )
     by_commit: dict[str, HubRevision] = {}
     for name, _kind, commit in matched:
+        try:
+            check_commit_id(commit, f"{repo_id}@{escape(name)}")
+        except HubAnswerError as err:
+            raise HubRevisionError(str(err)) from None
         progress = parse_progress(name, regex if is_regex else None)
         candidate = HubRevision(repo_id, name, commit, **progress)
         kept = by_commit.get(commit)
@@ -362,9 +452,13 @@ def list_revisions(
         if has_progress and kept.step is None and kept.tokens is None:
             kept, candidate = candidate, kept
             by_commit[commit] = kept
-        logger.info(f"{repo_id}: {candidate.name} is the same commit as {kept.name}; using it once, as {kept.name}")
+        logger.info(
+            f"{repo_id}: {candidate.name} is the same commit as {kept.name}; using it once, as {kept.name}"
+        )
     revisions = order_revisions(list(by_commit.values()), endpoint=endpoint, token=token)
-    logger.info(f"{repo_id}: {len(revisions)} revision(s) match {pattern!r}: {_examples([r.name for r in revisions])}")
+    logger.info(
+        f"{repo_id}: {len(revisions)} revision(s) match {pattern!r}: {_examples([r.name for r in revisions])}"
+    )
     return revisions
 
 
@@ -410,7 +504,9 @@ def check_disk_space(revisions: Sequence[HubRevision], cache_dir: str | Path | N
     folder = _cache_dir(cache_dir)
     need, count, unknown = _missing_bytes(revisions, folder)
     if unknown:
-        logger.warning(f"The Hub gives no size for {_examples(unknown)}: the disk-space check leaves them out")
+        logger.warning(
+            f"The Hub gives no size for {_examples(unknown)}: the disk-space check leaves them out"
+        )
     free = free_bytes(folder) or 0
     if need > free:
         repos = sorted({r.repo_id for r in revisions})
@@ -422,13 +518,168 @@ def check_disk_space(revisions: Sequence[HubRevision], cache_dir: str | Path | N
     return need
 
 
-class _QuietTqdm(tqdm):
-    """The per-file bars of ``hf_hub_download``, silenced: one bar over revisions is shown instead."""
+# A transfer that breaks off (the connection dropped) is resumed this many times in a row
+# without a byte arriving before the download gives up.
+_RESUMES = 5
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.pop("name", None)
-        kwargs["disable"] = True
-        super().__init__(*args, **kwargs)
+
+class _DownloadRefused(HubRevisionError):
+    """The Hub sent something other than the file its metadata announced: nothing of it is kept."""
+
+
+def _normal_etag(value: str | None) -> str | None:
+    if value is None:
+        return None
+    value = value.strip()
+    value = value[2:] if value.startswith("W/") else value
+    return value.strip('"')
+
+
+def _check_response(response: Any, r: HubRevision, f: HubFile, hub_origin: tuple[str, str]) -> None:
+    """The headers of every answer from the Hub itself (redirects included): the commit it
+    serves is the one asked for, the ETags it names are content hashes."""
+    for answer in [*response.history, response]:
+        if (answer.url.scheme, answer.url.netloc.decode("ascii", "replace")) != hub_origin:
+            continue  # a CDN after the Hub's redirect: its ETags are its own
+        commit = answer.headers.get("X-Repo-Commit")
+        if commit is not None and commit != r.commit:
+            raise _DownloadRefused(
+                f"downloading {f.path} of {r.spec}: the Hub serves it from commit {shown(commit, 80)}, not {r.commit}"
+            )
+        for header in ("X-Linked-Etag", "ETag"):
+            etag = _normal_etag(answer.headers.get(header))
+            if etag is not None:
+                check_content_hash(etag, f"{r.spec}/{f.path} ({header})")
+
+
+def _hasher(f: HubFile) -> Any:
+    import hashlib
+
+    if f.lfs:
+        return hashlib.sha256()
+    digest = hashlib.sha1()  # noqa: S324 - git's blob id, compared with the Hub's
+    digest.update(b"blob %d\0" % f.size)
+    return digest
+
+
+def _fetch(
+    session: Any,
+    url: str,
+    headers: dict[str, str],
+    r: HubRevision,
+    f: HubFile,
+    target: Path,
+    origin: tuple[str, str],
+) -> None:
+    """Download ``f`` into ``target`` (``<blob>.incomplete``, resumed where a run stopped): at
+    most the announced size, verified against the announced hash. A refusal (more bytes than
+    announced, another hash) removes ``target``; a transfer that broke off keeps it for a rerun."""
+    from huggingface_hub.utils import hf_raise_for_status
+
+    size = f.size
+    flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    fd = os.open(target, flags, 0o644)
+    try:
+        with os.fdopen(fd, "r+b") as out:
+            digest = _hasher(f)
+            have = 0
+            if os.fstat(out.fileno()).st_size > size:
+                out.truncate(0)
+            for block in iter(lambda: out.read(1 << 20), b""):  # resume: the bytes of an earlier run count
+                digest.update(block)
+                have += len(block)
+            stalls = 0
+            while have < size:
+                asked = dict(headers, Range=f"bytes={have}-") if have else headers
+                before = have
+                try:
+                    with session.stream("GET", url, headers=asked, follow_redirects=True) as response:
+                        _check_response(response, r, f, origin)
+                        hf_raise_for_status(response)
+                        if have and response.status_code != 206:  # the server ignored the range: start over
+                            out.seek(0)
+                            out.truncate(0)
+                            digest, have = _hasher(f), 0
+                        length = response.headers.get("Content-Length")
+                        plain = response.headers.get("Content-Encoding", "identity") == "identity"
+                        if plain and length is not None and length.isdigit() and have + int(length) > size:
+                            raise _DownloadRefused(
+                                f"downloading {f.path} of {r.spec}: the Hub announces {have + int(length)} bytes, "
+                                f"its metadata {size}"
+                            )
+                        for chunk in response.iter_bytes():
+                            if have + len(chunk) > size:
+                                raise _DownloadRefused(
+                                    f"downloading {f.path} of {r.spec}: the Hub sent more than the {size} bytes "
+                                    "its metadata announced"
+                                )
+                            out.write(chunk)
+                            digest.update(chunk)
+                            have += len(chunk)
+                except _DownloadRefused:
+                    raise
+                except Exception as err:  # noqa: BLE001 - a transfer that broke off is resumed
+                    if type(err).__name__ not in ("RemoteProtocolError", "ReadError"):
+                        raise
+                stalls = 0 if have > before else stalls + 1
+                if have < size and stalls > _RESUMES:
+                    raise HubRevisionError(
+                        f"downloading {f.path} of {r.spec}: the Hub ended the transfer at {have} of {size} bytes"
+                    )
+            if f.blob is not None and digest.hexdigest() != f.blob:
+                raise _DownloadRefused(
+                    f"downloading {f.path} of {r.spec}: its content does not match the "
+                    f"{'sha256' if f.lfs else 'git blob id'} the Hub's metadata gives ({f.blob}); nothing of it is kept"
+                )
+    except _DownloadRefused:
+        target.unlink(missing_ok=True)
+        raise
+
+
+def _place(blob: Path, pointer: Path) -> None:
+    """The snapshot's entry for a blob: a relative link, as ``huggingface_hub`` makes (a copy
+    where links are not allowed)."""
+    import shutil
+
+    pointer.parent.mkdir(parents=True, exist_ok=True)
+    if os.path.lexists(pointer):
+        pointer.unlink()
+    try:
+        os.symlink(os.path.relpath(blob, pointer.parent), pointer)
+    except OSError:
+        shutil.copyfile(blob, pointer)
+
+
+def _download_file(session: Any, api: Any, r: HubRevision, f: HubFile, folder: Path) -> Path:
+    """One file of a revision into the cache (``models--org--name/blobs/<hash>``, linked from
+    ``snapshots/<commit>/<name>``); its snapshot path. Skipped when already there."""
+    from huggingface_hub import hf_hub_url
+    from huggingface_hub.utils import WeakFileLock, build_hf_headers
+
+    storage = folder / _repo_folder(r.repo_id)
+    pointer = storage / "snapshots" / r.commit / f.path
+    if pointer.is_file():
+        return pointer
+    if f.size is None or f.blob is None:
+        raise _DownloadRefused(
+            f"downloading {f.path} of {r.spec}: the Hub's metadata gives no {'size' if f.size is None else 'hash'} "
+            "for it, so its transfer cannot be bounded and verified"
+        )
+    blob = storage / "blobs" / f.blob
+    lock = folder / ".locks" / storage.name / f"{f.blob}.lock"
+    lock.parent.mkdir(parents=True, exist_ok=True)
+    blob.parent.mkdir(parents=True, exist_ok=True)
+    with WeakFileLock(lock):
+        if not (blob.is_file() and not blob.is_symlink() and blob.stat().st_size == f.size):
+            url = hf_hub_url(r.repo_id, f.path, revision=r.commit, endpoint=api.endpoint)
+            split = urlsplit(api.endpoint)
+            target = blob.with_name(blob.name + ".incomplete")
+            _fetch(
+                session, url, build_hf_headers(token=api.token), r, f, target, (split.scheme, split.netloc)
+            )
+            os.replace(target, blob)
+        _place(blob, pointer)
+    return pointer
 
 
 def download_revisions(
@@ -444,10 +695,12 @@ def download_revisions(
 
     Files are fetched by commit id (a branch that moves meanwhile changes nothing), after the
     disk-space check of :func:`check_disk_space`; files already cached are not fetched again.
+    Each transfer stops at the size the repo's metadata announced and is verified against the
+    hash it gave before it enters the cache (one-line ``HubRevisionError`` otherwise, nothing
+    kept); a transfer that broke off is resumed with a range request.
     ``progress``: one bar over revisions (``None``: shown on terminals only).
     """
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.utils import are_progress_bars_disabled
+    from huggingface_hub.utils import are_progress_bars_disabled, get_session
 
     revisions = list(revisions)
     api = _api(endpoint, token)
@@ -458,24 +711,40 @@ def download_revisions(
     need = check_disk_space(revisions, folder)
     if need:
         logger.info(f"Downloading {format_bytes(need)} for {len(revisions)} revision(s) into {folder}")
-    disable = True if progress is False or are_progress_bars_disabled() else (None if progress is None else False)
+    disable = (
+        True if progress is False or are_progress_bars_disabled() else (None if progress is None else False)
+    )
     bar = tqdm(revisions, desc="Downloading revisions", unit="revision", disable=disable)
+    session = get_session()
     out = []
     for r in bar:
         bar.set_postfix_str(r.spec, refresh=False)
-        local = None
+        check_commit_id(r.commit, r.spec)
         for f in r.files or []:
+            check_file_name(f.path, r.spec)
             try:
-                local = hf_hub_download(
-                    r.repo_id, f.path, revision=r.commit, cache_dir=str(folder), endpoint=endpoint, token=token,
-                    tqdm_class=_QuietTqdm,
-                )
+                _download_file(session, api, r, f, folder)
+            except _DownloadRefused:
+                raise
+            except HubAnswerError as err:
+                raise HubRevisionError(f"downloading {f.path} of {r.spec}: {err}") from None
             except Exception as err:  # noqa: BLE001 - one clear line; the cache keeps what arrived
-                detail = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+                detail = hub_failure_line(err, api.endpoint)
+                if detail is None:
+                    detail = (
+                        escape(str(err).strip().splitlines()[0]) if str(err).strip() else type(err).__name__
+                    )
                 raise HubRevisionError(
                     f"downloading {f.path} of {r.spec} (commit {r.commit}) failed: {detail}; run again to resume "
                     f"(files already downloaded stay in {folder})"
                 ) from err
-        out.append(Path(local).parent)
+        out.append(folder / _repo_folder(r.repo_id) / "snapshots" / r.commit)
     bar.close()
     return out
+
+
+def _repo_folder(repo_id: str) -> str:
+    """The cache folder name of a model repo (``models--org--name``)."""
+    from huggingface_hub.file_download import repo_folder_name
+
+    return repo_folder_name(repo_id=repo_id, repo_type="model")

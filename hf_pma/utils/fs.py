@@ -86,7 +86,7 @@ _counter = itertools.count()
 _HOST_CHARS = 64
 _SUFFIX_RESERVE = 1 + 10 + _HOST_CHARS + 1 + 10 + 1 + 20
 _HASH_CHARS = 12
-_TEMP_RE = re.compile(r"^\.(?P<name>.+)\.(?P<kind>tmp|deleting)-(?P<host>[A-Za-z0-9_.-]+)-(?P<pid>\d+)-(?P<n>\d+)$")
+_TEMP_RE = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|deleting)-(?P<host>[A-Za-z0-9_.-]+)-(?P<pid>\d+)-(?P<n>\d+)")
 
 
 # ---------------------------------------------------------------- temporary names
@@ -145,7 +145,7 @@ def temporary_path(target: str | os.PathLike[str], kind: str = "tmp") -> Path:
 
 def parse_temporary(name: str) -> dict[str, Any] | None:
     """``{"name", "kind", "host", "pid"}`` of a temporary name of this library; ``None`` otherwise."""
-    match = _TEMP_RE.match(name)
+    match = _TEMP_RE.fullmatch(name)  # not "$": it matches before a trailing newline
     if match is None:
         return None
     return {"name": match["name"], "kind": match["kind"], "host": match["host"], "pid": int(match["pid"])}

@@ -1,0 +1,269 @@
+"""How hf-pma talks to the Hugging Face Hub (or an ``HF_ENDPOINT`` mirror), and what it accepts back.
+
+A Hub is a server hf-pma does not control: its answers are input, like a file in a run folder.
+
+* **Timeouts.** ``huggingface_hub`` sends most API requests (``model_info``, ``list_repo_refs``)
+  without any timeout, so a server that accepts the connection and never answers hangs a
+  command. :func:`install_hub_client` gives ``huggingface_hub``'s shared HTTP client a connect
+  and a read timeout for every request (a request that asks for a shorter one keeps it):
+  ``--hub-timeout SECONDS`` (or ``CONNECT,READ``) on the commands that reach the Hub, or the
+  ``HF_PMA_HUB_TIMEOUT`` environment variable; 10 s to connect and 60 s between two reads by
+  default. :func:`hub_failure_line` turns a timeout into one line ("the Hub at ... did not
+  answer within N s").
+* **Answers used as names.** A commit id is 40 lowercase hex characters
+  (:func:`check_commit_id`), a content hash 40 (git blob) or 64 (sha256) of them
+  (:func:`check_content_hash`), a file name one plain path component (:func:`check_file_name`),
+  a branch or tag name a git ref name that shows as it is (:func:`check_ref_name`). Each check
+  raises :class:`HubAnswerError` (a ``ValueError``: one line, the value escaped) before the
+  value reaches a path, a cache look-up or a record.
+
+Torch-free.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import re
+import threading
+from typing import Any
+
+from hf_pma.utils.logs import get_logger
+from hf_pma.utils.text import is_printable, shown
+
+logger = get_logger(__name__)
+
+__all__ = [
+    "HUB_TIMEOUT_ENV",
+    "DEFAULT_CONNECT_TIMEOUT",
+    "DEFAULT_READ_TIMEOUT",
+    "HubAnswerError",
+    "parse_hub_timeout",
+    "hub_timeouts",
+    "set_hub_timeout",
+    "install_hub_client",
+    "add_hub_timeout_argument",
+    "hub_failure_line",
+    "check_commit_id",
+    "check_content_hash",
+    "check_file_name",
+    "check_ref_name",
+]
+
+HUB_TIMEOUT_ENV = "HF_PMA_HUB_TIMEOUT"
+DEFAULT_CONNECT_TIMEOUT = 10.0
+DEFAULT_READ_TIMEOUT = 60.0
+
+_COMMIT = re.compile(r"[0-9a-f]{40}")
+_HASH = re.compile(r"[0-9a-f]{40}|[0-9a-f]{64}")
+_MAX_NAME_BYTES = 255
+
+_lock = threading.Lock()
+_chosen: tuple[float, float] | None = None  # set by --hub-timeout / set_hub_timeout
+_installed_factory: Any = None
+
+
+class HubAnswerError(ValueError):
+    """A Hub answered something hf-pma does not use: a malformed commit id, hash, file or ref name."""
+
+
+# ---------------------------------------------------------------- timeouts
+
+
+def parse_hub_timeout(text: Any, what: str = "--hub-timeout") -> tuple[float, float]:
+    """``"30"`` -> ``(30.0, 30.0)``, ``"5,120"`` -> ``(5.0, 120.0)`` (connect, read), in seconds;
+    a one-line ``ValueError`` for anything else (zero, negative, not a number)."""
+    parts = str(text).split(",") if text is not None else []
+    try:
+        values = [float(p) for p in parts]
+    except ValueError:
+        values = []
+    if len(values) not in (1, 2) or not all(math.isfinite(v) and v > 0 for v in values):
+        raise ValueError(
+            f"{what} {shown(text)} is not a timeout: give SECONDS or CONNECT,READ seconds, each above 0 (like 30 or 5,120)"
+        )
+    return (values[0], values[-1])
+
+
+def hub_timeouts() -> tuple[float, float]:
+    """The (connect, read) timeouts in seconds of every Hub request: :func:`set_hub_timeout`'s,
+    else ``HF_PMA_HUB_TIMEOUT``'s, else 10 s and 60 s."""
+    if _chosen is not None:
+        return _chosen
+    env = os.environ.get(HUB_TIMEOUT_ENV)
+    if env:
+        return parse_hub_timeout(env, HUB_TIMEOUT_ENV)
+    return (DEFAULT_CONNECT_TIMEOUT, DEFAULT_READ_TIMEOUT)
+
+
+def set_hub_timeout(value: float | str | tuple[float, float] | None) -> tuple[float, float]:
+    """Set the (connect, read) timeouts of every Hub request of this process (``None``: back to
+    ``HF_PMA_HUB_TIMEOUT`` or the defaults) and install them (:func:`install_hub_client`);
+    returns them."""
+    global _chosen
+    if value is None:
+        chosen = None
+    elif isinstance(value, tuple):
+        chosen = parse_hub_timeout(",".join(str(v) for v in value))
+    else:
+        chosen = parse_hub_timeout(value)
+    with _lock:
+        _chosen = chosen
+    install_hub_client()
+    return hub_timeouts()
+
+
+def _seconds(value: float) -> str:
+    return f"{value:g} s"
+
+
+def _fill_timeouts(request: Any) -> None:
+    """Request hook: every phase of the request gets at most hf-pma's timeout (``None`` would wait forever)."""
+    connect, read = hub_timeouts()
+    limits = {"connect": connect, "read": read, "write": read, "pool": connect}
+    asked = dict(request.extensions.get("timeout") or {})
+    request.extensions = {
+        **request.extensions,
+        "timeout": {
+            key: limit if asked.get(key) is None else min(asked[key], limit) for key, limit in limits.items()
+        },
+    }
+
+
+def _client_factory() -> Any:
+    import httpx2
+    from huggingface_hub.utils._http import hf_request_event_hook
+
+    connect, read = hub_timeouts()
+    return httpx2.Client(
+        event_hooks={"request": [hf_request_event_hook, _fill_timeouts]},
+        follow_redirects=True,
+        timeout=httpx2.Timeout(read, connect=connect, pool=connect),
+    )
+
+
+def install_hub_client() -> None:
+    """Give ``huggingface_hub``'s shared HTTP client hf-pma's timeouts (:func:`hub_timeouts`),
+    unless the program set a client factory of its own (``huggingface_hub.set_client_factory``),
+    which is then left as it is. Idempotent; the client is rebuilt when the timeouts change."""
+    global _installed_factory
+    from huggingface_hub.utils import _http
+
+    with _lock:
+        current = _http._GLOBAL_CLIENT_FACTORY
+        if current is not _http.default_client_factory and current is not _installed_factory:
+            logger.debug(
+                "huggingface_hub has a client factory of its program's own: hf-pma's Hub timeouts are not set"
+            )
+            return
+        _installed_factory = _client_factory
+    _http.set_client_factory(_client_factory)  # closes the shared client: the next request builds one
+
+
+class _HubTimeoutAction(argparse.Action):
+    """``--hub-timeout``: checked and set for the whole process when the command line is read."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: Any = None,
+    ) -> None:
+        try:
+            timeouts = set_hub_timeout(values)
+        except ValueError as err:
+            parser.error(str(err))
+        setattr(namespace, self.dest, timeouts)
+
+
+def add_hub_timeout_argument(parser: argparse.ArgumentParser) -> None:
+    """``--hub-timeout SECONDS`` (or ``CONNECT,READ``) on a command that reaches the Hub."""
+    parser.add_argument(
+        "--hub-timeout",
+        metavar="SECONDS",
+        action=_HubTimeoutAction,
+        help=f"give up on a Hub request after SECONDS without an answer (or CONNECT,READ seconds; default "
+        f"{DEFAULT_CONNECT_TIMEOUT:g},{DEFAULT_READ_TIMEOUT:g}; env {HUB_TIMEOUT_ENV})",
+    )
+
+
+def hub_failure_line(err: BaseException, endpoint: str | None = None) -> str | None:
+    """One line for a Hub request that timed out ("the Hub at ENDPOINT did not answer within N s"),
+    found in ``err`` or the errors it came from; ``None`` when none did."""
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        name = type(current).__name__
+        if name.endswith("Timeout") and type(current).__module__.split(".")[0] in (
+            "httpx2",
+            "httpx",
+            "httpcore",
+        ):
+            connect, read = hub_timeouts()
+            where = f"the Hub at {endpoint}" if endpoint else "the Hub"
+            if name == "ConnectTimeout" or name == "PoolTimeout":
+                what = f"did not accept a connection within {_seconds(connect)}"
+            else:
+                what = f"did not answer within {_seconds(read)}"
+            return f"{where} {what} (--hub-timeout or {HUB_TIMEOUT_ENV} sets the limit)"
+        current = current.__cause__ or current.__context__
+    return None
+
+
+# ---------------------------------------------------------------- answers used as names
+
+
+def check_commit_id(value: Any, what: str) -> str:
+    """``value`` if it is a full commit id (40 lowercase hex characters); ``HubAnswerError`` otherwise."""
+    if not isinstance(value, str) or not _COMMIT.fullmatch(value):
+        raise HubAnswerError(
+            f"{what}: the Hub answered the commit id {shown(value, 80)}, which is not 40 hex characters"
+        )
+    return value
+
+
+def check_content_hash(value: Any, what: str) -> str:
+    """``value`` if it is a git blob id (40 hex) or a sha256 (64 hex); ``HubAnswerError`` otherwise."""
+    if not isinstance(value, str) or not _HASH.fullmatch(value):
+        raise HubAnswerError(
+            f"{what}: the Hub answered the content hash {shown(value, 80)}, which is no sha1 or sha256"
+        )
+    return value
+
+
+def check_file_name(value: Any, what: str) -> str:
+    """``value`` if it is one plain file name: printable, no ``/`` or ``\\``, not ``.`` or ``..``,
+    at most 255 bytes; ``HubAnswerError`` otherwise."""
+    ok = (
+        isinstance(value, str)
+        and value not in ("", ".", "..")
+        and "/" not in value
+        and "\\" not in value
+        and is_printable(value)
+        and len(value.encode("utf-8", "surrogatepass")) <= _MAX_NAME_BYTES
+    )
+    if not ok:
+        raise HubAnswerError(
+            f"{what}: the Hub answered the file name {shown(value, 80)}, which is not a plain file name"
+        )
+    return value
+
+
+def check_ref_name(value: Any, what: str) -> str:
+    """``value`` if it is a branch or tag name that git accepts and that shows as it is (no
+    control, bidi or other invisible character); ``HubAnswerError`` otherwise."""
+    from hf_pma.utils.names import check_revision_name
+
+    try:
+        if not isinstance(value, str) or not is_printable(value):
+            raise ValueError("not printable")
+        check_revision_name(value)
+    except ValueError:
+        raise HubAnswerError(
+            f"{what}: the Hub answered the ref name {shown(value, 80)}, which holds a control, bidi or other "
+            "character a branch or tag name cannot hold"
+        ) from None
+    return value
