@@ -23,22 +23,22 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import re
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
+from hf_pma.io.guarded import read_json
 from hf_pma.utils.fs import (
-    LEGACY_PREFIXES,
     atomic_write_json,
     confined_path,
     is_library_folder,
-    read_json,
     remove_path,
     remove_stale_temporaries,
     remove_tree,
 )
-from hf_pma.utils.text import shown
+from hf_pma.utils.text import escape, shown
 
 __all__ = [
     "MANIFEST_NAME",
@@ -70,6 +70,13 @@ __all__ = [
     "add_snapshot",
     "exclude_snapshots",
     "drop_snapshots_after",
+    "SNAPSHOT_FILES_KEY",
+    "SET_ASIDE_KEY",
+    "is_set_aside",
+    "set_aside_snapshots_after",
+    "snapshot_files",
+    "snapshot_folder_problem",
+    "snapshot_name_problems",
     "remove_snapshot_folder",
     "clean_incomplete",
     "orphan_snapshots",
@@ -109,6 +116,13 @@ MODEL_SUPPORT_FILES = (
 PHASES = ("warmup", "stable", "decay")
 # The name of a snapshot folder that this library writes (see :func:`snapshot_dirname`).
 SNAPSHOT_DIR_PATTERN = r"snapshot-\d+"
+
+# A snapshot's ``pma.json`` lists the files the writer wrote in the folder under ``extra.files``
+# (only those, and nothing else in the folder, may be deleted with it).
+SNAPSHOT_FILES_KEY = "files"
+# A record whose ``extra.set_aside_at`` is set was past the point where the run resumed (that
+# token count): kept, excluded, until the resumed run passes it.
+SET_ASIDE_KEY = "set_aside_at"
 
 # A record whose ``extra[EXCLUDED_KEY]`` is true stays on disk but is left out of merges
 # (for example a snapshot taken during a loss spike).
@@ -177,21 +191,42 @@ def check_record(data: Any, where: str, required: Iterable[str] = ("path", "toke
         if key in _RECORD_FIELDS:
             check, expected = _RECORD_FIELDS[key]
             if not check(value):
-                raise ManifestError(f"{where}: '{key}' must be {expected}, got {shown(value, 60)}")
+                raise ManifestError(f"{where}: '{key}' must be {expected}, got {_value_shown(value)}")
     extra = {**data.get("extra", {}), **{str(k): v for k, v in data.items() if k not in names}}
     for key, value in extra.items():
         if key in _EXTRA_FIELDS and not _EXTRA_FIELDS[key][0](value):
             raise ManifestError(
-                f"{where}: 'extra.{key}' must be {_EXTRA_FIELDS[key][1]}, got {shown(value, 60)}"
+                f"{where}: 'extra.{key}' must be {_EXTRA_FIELDS[key][1]}, got {_value_shown(value)}"
             )
 
 
+# Integers in records are counts, steps, sizes: int64 holds every real one, and a larger one
+# (``10**400``) would only overflow whatever converts it (a float, a numpy or torch integer).
+MAX_RECORD_INT = 2**63 - 1
+# Times are seconds since the epoch that ``datetime`` can show: up to the end of the year 9999.
+MAX_RECORD_TIME = 253402300799.0
+
+
 def _is_int(value: Any, minimum: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+    return isinstance(value, int) and not isinstance(value, bool) and minimum <= value <= MAX_RECORD_INT
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """An int within int64, or any float (a diverged loss is recorded as NaN or Infinity)."""
+    if isinstance(value, bool):
+        return False
+    return isinstance(value, float) or (isinstance(value, int) and abs(value) <= MAX_RECORD_INT)
+
+
+def _value_shown(value: Any) -> str:
+    """A refused value as an error shows it; an integer too large for a record by its size."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_RECORD_INT:
+        return f"an integer of {len(str(abs(value)))} digits (at most 2**63 - 1)"
+    return shown(value, 60)
+
+
+def _is_time(value: Any) -> bool:
+    return _is_number(value) and math.isfinite(value) and 0 <= value <= MAX_RECORD_TIME
 
 
 def _optional(check: Callable[[Any], bool]) -> Callable[[Any], bool]:
@@ -219,7 +254,7 @@ _RECORD_FIELDS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "loss": (_optional(_is_number), "a number or null"),
     "phase": (_optional(lambda v: isinstance(v, str)), "a string or null"),
     "dtype": (_optional(lambda v: isinstance(v, str)), "a string or null"),
-    "time": (lambda v: _is_number(v) and math.isfinite(v), "a finite number (seconds since the epoch)"),
+    "time": (_is_time, "a finite number of seconds since the epoch, up to the year 9999"),
     "num_bytes": (_optional(_is_count), "a non-negative integer or null"),
     "extra": (lambda v: isinstance(v, dict), "an object"),
 }
@@ -287,7 +322,7 @@ def _read_checked(pma_dir: str | os.PathLike[str]) -> tuple[dict[str, Any], list
     if not path.is_file():
         raise ManifestError(f"{path} is not a PMA manifest: not a readable file")
     try:
-        data = read_json(path)
+        data = read_json(path, kind="manifest")
     except ValueError as err:
         raise ManifestError(str(err)) from None
     return data, validate_manifest(data, path)
@@ -311,7 +346,7 @@ def validate_manifest(data: Any, path: str | os.PathLike[str]) -> list[SnapshotR
         )
     version = data.get("format_version", FORMAT_VERSION)
     if not _is_int(version, -(2**63)):
-        raise ManifestError(f"{path}: 'format_version' must be an integer, got {shown(version, 60)}")
+        raise ManifestError(f"{path}: 'format_version' must be an integer, got {_value_shown(version)}")
     if version > FORMAT_VERSION:
         raise ManifestError(
             f"{path} was written by a newer hf-pma (format_version {version}; this one reads "
@@ -323,7 +358,7 @@ def validate_manifest(data: Any, path: str | os.PathLike[str]) -> list[SnapshotR
         )
     for key, (check, expected) in _MANIFEST_FIELDS.items():
         if key in data and not check(data[key]):
-            raise ManifestError(f"{path}: '{key}' must be {expected}, got {shown(data[key], 60)}")
+            raise ManifestError(f"{path}: '{key}' must be {expected}, got {_value_shown(data[key])}")
     entries = data.get("snapshots")
     if not isinstance(entries, list):
         raise ManifestError(f"{path}: 'snapshots' must be a list of snapshot records, got {shown(entries, 60)}")
@@ -362,10 +397,10 @@ def read_snapshot_record(
     ``None`` when there is none. A malformed one raises :class:`ManifestError`."""
     folder = Path(folder)
     path = folder / SNAPSHOT_RECORD_NAME
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         return None
     try:
-        data = read_json(path)
+        data = read_json(path, folder)
     except ValueError as err:
         raise ManifestError(str(err)) from None
     check_record(data, str(path), required)
@@ -424,15 +459,22 @@ def add_snapshot(
     """List a complete snapshot in the manifest; with ``keep_last``, delete the oldest beyond it.
 
     The snapshot folder must already be durable (renamed into place). A record with the same
-    path replaces the old one. Older snapshots are deleted only after the manifest that no
-    longer lists them is durable, so a crash leaves at worst an unlisted folder. Returns the
+    path replaces the old one. Snapshots set aside by a resume (:func:`set_aside_snapshots_after`)
+    that the run has now passed (at or before ``record``'s tokens or step) are dropped, and
+    ``keep_last`` counts the others only. Older snapshots are deleted only after the manifest
+    that no longer lists them is durable, so a crash leaves at worst an unlisted folder, and
+    only when everything in them is hf-pma's (:func:`remove_snapshot_folder`). Returns the
     records that were deleted.
     """
     records = [r for r in manifest_snapshots(pma_dir) if r.path != record.path]
-    records = _sorted([*records, record])
-    doomed: list[SnapshotRecord] = []
-    if keep_last is not None and len(records) > keep_last:
-        doomed, records = records[: len(records) - keep_last], records[len(records) - keep_last :]
+    passed = [r for r in records if is_set_aside(r) and (r.tokens <= record.tokens or r.step <= record.step)]
+    records = _sorted([r for r in records if r not in passed] + [record])
+    doomed: list[SnapshotRecord] = list(passed)
+    kept = [r for r in records if not is_set_aside(r)]
+    if keep_last is not None and len(kept) > keep_last:
+        rotated = kept[: len(kept) - keep_last]
+        doomed += rotated
+        records = [r for r in records if r not in rotated]
     write_manifest(pma_dir, records, **fields)
     return [old for old in doomed if remove_snapshot_folder(pma_dir, old)]
 
@@ -477,20 +519,125 @@ def drop_snapshots_after(pma_dir: str | os.PathLike[str], tokens: int) -> list[S
 
 
 def remove_snapshot_folder(pma_dir: str | os.PathLike[str], record: SnapshotRecord) -> bool:
-    """Delete the folder of ``record`` when it is a snapshot folder that hf-pma wrote in ``pma_dir``
-    (:func:`is_snapshot_folder`); anything else it names is left on disk with a warning.
-    Returns whether it was deleted (``False`` too when it is already gone)."""
+    """Delete the folder of ``record`` when everything in it is hf-pma's
+    (:func:`snapshot_folder_problem`); anything else it names is left on disk with one warning
+    naming it and why. Returns whether it was deleted (``False`` too when it is already gone)."""
     folder = Path(pma_dir) / record.path
     if not folder.exists() and not folder.is_symlink():
         return False
-    if not is_snapshot_folder(folder, pma_dir):
+    problem = snapshot_folder_problem(folder, pma_dir)
+    if problem is not None:
         _logger().warning(
-            f"hf-pma: left {folder} on disk: it is not a snapshot folder that hf-pma wrote in {pma_dir} "
-            f"(a real folder named snapshot-<tokens> holding {SNAPSHOT_RECORD_NAME})"
+            f"hf-pma: left {escape(folder)} on disk and dropped it from the manifest: {problem}; hf-pma deletes only "
+            "snapshot folders that hold nothing but the files it wrote"
         )
         return False
     remove_tree(folder)
     return True
+
+
+# The files of a snapshot folder that hf-pma writes (when its record does not list them: earlier
+# versions): the record, the weights of every layout, and a model folder's support files.
+_SNAPSHOT_FILE_PATTERN = re.compile(
+    r"pma\.json|(model|adapter_model)(-\d{5}-of-\d{5})?\.safetensors|(model|adapter_model)\.safetensors\.index\.json"
+    r"|shard-\d{5}-model-\d{5}-of-\d{5}\.safetensors|"
+    + "|".join(re.escape(name) for name in MODEL_SUPPORT_FILES)
+)
+
+
+def snapshot_files(folder: str | os.PathLike[str]) -> set[str] | None:
+    """The file names the snapshot writer recorded in ``folder``'s ``pma.json`` (``extra.files``),
+    or ``None`` when it recorded none (earlier versions) or the record cannot be read."""
+    path = Path(folder) / SNAPSHOT_RECORD_NAME
+    try:
+        if path.is_symlink() or not path.is_file():
+            return None
+        data = read_json(path)
+    except (OSError, ValueError, RecursionError):
+        return None
+    files = (data.get("extra") or {}).get(SNAPSHOT_FILES_KEY) if isinstance(data, dict) else None
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files):
+        return None
+    return {*files, SNAPSHOT_RECORD_NAME}
+
+
+def snapshot_folder_problem(path: str | os.PathLike[str], pma_dir: str | os.PathLike[str]) -> str | None:
+    """Why ``path`` may not be deleted or replaced as a snapshot of ``pma_dir`` (a few words naming
+    what is not hf-pma's), or ``None`` when everything in it is hf-pma's.
+
+    It must be a snapshot folder hf-pma wrote (:func:`is_snapshot_folder`: a real folder named
+    ``snapshot-<tokens>`` directly in ``pma_dir``, holding ``pma.json``) that holds only regular
+    files whose names the snapshot writer wrote: those its record lists (``extra.files``), or for
+    snapshots of earlier versions the names it writes (weights, record, config and tokenizer
+    files). A folder, a link or any other file inside (a user's merge written there) keeps it.
+    """
+    path = Path(path)
+    if path.is_symlink():
+        return "it is a symbolic link"
+    if not path.is_dir():
+        return "it is not a folder"
+    if not is_snapshot_folder(path, pma_dir):
+        return f"it is not a snapshot folder that hf-pma wrote (no {SNAPSHOT_RECORD_NAME} inside, or not in {escape(pma_dir)})"
+    known = snapshot_files(path)
+    try:
+        with os.scandir(path) as entries:
+            for entry in entries:
+                ours = known is not None and entry.name in known
+                ours = ours or (known is None and _SNAPSHOT_FILE_PATTERN.fullmatch(entry.name) is not None)
+                if not entry.is_file(follow_symlinks=False) or not ours:
+                    kind = "folder" if entry.is_dir(follow_symlinks=False) else "file"
+                    return f"it holds the {kind} {shown(entry.name)}, which hf-pma did not write there"
+    except OSError as err:
+        return f"it cannot be listed ({escape(err)})"
+    return None
+
+
+def snapshot_name_problems(pma_dir: str | os.PathLike[str]) -> list[str]:
+    """One line for each entry of ``pma_dir`` named like a snapshot (``snapshot-<tokens>``) that is
+    not a snapshot folder hf-pma wrote (a user's folder, a file, a link): a snapshot taken at those
+    tokens would have to replace it. Checked when training starts, before anything is written."""
+    pma_dir = Path(pma_dir)
+    if not pma_dir.is_dir():
+        return []
+    problems = []
+    for child in sorted(pma_dir.iterdir()):
+        if re.fullmatch(SNAPSHOT_DIR_PATTERN, child.name) and not is_snapshot_folder(child, pma_dir):
+            what = "a symbolic link" if child.is_symlink() else "a folder without pma.json" if child.is_dir() else "a file"
+            problems.append(f"{escape(child)} is {what}, not a snapshot that hf-pma wrote")
+    return problems
+
+
+def is_set_aside(record: SnapshotRecord) -> bool:
+    """Whether a record was set aside by a resume from before it (:func:`set_aside_snapshots_after`)."""
+    return record.extra.get(SET_ASIDE_KEY) is not None
+
+
+def set_aside_snapshots_after(
+    pma_dir: str | os.PathLike[str], tokens: int
+) -> tuple[list[SnapshotRecord], list[SnapshotRecord]]:
+    """A run resumes at ``tokens``: set aside the snapshots past it; returns (set aside, deleted).
+
+    Nothing is deleted that the resumed run has not passed: the snapshots listed past
+    ``tokens`` stay on disk and in the manifest, excluded from merges, with
+    ``extra.set_aside_at`` (the resume point) and a reason saying so; the manifest thus states
+    the gap until the resumed run passes them. :func:`add_snapshot` drops each once the run
+    has passed it (replaced by the new snapshot at the same tokens, or at a later snapshot).
+    Snapshots set aside by an earlier resume that lie at or before ``tokens`` were passed by the
+    run resumed then: they are dropped now (deleted when everything in them is hf-pma's).
+    """
+    records = manifest_snapshots(pma_dir)
+    passed = [r for r in records if is_set_aside(r) and r.tokens <= tokens]
+    newly = []
+    for record in records:
+        if record.tokens > tokens and not is_set_aside(record):
+            reason = f"past the resume point at {tokens:,} tokens: kept until the resumed run passes it"
+            record.extra = {**record.extra, SET_ASIDE_KEY: int(tokens)}
+            if not is_excluded(record):
+                record.extra.update({EXCLUDED_KEY: True, "excluded_reason": reason})
+            newly.append(record)
+    if newly or passed:
+        write_manifest(pma_dir, [r for r in records if r not in passed])
+    return newly, [r for r in passed if remove_snapshot_folder(pma_dir, r)]
 
 
 def _logger() -> Any:
@@ -500,22 +647,38 @@ def _logger() -> Any:
     return logging.get_logger(__name__)
 
 
+# The leftovers hf-pma leaves in a snapshot folder under fixed names (sharded snapshots being
+# written, the write check of online mode; the names of earlier versions' temporaries).
+_LEFTOVER_PATTERN = re.compile(
+    r"\.tmp-snapshot-\d+(-\d+-\d+)?|\.deleting-snapshot-\d+-\d+|\.tmp-write-check-\d+"
+    r"|\." + re.escape(MANIFEST_NAME) + r"\.[A-Za-z0-9_-]+\.tmp"
+)
+
+
 def clean_incomplete(pma_dir: str | os.PathLike[str]) -> list[Path]:
     """Delete the leftovers of interrupted writes and deletes in ``pma_dir``; returns them.
 
-    Removes the stale temporaries of this library (snapshot and merge folders, the manifest's
-    temporary file; see :func:`hf_pma.utils.fs.is_stale_temporary`: never one that a live
-    process still owns) and the names that earlier versions gave their temporaries
-    (``.tmp-*``, ``.deleting-*``, ``.manifest.json.*.tmp``).
+    Touches only what hf-pma's own naming shows it made there: the stale temporaries of this
+    library (``.<name>.tmp-<host>-<pid>-<n>``; see :func:`hf_pma.utils.fs.is_stale_temporary`:
+    never one that a live process still owns), and the fixed names it gives sharded snapshots
+    being written and gave temporaries in earlier versions (``.tmp-snapshot-<tokens>``,
+    ``.deleting-snapshot-<tokens>-<pid>``, ``.manifest.json.<id>.tmp``), a folder of these only
+    when it holds nothing but regular files. Anything else (a user's ``.tmp-notes``) stays. Each
+    removal is logged.
     """
     pma_dir = Path(pma_dir)
     removed = remove_stale_temporaries(pma_dir)
     if pma_dir.is_dir():
         for child in sorted(pma_dir.glob(".*")):
-            legacy_manifest_tmp = child.name.startswith(f".{MANIFEST_NAME}.") and child.name.endswith(".tmp")
-            if child.name.startswith(LEGACY_PREFIXES) or legacy_manifest_tmp:
-                remove_path(child)
-                removed.append(child)
+            if _LEFTOVER_PATTERN.fullmatch(child.name) is None:
+                continue
+            if child.is_dir() and not child.is_symlink():
+                with os.scandir(child) as entries:
+                    if not all(e.is_file(follow_symlinks=False) for e in entries):
+                        continue
+            remove_path(child)
+            _logger().info(f"hf-pma: removed {escape(child)}, left by an interrupted write")
+            removed.append(child)
     return removed
 
 
@@ -537,6 +700,7 @@ def orphan_snapshots(pma_dir: str | os.PathLike[str]) -> list[tuple[Path, Snapsh
             record = SnapshotRecord.from_dict(
                 read_snapshot_record(child) or {}, str(child / SNAPSHOT_RECORD_NAME)
             )
+            record.extra.pop(SNAPSHOT_FILES_KEY, None)  # what the folder holds: its own record's business
         except (OSError, ManifestError):
             record = None
         orphans.append((child, record))

@@ -77,7 +77,9 @@ JSON_LIMITS: dict[str, int] = {
 # nest fewer than 10 levels; deep nesting only costs (a recursive reader's stack).
 MAX_JSON_DEPTH = 64
 
-_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+_OPEN_FLAGS = (
+    os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+)
 _HUB_REPO_PREFIXES = ("models--", "datasets--", "spaces--")
 
 
@@ -110,7 +112,11 @@ def confinement_root(folder: str | os.PathLike[str]) -> Path:
     """
     root = Path(folder).resolve()
     repo = root.parent.parent
-    if root.parent.name == "snapshots" and repo.name.startswith(_HUB_REPO_PREFIXES) and (repo / "blobs").is_dir():
+    if (
+        root.parent.name == "snapshots"
+        and repo.name.startswith(_HUB_REPO_PREFIXES)
+        and (repo / "blobs").is_dir()
+    ):
         return repo
     return root
 
@@ -178,7 +184,9 @@ def open_file(
         if real is not None and real != root and not real.is_relative_to(root):
             raise UnsafeFileError(f"{escape(path)} is a symbolic link to outside the folder {escape(root)}")
         if max_bytes is not None and info.st_size > max_bytes:
-            raise UnsafeFileError(f"{escape(path)} is larger than {max_bytes:,} bytes ({info.st_size:,} bytes)")
+            raise UnsafeFileError(
+                f"{escape(path)} is larger than {max_bytes:,} bytes ({info.st_size:,} bytes)"
+            )
         if hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)
     except BaseException:
@@ -188,7 +196,10 @@ def open_file(
 
 
 def check_file(
-    path: str | os.PathLike[str], folder: str | os.PathLike[str] | None = None, *, max_bytes: int | None = None
+    path: str | os.PathLike[str],
+    folder: str | os.PathLike[str] | None = None,
+    *,
+    max_bytes: int | None = None,
 ) -> Path:
     """Check ``path`` as :func:`open_file` does, without keeping it open; returns its resolved path
     (for a library that opens files by name itself, such as ``torch.load``)."""
@@ -276,7 +287,11 @@ def copy_file(
     is a plain file with the default mode: no link, no permission bits of the source."""
     fd = open_file(src, folder)
     try:
-        out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o644)
+        out = os.open(
+            dest,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0),
+            0o644,
+        )
         try:
             while True:
                 chunk = os.read(fd, 1 << 20)
@@ -326,9 +341,13 @@ def regular_files(folder: str | os.PathLike[str]) -> list[Path]:
                 try:
                     target = Path(entry.path).resolve(strict=True)
                 except (OSError, RuntimeError):
-                    raise UnsafeFileError(f"{shown_path} is a symbolic link to nothing (or a link loop)") from None
+                    raise UnsafeFileError(
+                        f"{shown_path} is a symbolic link to nothing (or a link loop)"
+                    ) from None
                 if target != root and not target.is_relative_to(root):
-                    raise UnsafeFileError(f"{shown_path} is a symbolic link to outside the folder {escape(root)}")
+                    raise UnsafeFileError(
+                        f"{shown_path} is a symbolic link to outside the folder {escape(root)}"
+                    )
                 mode = os.stat(target).st_mode
                 if stat.S_ISDIR(mode):
                     if target not in seen:
@@ -349,7 +368,10 @@ def regular_files(folder: str | os.PathLike[str]) -> list[Path]:
 
 @contextlib.contextmanager
 def opened(
-    path: str | os.PathLike[str], folder: str | os.PathLike[str] | None = None, *, max_bytes: int | None = None
+    path: str | os.PathLike[str],
+    folder: str | os.PathLike[str] | None = None,
+    *,
+    max_bytes: int | None = None,
 ) -> Iterator[int]:
     """:func:`open_file` as a context manager: the descriptor is closed on leaving."""
     fd = open_file(path, folder, max_bytes=max_bytes)

@@ -251,7 +251,9 @@ class SafetensorsReader:
         for dim in shape:  # left to right, as the safetensors library multiplies them
             numel *= dim
             if numel > _U64:
-                raise self._fail(f"tensor {shown(name)} has a shape {shown(shape)} whose size overflows 64 bits")
+                raise self._fail(
+                    f"tensor {shown(name)} has a shape {shown(shape)} whose size overflows 64 bits"
+                )
         if numel * DTYPE_ITEMSIZE[dtype] * 8 > _U64:
             raise self._fail(f"tensor {shown(name)} has a shape {shown(shape)} whose size overflows 64 bits")
         begin, end = offsets

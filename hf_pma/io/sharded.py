@@ -57,7 +57,7 @@ SAVED_OFFSETS_KEY = "saved_offsets"
 # hf-pma's addition: {name: full shape}; needed when a slice is a flat range (ZeRO-3).
 GLOBAL_SHAPES_KEY = "hf_pma_global_shapes"
 
-_SHARD_FILE_RE = re.compile(r"^shard-(\d{5,})-model-(\d{5,})-of-(\d{5,})\.safetensors$")
+_SHARD_FILE_RE = re.compile(r"shard-(\d{5,})-model-(\d{5,})-of-(\d{5,})\.safetensors")  # fullmatch, not "$"
 
 
 def rank_file_name(rank: int, index: int = 1, num_files: int = 1) -> str:
@@ -72,8 +72,8 @@ def sharded_weight_files(folder: str | os.PathLike[str]) -> list[Path] | None:
         return None
     found = []
     for path in folder.iterdir():
-        match = _SHARD_FILE_RE.match(path.name)
-        if match and path.is_file():
+        match = _SHARD_FILE_RE.fullmatch(path.name)
+        if match and not path.is_dir():  # a FIFO or a link: the reader refuses it, naming it
             found.append(((int(match.group(1)), int(match.group(2))), path))
     return [path for _, path in sorted(found)] or None
 

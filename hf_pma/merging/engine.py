@@ -33,6 +33,7 @@ from hf_pma.core.manifest import MERGE_RECORD_NAME, MODEL_SUPPORT_FILES
 from hf_pma.core.outputs import check_overwrite_target
 from hf_pma.core.selection import check_window
 from hf_pma.core.strategies import merge_weights, validate_strategy
+from hf_pma.io.guarded import check_file, copy_file, read_json
 from hf_pma.io.safetensors import (
     DTYPE_ITEMSIZE,
     SAFETENSORS_NAMES,
@@ -71,6 +72,7 @@ from hf_pma.utils.fs import (
 )
 from hf_pma.utils.logs import get_logger
 from hf_pma.utils.parsing import parse_dtype, parse_dtype_name, parse_size
+from hf_pma.utils.text import escape
 
 if TYPE_CHECKING:
     import torch
@@ -307,28 +309,66 @@ def _check_output(
         check_overwrite_target(output_dir, markers)
 
 
-def check_config_file(newest: CheckpointSource) -> None:
-    """``FileNotFoundError`` now when the newest source (whose configuration the output copies)
-    has no ``config.json`` (``adapter_config.json`` for an adapter): checked before any tensor."""
+# Support files parsed (bounded, a JSON object) before they are copied: the configurations a
+# loader reads first. tokenizer.json and vocab.json (large, read by the tokenizers library) are
+# only checked to be regular files inside the source.
+_PARSED_SUPPORT_FILES = frozenset(n for n in SUPPORT_FILES if n.endswith(".json")) - {
+    "tokenizer.json",
+    "vocab.json",
+}
+
+
+def _support_names(newest: CheckpointSource) -> list[str]:
+    """The support files of the newest source that the output copies (config, tokenizer, ``*.py``)."""
+    names = [n for n in SUPPORT_FILES if (newest.path / n).exists() or (newest.path / n).is_symlink()]
+    return names + sorted(p.name for p in newest.path.glob("*.py"))
+
+
+def check_config_file(newest: CheckpointSource) -> list[str]:
+    """Check now, before any tensor, the files that the output copies from the newest source.
+
+    ``FileNotFoundError`` when it has no ``config.json`` (``adapter_config.json`` for an
+    adapter). Every support file must be a regular file inside the source after links
+    (:func:`hf_pma.io.guarded.check_file`; a ``tokenizer.model`` or ``*.py`` linking outside is
+    refused, naming it), and every configuration (``config.json``, ``generation_config.json``,
+    ...) a bounded JSON object (:func:`hf_pma.io.guarded.read_json`): a truncated one is refused,
+    naming it. Returns the names to copy.
+    """
     config_name = "adapter_config.json" if newest.is_adapter else "config.json"
-    if not (newest.path / config_name).is_file():
+    names = _support_names(newest)
+    if config_name not in names:
         raise FileNotFoundError(
-            f"{newest.path} has no {config_name}; the merged folder would not load without it"
+            f"{escape(newest.path)} has no {config_name}; the merged folder would not load without it"
         )
+    for name in names:
+        path = newest.path / name
+        if name in _PARSED_SUPPORT_FILES:
+            _read_config(path, newest)
+        else:
+            check_file(path, newest.confined_to)
+    return names
+
+
+def _read_config(path: Path, newest: CheckpointSource) -> dict[str, Any]:
+    config = read_json(path, newest.confined_to, kind="config")
+    if not isinstance(config, dict):
+        raise ValueError(f"{escape(path)} should hold a JSON object, got {type(config).__name__}")
+    return config
 
 
 def _copy_support_files(newest: CheckpointSource, dest: Path, out_dtype: str | torch.dtype | None) -> None:
-    check_config_file(newest)
-    names = [n for n in SUPPORT_FILES if (newest.path / n).is_file()]
-    names += sorted(p.name for p in newest.path.glob("*.py"))
-    for name in names:
-        shutil.copy2(newest.path / name, dest / name)
-    if out_dtype is not None and (dest / "config.json").is_file():
-        config = json.loads((dest / "config.json").read_text())
-        for key in ("dtype", "torch_dtype"):
-            if key in config:
-                config[key] = parse_dtype_name(out_dtype)
-        (dest / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    """Copy the support files of the newest source into ``dest`` (checked again, see
+    :func:`check_config_file`: regular files inside the source, copied as plain files), with
+    ``config.json``'s dtype set to ``out_dtype`` when given."""
+    for name in check_config_file(newest):
+        if name == "config.json" and out_dtype is not None:
+            config = _read_config(newest.path / name, newest)
+            for key in ("dtype", "torch_dtype"):
+                if key in config:
+                    config[key] = parse_dtype_name(out_dtype)
+            (dest / name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        else:
+            copy_file(newest.path / name, dest / name, newest.confined_to)
 
 
 def _portable_path(path: Path, output_dir: Path) -> str:

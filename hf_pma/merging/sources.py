@@ -15,7 +15,6 @@ before anything is downloaded (see :mod:`hf_pma.merging.hub_revisions`).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import re
 from collections.abc import Sequence
@@ -24,12 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 from hf_pma.core.manifest import (
     MANIFEST_NAME,
+    MAX_RECORD_INT,
     PMA_SUBDIR,
     manifest_snapshots,
     read_manifest,
     read_snapshot_record,
 )
 from hf_pma.core.selection import WindowSpan, check_window, window_by_progress, window_span
+from hf_pma.io.guarded import UnsafeFileError, check_file, read_json
 from hf_pma.io.safetensors import CheckpointFormatError, SafetensorsCheckpoint, TensorInfo
 from hf_pma.io.sharded import ShardedCheckpointTensors, sharded_weight_files
 from hf_pma.merging.hub_revisions import (
@@ -41,6 +42,7 @@ from hf_pma.merging.hub_revisions import (
 )
 from hf_pma.utils.logs import get_logger
 from hf_pma.utils.names import check_revision_name, looks_local
+from hf_pma.utils.text import escape, shown
 
 if TYPE_CHECKING:
     import torch
@@ -67,7 +69,7 @@ __all__ = [
 
 # "model" for full models, "adapter_model" for PEFT adapters.
 WEIGHT_PREFIXES = ("model", "adapter_model")
-_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+_CHECKPOINT_RE = re.compile(r"checkpoint-(\d+)")  # fullmatch: "$" would pass "checkpoint-5\n"
 # The name of a run's final model (the weights at the top of its folder) among merge sources.
 FINAL_LABEL = "final"
 
@@ -79,37 +81,47 @@ def _is_file_name(name: object) -> bool:
     return not any(c in name for c in ("/", "\\", "\x00"))
 
 
-def find_weight_files(folder: Path) -> tuple[str, list[Path]] | None:
+def _present(path: Path) -> bool:
+    """Whether something is at ``path`` (a file, a link, a FIFO, ...): what is there is then
+    opened through :mod:`hf_pma.io.guarded`, which refuses anything but a regular file."""
+    return not path.is_dir() and (path.exists() or path.is_symlink())
+
+
+def find_weight_files(folder: Path, root: Path | None = None) -> tuple[str, list[Path]] | None:
     """The weight files of a model folder and their prefix, or ``None`` if it holds none.
 
     Prefers safetensors over ``.bin``; follows a shard index when there is one (its shards must
     be plain file names in ``folder``: a Hub cache's symlinked files are fine, a path is not).
+    The index is read through :func:`hf_pma.io.guarded.read_json`, confined to ``root`` (the
+    folder the user gave; default ``folder``).
     """
     for prefix in WEIGHT_PREFIXES:
         for suffix in ("safetensors", "bin"):
             stem = prefix if prefix == "adapter_model" or suffix == "safetensors" else "pytorch_model"
             index = folder / f"{stem}.{suffix}.index.json"
             single = folder / f"{stem}.{suffix}"
-            if index.is_file():
-                try:
-                    weight_map = json.loads(index.read_text())["weight_map"]
-                    names = list(dict.fromkeys(weight_map.values()))
-                except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as err:
-                    raise CheckpointFormatError(f"{index} is not a valid shard index: {err}") from None
+            if _present(index):
+                data = read_json(index, root or folder, kind="index")
+                weight_map = data.get("weight_map") if isinstance(data, dict) else None
+                if not isinstance(weight_map, dict):
+                    raise CheckpointFormatError(
+                        f"{escape(index)} is not a valid shard index: no 'weight_map' object"
+                    )
+                names = list(dict.fromkeys(weight_map.values()))
                 bad = next((n for n in names if not _is_file_name(n)), None)
                 if bad is not None:
                     raise CheckpointFormatError(
-                        f"{index} lists the shard {bad!r}: a shard must be a file name in {folder}, "
+                        f"{escape(index)} lists the shard {shown(bad)}: a shard must be a file name in {escape(folder)}, "
                         "without folders, '..' or an absolute path"
                     )
                 files = [folder / name for name in names]
-                missing = [f.name for f in files if not f.is_file()]
+                missing = [escape(f.name) for f in files if not _present(f)]
                 if missing:
                     raise CheckpointFormatError(
-                        f"{index} lists shard(s) that do not exist: {', '.join(missing)}"
+                        f"{escape(index)} lists shard(s) that do not exist: {', '.join(missing[:5])}"
                     )
                 return prefix, files
-            if single.is_file():
+            if _present(single):
                 return prefix, [single]
     return None
 
@@ -118,7 +130,7 @@ class _BinCheckpoint:
     """``.bin`` state dicts loaded with ``torch.load(weights_only=True, mmap=True)``; ``read``
     gives raw bytes, as the safetensors readers do."""
 
-    def __init__(self, files: Sequence[Path]) -> None:
+    def __init__(self, files: Sequence[Path], root: Path | None = None) -> None:
         import torch
 
         from hf_pma.io.torch_adapters import safetensors_dtype
@@ -126,8 +138,9 @@ class _BinCheckpoint:
         self._state: dict[str, Any] = {}
         self._infos: dict[str, TensorInfo] = {}
         for path in files:
+            real = check_file(path, root)  # confined, regular: torch.load opens the file it names
             try:
-                state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                state = torch.load(real, map_location="cpu", weights_only=True, mmap=True)
             except Exception as err:  # noqa: BLE001 - any unpickling failure is a bad file
                 raise CheckpointFormatError(
                     f"{path} could not be read as a PyTorch state dict: {err}"
@@ -158,17 +171,19 @@ class _BinCheckpoint:
         self._state = {}
 
 
-def open_weight_files(files: Sequence[Path], sharded: bool = False) -> Any:
+def open_weight_files(files: Sequence[Path], sharded: bool = False, root: Path | None = None) -> Any:
     """Read access to weight files by the raw bytes of element ranges of tensors.
 
     ``sharded``: the files are one per rank (DCP layout). Safetensors files are read without
-    torch; ``.bin`` files are loaded with ``torch.load(weights_only=True, mmap=True)``.
+    torch; ``.bin`` files are loaded with ``torch.load(weights_only=True, mmap=True)``. Every
+    file is opened through :mod:`hf_pma.io.guarded`, confined to ``root`` (the folder the user
+    gave; default: each file's folder).
     """
     if sharded:
-        return ShardedCheckpointTensors(files)
+        return ShardedCheckpointTensors(files, root)
     if any(Path(f).suffix != ".safetensors" for f in files):
-        return _BinCheckpoint([Path(f) for f in files])
-    return SafetensorsCheckpoint(files)
+        return _BinCheckpoint([Path(f) for f in files], root)
+    return SafetensorsCheckpoint(files, root)
 
 
 class CheckpointTensors:
@@ -178,10 +193,10 @@ class CheckpointTensors:
     tensors (torch is imported when this class is first used).
     """
 
-    def __init__(self, files: Sequence[Path], sharded: bool = False) -> None:
+    def __init__(self, files: Sequence[Path], sharded: bool = False, root: Path | None = None) -> None:
         from hf_pma.io.torch_adapters import TorchTensors
 
-        self.raw = open_weight_files([Path(f) for f in files], sharded)
+        self.raw = open_weight_files([Path(f) for f in files], sharded, root)
         self._torch = TorchTensors(self.raw)
 
     @property
@@ -224,6 +239,14 @@ class CheckpointSource:
     label: str | None = None
     # True for a sharded folder (one file per rank, DCP layout): read by global element ranges.
     sharded: bool = False
+    # The folder the user gave (a run, a model folder): every file read stays inside it after
+    # links (see hf_pma.io.guarded); ``None``: ``path`` itself.
+    root: Path | None = None
+
+    @property
+    def confined_to(self) -> Path:
+        """The folder this source's files must stay inside, after symbolic links."""
+        return self.root if self.root is not None else self.path
 
     @property
     def name(self) -> str:
@@ -238,36 +261,42 @@ class CheckpointSource:
     def open(self) -> CheckpointTensors:
         """Open the weight files for reading as torch tensors (validates their headers; a sharded
         folder's slices must cover every tensor exactly once)."""
-        return CheckpointTensors(self.files, self.sharded)
+        return CheckpointTensors(self.files, self.sharded, self.confined_to)
 
     def open_raw(self) -> Any:
         """Open the weight files for reading the bytes of element ranges (torch-free for safetensors)."""
-        return open_weight_files(self.files, self.sharded)
+        return open_weight_files(self.files, self.sharded, self.confined_to)
 
     def num_bytes(self) -> int:
         """Total size of the weight files."""
         return sum(f.stat().st_size for f in self.files)
 
 
-def _progress_of(folder: Path) -> tuple[int | None, int | None, dict[str, Any]]:
+def _progress_of(folder: Path, root: Path | None = None) -> tuple[int | None, int | None, dict[str, Any]]:
     """Tokens and step of a folder from its snapshot record (checked) or Trainer state, if any."""
     record = read_snapshot_record(folder, required=())  # checked: a malformed one is a ManifestError
     if record is not None:
         return record.get("tokens"), record.get("step"), record
     state_path = folder / "trainer_state.json"
-    if state_path.is_file():
+    if _present(state_path):
         try:
-            state = json.loads(state_path.read_text())
-        except (ValueError, RecursionError):
+            state = read_json(state_path, root or folder, kind="trainer_state")
+        except UnsafeFileError:  # a link out of the folder, a FIFO, too large: refused, naming it
+            raise
+        except ValueError:  # not JSON: the progress is unknown, as without the file
             return None, None, {}
         if not isinstance(state, dict):
-            raise CheckpointFormatError(f"{state_path} should hold a JSON object, got {type(state).__name__}")
+            raise CheckpointFormatError(
+                f"{escape(state_path)} should hold a JSON object, got {type(state).__name__}"
+            )
         step = state.get("global_step")
         tokens = state.get("num_input_tokens_seen") or None  # 0 means "not counted"
         for key, value in (("global_step", step), ("num_input_tokens_seen", tokens)):
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            if value is not None and (
+                not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_RECORD_INT
+            ):
                 raise CheckpointFormatError(
-                    f"{state_path}: '{key}' must be a non-negative integer, got {value!r:.60}"
+                    f"{escape(state_path)}: '{key}' must be an integer from 0 to 2**63 - 1, got {shown(value, 60)}"
                 )
         return tokens, step, {}
     return None, None, {}
@@ -302,9 +331,11 @@ def _sharded_files(folder: Path) -> list[Path] | None:
 
 
 def _source_from_folder(
-    folder: Path, tokens: int | None = None, step: int | None = None, record=None
+    folder: Path, tokens: int | None = None, step: int | None = None, record=None, root: Path | None = None
 ) -> CheckpointSource:
-    found = find_weight_files(folder)
+    """The source in ``folder``; ``root``: the folder the user gave, which every file read must
+    stay inside after links (default ``folder``)."""
+    found = find_weight_files(folder, root)
     sharded = found is None and (files := _sharded_files(folder)) is not None
     if sharded:
         found = ("model", files)
@@ -315,8 +346,10 @@ def _source_from_folder(
         )
     prefix, files = found
     if tokens is None and step is None:
-        tokens, step, record = _progress_of(folder)
-    return CheckpointSource(folder, prefix, files, tokens, step, dict(record or {}), sharded=sharded)
+        tokens, step, record = _progress_of(folder, root)
+    return CheckpointSource(
+        folder, prefix, files, tokens, step, dict(record or {}), sharded=sharded, root=root
+    )
 
 
 @dataclasses.dataclass
@@ -366,7 +399,7 @@ def run_layout(path: str | os.PathLike[str]) -> RunLayout:
             f"{path} holds two PMA manifests, {manifests[0]} and {manifests[1]}: name the folder of the one to use"
         )
     found = [
-        (int(m.group(1)), p) for p in path.iterdir() if p.is_dir() and (m := _CHECKPOINT_RE.match(p.name))
+        (int(m.group(1)), p) for p in path.iterdir() if p.is_dir() and (m := _CHECKPOINT_RE.fullmatch(p.name))
     ]
     top = find_weight_files(path)
     top_files = top[1] if top is not None else (sharded_weight_files(path) or [])
@@ -409,7 +442,7 @@ def _expand_manifest(manifest: Path, layout: RunLayout) -> list[CheckpointSource
             raise FileNotFoundError(f"snapshot {record.path} listed in {manifest} does not exist at {folder}")
         data = record.to_dict()
         data["interval_tokens"] = interval
-        sources.append(_source_from_folder(folder, record.tokens, record.step, data))
+        sources.append(_source_from_folder(folder, record.tokens, record.step, data, root=layout.path))
     if not sources:
         others = [
             x
@@ -427,7 +460,7 @@ def _expand_manifest(manifest: Path, layout: RunLayout) -> list[CheckpointSource
 def _final(layout: RunLayout) -> CheckpointSource:
     """The run's final model (its top weights), named ``final``; its progress from the
     ``trainer_state.json`` beside it, when there is one."""
-    source = _source_from_folder(layout.path)
+    source = _source_from_folder(layout.path, root=layout.path)
     source.label = FINAL_LABEL
     return source
 
@@ -462,7 +495,7 @@ def _expand_local(path: Path, include_final: bool) -> list[CheckpointSource]:
                 f"{path}: merging the PMA snapshots of {layout.manifest}; its {len(layout.checkpoints)} checkpoint-* folder(s) are left out"
             )
     else:
-        sources = [_source_from_folder(p) for p in layout.checkpoints]
+        sources = [_source_from_folder(p, root=path) for p in layout.checkpoints]
     if include_final:
         if not layout.top_weights:
             raise ValueError(

@@ -14,6 +14,7 @@ snapshots and merging afterwards:
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from typing import Any
@@ -130,17 +131,25 @@ class OnlineAverage:
 
     @classmethod
     def load_state(cls, path: str | os.PathLike[str]) -> OnlineAverage:
-        """Rebuild an average saved by :meth:`save_state`."""
-        from safetensors import safe_open
+        """Rebuild an average saved by :meth:`save_state` (read through :mod:`hf_pma.io.guarded`:
+        confined to the checkpoint folder holding it, header bounded, metadata checked)."""
+        from hf_pma.io.guarded import parse_json
+        from hf_pma.io.safetensors import SafetensorsReader
+        from hf_pma.io.torch_adapters import TorchTensors
+        from hf_pma.utils.text import escape
 
-        with safe_open(os.fspath(path), framework="pt") as fh:
-            metadata = fh.metadata() or {}
-            tensors = {name: fh.get_tensor(name) for name in fh.keys()}
-        try:
-            average = cls(metadata["kind"], float(metadata["alpha"]))
-            average.count = int(metadata["count"])
-            average.records = [SnapshotRecord.from_dict(d) for d in json.loads(metadata["records"])]
-        except (KeyError, ValueError) as err:
-            raise ValueError(f"{path} is not an hf-pma online average: {err}") from err
-        average._average = tensors
+        with TorchTensors(SafetensorsReader(path)) as tensors:
+            metadata = tensors.raw.metadata
+            try:
+                alpha = float(metadata["alpha"])
+                count = int(metadata["count"]) if len(metadata["count"]) <= 20 else -1
+                records = parse_json(metadata["records"], f"{escape(path)}: metadata 'records'")
+                if not math.isfinite(alpha) or not 0 <= count < 2**63 or not isinstance(records, list):
+                    raise ValueError("'alpha', 'count' or 'records' out of range")
+                average = cls(metadata["kind"], alpha)
+                average.count = count
+                average.records = [SnapshotRecord.from_dict(d, f"{escape(path)}: records") for d in records]
+            except (KeyError, ValueError) as err:
+                raise ValueError(f"{escape(path)} is not an hf-pma online average: {escape(err)}") from None
+            average._average = tensors.state_dict()
         return average
