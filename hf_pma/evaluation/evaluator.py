@@ -30,9 +30,12 @@ from hf_pma.core.manifest import EVAL_RECORD_NAME
 from hf_pma.evaluation.harness import flatten_lm_eval_results, jsonable, load_task_manager, run_lm_eval
 from hf_pma.evaluation.model_checks import check_hub_model, resolve_model
 from hf_pma.evaluation.options import EvalOptions
+from hf_pma.io.guarded import read_json
+from hf_pma.publishing.records import check_eval_results
 from hf_pma.utils.distributed import require_unsharded_model, run_on_main_process
 from hf_pma.utils.formatting import MISSING, format_metric, markdown_table, metric_label
-from hf_pma.utils.fs import atomic_write_json, read_json
+from hf_pma.utils.fs import atomic_write_json
+from hf_pma.utils.text import escape
 
 logger = logging.get_logger(__name__)
 
@@ -495,22 +498,6 @@ def _evaluate_models(
 # ---------------------------------------------------------------- records and tables
 
 
-def _check_results(results: Mapping[str, Any]) -> None:
-    for label, tasks in results.items():
-        if not isinstance(tasks, Mapping):
-            raise ValueError(
-                f"results[{label!r}] should map task names to metrics, found {type(tasks).__name__}"
-            )
-        for task, metrics in tasks.items():
-            if not isinstance(metrics, Mapping):
-                raise ValueError(f"results[{label!r}][{task!r}] should map metric names to numbers")
-            for metric, value in metrics.items():
-                if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-                    raise ValueError(
-                        f"results[{label!r}][{task!r}][{metric!r}] is {value!r}, not a number or null"
-                    )
-
-
 def write_eval_record(
     folder: str | os.PathLike[str],
     results: Mapping[str, Mapping[str, Mapping[str, float | None]]],
@@ -528,7 +515,7 @@ def write_eval_record(
     folder = Path(folder)
     if not folder.is_dir():
         raise FileNotFoundError(f"{folder} is not a folder")
-    _check_results(results)
+    check_eval_results(results)
     path = folder / EVAL_RECORD_NAME
 
     def write() -> Path:
@@ -552,10 +539,10 @@ def write_eval_record(
 def read_eval_record(folder: str | os.PathLike[str]) -> dict[str, Any]:
     """The ``pma_eval.json`` record of ``folder``; ``ValueError`` naming the file when malformed."""
     path = Path(folder) / EVAL_RECORD_NAME
-    data = read_json(path)
+    data = read_json(path, folder, kind="record")
     if not isinstance(data, dict) or not isinstance(data.get("results"), dict):
-        raise ValueError(f"{path} should hold an object with a 'results' object (label -> task -> metric)")
-    _check_results(data["results"])
+        raise ValueError(f"{escape(path)} should hold an object with a 'results' object (label -> task -> metric)")
+    check_eval_results(data["results"], f"{escape(path)}: results")
     return data
 
 

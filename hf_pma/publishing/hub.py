@@ -4,23 +4,34 @@ Going through ``HfApi.create_repo`` and ``HfApi.upload_folder`` means ``HF_TOKEN
 ``HF_ENDPOINT`` and the cached login (``hf auth login``) work as everywhere else. Everything
 that can be checked locally is checked before the first request: the repo id, the revision
 name, the token, the folder (a complete model: config and every weight file the index names),
-the records (no access token inside), and every file (none holds the token in use). A 401 or 403 from the Hub becomes a :class:`HubAuthError` that says what
-to do.
+what is uploaded (exactly the regular files inside the folder: a symbolic link that leaves it,
+a FIFO, a socket or a device stops the push), the records (valid, and no access token inside)
+and the card (rendered from them), and every file (none holds the token in use). A 401 or 403
+from the Hub becomes a :class:`HubAuthError` that says what to do.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
+import fnmatch
 import os
-import struct
 from collections.abc import Sequence
 from pathlib import Path
 
-from hf_pma.core.manifest import CARD_NAME, EVAL_RECORD_NAME, MERGE_RECORD_NAME, TRAINING_RECORD_NAME
+from hf_pma.core.manifest import (
+    CARD_NAME,
+    EVAL_RECORD_NAME,
+    MERGE_RECORD_NAME,
+    PLOT_NAME,
+    TRAINING_RECORD_NAME,
+)
+from hf_pma.io.guarded import JSON_LIMITS, open_file, opened, read_bytes, read_json, regular_files
+from hf_pma.io.safetensors import SafetensorsReader
 from hf_pma.publishing.records import find_local_paths, find_tokens, load_records
-from hf_pma.utils.fs import read_json
+from hf_pma.utils.fs import check_output_file
 from hf_pma.utils.logs import get_logger
 from hf_pma.utils.names import check_revision_name
+from hf_pma.utils.text import escape
 
 logger = get_logger(__name__)
 
@@ -30,13 +41,20 @@ __all__ = [
     "check_model_folder",
     "check_no_token_in_files",
     "check_repo_id",
+    "files_to_push",
     "resolve_token",
     "push_folder_to_hub",
 ]
 
 # Temporary files of interrupted atomic writes never go to the Hub.
 # (hf_pma.utils.fs names them ``.<name>.tmp-*`` / ``.<name>.deleting-*``; the others are older names).
+# Nor does what huggingface_hub's own upload_folder leaves out (.git, .cache/huggingface).
 DEFAULT_IGNORE_PATTERNS = [
+    ".git",
+    ".git/*",
+    "*/.git/*",
+    ".cache/huggingface/*",
+    "*/.cache/huggingface/*",
     ".*.tmp-*",
     "**/.*.tmp-*",
     ".*.deleting-*",
@@ -83,26 +101,11 @@ def check_repo_id(repo_id: str) -> str:
     return repo_id
 
 
-def _check_safetensors(path: Path) -> None:
-    # The header lists every tensor's byte range: a file shorter than the last range is truncated.
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-        if len(head) < 8:
-            raise ValueError(f"{path.name} is not a safetensors file (only {size} bytes)")
-        (header_len,) = struct.unpack("<Q", head)
-        if header_len > size - 8:
-            raise ValueError(
-                f"{path.name} is truncated: its header says {header_len} bytes, the file has {size}"
-            )
-        try:
-            header = json.loads(fh.read(header_len))
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise ValueError(f"{path.name} is not a safetensors file: unreadable header ({err})") from None
-    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__" and isinstance(v, dict)]
-    expected = 8 + header_len + max(ends, default=0)
-    if size < expected:
-        raise ValueError(f"{path.name} is truncated: {size} bytes, its header needs {expected}")
+def _check_safetensors(path: Path, folder: Path) -> None:
+    # The reader validates the header (every tensor's byte range inside the file: a truncated
+    # file fails here) through the one way in (confined, regular file).
+    with SafetensorsReader(path, folder):
+        pass
 
 
 def check_model_folder(folder: str | os.PathLike[str]) -> list[Path]:
@@ -114,82 +117,108 @@ def check_model_folder(folder: str | os.PathLike[str]) -> list[Path]:
     """
     folder = Path(folder)
     if not folder.is_dir():
-        raise FileNotFoundError(f"{folder} is not a folder")
-    config = folder / "config.json"
-    if not config.is_file():
-        raise ValueError(f"{folder.name} is not a complete model folder: config.json is missing")
-    if not isinstance(read_json(config), dict):
-        raise ValueError(f"{config.name} in {folder.name} is not a JSON object")
+        raise FileNotFoundError(f"{escape(folder)} is not a folder")
+    present = set(_present(folder, ("config.json", *_WEIGHT_INDEXES, *_WEIGHT_FILES)))
+    if "config.json" not in present:
+        raise ValueError(f"{escape(folder.name)} is not a complete model folder: config.json is missing")
+    if not isinstance(read_json(folder / "config.json", folder, kind="config"), dict):
+        raise ValueError(f"config.json in {escape(folder.name)} is not a JSON object")
     weights: list[Path] = []
     for index_name in _WEIGHT_INDEXES:
-        index_path = folder / index_name
-        if not index_path.is_file():
+        if index_name not in present:
             continue
-        weight_map = read_json(index_path).get("weight_map")
+        index = read_json(folder / index_name, folder, kind="index")
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
-            raise ValueError(f"{index_name} in {folder.name} has no weight_map")
-        shards = sorted(set(weight_map.values()))
-        missing = [s for s in shards if not (folder / s).is_file()]
+            raise ValueError(f"{index_name} in {escape(folder.name)} has no weight_map")
+        shards = sorted({str(v) for v in weight_map.values()})
+        missing = [s for s in shards if not _present(folder, (s,))]
         if missing:
             raise ValueError(
-                f"{folder.name} is not a complete model: {index_name} names missing shard(s) {missing}"
+                f"{escape(folder.name)} is not a complete model: {index_name} names missing shard(s) "
+                f"{escape(missing[:5])}"
             )
         weights += [folder / s for s in shards]
-    weights += [folder / n for n in _WEIGHT_FILES if (folder / n).is_file()]
+    weights += [folder / n for n in _WEIGHT_FILES if n in present]
     if not weights:
         raise ValueError(
-            f"{folder.name} is not a complete model folder: no weights (model.safetensors, an index with its "
-            "shards, or pytorch_model.bin)"
+            f"{escape(folder.name)} is not a complete model folder: no weights (model.safetensors, an index with "
+            "its shards, or pytorch_model.bin)"
         )
     for path in weights:
         if path.suffix == ".safetensors":
-            _check_safetensors(path)
+            _check_safetensors(path, folder)
     return weights
 
 
-def _check_no_secrets(folder: Path) -> None:
+def _present(folder: Path, names: Sequence[str]) -> list[str]:
+    """The ``names`` that exist under ``folder`` (a dangling or outside link counts as present: the
+    guarded reader then says what is wrong with it)."""
+    return [n for n in names if (folder / n).exists() or (folder / n).is_symlink()]
+
+
+def _ignored(relative: str, patterns: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatch(relative, p) for p in patterns)
+
+
+def files_to_push(folder: str | os.PathLike[str], ignore_patterns: Sequence[str] | None = None) -> list[str]:
+    """The files a push of ``folder`` uploads, as POSIX paths relative to it, sorted: every regular
+    file inside it (a symbolic link to a file inside is uploaded under its own name with the
+    bytes of the file it names), less those matching ``ignore_patterns`` (default
+    :data:`DEFAULT_IGNORE_PATTERNS`: hf-pma's temporaries, ``.git``).
+
+    :class:`hf_pma.io.guarded.UnsafeFileError` (a ``ValueError``, one line naming the entry) when
+    the folder holds a symbolic link that leads outside it (to ``/etc/passwd``, a key, a cached Hub
+    login) or nowhere, a FIFO, a socket or a device, or a name with a control character: nothing is
+    pushed then, whatever the ignore patterns say.
+    """
+    patterns = list(DEFAULT_IGNORE_PATTERNS if ignore_patterns is None else ignore_patterns)
+    return [rel.as_posix() for rel in regular_files(folder) if not _ignored(rel.as_posix(), patterns)]
+
+
+def _check_no_secrets(folder: Path, files: Sequence[str]) -> None:
     # The records and the card are small text files written by tools: a token there would be
     # published with the model.
     for name in (CARD_NAME, MERGE_RECORD_NAME, EVAL_RECORD_NAME, TRAINING_RECORD_NAME):
-        path = folder / name
-        if not path.is_file():
+        if name not in files:
             continue
-        text = path.read_text(encoding="utf-8", errors="replace")
+        limit = JSON_LIMITS["trainer_state"] if name == TRAINING_RECORD_NAME else JSON_LIMITS["record"]
+        text = read_bytes(folder / name, folder, max_bytes=limit).decode("utf-8", errors="replace")
         if find_tokens(text, flag_values=False):
             raise ValueError(
-                f"{path.name} in {folder.name} contains what looks like an access token: remove it before pushing"
+                f"{name} in {escape(folder.name)} contains what looks like an access token: remove it before "
+                "pushing"
             )
         paths = find_local_paths(text)
         if paths:
             logger.warning(
-                f"{path.name} in {folder.name} names {len(paths)} absolute local path(s); they will be public"
+                f"{name} in {escape(folder.name)} names {len(paths)} absolute local path(s); they will be public"
             )
 
 
-def check_no_token_in_files(folder: str | os.PathLike[str], token: str) -> None:
+def check_no_token_in_files(
+    folder: str | os.PathLike[str], token: str, files: Sequence[str] | None = None
+) -> None:
     """``ValueError`` naming the first file under ``folder`` that contains ``token`` (the exact
-    string, whatever its shape), read in chunks; pushes check this before the first request."""
+    string, whatever its shape), read in chunks; pushes check this before the first request.
+    ``files`` (paths relative to ``folder``) default to :func:`files_to_push` with no pattern
+    left out."""
     needle = token.encode("utf-8")
     if not needle:
         return
+    folder = Path(folder)
     overlap = len(needle) - 1
-    for root, dirs, files in os.walk(folder):
-        dirs.sort()
-        for name in sorted(files):
-            path = Path(root) / name
-            if not path.is_file():
-                continue
-            tail = b""
-            with open(path, "rb") as fh:
-                while chunk := fh.read(_SCAN_CHUNK_BYTES):
-                    window = tail + chunk
-                    if needle in window:
-                        shown = path.relative_to(folder)
-                        raise ValueError(
-                            f"{shown} in {Path(folder).name} contains the access token this push would use: "
-                            "remove it (and revoke the token if it was shared) before pushing"
-                        )
-                    tail = window[-overlap:] if overlap else b""
+    for relative in files if files is not None else files_to_push(folder, ()):
+        tail = b""
+        with opened(folder / relative, folder) as fd:
+            while chunk := os.read(fd, _SCAN_CHUNK_BYTES):
+                window = tail + chunk
+                if needle in window:
+                    raise ValueError(
+                        f"{escape(relative)} in {escape(folder.name)} contains the access token this push would "
+                        "use: remove it (and revoke the token if it was shared) before pushing"
+                    )
+                tail = window[-overlap:] if overlap else b""
 
 
 def resolve_token(token: str | None = None) -> str:
@@ -227,33 +256,49 @@ def push_folder_to_hub(
     plot) is written into it before the upload, with the repo's full id. ``token`` defaults to
     ``HF_TOKEN`` or the cached login; ``endpoint`` to ``HF_ENDPOINT`` or the public Hub.
 
-    Raises, before anything is uploaded: ``ValueError`` for an invalid repo id or revision (git's
-    ref-name rules), an incomplete folder, a token inside the records, a file holding the token
-    in use, or ``HF_HUB_OFFLINE`` set; ``FileNotFoundError`` for a
-    missing folder; :class:`HubAuthError` without a token or when the Hub answers 401 / 403.
+    Exactly the regular files inside the folder are uploaded (:func:`files_to_push`), each read
+    through :func:`hf_pma.io.guarded.open_file`; ``ignore_patterns`` (default
+    :data:`DEFAULT_IGNORE_PATTERNS`) leaves some out.
+
+    Raises, before any request: ``ValueError`` for an invalid repo id or revision (git's ref-name
+    rules), an incomplete folder, a symbolic link leading outside the folder or a special file
+    in it (:class:`hf_pma.io.guarded.UnsafeFileError`), a malformed record or a card that cannot
+    be rendered from them, a token inside the records, a file holding the token in use, or
+    ``HF_HUB_OFFLINE`` set; ``FileNotFoundError`` for a missing folder; ``FileExistsError`` /
+    ``PermissionError`` when the card cannot be written into the folder; :class:`HubAuthError`
+    without a token or when the Hub answers 401 / 403.
     """
-    from huggingface_hub import HfApi
+    from huggingface_hub import CommitOperationAdd, HfApi
     from huggingface_hub import constants as hf_constants
     from huggingface_hub.errors import HfHubHTTPError
+
+    from hf_pma.publishing.card import build_model_card, write_model_card
 
     folder = Path(folder)
     check_repo_id(repo_id)
     if revision is not None:
         check_revision_name(revision, "revision")
     check_model_folder(folder)
-    _check_no_secrets(folder)
+    patterns = list(DEFAULT_IGNORE_PATTERNS if ignore_patterns is None else ignore_patterns)
+    files = files_to_push(folder, patterns)  # links out of the folder, FIFOs, devices: refused here
+
+    # Every record is read and checked, and the card rendered from them, before any request.
+    needs_card = CARD_NAME not in files and MERGE_RECORD_NAME in files
+    if any(name in files for name in (MERGE_RECORD_NAME, EVAL_RECORD_NAME, TRAINING_RECORD_NAME)):
+        records = load_records(folder, require_merge=False)
+        if needs_card:
+            build_model_card(folder, repo_id=repo_id, records=records)
+            check_output_file(folder / CARD_NAME, "the model card")
+            check_output_file(folder / PLOT_NAME, "the training plot")
+    if CARD_NAME not in files and not needs_card:
+        logger.warning(
+            f"{escape(folder.name)} has no {CARD_NAME} and no {MERGE_RECORD_NAME}: pushing it without a model card"
+        )
+    _check_no_secrets(folder, files)
     token = resolve_token(token)
     if hf_constants.is_offline_mode():
         raise ValueError("HF_HUB_OFFLINE is set: huggingface_hub blocks every request; unset it to push")
-    check_no_token_in_files(folder, token)
-
-    needs_card = not (folder / CARD_NAME).is_file() and (folder / MERGE_RECORD_NAME).is_file()
-    if needs_card:
-        load_records(folder)  # malformed records fail here, before any request
-    elif not (folder / CARD_NAME).is_file():
-        logger.warning(
-            f"{folder.name} has no {CARD_NAME} and no {MERGE_RECORD_NAME}: pushing it without a model card"
-        )
+    check_no_token_in_files(folder, token, files)
 
     api = HfApi(endpoint=endpoint, token=token)
     where = f"{repo_id}" + (f" (branch {revision})" if revision else "")
@@ -262,20 +307,22 @@ def push_folder_to_hub(
         # A bare name lands in the token owner's namespace: the card must show the full id.
         full_id = repo_url.repo_id or repo_id
         if needs_card:
-            from hf_pma.publishing.card import write_model_card
-
             write_model_card(folder, repo_id=full_id)
+            files = files_to_push(folder, patterns)
+            check_no_token_in_files(folder, token, [f for f in files if f in (CARD_NAME, PLOT_NAME)])
         if revision is not None and not revision.startswith("refs/pr/"):
             api.create_branch(full_id, branch=revision, exist_ok=True)
-        info = api.upload_folder(
-            repo_id=full_id,
-            folder_path=folder,
-            revision=revision,
-            commit_message=commit_message or f"Upload {folder.name} with hf-pma",
-            ignore_patterns=list(ignore_patterns)
-            if ignore_patterns is not None
-            else list(DEFAULT_IGNORE_PATTERNS),
-        )
+        with contextlib.ExitStack() as stack:
+            operations = []
+            for relative in files:
+                handle = stack.enter_context(os.fdopen(open_file(folder / relative, folder), "rb"))
+                operations.append(CommitOperationAdd(path_in_repo=relative, path_or_fileobj=handle))
+            info = api.create_commit(
+                repo_id=full_id,
+                operations=operations,
+                commit_message=commit_message or f"Upload {folder.name} with hf-pma",
+                revision=revision,
+            )
     except HfHubHTTPError as err:
         status = _http_status(err)
         if status == 401:

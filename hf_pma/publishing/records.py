@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +29,14 @@ from hf_pma.core.manifest import (
     TRAINING_RECORD_NAME,
     read_manifest,
 )
-from hf_pma.utils.fs import read_json
+from hf_pma.io.guarded import read_json
 from hf_pma.utils.logs import get_logger
 from hf_pma.utils.secrets import find_named_secrets, find_token_shapes, redact, redact_obj
+from hf_pma.utils.text import escape, shown
 
 __all__ = [
     "FolderRecords",
+    "check_eval_results",
     "label_rank",
     "load_records",
     "sanitize_text",
@@ -144,22 +147,105 @@ class FolderRecords:
         return list((self.training or {}).get("log_history") or [])
 
 
+# What a record's values may be. Integers past 2**63 (a count of tokens, a step) cannot come from
+# a run and break the arithmetic that formats them; a date past the year 9999 cannot be shown.
+_MAX_INT = 2**63
+_MAX_TIMESTAMP = 253_402_300_799  # 9999-12-31T23:59:59Z
+# A strategy is a name (sma, wma, ema, linear-decay, custom...), never text to format or show.
+_NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_integers(path: Path, data: Any) -> None:
+    # Iterative: the reader bounds the nesting already, and this must not recurse either.
+    stack: list[tuple[Any, str]] = [(data, "")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, dict):
+            stack.extend((v, f"{where}[{shown(k, 40)}]") for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(value))
+        elif isinstance(value, int) and not isinstance(value, bool) and abs(value) >= _MAX_INT:
+            raise ValueError(
+                f"{escape(path)}: {where or 'the value'} is an integer of {len(str(abs(value)))} digits"
+            )
+
+
+def _check_field(path: Path, data: dict[str, Any], key: str, ok: Any, expected: str, where: str = "") -> None:
+    value = data.get(key)
+    if value is not None and not ok(value):
+        raise ValueError(
+            f"{escape(path)}: {where}[{shown(key, 40)}] should be {expected}, found {shown(value, 80)}"
+        )
+
+
 def _read_optional(path: Path, required_type: type, required_keys: tuple[str, ...] = ()) -> Any:
-    if not path.is_file():
+    if not path.exists() and not path.is_symlink():
         return None
-    data = read_json(path)
+    data = read_json(path, path.parent, kind="record")  # confined, regular, bounded in size and depth
     if not isinstance(data, required_type):
-        raise ValueError(f"{path} should hold a JSON {required_type.__name__}, found {type(data).__name__}")
+        raise ValueError(
+            f"{escape(path)} should hold a JSON {required_type.__name__}, found {type(data).__name__}"
+        )
     missing = [k for k in required_keys if k not in data]
     if missing:
-        raise ValueError(f"{path} lacks the key(s) {missing}")
+        raise ValueError(f"{escape(path)} lacks the key(s) {missing}")
+    _check_integers(path, data)
     return data
 
 
 def _check_merge_record(path: Path, data: dict[str, Any]) -> None:
     sources = data.get("sources")
     if not isinstance(sources, list) or not all(isinstance(s, dict) for s in sources):
-        raise ValueError(f"{path}: 'sources' should be a list of objects (one per merged snapshot)")
+        raise ValueError(f"{escape(path)}: 'sources' should be a list of objects (one per merged snapshot)")
+    strategy = data.get("strategy")
+    if not isinstance(strategy, str) or not _NAME_RE.fullmatch(strategy):
+        raise ValueError(
+            f"{escape(path)}: 'strategy' should be a strategy name such as 'sma', found {shown(strategy, 80)}"
+        )
+    _check_field(
+        path, data, "created", lambda v: _is_number(v) and 0 <= v <= _MAX_TIMESTAMP, "a time in seconds"
+    )
+    for key in ("alpha", "interval_tokens", "num_sources"):
+        _check_field(path, data, key, _is_number, "a number")
+    _check_field(
+        path,
+        data,
+        "weights",
+        lambda v: isinstance(v, list) and all(_is_number(w) for w in v),
+        "a list of numbers",
+    )
+    for i, source in enumerate(sources):
+        for key in ("tokens", "step"):
+            _check_field(path, source, key, _is_number, "a number", f"sources[{i}]")
+        for key in ("name", "path", "phase", "repo_id", "revision", "commit"):
+            _check_field(path, source, key, lambda v: isinstance(v, str), "a string", f"sources[{i}]")
+
+
+def check_eval_results(results: Any, what: str = "results") -> None:
+    """``ValueError`` unless ``results`` maps model labels to ``{task: {metric: number or null}}``
+    (the ``results`` of ``pma_eval.json``); ``what`` names it in the one-line error."""
+    if not isinstance(results, Mapping):
+        raise ValueError(f"{what} should map a model label to its results, found {type(results).__name__}")
+    for label, tasks in results.items():
+        if not isinstance(tasks, Mapping):
+            raise ValueError(
+                f"{what}[{shown(label, 60)}] should map task names to metrics, found {type(tasks).__name__}"
+            )
+        for task, metrics in tasks.items():
+            if not isinstance(metrics, Mapping):
+                raise ValueError(
+                    f"{what}[{shown(label, 60)}][{shown(task, 60)}] should map metric names to numbers"
+                )
+            for metric, value in metrics.items():
+                if value is not None and not _is_number(value):
+                    raise ValueError(
+                        f"{what}[{shown(label, 60)}][{shown(task, 60)}][{shown(metric, 60)}] is {shown(value, 60)}, "
+                        "not a number or null"
+                    )
 
 
 def _find_run_manifest(folder: Path) -> Path | None:
@@ -178,22 +264,28 @@ def load_records(folder: str | os.PathLike[str], require_merge: bool = True) -> 
     """
     folder = Path(folder)
     if not folder.is_dir():
-        raise FileNotFoundError(f"{folder} is not a folder")
+        raise FileNotFoundError(f"{escape(folder)} is not a folder")
     merge_path = folder / MERGE_RECORD_NAME
     merge = _read_optional(merge_path, dict, ("strategy", "sources"))
     if merge is None and require_merge:
         raise FileNotFoundError(
-            f"{folder} has no {MERGE_RECORD_NAME}: it is not a merged folder (make one with merge_checkpoints "
+            f"{escape(folder)} has no {MERGE_RECORD_NAME}: it is not a merged folder (make one with merge_checkpoints "
             "or `hf-pma merge`)"
         )
     if merge is not None:
         _check_merge_record(merge_path, merge)
     evaluation = _read_optional(folder / EVAL_RECORD_NAME, dict, ("results",))
-    if evaluation is not None and not isinstance(evaluation["results"], dict):
-        raise ValueError(f"{folder / EVAL_RECORD_NAME}: 'results' should map a model label to its results")
+    if evaluation is not None:
+        check_eval_results(evaluation["results"], f"{escape(folder / EVAL_RECORD_NAME)}: results")
     training = _read_optional(folder / TRAINING_RECORD_NAME, dict)
-    if training is not None and not isinstance(training.get("log_history", []), list):
-        raise ValueError(f"{folder / TRAINING_RECORD_NAME}: 'log_history' should be a list")
+    if training is not None:
+        history = training.get("log_history", [])
+        if not isinstance(history, list) or not all(isinstance(entry, dict) for entry in history):
+            raise ValueError(
+                f"{escape(folder / TRAINING_RECORD_NAME)}: 'log_history' should be a list of objects"
+            )
+        for key in ("total_tokens", "max_steps"):
+            _check_field(folder / TRAINING_RECORD_NAME, training, key, _is_number, "a number")
     manifest_path = _find_run_manifest(folder.resolve())
     manifest = None
     if manifest_path is not None:

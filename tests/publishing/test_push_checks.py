@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import json
+import os
+import re
 
 import pytest
 
@@ -93,3 +95,156 @@ def test_a_failing_hub_is_one_line_without_verbose(hub, merged, status):
     assert (
         len(lines) == 1 and lines[0].startswith("hf-pma push: error: the Hub at") and str(status) in lines[0]
     )
+
+
+# ---------------------------------------------------------------- what the folder holds
+
+
+def _hostile_entry(folder, kind, outside):
+    """Plant one thing in ``folder`` that must stop a push before any request."""
+    if kind == "link-to-etc-passwd":
+        (folder / "notes.txt").symlink_to("/etc/passwd")
+    elif kind in ("link-to-cached-login", "link-to-stored-tokens"):
+        name = "token" if kind == "link-to-cached-login" else "stored_tokens"
+        login = outside / "hf-home" / name  # where `hf auth login` caches a login: not the token in use
+        login.parent.mkdir(exist_ok=True)
+        login.write_text("hf_someOtherLoginNotTheOneInUse0000000\n")
+        (folder / "extras").mkdir()
+        (folder / "extras" / name).symlink_to(login)
+    elif kind == "link-to-a-folder-outside":
+        (outside / "private").mkdir()
+        (outside / "private" / "id_rsa").write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+        (folder / "more").symlink_to(outside / "private")
+    elif kind == "dangling-link":
+        (folder / "gone.json").symlink_to(outside / "nothing-here")
+    elif kind == "fifo":
+        os.mkfifo(folder / "pipe")
+    elif kind == "link-as-config":  # a file the model needs, linked out
+        (outside / "config.json").write_bytes((folder / "config.json").read_bytes())
+        (folder / "config.json").unlink()
+        (folder / "config.json").symlink_to(outside / "config.json")
+
+
+HOSTILE_ENTRIES = [
+    ("link-to-etc-passwd", "notes.txt is a symbolic link to outside the folder"),
+    ("link-to-cached-login", "extras/token is a symbolic link to outside the folder"),
+    ("link-to-stored-tokens", "extras/stored_tokens is a symbolic link to outside the folder"),
+    ("link-to-a-folder-outside", "more is a symbolic link to outside the folder"),
+    ("dangling-link", "gone.json is a symbolic link to nothing"),
+    ("fifo", "pipe is not a regular file (a FIFO)"),
+    ("link-as-config", "config.json is a symbolic link to outside the folder"),
+]
+
+
+@pytest.mark.parametrize("kind, message", HOSTILE_ENTRIES, ids=[k for k, _ in HOSTILE_ENTRIES])
+def test_a_folder_with_a_link_out_or_a_special_file_is_refused_before_any_request(
+    hub, merged, tmp_path, kind, message
+):
+    _hostile_entry(merged, kind, tmp_path)
+    with pytest.raises(ValueError, match=re.escape(message)) as caught:
+        push_folder_to_hub(merged, "my-org/model", token=PLAIN_TOKEN, endpoint=hub.url)
+    assert "\n" not in str(caught.value)
+    assert hub.requests == [] and hub.repos == {}
+    assert not (merged / "README.md").exists()  # nothing written into the folder either
+
+
+def test_cli_push_of_a_folder_with_a_link_out_is_one_line_and_no_request(hub, merged, tmp_path):
+    _hostile_entry(merged, "link-to-cached-login", tmp_path)
+    proc = _push_cli(hub, merged)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    errors = [line for line in proc.stderr.splitlines() if "error" in line]
+    assert errors == [line for line in errors if line.startswith("hf-pma push: error: ")] and len(errors) == 1
+    assert "extras/token is a symbolic link to outside the folder" in errors[0]
+    assert "hf_someOtherLogin" not in proc.stderr + proc.stdout
+    assert hub.requests == [] and hub.repos == {}
+
+
+def test_links_inside_the_folder_upload_the_files_they_name_and_nothing_else(hub, merged):
+    (merged / "alias-config.json").symlink_to("config.json")  # a link to a file inside
+    (merged / "docs").mkdir()
+    (merged / "docs" / "notes.md").write_text("notes\n")
+    (merged / "docs-again").symlink_to("docs")  # a link to a folder inside: walked once, under its name
+    (merged / ".git").mkdir()
+    (merged / ".git" / "config").write_text("[core]\n")  # never uploaded
+    (merged / ".README.md.x1y2.tmp").write_text("an interrupted write")  # never uploaded
+    push_folder_to_hub(merged, "my-org/model", token=PLAIN_TOKEN, endpoint=hub.url)
+    received = hub.files("my-org/model")
+    expected = {
+        p.relative_to(merged).as_posix()
+        for p in merged.rglob("*")
+        if p.is_file() and not p.is_symlink() and ".git" not in p.parts and not p.name.endswith(".tmp")
+    }
+    assert "README.md" in expected and "docs/notes.md" in expected
+    assert set(received) == expected | {"alias-config.json"}
+    assert received["alias-config.json"] == (merged / "config.json").read_bytes()
+
+
+# ---------------------------------------------------------------- the records and the card
+
+
+def _edit_record(folder, name, change):
+    path = folder / name
+    if isinstance(change, str):  # raw text
+        path.write_text(change)
+        return
+    data = json.loads(path.read_text())
+    change(data)
+    path.write_text(json.dumps(data))
+
+
+def _set(key, value, source=None):
+    def change(data):
+        (data["sources"][source] if source is not None else data)[key] = value
+
+    return change
+
+
+HOSTILE_RECORDS = [
+    (
+        "strategy-template",
+        "pma_merge.json",
+        _set("strategy", "{0.__class__.__mro__}"),
+        "'strategy' should be",
+    ),
+    ("strategy-width", "pma_merge.json", _set("strategy", "{:200000000}"), "'strategy' should be"),
+    ("created-1e300", "pma_merge.json", _set("created", 1e300), "['created'] should be a time in seconds"),
+    ("tokens-10e400", "pma_merge.json", _set("tokens", 10**400, source=0), "is an integer of 401 digits"),
+    ("weights-text", "pma_merge.json", _set("weights", "abc"), "['weights'] should be a list of numbers"),
+    ("deep-merge", "pma_merge.json", "[" * 200_000 + "]" * 200_000, "nested deeper than"),
+    (
+        "truncated-merge",
+        "pma_merge.json",
+        '{"strategy": "sma", "sources": [',
+        "pma_merge.json is not valid JSON",
+    ),
+    (
+        "eval-text",
+        "pma_eval.json",
+        _set("results", {"PMA merge": {"lm": {"loss": "low"}}}),
+        "not a number or null",
+    ),
+    ("history-text", "pma_training.json", _set("log_history", "x"), "'log_history' should be a list"),
+]
+
+
+@pytest.mark.parametrize("card", [False, True], ids=["without-card", "with-card"])
+@pytest.mark.parametrize(
+    "name, change, message", [r[1:] for r in HOSTILE_RECORDS], ids=[r[0] for r in HOSTILE_RECORDS]
+)
+def test_a_hostile_record_stops_the_push_before_any_request(hub, merged, name, change, message, card):
+    if card:  # a card already there: the records are checked all the same
+        (merged / "README.md").write_text("---\nlicense: mit\n---\n# a card\n")
+    _edit_record(merged, name, change)
+    with pytest.raises(ValueError, match=re.escape(message)) as caught:
+        push_folder_to_hub(merged, "my-org/model", token=PLAIN_TOKEN, endpoint=hub.url)
+    assert "\n" not in str(caught.value) and len(str(caught.value)) < 600
+    assert hub.requests == [] and hub.repos == {}
+    assert (merged / "README.md").exists() == card
+
+
+def test_cli_push_with_a_hostile_record_creates_no_repo(hub, merged):
+    _edit_record(merged, "pma_merge.json", _set("strategy", "{0}"))
+    proc = _push_cli(hub, merged)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert "hf-pma push: error: " in proc.stderr and "'strategy' should be" in proc.stderr
+    assert hub.requests == [] and hub.repos == {}
