@@ -13,7 +13,7 @@ import pytest
 from transformers import Trainer
 
 from hf_pma.cli import main
-from hf_pma.core.manifest import manifest_snapshots
+from hf_pma.core.manifest import is_excluded, manifest_snapshots
 from hf_pma.snapshots.callback import PMACallback
 from tests.dist.pma_common import TokenDataset, make_args, make_tiny_model, pad_collate
 from tests.pma_records import write_merged_folder
@@ -243,7 +243,9 @@ def test_resume_and_keep_last_leave_folders_that_hf_pma_did_not_write(run_copy):
     add_entries(pma, {"path": "notes_old", "tokens": 1, "step": 1}, first=True)
     add_entries(pma, {"path": "notes_new", "tokens": 20 * TPS, "step": 20})
     train(run_copy, PMACallback(interval_tokens=2 * TPS, keep_last=2), resume=str(run_copy / "checkpoint-4"))
-    assert [r.step for r in manifest_snapshots(pma)] == [6, 8]
+    # notes_new lies past the resume point and past where the run ended: set aside, excluded.
+    assert [r.step for r in manifest_snapshots(pma) if not is_excluded(r)] == [6, 8]
+    assert [(r.path, r.extra["set_aside_at"]) for r in manifest_snapshots(pma) if is_excluded(r)] == [("notes_new", 4 * TPS)]
     assert (pma / "notes_old" / "mine.txt").read_text() == "keep me"
     assert (pma / "notes_new" / "mine.txt").read_text() == "keep me"
     # Its own snapshots past keep_last were deleted as before.

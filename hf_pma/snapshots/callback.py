@@ -352,6 +352,7 @@ class PMACallback(TrainerCallback, ExportableState):
         self._losses.detach()
         self._commit(should_save=False)
         self._sink.close(model)
+        self._sink.reached(int(state.num_input_tokens_seen))  # snapshots set aside by a resume and passed since
         if self.interval_tokens is not None and self.schedule.tokens > self.schedule.tokens_at_begin:
             steps = max(1, state.global_step - self._plan_step0)
             self._report_cost(max(1, (self.schedule.tokens - self.schedule.tokens_at_begin) // steps), at_end=True)

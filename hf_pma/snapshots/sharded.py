@@ -46,7 +46,7 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from hf_pma.core.manifest import SNAPSHOT_RECORD_NAME, SnapshotRecord, add_snapshot
+from hf_pma.core.manifest import SnapshotRecord, add_snapshot
 from hf_pma.io.safetensors import SafetensorsWriter
 from hf_pma.io.sharded import (
     DCP_SHARDING_INFO_KEY,
@@ -58,8 +58,8 @@ from hf_pma.io.sharded import (
 from hf_pma.io.torch_adapters import SAFETENSORS_FROM_DTYPE, safetensors_dtype, tensor_bytes
 from hf_pma.snapshots.gather import LocalSlice, local_slices
 from hf_pma.snapshots.sinks import DiskSnapshotSink
-from hf_pma.snapshots.writer import write_metadata_files
-from hf_pma.utils.fs import LEGACY_PREFIXES, atomic_write_json, fsync_dir, fsync_tree, remove_tree
+from hf_pma.snapshots.writer import check_replaceable, write_metadata_files, write_snapshot_record
+from hf_pma.utils.fs import LEGACY_PREFIXES, fsync_dir, fsync_tree, remove_tree
 
 logger = logging.get_logger(__name__)
 
@@ -250,9 +250,10 @@ def finish_sharded_snapshot(
     record.extra = {**record.extra, "sharded": True, "world_size": world_size, "layout": layout}
     if write_extras is not None:
         write_extras(tmp)
-    atomic_write_json(tmp / SNAPSHOT_RECORD_NAME, record.to_dict())
+    write_snapshot_record(tmp, record)
     fsync_tree(tmp)
     final = pma_dir / record.path
+    check_replaceable(final, pma_dir)  # never a folder or file that is not entirely hf-pma's
     if final.exists():
         remove_tree(final)
     os.replace(tmp, final)
@@ -340,6 +341,8 @@ class ShardedSnapshotSink(DiskSnapshotSink):
         staged, record, extras, layout = taken
         tmp = sharded_tmp_dir(self.pma_dir, record.path)
         tmp.mkdir(parents=True, exist_ok=True)
+        if tmp.is_symlink():  # planted since train begin removed it: never write through it
+            raise FileExistsError(f"hf-pma: {tmp} is a symbolic link; sharded snapshots are written only into a real folder")
         self.bytes_written += write_rank_file(tmp / rank_file_name(self.rank), staged)
         if not self.is_main:
             return

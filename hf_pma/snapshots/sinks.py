@@ -49,6 +49,8 @@ from hf_pma.snapshots.writer import (
     write_folder_atomically,
     write_model_folder,
 )
+from hf_pma.utils.fs import is_library_folder
+from hf_pma.utils.text import escape
 
 logger = logging.get_logger(__name__)
 
@@ -122,6 +124,9 @@ class SnapshotSink:
 
     def update_manifest(self, **fields: Any) -> None:
         """Record run-level fields (the chosen interval...); nothing by default."""
+
+    def reached(self, tokens: int) -> None:
+        """Train end: the run reached ``tokens`` (after :meth:`close`); nothing by default."""
 
     def warm_up(self, model: torch.nn.Module) -> None:
         """Pay one-time costs before the first snapshot (main process), so that its measured cost
@@ -256,8 +261,9 @@ class DiskSnapshotSink(SnapshotSink):
             self.worker = self.writer.worker
 
     def open(self, resume: ResumePoint | None) -> dict[str, Any]:
-        """Create the folder (refusing one that lists another run's snapshots); on resume, drop
-        the snapshots past the resume point and list complete unlisted ones before it."""
+        """Create the folder (refusing one that lists another run's snapshots, or holds something
+        named like a snapshot that hf-pma did not write); on resume, set aside the snapshots past
+        the resume point (deleted only once this run passes them) and list complete unlisted ones."""
         if not self.is_main:
             return {}
         manifest = self.writer.open()
@@ -269,11 +275,12 @@ class DiskSnapshotSink(SnapshotSink):
                     "output_dir, or delete that folder."
                 )
             return {}
-        dropped, adopted = self.writer.truncate(resume.tokens)
-        if dropped:
+        set_aside, adopted = self.writer.truncate(resume.tokens)
+        if set_aside:
             logger.warning(
-                f"hf-pma: resuming at {resume.tokens:,} tokens: dropped {len(dropped)} later snapshots "
-                f"({', '.join(r.path for r in dropped)}); this run takes them again"
+                f"hf-pma: resuming at {resume.tokens:,} tokens: set aside {len(set_aside)} later snapshots "
+                f"({', '.join(escape(r.path) for r in set_aside)}): kept, excluded from merges, until this run passes "
+                "them and takes them again"
             )
         if adopted:
             logger.info(f"hf-pma: listed complete snapshots missing from the manifest: {[r.path for r in adopted]}")
@@ -283,6 +290,12 @@ class DiskSnapshotSink(SnapshotSink):
         """Set top-level manifest fields (main process)."""
         if self.writer is not None:
             self.writer.update_manifest(layout=self.kind, **fields)
+
+    def reached(self, tokens: int) -> None:
+        """Train end at ``tokens``: snapshots set aside by a resume that the run passed are dropped."""
+        if self.writer is not None:
+            for record in self.writer.settle(tokens):
+                logger.info(f"hf-pma: dropped {escape(record.path)}, set aside at the resume and passed since")
 
     def kept_on_disk(self, snapshots: int | None) -> int | None:
         """All snapshots, or ``keep_last`` plus the one written before the oldest is deleted."""
@@ -353,10 +366,16 @@ class OnlineAverageSink(SnapshotSink):
                 logger.info(f"hf-pma: restored the online {self.average.kind} average of {self.average.count} snapshots")
             else:
                 logger.warning(f"hf-pma: no online average at {path}; the online average restarts empty")
+        target = self.pma_dir / f"online-{self.average.kind}"
+        if (target.exists() or target.is_symlink()) and not is_library_folder(target, MERGE_RECORD_NAME):
+            raise FileExistsError(
+                f"hf-pma: {escape(target)} exists and hf-pma did not write it (no {MERGE_RECORD_NAME} inside, or a "
+                "link); the online average saved at the end would replace it: move it or choose another output_dir"
+            )
         try:
             self.pma_dir.mkdir(parents=True, exist_ok=True)
             probe = self.pma_dir / f".tmp-write-check-{os.getpid()}"
-            probe.write_text("ok")
+            os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))  # never through a link
             probe.unlink()
         except OSError as err:
             raise PermissionError(f"hf-pma: cannot write to {self.pma_dir}: {err}") from err

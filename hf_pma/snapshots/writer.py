@@ -29,23 +29,29 @@ from transformers.utils import logging
 
 from hf_pma.core.manifest import (
     MANIFEST_NAME,
+    SNAPSHOT_FILES_KEY,
     SNAPSHOT_RECORD_NAME,
     SnapshotRecord,
     add_snapshot,
     clean_incomplete,
-    drop_snapshots_after,
     exclude_snapshots,
     is_excluded,
+    is_set_aside,
     manifest_snapshots,
     orphan_snapshots,
     read_manifest,
+    remove_snapshot_folder,
+    set_aside_snapshots_after,
+    snapshot_folder_problem,
+    snapshot_name_problems,
     snapshot_path,
     write_manifest,
 )
 from hf_pma.utils.distributed import is_peft_model, unwrap_model
-from hf_pma.utils.fs import atomic_write_json, remove_tree, write_folder_atomically
+from hf_pma.utils.fs import atomic_write_json, write_folder_atomically
 from hf_pma.utils.logs import quiet_info
 from hf_pma.utils.parsing import parse_size
+from hf_pma.utils.text import escape
 
 logger = logging.get_logger(__name__)
 
@@ -266,6 +272,7 @@ def write_snapshot(job: SnapshotJob, pma_dir: str | os.PathLike[str], max_shard_
     Returns the record with ``num_bytes`` filled in.
     """
     record = job.record
+    check_replaceable(Path(pma_dir) / job.name, pma_dir)
 
     def write(tmp: Path) -> None:
         record.num_bytes = write_model_folder(
@@ -277,11 +284,33 @@ def write_snapshot(job: SnapshotJob, pma_dir: str | os.PathLike[str], max_shard_
             max_shard_size,
             weights_prefix=job.weights_prefix,
         )
-        atomic_write_json(tmp / SNAPSHOT_RECORD_NAME, record.to_dict())
+        write_snapshot_record(tmp, record)
 
     needed = sum(t.numel() * t.element_size() for t in job.state_dict.values())
     write_folder_atomically(Path(pma_dir) / job.name, write, needed=needed)
     return record
+
+
+def write_snapshot_record(folder: Path, record: SnapshotRecord) -> None:
+    """Write ``pma.json`` into the snapshot being written in ``folder``, last: the record, with the
+    names of the files in the folder (and its own) under ``extra.files``, so that only those are
+    ever deleted with it (:func:`hf_pma.core.manifest.snapshot_folder_problem`)."""
+    files = sorted({*(p.name for p in folder.iterdir()), SNAPSHOT_RECORD_NAME})
+    data = record.to_dict()
+    data["extra"] = {**data["extra"], SNAPSHOT_FILES_KEY: files}
+    atomic_write_json(folder / SNAPSHOT_RECORD_NAME, data)
+
+
+def check_replaceable(target: Path, pma_dir: str | os.PathLike[str]) -> None:
+    """``FileExistsError`` (one line naming it and why) when something is at the snapshot folder
+    ``target`` that is not entirely hf-pma's: a snapshot never replaces a user's folder or file."""
+    if not target.exists() and not target.is_symlink():
+        return
+    problem = snapshot_folder_problem(target, pma_dir)
+    if problem is not None:
+        raise FileExistsError(
+            f"hf-pma: will not replace {escape(target)} with a snapshot: {problem}; move it out of {escape(pma_dir)}"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -404,11 +433,17 @@ class SnapshotWriter:
 
         Fails at once, naming the folder, when it cannot be written. Returns the manifest.
         """
+        problems = snapshot_name_problems(self.pma_dir)
+        if problems:
+            more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+            raise FileExistsError(
+                f"hf-pma: {problems[0]}{more}; a snapshot taken at those tokens would replace it: move it out of "
+                f"{escape(self.pma_dir)} or choose another output_dir"
+            )
         try:
             self.pma_dir.mkdir(parents=True, exist_ok=True)
             with self.lock:
-                for leftover in clean_incomplete(self.pma_dir):
-                    logger.info(f"hf-pma: removed the leftover of an interrupted write: {leftover}")
+                clean_incomplete(self.pma_dir)  # logs what it removes
                 records = manifest_snapshots(self.pma_dir)
                 return write_manifest(self.pma_dir, records, **manifest_fields)
         except OSError as err:
@@ -437,24 +472,40 @@ class SnapshotWriter:
             return exclude_snapshots(self.pma_dir, tokens, reason)
 
     def truncate(self, tokens: int) -> tuple[list[SnapshotRecord], list[SnapshotRecord]]:
-        """Make the folder match a run resumed at ``tokens``: returns (dropped, adopted).
+        """Make the folder match a run resumed at ``tokens``: returns (set aside, adopted).
 
-        Listed snapshots past ``tokens`` are dropped (manifest first, then disk). Complete but
-        unlisted snapshot folders (a crash between rename and manifest update) are listed again
-        when at or before ``tokens``, deleted otherwise.
+        Nothing the resumed run has not passed is deleted: complete but unlisted snapshot
+        folders (a crash between rename and manifest update) are listed again, and every listed
+        snapshot past ``tokens`` is set aside (kept on disk and in the manifest, excluded from
+        merges, until the resumed run passes it: :func:`hf_pma.core.manifest.set_aside_snapshots_after`),
+        so a run interrupted right after resuming loses nothing.
         """
         self.wait()
         with self.lock:
-            dropped = drop_snapshots_after(self.pma_dir, tokens)
             adopted: list[SnapshotRecord] = []
-            for folder, record in orphan_snapshots(self.pma_dir):
-                if record is not None and record.tokens <= tokens:
-                    add_snapshot(self.pma_dir, record)
-                    adopted.append(record)
-                elif record is not None:
-                    remove_tree(folder)
-                    dropped.append(record)
-        return dropped, adopted
+            orphans = [record for _, record in orphan_snapshots(self.pma_dir) if record is not None]
+            if orphans:
+                listed = manifest_snapshots(self.pma_dir)
+                records = sorted([*listed, *orphans], key=lambda r: (r.tokens, r.step))
+                write_manifest(self.pma_dir, records)
+                adopted = [r for r in orphans if r.tokens <= tokens]
+            set_aside, deleted = set_aside_snapshots_after(self.pma_dir, tokens)
+        for record in deleted:
+            logger.info(f"hf-pma: deleted {escape(record.path)}, set aside by an earlier resume and passed since")
+        return set_aside, adopted
+
+    def settle(self, tokens: int) -> list[SnapshotRecord]:
+        """The run reached ``tokens`` (train end): drop the snapshots set aside by a resume that it
+        has passed (deleted when everything in them is hf-pma's). Returns them."""
+        self.wait()
+        with self.lock:
+            records = manifest_snapshots(self.pma_dir)
+            passed = [r for r in records if is_set_aside(r) and r.tokens <= tokens]
+            if passed:
+                write_manifest(self.pma_dir, [r for r in records if r not in passed])
+            for record in passed:
+                remove_snapshot_folder(self.pma_dir, record)
+        return passed
 
     # -- writing --------------------------------------------------------------------------------
 

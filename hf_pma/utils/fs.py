@@ -61,7 +61,6 @@ __all__ = [
     "parse_temporary",
     "publish_folder",
     "raise_if_no_space",
-    "read_json",
     "remove_path",
     "remove_stale_temporaries",
     "remove_tree",
@@ -424,15 +423,17 @@ def atomic_write_file(path: str | os.PathLike[str], write: Callable[[Path], T], 
     (mode 0644 less the umask), like a file that ``open()`` creates. Returns ``write``'s result.
     """
     path = Path(path)
-    tmp = _new_temporary_file(path)
+    tmp: Path | None = None
     try:
         with no_space_errors(path, needed):
+            tmp = _new_temporary_file(path)
             result = write(tmp)
             with open(tmp, "rb") as fh:
                 os.fsync(fh.fileno())
             os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException:  # Ctrl-C included: no temporary is left behind
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
     return result
@@ -450,16 +451,6 @@ def atomic_write_json(path: str | os.PathLike[str], obj: Any) -> None:
     from hf_pma.utils.secrets import redact_obj
 
     atomic_write_text(path, json.dumps(redact_obj(obj), indent=2, sort_keys=False) + "\n")
-
-
-def read_json(path: str | os.PathLike[str]) -> Any:
-    """Read a JSON file, with an error that names the file when it is not valid JSON."""
-    path = Path(path)
-    try:
-        with open(path, encoding="utf-8") as fh:
-            return json.load(fh)
-    except (ValueError, RecursionError) as err:  # bad JSON or UTF-8, too deep, a huge integer
-        raise ValueError(f"{path} is not valid JSON: {err}") from None
 
 
 def remove_tree(path: str | os.PathLike[str]) -> None:
@@ -496,10 +487,15 @@ def publish_folder(tmp: str | os.PathLike[str], final_dir: str | os.PathLike[str
         fsync_dir(final_dir.parent)
         return final_dir
     old = None
-    if final_dir.exists():
-        old = temporary_path(final_dir, "deleting")
-        os.replace(final_dir, old)
-    os.replace(tmp, final_dir)
+    try:
+        if final_dir.exists():
+            old = temporary_path(final_dir, "deleting")
+            os.replace(final_dir, old)
+        os.replace(tmp, final_dir)
+    except BaseException:  # Ctrl-C or an error between the two renames: the old folder goes back
+        if old is not None and old.exists() and not final_dir.exists():
+            os.replace(old, final_dir)
+        raise
     fsync_dir(final_dir.parent)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
@@ -716,10 +712,10 @@ def check_output_folder(output_dir: str | os.PathLike[str], overwrite: bool) -> 
     listed = listed_snapshot_of(output_dir)
     if listed is not None:
         snapshot, manifest = listed
-        where = "is" if snapshot == _resolved(output_dir) else "lies inside"
+        where = "it is" if snapshot == _resolved(output_dir) else f"it lies inside {escape(snapshot)},"
         raise FileExistsError(
-            f"output folder {shown_dir} {where} the snapshot folder {escape(snapshot)} listed in {escape(manifest)}, "
-            "which hf-pma replaces or deletes as its run goes on (keep_last, resume); choose a folder outside it"
+            f"refusing output folder {shown_dir}: {where} a snapshot listed in {escape(manifest)}, which hf-pma "
+            "replaces or deletes as its run goes on (keep_last, resume); choose a folder outside it"
         )
     parent = _existing_parent(output_dir.absolute().parent)
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
@@ -738,6 +734,37 @@ def _resolved(path: Path) -> Path | None:
         return None
 
 
+def _peek_json(path: Path, limit: int = 64 * 2**20) -> Any:
+    """The JSON value of ``path`` when it is a regular file (not a link) of at most ``limit`` bytes
+    holding valid JSON; ``None`` otherwise. Only for looking for a reason to refuse an output:
+    utils sits below :mod:`hf_pma.io.guarded`, the way in of everything read for use (the layout
+    test keeps subpackages importing downward only)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
+            return None
+        return json.loads(_read_all(fd, limit + 1))
+    except (OSError, ValueError, RecursionError):
+        return None
+    finally:
+        os.close(fd)
+
+
+def _read_all(fd: int, limit: int) -> bytes:
+    chunks, size = [], 0
+    while size < limit:
+        chunk = os.read(fd, min(1 << 20, limit - size))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        size += len(chunk)
+    return b"".join(chunks)
+
+
 def listed_snapshot_of(path: str | os.PathLike[str]) -> tuple[Path, Path] | None:
     """The snapshot folder that ``path`` is or lies inside, and the manifest that lists it, if any.
 
@@ -753,12 +780,7 @@ def listed_snapshot_of(path: str | os.PathLike[str]) -> tuple[Path, Path] | None
     for folder in target.parents:
         for relative in RUN_MANIFESTS:
             manifest = folder / relative
-            try:
-                if not manifest.is_file():
-                    continue
-                data = read_json(manifest)
-            except (OSError, ValueError, RecursionError):
-                continue
+            data = _peek_json(manifest)
             entries = data.get("snapshots") if isinstance(data, dict) else None
             for entry in entries if isinstance(entries, list) else []:
                 name = entry.get("path") if isinstance(entry, dict) else None
