@@ -281,7 +281,7 @@ class HubServer:
             return
         repo_name = (match.group("repo") if match else resolve.group("repo") if resolve else None) or ""
         if self.hostile.get(repo_name, {}).get("silent"):
-            self._stopping.wait(timeout=120)  # the connection stays open; no answer ever comes
+            self._stopping.wait(timeout=600)  # the connection stays open; no answer ever comes
             handler.close_connection = True
             return
         # Reads need no token unless the repo is private (a missing repo answers 404 RepoNotFound).

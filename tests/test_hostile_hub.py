@@ -1,0 +1,283 @@
+"""A Hub that answers as an attacker would: its answers are input, checked before they are used.
+
+The local Hub stand-in (``tests/hub_server.py``) serves, per repo, one hostile answer each: a
+commit id shaped like a path, an ETag shaped like a path, a file name holding a terminal escape,
+a body that never ends, a file whose bytes are not the ones its metadata hashes, branch names
+holding a terminal escape or a right-to-left override, and a server that accepts the
+connection and never answers. Each class goes through the real commands (``hf-pma merge
+org/model@REV`` / ``--revisions``, ``hf-pma eval org/model``), as processes of their own
+(``HF_ENDPOINT`` is read at import); the commands of one fixture share one process. After
+each, nothing was written outside the cache and output folders.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hf_pma.utils.hub_client import HUB_TIMEOUT_ENV, hub_timeouts, parse_hub_timeout, set_hub_timeout
+from tests.hub_server import ENDLESS_CAP, HubServer
+from tests.testing_utils import make_tiny_model, run_cli_in_one_process, sample_text
+
+PWNED = "../../../PWNED"
+REFS_GOOD = ("step100", "step200")
+REFS_BAD = ("step300\x1b[2J\x1b]0;owned\x07", "step\u202e004")
+BAD_NAME = "modeling_\x1b]0;owned\x07.py"
+
+
+def _files(folder):
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+
+
+def _tree(root):
+    return {p.relative_to(root).as_posix() for p in root.rglob("*")}
+
+
+def _error_line(result, command):
+    lines = [line for line in result.stderr.strip().splitlines() if line.startswith(f"hf-pma {command}: ")]
+    assert result.returncode == 2 and lines, (result.returncode, result.stderr[-3000:])
+    return lines[-1]
+
+
+@pytest.fixture(scope="module")
+def model_files(tmp_path_factory, tiny_tokenizer):
+    folder = tmp_path_factory.mktemp("model")
+    make_tiny_model(seed=0).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    return _files(folder)
+
+
+@pytest.fixture(scope="module")
+def server(model_files):
+    with HubServer() as hub:
+        for name in ("commit", "etag", "names", "endless", "sha", "silent"):
+            repo = f"evil/{name}-model"
+            hub.add_repo(repo)
+            files = dict(model_files, **({BAD_NAME: b"print('hi')\n"} if name == "names" else {}))
+            hub.commit_files(repo, "main", files)
+            hub.set_branch(repo, "step300", "main")
+        hub.hostile = {
+            "evil/commit-model": {"commit": f"{PWNED}_sha"},
+            "evil/etag-model": {"etag": f"{PWNED}_etag"},
+            "evil/endless-model": {"endless": True},
+            "evil/sha-model": {"served": {"model.safetensors": _tampered(model_files["model.safetensors"])}},
+            "evil/silent-model": {"silent": True},
+        }
+        hub.add_repo("evil/branches-model")
+        for i, name in enumerate(REFS_GOOD + REFS_BAD):
+            hub.commit_files("evil/branches-model", name, model_files, message=str(i))
+        yield hub
+
+
+def _tampered(data: bytes) -> bytes:
+    return data[:-1] + bytes([data[-1] ^ 1])  # same size, another sha256
+
+
+def _env(hub, root):
+    return {
+        "HF_HUB_OFFLINE": None,
+        "TRANSFORMERS_OFFLINE": None,
+        "HF_TOKEN": None,
+        HUB_TIMEOUT_ENV: None,
+        "HF_ENDPOINT": hub.url,
+        "NO_PROXY": "127.0.0.1,localhost",
+        "HF_HOME": str(root / "hf-home"),
+    }
+
+
+@pytest.fixture(scope="module")
+def merges(server, tmp_path_factory):
+    """``hf-pma merge`` of one revision of each hostile repo, and of the refs matching ``step*``."""
+    root = tmp_path_factory.mktemp("merges")
+    cache = root / "cache"
+    before = _tree(root)
+    names = ("commit", "etag", "names", "endless", "sha")
+    commands = [
+        ["merge", f"evil/{n}-model@step300", "-o", root / "out" / n, "--cache-dir", cache, "-q"]
+        for n in names
+    ]
+    commands.append(
+        [
+            "merge",
+            "evil/branches-model",
+            "--revisions",
+            "step*",
+            "-o",
+            root / "out" / "branches",
+            "--cache-dir",
+            cache,
+        ]
+    )
+    results = run_cli_in_one_process(*commands, env=_env(server, root), timeout=120)
+    written = _tree(root) - before
+    return {
+        "results": dict(zip([*names, "refs"], results)),
+        "outside": sorted(p for p in written if not p.startswith(("cache", "out"))),
+        "cache": cache,
+        "root": root,
+    }
+
+
+@pytest.fixture(scope="module")
+def evals_and_silence(server, tmp_path_factory):
+    """``hf-pma eval org/model`` of the hostile repos, then a merge and an eval of the silent one
+    with ``--hub-timeout 1`` (last: the flag holds for the rest of the process)."""
+    root = tmp_path_factory.mktemp("evals")
+    text = root / "heldout.txt"
+    text.write_text(sample_text(2000))
+    before = _tree(root)
+    common = ["--eval-file", text, "--block-size", "32", "-q"]
+    results = run_cli_in_one_process(
+        ["eval", "evil/commit-model", "-o", root / "commit.json", *common],
+        ["eval", "evil/etag-model", "-o", root / "etag.json", *common],
+        [
+            "merge",
+            "evil/silent-model@step300",
+            "-o",
+            root / "m",
+            "--cache-dir",
+            root / "cache",
+            "--hub-timeout",
+            "1",
+        ],
+        ["eval", "evil/silent-model", "-o", root / "silent.json", "--hub-timeout", "1", *common],
+        env=_env(server, root),
+        timeout=120,
+    )
+    written = _tree(root) - before
+    return {
+        "results": dict(zip(["commit", "etag", "merge-silent", "eval-silent"], results)),
+        "outside": sorted(
+            p for p in written if p != "hf-home" and not p.startswith(("hf-home/hub", "cache"))
+        ),
+        "root": root,
+    }
+
+
+# ---------------------------------------------------------------- answers used as paths
+
+
+def test_a_commit_id_shaped_like_a_path_is_refused_before_any_download(merges, evals_and_silence, server):
+    line = _error_line(merges["results"]["commit"], "merge")
+    assert "the Hub answered the commit id '../../../PWNED_sha', which is not 40 hex characters" in line
+    assert "evil/commit-model@step300" in line
+    line = _error_line(evals_and_silence["results"]["commit"], "eval")
+    assert "the Hub answered the commit id '../../../PWNED_sha'" in line
+    assert not any(
+        r["kind"] == "resolve" and r["file"].startswith("evil/commit-model/") for r in server.requests
+    )
+    assert merges["outside"] == [] and evals_and_silence["outside"] == []
+    assert not (merges["root"] / "out" / "commit").exists()
+
+
+def test_an_etag_shaped_like_a_path_is_refused(merges, evals_and_silence):
+    for result, command in (
+        (merges["results"]["etag"], "merge"),
+        (evals_and_silence["results"]["etag"], "eval"),
+    ):
+        line = _error_line(result, command)
+        assert "downloading config.json of evil/etag-model@" in line
+        assert "the Hub answered the content hash '../../../PWNED_etag', which is no sha1 or sha256" in line
+    assert merges["outside"] == [] and evals_and_silence["outside"] == []
+    assert not any("PWNED" in p for p in _tree(merges["root"]) | _tree(evals_and_silence["root"]))
+
+
+def test_a_file_name_holding_a_terminal_escape_is_refused_escaped(merges, server):
+    result = merges["results"]["names"]
+    line = _error_line(result, "merge")
+    assert (
+        "the Hub answered the file name 'modeling_\\x1b]0;owned\\x07.py', which is not a plain file name"
+        in line
+    )
+    assert "\x1b" not in result.stderr + result.stdout
+    assert not any(
+        r["kind"] == "resolve" and r["file"].startswith("evil/names-model/") for r in server.requests
+    )
+    assert not (merges["cache"] / "models--evil--names-model").exists()
+
+
+# ---------------------------------------------------------------- bodies
+
+
+def test_a_body_that_never_ends_stops_at_the_announced_size(merges, server, model_files):
+    line = _error_line(merges["results"]["endless"], "merge")
+    size = len(model_files["config.json"])
+    assert (
+        f"downloading config.json of evil/endless-model@step300: the Hub sent more than the {size} bytes"
+        in line
+    )
+    assert 0 < server.sent[("evil/endless-model", "config.json")] < ENDLESS_CAP // 2  # the client hung up
+    left = [p for p in (merges["cache"] / "models--evil--endless-model").rglob("*") if p.is_file()]
+    assert [p.name for p in left if not p.name.endswith(".lock")] == []
+
+
+def test_a_file_that_does_not_match_its_sha256_leaves_nothing_in_the_cache(merges, model_files):
+    import hashlib
+
+    line = _error_line(merges["results"]["sha"], "merge")
+    announced = hashlib.sha256(model_files["model.safetensors"]).hexdigest()
+    assert (
+        "downloading model.safetensors of evil/sha-model@step300: its content does not match the sha256"
+        in line
+    )
+    assert announced in line
+    repo = merges["cache"] / "models--evil--sha-model"
+    assert not (repo / "blobs" / announced).exists()
+    assert not list(repo.rglob("*.incomplete"))
+    assert not list((repo / "snapshots").glob("*/model.safetensors"))
+    assert not (merges["root"] / "out" / "sha").exists()
+
+
+# ---------------------------------------------------------------- names shown and stored
+
+
+def test_ref_names_holding_escapes_are_left_out_escaped_and_never_recorded(merges):
+    result = merges["results"]["refs"]
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "\x1b" not in result.stderr + result.stdout and "\u202e" not in result.stderr + result.stdout
+    assert "left out 2 branch(es) or tag(s)" in result.stderr and "\\u202e" in result.stderr
+    record = json.loads((merges["root"] / "out" / "branches" / "pma_merge.json").read_text())
+
+    def strings(value):
+        if isinstance(value, dict):
+            return [s for k, v in value.items() for s in [k, *strings(v)]]
+        if isinstance(value, list):
+            return [s for v in value for s in strings(v)]
+        return [value] if isinstance(value, str) else []
+
+    assert all(s.isprintable() for s in strings(record))
+    text = json.dumps(record)
+    assert all(name in text for name in REFS_GOOD)
+
+
+# ---------------------------------------------------------------- a Hub that never answers
+
+
+def test_a_hub_that_never_answers_is_one_line_after_the_timeout(evals_and_silence, server):
+    results = evals_and_silence["results"]
+    line = _error_line(results["merge-silent"], "merge")
+    assert (
+        f"cannot read revision step300 of evil/silent-model: the Hub at {server.url} did not answer within 1 s"
+        in line
+    )
+    line = _error_line(results["eval-silent"], "eval")
+    assert (
+        f"evil/silent-model is not a local folder, and the Hub at {server.url} did not answer within 1 s"
+        in line
+    )
+    assert evals_and_silence["outside"] == []
+
+
+def test_the_timeouts_come_from_the_flag_the_environment_or_the_defaults(monkeypatch):
+    monkeypatch.delenv(HUB_TIMEOUT_ENV, raising=False)
+    try:
+        assert set_hub_timeout(None) == (10.0, 60.0)
+        monkeypatch.setenv(HUB_TIMEOUT_ENV, "5,120")
+        assert hub_timeouts() == (5.0, 120.0)
+        assert set_hub_timeout("2") == (2.0, 2.0)  # the flag wins over the environment
+        for bad in ("0", "-1", "nan", "1,2,3", "soon", ""):
+            with pytest.raises(ValueError, match="is not a timeout"):
+                parse_hub_timeout(bad)
+    finally:
+        set_hub_timeout(None)
