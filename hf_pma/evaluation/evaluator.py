@@ -28,7 +28,13 @@ from transformers.utils import logging
 
 from hf_pma.core.manifest import EVAL_RECORD_NAME
 from hf_pma.evaluation.harness import flatten_lm_eval_results, jsonable, load_task_manager, run_lm_eval
-from hf_pma.evaluation.model_checks import check_hub_model, resolve_model
+from hf_pma.evaluation.model_checks import (
+    LOAD_KWARGS,
+    check_hub_model,
+    check_loadable_folder,
+    custom_code_error,
+    resolve_model,
+)
 from hf_pma.evaluation.options import EvalOptions
 from hf_pma.io.guarded import read_json
 from hf_pma.publishing.records import check_eval_results
@@ -337,19 +343,23 @@ def check_tokenizer(vocab_rows: int, tokenizer: Any, model_name: str, tokenizer_
 def _load_tokenizer(name: str) -> Any:
     from transformers import AutoTokenizer
 
+    if Path(name).is_dir():
+        check_loadable_folder(name)
     try:
-        return AutoTokenizer.from_pretrained(name)
+        return AutoTokenizer.from_pretrained(name, **LOAD_KWARGS)
     except (OSError, ValueError) as err:
-        raise FileNotFoundError(f"cannot load tokenizer {name}: {err}") from err
+        raise custom_code_error(name, err) or FileNotFoundError(f"cannot load tokenizer {name}: {err}") from None
 
 
 def _config_vocab_rows(name: str) -> int | None:
     from transformers import AutoConfig
 
+    if Path(name).is_dir():
+        check_loadable_folder(name)  # no custom code; config.json read through the bounded reader first
     try:
-        config = AutoConfig.from_pretrained(name)
+        config = AutoConfig.from_pretrained(name, **LOAD_KWARGS)
     except (OSError, ValueError) as err:
-        raise FileNotFoundError(f"model {name} is not readable: {err}") from err
+        raise custom_code_error(name, err) or FileNotFoundError(f"model {name} is not readable: {err}") from None
     config = getattr(config, "text_config", None) or config
     return getattr(config, "vocab_size", None)
 
@@ -387,9 +397,9 @@ def load_model_for_eval(
         if Path(name).is_dir() and sharded_weight_files(name) is not None:
             loaded = load_sharded_model(name, dtype=torch_dtype)
         else:
-            loaded = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype)
+            loaded = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, **LOAD_KWARGS)
     except (OSError, ValueError) as err:
-        raise FileNotFoundError(f"model {name} is not readable: {err}") from err
+        raise custom_code_error(name, err) or FileNotFoundError(f"model {name} is not readable: {err}") from None
     check_tokenizer(loaded.get_input_embeddings().weight.shape[0], tok, name, tok_name)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     loaded.to(device).eval()

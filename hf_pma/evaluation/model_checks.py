@@ -1,6 +1,14 @@
 """The checks ``hf-pma eval`` makes before it evaluates anything: every model names a readable
 local folder (with a tokenizer) or a model the Hub has. Torch-free, so that a mistyped name is
-one line at once, before torch and transformers are imported (:mod:`hf_pma.commands.eval`)."""
+one line at once, before torch and transformers are imported (:mod:`hf_pma.commands.eval`).
+
+No code from a folder runs: a model or tokenizer folder whose ``config.json`` or
+``tokenizer_config.json`` names custom code (``auto_map``) is refused here
+(:func:`check_no_custom_code`), and every load passes ``trust_remote_code=False``
+(:data:`LOAD_KWARGS`), so transformers neither asks on standard input nor imports the folder's
+Python. The JSON files a load reads are read first through the bounded reader
+(:func:`hf_pma.io.guarded.read_json`), and the files it opens must be regular files inside
+the folder (:func:`check_loadable_folder`)."""
 
 from __future__ import annotations
 
@@ -8,10 +16,41 @@ import os
 from pathlib import Path
 
 from hf_pma.core.manifest import EVAL_RECORD_NAME, MANIFEST_NAME, PMA_SUBDIR
+from hf_pma.io.guarded import check_file, read_json
 from hf_pma.utils.fs import check_output_file
 from hf_pma.utils.names import looks_local
+from hf_pma.utils.text import escape
 
-__all__ = ["check_hub_model", "check_record_folder", "hub_model_folder", "resolve_model"]
+__all__ = [
+    "LOAD_KWARGS",
+    "CustomCodeError",
+    "check_hub_model",
+    "check_loadable_folder",
+    "check_no_custom_code",
+    "check_record_folder",
+    "custom_code_error",
+    "hub_model_folder",
+    "resolve_model",
+]
+
+# What every from_pretrained / AutoConfig / AutoTokenizer load of hf-pma passes: never run code
+# from a folder or a Hub repo (left at None, transformers asks on standard input, and "y" runs it).
+LOAD_KWARGS: dict[str, bool] = {"trust_remote_code": False}
+# The JSON files a config or tokenizer load parses, and the other files it may open.
+_CODE_DECLARING_FILES = ("config.json", "tokenizer_config.json")
+_LOADED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "merges.txt",
+    "chat_template.jinja",
+)
+_WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
 
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -34,6 +73,64 @@ def _find_tokenizer_folder(folder: Path) -> Path | None:
     return None
 
 
+class CustomCodeError(ValueError):
+    """A model or tokenizer that needs custom code (``auto_map``): hf-pma does not run it."""
+
+
+def _custom_code_line(where: str) -> str:
+    return (
+        f"{where} needs custom code (auto_map) that hf-pma does not run: it loads only models and "
+        "tokenizers that transformers itself implements"
+    )
+
+
+def custom_code_error(name: str, err: BaseException) -> CustomCodeError | None:
+    """The one-line :class:`CustomCodeError` for a transformers load of ``name`` that failed
+    because it needs custom code (transformers asks for ``trust_remote_code=True``), else ``None``."""
+    if "trust_remote_code" not in str(err):
+        return None
+    return CustomCodeError(_custom_code_line(f"model {escape(name)}"))
+
+
+def _present(folder: Path, name: str) -> bool:
+    path = folder / name
+    return path.exists() or path.is_symlink()
+
+
+def check_no_custom_code(folder: str | os.PathLike[str]) -> None:
+    """Refuse, in one line (:class:`CustomCodeError`), a model or tokenizer folder whose
+    ``config.json`` or ``tokenizer_config.json`` declares custom code (``auto_map``). Both are
+    read through the bounded reader: a file nested too deep, truncated or linked out of the
+    folder is a one-line ``ValueError`` naming it."""
+    folder = Path(folder)
+    for name in _CODE_DECLARING_FILES:
+        if not _present(folder, name):
+            continue
+        data = read_json(folder / name, folder, kind="config")
+        if not isinstance(data, dict):
+            raise ValueError(f"{escape(folder / name)} is not a JSON object")
+        if data.get("auto_map"):
+            raise CustomCodeError(_custom_code_line(f"{escape(folder)} ({name} has auto_map)"))
+
+
+def check_loadable_folder(folder: str | os.PathLike[str]) -> None:
+    """Check a local model or tokenizer folder before transformers loads it: no custom code
+    (:func:`check_no_custom_code`), and every file a load opens (config, weights and the shards
+    an index names, tokenizer files) is a regular file inside the folder, not a link out of it
+    nor a FIFO (:func:`hf_pma.io.guarded.check_file`). One-line ``ValueError`` naming the file."""
+    folder = Path(folder)
+    check_no_custom_code(folder)
+    names = [n for n in (*_LOADED_FILES, *_TOKENIZER_FILES) if _present(folder, n)]
+    for index_name in _WEIGHT_INDEXES:
+        if index_name in names:
+            index = read_json(folder / index_name, folder, kind="index")
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if isinstance(weight_map, dict):
+                names += sorted({v for v in weight_map.values() if isinstance(v, str) and _present(folder, v)})
+    for name in dict.fromkeys(names):
+        check_file(folder / name, folder)
+
+
 def _check_model_folder(path: Path) -> None:
     from hf_pma.io.sharded import sharded_weight_files
     from hf_pma.merging.sources import find_weight_files
@@ -43,7 +140,8 @@ def _check_model_folder(path: Path) -> None:
     weights = find_weight_files(path)
     if weights is None and sharded_weight_files(path) is not None:  # a sharded snapshot
         weights = ("model", sharded_weight_files(path))
-    if (path / "config.json").is_file() and weights is not None and weights[0] == "model":
+    if _present(path, "config.json") and weights is not None and weights[0] == "model":
+        check_loadable_folder(path)  # a config.json that is a FIFO or a link out is named there
         return
     if (path / MANIFEST_NAME).is_file() or (path / PMA_SUBDIR / MANIFEST_NAME).is_file():
         raise ValueError(
@@ -76,10 +174,14 @@ def resolve_model(
                     f"no tokenizer in model folder {path} (nor in its parent folders): pass one with --tokenizer"
                 )
             tokenizer = found
+        if tokenizer is not None and Path(tokenizer).is_dir():
+            check_loadable_folder(tokenizer)
         return str(path), None if tokenizer is None else str(tokenizer)
     if looks_local(model):
         raise FileNotFoundError(f"model folder {model} does not exist")
     folder = hub_model_folder(str(model))  # a Hub model id: one request now, not a loader's retries
+    if Path(folder).is_dir():  # downloaded: the same checks as a local folder
+        check_loadable_folder(folder)
     if tokenizer is not None and not Path(tokenizer).exists():
         if looks_local(tokenizer):
             raise FileNotFoundError(f"tokenizer folder {tokenizer} does not exist")

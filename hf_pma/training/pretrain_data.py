@@ -84,7 +84,7 @@ def train_bpe_tokenizer(texts: Sequence[str], vocab_size: int = 4096, cache_dir:
         cached = Path(cache_dir) / f"bpe-{vocab_size}-{_corpus_digest(texts, vocab_size)}"
         if (cached / "tokenizer.json").is_file():
             logger.info(f"Using the cached tokenizer at {cached}")
-            return PreTrainedTokenizerFast.from_pretrained(cached)
+            return PreTrainedTokenizerFast.from_pretrained(cached, trust_remote_code=False)
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
