@@ -348,7 +348,9 @@ def _load_tokenizer(name: str) -> Any:
     try:
         return AutoTokenizer.from_pretrained(name, **LOAD_KWARGS)
     except (OSError, ValueError) as err:
-        raise custom_code_error(name, err) or FileNotFoundError(f"cannot load tokenizer {name}: {err}") from None
+        raise custom_code_error(name, err) or FileNotFoundError(
+            f"cannot load tokenizer {name}: {err}"
+        ) from None
 
 
 def _config_vocab_rows(name: str) -> int | None:
@@ -359,7 +361,9 @@ def _config_vocab_rows(name: str) -> int | None:
     try:
         config = AutoConfig.from_pretrained(name, **LOAD_KWARGS)
     except (OSError, ValueError) as err:
-        raise custom_code_error(name, err) or FileNotFoundError(f"model {name} is not readable: {err}") from None
+        raise custom_code_error(name, err) or FileNotFoundError(
+            f"model {name} is not readable: {err}"
+        ) from None
     config = getattr(config, "text_config", None) or config
     return getattr(config, "vocab_size", None)
 
@@ -399,7 +403,9 @@ def load_model_for_eval(
         else:
             loaded = AutoModelForCausalLM.from_pretrained(name, dtype=torch_dtype, **LOAD_KWARGS)
     except (OSError, ValueError) as err:
-        raise custom_code_error(name, err) or FileNotFoundError(f"model {name} is not readable: {err}") from None
+        raise custom_code_error(name, err) or FileNotFoundError(
+            f"model {name} is not readable: {err}"
+        ) from None
     check_tokenizer(loaded.get_input_embeddings().weight.shape[0], tok, name, tok_name)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     loaded.to(device).eval()
@@ -551,7 +557,9 @@ def read_eval_record(folder: str | os.PathLike[str]) -> dict[str, Any]:
     path = Path(folder) / EVAL_RECORD_NAME
     data = read_json(path, folder, kind="record")
     if not isinstance(data, dict) or not isinstance(data.get("results"), dict):
-        raise ValueError(f"{escape(path)} should hold an object with a 'results' object (label -> task -> metric)")
+        raise ValueError(
+            f"{escape(path)} should hold an object with a 'results' object (label -> task -> metric)"
+        )
     check_eval_results(data["results"], f"{escape(path)}: results")
     return data
 

@@ -126,7 +126,9 @@ def check_loadable_folder(folder: str | os.PathLike[str]) -> None:
             index = read_json(folder / index_name, folder, kind="index")
             weight_map = index.get("weight_map") if isinstance(index, dict) else None
             if isinstance(weight_map, dict):
-                names += sorted({v for v in weight_map.values() if isinstance(v, str) and _present(folder, v)})
+                names += sorted(
+                    {v for v in weight_map.values() if isinstance(v, str) and _present(folder, v)}
+                )
     for name in dict.fromkeys(names):
         check_file(folder / name, folder)
 

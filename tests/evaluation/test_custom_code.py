@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 
 import hf_pma
-from tests.testing_utils import _process_env, hf_pma_command, make_tiny_model, run_cli, sample_text, save_model_folder
+from tests.testing_utils import (
+    _process_env,
+    hf_pma_command,
+    make_tiny_model,
+    run_cli,
+    sample_text,
+    save_model_folder,
+)
 
 CODE = """open({marker!r}, "w").write("the folder's code ran")
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -70,7 +77,15 @@ def test_eval_of_a_folder_with_custom_code_runs_none_even_when_the_user_says_yes
     folder, marker = _evil(good, tmp_path)
     out = tmp_path / "out.json"
     done = subprocess.run(
-        [hf_pma_command(), "eval", str(folder), "--eval-file", str(good.parent / "heldout.txt"), "-o", str(out)],
+        [
+            hf_pma_command(),
+            "eval",
+            str(folder),
+            "--eval-file",
+            str(good.parent / "heldout.txt"),
+            "-o",
+            str(out),
+        ],
         input="y\n",
         capture_output=True,
         text=True,
@@ -89,7 +104,9 @@ def test_eval_of_a_folder_with_custom_code_runs_none_even_when_the_user_says_yes
 
 def test_a_tokenizer_with_custom_code_is_refused(good, tmp_path):
     folder, marker = _evil(good, tmp_path, where="tokenizer_config.json")
-    done = run_cli("eval", folder, "--eval-file", good.parent / "heldout.txt", "-o", tmp_path / "out.json", "-q")
+    done = run_cli(
+        "eval", folder, "--eval-file", good.parent / "heldout.txt", "-o", tmp_path / "out.json", "-q"
+    )
     assert done.returncode == 2 and not marker.exists()
     assert "(tokenizer_config.json has auto_map) needs custom code" in done.stderr
     # A separate --tokenizer folder is checked the same way.
@@ -127,7 +144,9 @@ def test_a_hostile_config_is_one_line_naming_the_file_before_loading(good, tmp_p
     else:
         config.unlink()
         os.mkfifo(config)
-    done = run_cli("eval", folder, "--eval-file", good.parent / "heldout.txt", "-o", tmp_path / "out.json", "-q")
+    done = run_cli(
+        "eval", folder, "--eval-file", good.parent / "heldout.txt", "-o", tmp_path / "out.json", "-q"
+    )
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     lines = _error_lines(done.stderr)
     assert len(lines) == 1 and message in lines[0] and len(lines[0]) < 500, done.stderr
