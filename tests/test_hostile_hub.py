@@ -281,3 +281,12 @@ def test_the_timeouts_come_from_the_flag_the_environment_or_the_defaults(monkeyp
                 parse_hub_timeout(bad)
     finally:
         set_hub_timeout(None)
+
+
+def test_a_revision_holding_a_bidi_override_is_refused_before_any_request(tmp_path):
+    from tests.testing_utils import run_cli
+
+    result = run_cli("merge", "org/model@step\u202e0003", "-o", tmp_path / "m")
+    line = _error_line(result, "merge")
+    assert "invalid revision of org/model@step\\u202e0003" in line and "bidi override" in line
+    assert "\u202e" not in result.stderr

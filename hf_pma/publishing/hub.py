@@ -29,6 +29,7 @@ from hf_pma.io.guarded import JSON_LIMITS, open_file, opened, read_bytes, read_j
 from hf_pma.io.safetensors import SafetensorsReader
 from hf_pma.publishing.records import find_local_paths, find_tokens, load_records
 from hf_pma.utils.fs import check_output_file
+from hf_pma.utils.hub_client import install_hub_client
 from hf_pma.utils.logs import get_logger
 from hf_pma.utils.names import check_revision_name
 from hf_pma.utils.text import escape
@@ -300,6 +301,7 @@ def push_folder_to_hub(
         raise ValueError("HF_HUB_OFFLINE is set: huggingface_hub blocks every request; unset it to push")
     check_no_token_in_files(folder, token, files)
 
+    install_hub_client()  # connect and read timeouts on every request (HF_PMA_HUB_TIMEOUT)
     api = HfApi(endpoint=endpoint, token=token)
     where = f"{repo_id}" + (f" (branch {revision})" if revision else "")
     try:

@@ -61,7 +61,7 @@ _MAX_NAME_BYTES = 255
 
 _lock = threading.Lock()
 _chosen: tuple[float, float] | None = None  # set by --hub-timeout / set_hub_timeout
-_installed_factory: Any = None
+_installed_timeouts: tuple[float, float] | None = None
 
 
 class HubAnswerError(ValueError):
@@ -146,18 +146,21 @@ def _client_factory() -> Any:
 def install_hub_client() -> None:
     """Give ``huggingface_hub``'s shared HTTP client hf-pma's timeouts (:func:`hub_timeouts`),
     unless the program set a client factory of its own (``huggingface_hub.set_client_factory``),
-    which is then left as it is. Idempotent; the client is rebuilt when the timeouts change."""
-    global _installed_factory
+    which is then left as it is. Idempotent; the client is rebuilt only when the timeouts change."""
+    global _installed_timeouts
     from huggingface_hub.utils import _http
 
+    timeouts = hub_timeouts()
     with _lock:
         current = _http._GLOBAL_CLIENT_FACTORY
-        if current is not _http.default_client_factory and current is not _installed_factory:
+        if current is _client_factory and _installed_timeouts == timeouts:
+            return
+        if current is not _http.default_client_factory and current is not _client_factory:
             logger.debug(
                 "huggingface_hub has a client factory of its program's own: hf-pma's Hub timeouts are not set"
             )
             return
-        _installed_factory = _client_factory
+        _installed_timeouts = timeouts
     _http.set_client_factory(_client_factory)  # closes the shared client: the next request builds one
 
 

@@ -28,6 +28,8 @@ def check_revision_name(revision: str, name: str = "revision") -> str:
         problem = "it is empty"
     elif _BAD_REF_CHARS.search(revision):
         problem = "it holds a space, a control character or one of ~ ^ : ? * [ \\"
+    elif not revision.isprintable():
+        problem = "it holds a bidi override or another character that does not show as it is"
     elif ".." in revision or "@{" in revision or revision == "@":
         problem = "it holds '..' or '@{' (or is '@')"
     elif revision.startswith("/") or revision.endswith(("/", ".")) or "//" in revision:
