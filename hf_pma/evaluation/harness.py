@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from transformers.utils import logging
 
 from hf_pma.evaluation.options import DEFAULT_BOOTSTRAP_ITERS
+from hf_pma.utils.text import escape
 
 if TYPE_CHECKING:
     from lm_eval.tasks import TaskManager
@@ -34,6 +35,7 @@ __all__ = [
     "TaskDataUnreachableError",
     "parse_task_names",
     "load_task_manager",
+    "warn_if_task_code",
     "run_lm_eval",
     "flatten_lm_eval_results",
     "jsonable",
@@ -62,9 +64,41 @@ def _include_paths(include_path: str | os.PathLike[str] | Sequence[str | os.Path
     for item in items:
         path = Path(item)
         if not path.is_dir():
-            raise FileNotFoundError(f"task folder {path} (include_path) does not exist or is not a folder")
+            raise FileNotFoundError(f"task folder {escape(path)} (include_path) does not exist or is not a folder")
+        warn_if_task_code(path)
         paths.append(str(path.absolute()))
     return paths
+
+
+_TASK_CODE_SCAN_BYTES = 1 << 20
+
+
+def warn_if_task_code(folder: str | os.PathLike[str]) -> list[str]:
+    """Warn (once per folder) when a task YAML under ``folder`` names Python code (``!function``):
+    lm-eval imports and runs it when the task loads; hf-pma leaves that to lm-eval by design and
+    runs nothing of the folder itself. Returns the YAML files that name code (relative paths)."""
+    from hf_pma.io.guarded import read_bytes
+
+    folder = Path(folder)
+    found = []
+    for root, dirs, files in os.walk(folder):  # lists only: links to folders are not followed
+        dirs.sort()
+        for name in sorted(files):
+            if not name.endswith((".yaml", ".yml")):
+                continue
+            try:
+                text = read_bytes(Path(root) / name, folder, max_bytes=_TASK_CODE_SCAN_BYTES)
+            except (OSError, ValueError):
+                continue  # lm-eval says what is wrong with it when it loads the task
+            if b"!function" in text:
+                found.append((Path(root) / name).relative_to(folder).as_posix())
+    if found:
+        logger.warning(
+            f"task folder {escape(folder)}: {escape(found[0])}"
+            + (f" and {len(found) - 1} other YAML file(s) name" if len(found) > 1 else " names")
+            + " Python code (!function), which lm-eval runs when the task loads: use only task folders you trust"
+        )
+    return found
 
 
 def _unknown(names: Sequence[str], manager: TaskManager) -> list[str]:

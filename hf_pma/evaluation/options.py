@@ -37,11 +37,14 @@ class EvalOptions:
     """
 
     tasks: str | Sequence[str] | None = _field(
-        None, "comma-separated lm-eval task, group or tag names (e.g. hellaswag,arc_easy)"
+        None,
+        "comma-separated lm-eval task, group or tag names (e.g. hellaswag,arc_easy); a task's YAML can run "
+        "Python (lm-eval's !function), so name only tasks you trust",
     )
     include_path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = _field(
         None,
-        "folder of local lm-eval YAML tasks, e.g. from `hf-pma make-tasks` (repeatable; works offline)",
+        "folder of local lm-eval YAML tasks, e.g. from `hf-pma make-tasks` (repeatable; works offline). A task "
+        "folder is code: lm-eval runs the Python its YAML names (!function), so give only folders you trust",
         action="append",
         metavar="DIR",
     )

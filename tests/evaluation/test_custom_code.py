@@ -180,3 +180,44 @@ def test_every_load_in_the_library_passes_trust_remote_code_false():
             if not _passes_no_remote_code(call):
                 missing.append(f"{path.relative_to(package)}:{call.lineno}")
     assert found >= 5 and missing == []
+
+
+TASK_YAML = """task: code_task
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+process_docs: !function utils.process_docs
+doc_to_text: "{{{{text}}}}"
+doc_to_target: 0
+doc_to_choice: ["a", "b"]
+metric_list:
+  - metric: acc
+"""
+
+
+def test_a_task_folder_that_names_python_code_is_said_to_run_it(tmp_path, caplog):
+    from hf_pma.evaluation.harness import load_task_manager
+
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "data.jsonl").write_text('{"text": "x"}\n')
+    (tasks / "code_task.yaml").write_text(TASK_YAML.format(data=tasks / "data.jsonl"))
+    (tasks / "utils.py").write_text("def process_docs(docs):\n    return docs\n")
+    with caplog.at_level("WARNING"):
+        names, _ = load_task_manager("code_task", tasks)
+    assert names == ["code_task"]
+    warnings = [r.getMessage() for r in caplog.records if "!function" in r.getMessage()]
+    assert warnings == [
+        f"task folder {tasks}: code_task.yaml names Python code (!function), which lm-eval runs when the task "
+        "loads: use only task folders you trust"
+    ]
+    # The command's help says it too, for --tasks and --include-path.
+    done = run_cli("eval", "--help")
+    text = "".join(done.stdout.split())  # argparse wraps lines, at hyphens too
+    assert "a task's YAML can run Python (lm-eval's !function)".replace(" ", "") in text
+    assert (
+        "A task folder is code: lm-eval runs the Python its YAML names (!function)".replace(" ", "") in text
+    )
