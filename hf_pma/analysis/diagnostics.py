@@ -60,6 +60,7 @@ from hf_pma.merging.sources import (
 )
 from hf_pma.utils.formatting import format_bytes, format_number, text_table
 from hf_pma.utils.fs import atomic_write_file
+from hf_pma.utils.text import plot_text
 
 logger = logging.get_logger(__name__)
 
@@ -550,7 +551,7 @@ def plot_diagnostics(
     FigureCanvasAgg(fig)
     axes = fig.subplots(1, 3)
     n = len(diag.indices)
-    labels = [names[i].removeprefix("snapshot-") for i in diag.indices]
+    labels = [plot_text(names[i].removeprefix("snapshot-")) for i in diag.indices]  # names from folders
 
     ax = axes[0]
     image = ax.imshow(torch.tensor(diag.cosine).nan_to_num(0.0).numpy(), vmin=-1, vmax=1, cmap="RdBu_r")
@@ -597,7 +598,7 @@ def plot_diagnostics(
     else:
         ax.set_axis_off()
         ax.text(0.5, 0.5, "one window only:\nno series over training", ha="center", va="center")
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(plot_text(title), fontsize=10)
     fig.tight_layout()
     output_path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_file(output_path, lambda tmp: fig.savefig(tmp, format="png"))

@@ -9,6 +9,12 @@ merge, and annealed when known), the plot, how to load it, how to reproduce it.
 The values shown come from the folder's records (see :mod:`hf_pma.publishing.records`), which are
 sanitized when read, and the rendered text is sanitized once more: a card never holds an
 access token or an absolute local path.
+
+A record or a folder name may be an attacker's: every string taken from them is data, never a
+template (only the card's own template is rendered, with the values as Jinja variables), is
+escaped (:func:`hf_pma.utils.text.escape`: no control, bidi or line-breaking character reaches
+the card, and ``|`` cannot split a table cell), and is quoted with ``repr`` where it lands in
+the card's Python snippets. A code block's fence is longer than any run of backticks it holds.
 """
 
 from __future__ import annotations
@@ -31,6 +37,7 @@ from hf_pma.core.manifest import CARD_NAME, PLOT_NAME, PMA_SUBDIR
 from hf_pma.publishing.records import FolderRecords, label_rank, load_records, sanitize_text
 from hf_pma.utils.formatting import format_metric, format_number, metric_label
 from hf_pma.utils.fs import atomic_write_text
+from hf_pma.utils.text import escape
 
 if TYPE_CHECKING:
     from huggingface_hub import EvalResult, ModelCard
@@ -52,10 +59,11 @@ TEMPLATE_NAME = "pma_model_card.md"
 PAPER_URL = "https://arxiv.org/abs/2505.12082"
 _MISSING = "–"
 
+# How the card names a strategy; the EMA's alpha is appended (a record value is never a template).
 _STRATEGY_TEXT = {
     "sma": "SMA: simple moving average, every snapshot weighs 1/N",
     "wma": "WMA: weighted moving average, snapshot i of N weighs i / (1 + ... + N)",
-    "ema": "EMA: exponential moving average with alpha = {alpha}",
+    "ema": "EMA: exponential moving average with alpha =",
     "linear-decay": "linear-decay emulation (WSM, arXiv:2507.17634)",
     "cosine-decay": "cosine-decay emulation (WSM, arXiv:2507.17634)",
     "1-sqrt-decay": "1-sqrt-decay emulation (WSM, arXiv:2507.17634)",
@@ -85,6 +93,40 @@ def template_path(name: str = TEMPLATE_NAME) -> Path:
 
 
 # ---------------------------------------------------------------- formatting
+
+
+def _md(value: Any) -> str:
+    """A value from a record or a name as the card's markdown shows it: escaped (no control, bidi or
+    line-breaking character) and ``|`` written ``\\|`` (it would split a table cell)."""
+    return escape(value).replace("|", "\\|")
+
+
+def _md_values(obj: Any) -> Any:
+    """``obj`` (a template variable: a string, a list or dict of them, a number) with every string
+    through :func:`_md`."""
+    if isinstance(obj, str):
+        return _md(obj)
+    if isinstance(obj, dict):
+        return {k: _md_values(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_md_values(v) for v in obj]
+    return obj
+
+
+def _fence(code: str) -> str:
+    """The backticks that open and close a fenced code block holding ``code``: three, or one more
+    than the longest run of backticks in it (so the code cannot close the block)."""
+    longest = max((len(run) for run in re.findall(r"`+", code)), default=0)
+    return "`" * max(3, longest + 1)
+
+
+def _strategy_text(strategy: str, alpha: Any) -> str:
+    """How the card names the merge's strategy: a known one in words (EMA with its alpha), any
+    other by its name (escaped) with "explicit weights"."""
+    text = _STRATEGY_TEXT.get(strategy)
+    if text is None:
+        return f"{_md(strategy)}: explicit weights"
+    return f"{text} {_fmt_float(alpha, 'g')}" if strategy == "ema" else text
 
 
 def _is_number(value: Any) -> bool:
@@ -131,7 +173,7 @@ def _is_hub_id(value: Any) -> bool:
 
     if not isinstance(value, str) or not value or value.startswith((".", "~")) or "\\" in value:
         return False
-    if re.search(r"\.(jsonl?|txt|csv|parquet|arrow|gz|zst)$", value):
+    if re.search(r"\.(jsonl?|txt|csv|parquet|arrow|gz|zst)\Z", value):
         return False
     try:
         validate_repo_id(value)
@@ -237,13 +279,14 @@ def comparison_table(comparison: dict[str, Any] | None) -> str:
     docs = comparison.get("documents")
     lines = [
         f"| model{f' (all at {tokens} tokens)' if tokens and anneal else ''} | held-out loss per document "
-        f"(mean of {docs} documents) | difference from the {reference} (± paired SE) | share of the annealing gain |",
+        f"(mean of {_md(docs)} documents) | difference from the {_md(reference)} (± paired SE) | share of the annealing gain |",
         "|---|---:|---:|---:|",
     ]
-    names = {reference: f"{reference} (constant LR)" if anneal else str(reference)}
+    names = {reference: f"{_md(reference)} (constant LR)" if anneal else _md(reference)}
     if annealed and anneal:
         names[annealed] = (
-            f"{annealed} ({anneal.get('decay_type', '')} decay to 0 over the last {_fmt_int(anneal.get('tokens'))} tokens)"
+            f"{_md(annealed)} ({_md(anneal.get('decay_type', ''))} decay to 0 over the last "
+            f"{_fmt_int(anneal.get('tokens'))} tokens)"
         )
     order = sorted(models, key=label_rank)
     for label in order:
@@ -256,7 +299,7 @@ def comparison_table(comparison: dict[str, Any] | None) -> str:
             cell = "100%"
         else:
             cell = ""
-        lines.append(f"| {names.get(label, label)} | {row['loss']:.4f} | {_fmt_diff(row)} | {cell} |")
+        lines.append(f"| {names.get(label, _md(label))} | {row['loss']:.4f} | {_fmt_diff(row)} | {cell} |")
     return "\n".join(lines)
 
 
@@ -276,17 +319,17 @@ def eval_results_for(eval_record: dict[str, Any] | None, label: str | None = Non
         if task == "lm":
             # The held-out language-modelling evaluation: named after its data when known.
             dataset_type = dataset if _is_hub_id(dataset) else "held-out-text"
-            dataset_name = str(dataset) if dataset else "held-out text"
+            dataset_name = escape(dataset) if dataset else "held-out text"
         else:
-            dataset_type, dataset_name = task, task
+            dataset_type, dataset_name = escape(task), escape(task)
         out.append(
             EvalResult(
                 task_type="text-generation",
                 task_name="Text Generation",
                 dataset_type=dataset_type,
                 dataset_name=dataset_name,
-                metric_type=base,
-                metric_name=_metric_display(base, filt),
+                metric_type=escape(base),
+                metric_name=escape(_metric_display(base, filt)),
                 metric_value=round(value, 6),
             )
         )
@@ -387,7 +430,7 @@ def _merge_code(records: FolderRecords) -> str:
     merge = records.merge or {}
     # A run's merge lives in <output_dir>/pma/<name>: the call runs from <output_dir>.
     base = f"{PMA_SUBDIR}/{records.name}" if records.run_name else (records.name or "merged")
-    where = "the training output_dir" if records.run_name else f"the folder that holds {base}"
+    where = "the training output_dir" if records.run_name else f"the folder that holds {escape(base)}"
     paths = []
     for src in records.sources:
         path = str(src.get("path") or src.get("name") or "?")
@@ -401,13 +444,13 @@ def _merge_code(records: FolderRecords) -> str:
         f"# run from {where}",
         "merge_checkpoints(",
         "    [",
-        *(f'        "{path}",' for path in paths),
+        *(f"        {path!r}," for path in paths),  # names from folders and records: Python literals
         "    ],",
-        f'    "{base}",',
+        f"    {base!r},",
     ]
     strategy = str(merge.get("strategy") or "sma")
     if strategy in STRATEGIES:
-        lines.append(f'    strategy="{strategy}",')
+        lines.append(f"    strategy={strategy!r},")
         if strategy == "ema" and _is_number(merge.get("alpha")):
             lines.append(f"    alpha={merge['alpha']},")
     else:
@@ -420,7 +463,7 @@ def _merge_code(records: FolderRecords) -> str:
 def _hub_revisions(sources: list[dict[str, Any]]) -> list[dict[str, str]]:
     """The Hub revisions a merge was made of: repo, revision and commit, oldest first."""
     return [
-        {"repo_id": str(s["repo_id"]), "revision": str(s.get("revision") or _MISSING), "commit": str(s.get("commit") or _MISSING)}
+        {"repo_id": _md(s["repo_id"]), "revision": _md(s.get("revision") or _MISSING), "commit": _md(s.get("commit") or _MISSING)}
         for s in sources
         if _is_hub_id(s.get("repo_id"))
     ]
@@ -506,7 +549,7 @@ def build_model_card(
         raise FileNotFoundError(f"{folder} has no pma_merge.json: a PMA card describes a merged folder")
     merge, sources, training = records.merge, records.sources, records.training or {}
     weights = list(merge.get("weights") or [])
-    model_name = sanitize_text(model_name or _default_model_name(records, repo_id))
+    model_name = escape(sanitize_text(model_name or _default_model_name(records, repo_id)))
 
     datasets = training.get("datasets") or []
     datasets = [datasets] if isinstance(datasets, str) else list(datasets)
@@ -522,7 +565,7 @@ def build_model_card(
         language=language,
         base_model=base_model,
         datasets=[d for d in datasets if _is_hub_id(d)] or None,
-        tags=["pma", "model-merging", "checkpoint-averaging", "hf-pma", f"pma-{strategy}"],
+        tags=["pma", "model-merging", "checkpoint-averaging", "hf-pma", f"pma-{strategy if strategy in _STRATEGY_TEXT else 'custom'}"],
         model_name=model_name,
         eval_results=eval_results or None,
     )
@@ -530,6 +573,9 @@ def build_model_card(
     created = merge.get("created")
     tokens = [s.get("tokens") for s in sources if _is_number(s.get("tokens"))]
     plot_file = PLOT_NAME if (folder / PLOT_NAME).is_file() else None
+    load_id = repo_id or f"./{records.name or 'merged'}"
+    # Every value from a record or a name is escaped for markdown (_md_values); the code blocks
+    # are built from repr-quoted or escaped values and added after.
     template_vars = {
         # With eval_results, ModelCardData moves model_name into the model-index: pass it again.
         "model_name": model_name,
@@ -540,9 +586,7 @@ def build_model_card(
         else None,
         "base_model": base_model,
         "n_snapshots": len(sources),
-        "strategy_text": _STRATEGY_TEXT.get(strategy, f"{strategy}: explicit weights").format(
-            alpha=merge.get("alpha")
-        ),
+        "strategy_text": _strategy_text(strategy, merge.get("alpha")),
         "interval_text": _interval_text(merge, sources),
         "window_text": _window_text(merge),
         "tokens_span_text": f"{_fmt_int(min(tokens))} to {_fmt_int(max(tokens))}" if tokens else _MISSING,
@@ -553,21 +597,32 @@ def build_model_card(
         "eval_columns": columns,
         "eval_rows": rows,
         "eval_dataset": (records.eval or {}).get("eval_dataset"),
-        "comparison_table": comparison_table((records.eval or {}).get("comparison")),
         "plot_file": plot_file,
         "plot_description": _plot_description(records) if plot_file else "",
-        "load_id": repo_id or f"./{records.name or 'merged'}",
+        "load_id": load_id,
         "has_tokenizer": _has_tokenizer(folder),
-        "training_command": training.get("command"),
-        "merge_code": _merge_code(records),
-        "hub_revisions": _hub_revisions(sources),
         "small_model_note": _small_run_note(records.training),
         "paper_url": PAPER_URL,
     }
+    template_vars = _md_values(template_vars)
+    command = escape(training["command"]) if training.get("command") else None
+    merge_code = _merge_code(records)
+    template_vars |= {
+        "strategy_text": _strategy_text(strategy, merge.get("alpha")),  # escaped within
+        "comparison_table": comparison_table((records.eval or {}).get("comparison")),  # escaped cells
+        "hub_revisions": _hub_revisions(sources),  # escaped cells
+        "load_id_code": repr(load_id),  # a Python literal in the snippet
+        "training_command": command,
+        "command_fence": _fence(command or ""),
+        "merge_code": merge_code,
+        "merge_code_fence": _fence(merge_code),
+    }
     path = Path(template) if template is not None else template_path()
     card = ModelCard.from_template(card_data, template_path=str(path), **template_vars)
-    # Tidy the blank lines that Jinja blocks leave behind, and sanitize the whole text once more.
+    # Tidy the blank lines that Jinja blocks leave behind, and sanitize the whole text once more;
+    # no line holds a control character (each value was escaped: this keeps a custom template's too).
     content = re.sub(r"\n{3,}", "\n\n", sanitize_text(card.content)).rstrip() + "\n"
+    content = "\n".join(escape(line) for line in content.split("\n"))
     return ModelCard(content)
 
 

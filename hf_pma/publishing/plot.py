@@ -30,6 +30,7 @@ from transformers.utils import logging
 from hf_pma.core.manifest import PLOT_NAME
 from hf_pma.publishing.records import FolderRecords, label_rank, load_records
 from hf_pma.utils.fs import atomic_write_file
+from hf_pma.utils.text import plot_text
 
 logger = logging.get_logger(__name__)
 
@@ -255,7 +256,7 @@ def _figure(data: PlotData, dpi: int) -> Any:
     for label, x, y, marker, color in _final_markers(data):
         size = 13 if marker == "*" else 8
         ax.plot([x], [y], marker=marker, markersize=size, linestyle="none", color=color, markeredgecolor="black",
-                markeredgewidth=0.6, zorder=5, label=f"final eval: {label}")
+                markeredgewidth=0.6, zorder=5, label=f"final eval: {plot_text(label)}")
     for i, x in enumerate(data.merged_snapshots):
         ax.axvline(x, color="C1", linewidth=0.9, alpha=0.7, label="merged snapshots" if i == 0 else None)
     for i, x in enumerate(data.other_snapshots):
@@ -280,7 +281,9 @@ def _figure(data: PlotData, dpi: int) -> Any:
     if handles:
         # Below the axes: a legend inside would hide the end of the curves, where the merge is.
         ax.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, -0.13), ncol=4, fontsize=8, frameon=False)
-    ax.set_title(f"{data.title}\n{data.final_note}" if data.final_note else data.title, fontsize=9)
+    # The title and the note hold names from the records: escaped, "$" included (mathtext).
+    title = plot_text(data.title) + (f"\n{plot_text(data.final_note)}" if data.final_note else "")
+    ax.set_title(title, fontsize=9)
     return fig
 
 

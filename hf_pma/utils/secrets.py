@@ -50,7 +50,7 @@ _URL_USERINFO_RE = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.-]*://)(?P<user
 _SECRET_WORD = r"(?:token|api[_-]?key|secret|password|passwd)"
 # A name that carries a secret: "token", "hub_token", "hub-token", "use_auth_token", "api_key",
 # "WANDB_API_KEY", "HF_TOKEN" (case-insensitive; the words must end the name).
-_SECRET_NAME_RE = re.compile(rf"^(?:[A-Za-z0-9]+[_.-])*{_SECRET_WORD}$", re.IGNORECASE)
+_SECRET_NAME_RE = re.compile(rf"(?:[A-Za-z0-9]+[_.-])*{_SECRET_WORD}", re.IGNORECASE)
 # Tokenizer vocabulary words, not credentials.
 _NOT_SECRETS = frozenset(
     f"{word}_token"
@@ -76,7 +76,7 @@ def is_secret_name(name: str) -> bool:
     """Whether an argument, variable or key ``name`` carries a secret (``hub_token``, ``--token``,
     ``HF_TOKEN``, ``wandb_api_key``; not ``eos_token`` or ``max_tokens``)."""
     name = name.lstrip("-")
-    return bool(_SECRET_NAME_RE.match(name)) and name.lower().replace("-", "_") not in _NOT_SECRETS
+    return bool(_SECRET_NAME_RE.fullmatch(name)) and name.lower().replace("-", "_") not in _NOT_SECRETS
 
 
 def tokens_in_use(extra: Iterable[str | None] = ()) -> list[str]:

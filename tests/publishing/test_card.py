@@ -65,10 +65,10 @@ def test_card_describes_the_merge_training_and_evaluation(merged):
     assert _table_rows(text, "lm")[0] == ["lm", "loss (per token)", "4.1642", "4.0523", "4.0481", "-0.1119"]
     assert _table_rows(text, "py_syntax")[0] == ["py_syntax", "acc", "0.4125 ± 0.0211", "0.4475 ± 0.0208", "–", "+0.0350"]
     # How to load it, and how to reproduce it.
-    assert 'AutoModelForCausalLM.from_pretrained("my-org/tiny-pma")' in text
-    assert 'AutoTokenizer.from_pretrained("my-org/tiny-pma")' in text
+    assert "AutoModelForCausalLM.from_pretrained('my-org/tiny-pma')" in text
+    assert "AutoTokenizer.from_pretrained('my-org/tiny-pma')" in text
     assert "accelerate launch scripts/pretrain.py --output_dir .../run" in text
-    assert f'"pma/snapshot-{MERGED_STEPS[0] * TOKENS_PER_STEP}",' in text and 'strategy="sma"' in text
+    assert f"'pma/snapshot-{MERGED_STEPS[0] * TOKENS_PER_STEP}'," in text and "strategy='sma'" in text
     assert "## Limitations" in text
     # No plot file yet: no broken image link.
     assert "pma_training.png" not in text
@@ -141,7 +141,7 @@ def test_card_degrades_without_the_optional_records(tmp_path, tiny_tokenizer):
     assert "| snapshots merged (N) | 6 |" in text  # the merge is still fully described
     assert "## How to reproduce" in text and "accelerate launch" not in text
     # Without a repo id the snippet loads the local folder, by a relative name.
-    assert 'from_pretrained("./merged")' in text
+    assert "from_pretrained('./merged')" in text
     assert card.text.lstrip().splitlines()[2] == "# run-pma-sma"
 
 
@@ -151,7 +151,7 @@ def test_card_notes_ema_custom_weights_and_phases(tmp_path):
     text = build_model_card(folder).text
     assert "EMA: exponential moving average with alpha = 0.2" in text
     assert "2 of the 6 snapshots were taken outside the constant-LR (stable) phase (decay)" in text
-    assert 'strategy="ema",' in text and "alpha=0.2," in text
+    assert "strategy='ema'," in text and "alpha=0.2," in text
     assert "AutoTokenizer" not in text  # no tokenizer saved in this folder
 
     record = merge_record("custom")
@@ -221,7 +221,7 @@ def test_cli_card(merged, tmp_path, capsys):
     assert main(["card", str(merged), "--repo-id", "org/name", "--no-plot"]) == 0
     assert capsys.readouterr().out.strip() == str(merged / "README.md")
     text = (merged / "README.md").read_text()
-    assert 'from_pretrained("org/name")' in text
+    assert "from_pretrained('org/name')" in text
     assert not (merged / "pma_training.png").exists()
 
     # Regenerating overwrites the card in place, now with the plot.
@@ -260,5 +260,5 @@ def test_card_of_a_real_merge(tmp_path, tiny_tokenizer):
     rows = [_table_rows(text, f"snapshot-{step * 512}")[0] for step in (100, 200, 300)]
     assert [r[2] for r in rows] == ["100", "200", "300"]
     assert [r[-1] for r in rows] == ["0.1667", "0.3333", "0.5000"]
-    assert '"pma/snapshot-51200",' in text and 'strategy="wma",' in text
+    assert "'pma/snapshot-51200'," in text and "strategy='wma'," in text
     assert find_secrets(str(card)) == []
