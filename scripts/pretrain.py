@@ -28,7 +28,6 @@ import json
 import logging as stdlib_logging
 import math
 import os
-import shlex
 import shutil
 import statistics
 import sys
@@ -59,6 +58,7 @@ from hf_pma.utils.distributed import is_main_process, run_on_main_process
 from hf_pma.utils.fs import atomic_write_json, read_json, remove_tree
 from hf_pma.utils.logs import enable_logging
 from hf_pma.utils.secrets import redact
+from hf_pma.utils.text import command_line
 
 logger = logging.get_logger("hf_pma.pretrain")
 
@@ -424,7 +424,7 @@ def reproduce_command(argv: list[str]) -> str:
     parts = ["accelerate", "launch", "scripts/pretrain.py"]
     for arg in argv:
         parts.append(Path(arg).name if os.path.isabs(arg) else arg)
-    return redact(shlex.join(parts))
+    return redact(command_line(parts))  # shell-quoted, one line (a control character as $'...')
 
 
 def move_token_to_environment(args: PMATrainingArguments) -> None:

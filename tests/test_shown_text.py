@@ -198,3 +198,16 @@ def test_ctrl_c_during_a_merge_is_one_line_exit_130_and_leaves_nothing(tmp_path)
     err = proc.stderr.read()
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "hf-pma merge: interrupted", err
     assert list(out.parent.iterdir()) == []  # no temporary folder, no claim, no output
+
+
+# ---------------------------------------------------------------- plots
+
+
+def test_plot_labels_from_records_are_text_not_mathtext(tmp_path):
+    from hf_pma.publishing.plot import plot_training
+
+    log = [{"step": s, "loss": 5.0 - s / 100} for s in range(1, 11)]
+    name = "run$\\undefinedcommand{$\x1b[2J\n"  # bad mathtext: matplotlib would fail to draw it
+    records = FolderRecords(training={"log_history": log}, name=name, run_name=name)
+    path = plot_training(records, tmp_path / "plot.png")
+    assert path.read_bytes().startswith(b"\x89PNG")
