@@ -248,3 +248,33 @@ def test_cli_push_with_a_hostile_record_creates_no_repo(hub, merged):
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "hf-pma push: error: " in proc.stderr and "'strategy' should be" in proc.stderr
     assert hub.requests == [] and hub.repos == {}
+
+
+# ---------------------------------------------------------------- hf-pma card: the same checks
+
+
+@pytest.mark.parametrize(
+    "name, change, message",
+    [
+        r[1:]
+        for r in HOSTILE_RECORDS
+        if r[0] in ("strategy-template", "created-1e300", "tokens-10e400", "deep-merge")
+    ],
+    ids=["strategy-template", "created-1e300", "tokens-10e400", "deep-merge"],
+)
+def test_card_of_a_folder_with_a_hostile_record_is_one_line_and_writes_nothing(merged, name, change, message):
+    _edit_record(merged, name, change)
+    done = run_cli("card", merged)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    lines = [line for line in done.stderr.splitlines() if "error" in line]
+    assert len(lines) == 1 and lines[0].startswith("hf-pma card: error: ") and message in lines[0]
+    assert not (merged / "README.md").exists() and not (merged / "pma_training.png").exists()
+
+
+def test_card_in_a_read_only_folder_is_one_line_before_rendering(merged):
+    from tests.evaluation.test_output_checks import read_only
+
+    with read_only(merged):
+        done = run_cli("card", merged)
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert f"hf-pma card: error: cannot write the model card {merged / 'README.md'}" in done.stderr
