@@ -181,6 +181,9 @@ def test_an_etag_shaped_like_a_path_is_refused(merges, evals_and_silence):
         assert "the Hub answered the content hash '../../../PWNED_etag', which is no sha1 or sha256" in line
     assert merges["outside"] == [] and evals_and_silence["outside"] == []
     assert not any("PWNED" in p for p in _tree(merges["root"]) | _tree(evals_and_silence["root"]))
+    for repo in (merges["cache"], evals_and_silence["root"] / "hf-home" / "hub"):
+        kept = [p.name for p in (repo / "models--evil--etag-model").rglob("*") if p.is_file()]
+        assert [name for name in kept if not name.endswith(".lock")] == []  # not even a partial file
 
 
 def test_a_file_name_holding_a_terminal_escape_is_refused_escaped(merges, server):

@@ -573,7 +573,8 @@ def _fetch(
 ) -> None:
     """Download ``f`` into ``target`` (``<blob>.incomplete``, resumed where a run stopped): at
     most the announced size, verified against the announced hash. A refusal (more bytes than
-    announced, another hash) removes ``target``; a transfer that broke off keeps it for a rerun."""
+    announced, another hash, a malformed header) removes ``target``; a transfer that broke off
+    keeps it for a rerun."""
     from huggingface_hub.utils import hf_raise_for_status
 
     size = f.size
@@ -631,7 +632,7 @@ def _fetch(
                     f"downloading {f.path} of {r.spec}: its content does not match the "
                     f"{'sha256' if f.lfs else 'git blob id'} the Hub's metadata gives ({f.blob}); nothing of it is kept"
                 )
-    except _DownloadRefused:
+    except (_DownloadRefused, HubAnswerError):
         target.unlink(missing_ok=True)
         raise
 
