@@ -203,3 +203,60 @@ def test_tests_run_the_command_through_the_one_helper():
         elif isinstance(node, ast.Name) and node.id == "hf_pma_command":
             offenders.append(f"{where} starts the console script itself")
     assert not offenders, "run hf-pma with tests.testing_utils.run_cli:\n" + "\n".join(offenders)
+
+
+# What opening a file looks like. Files under a folder a user gave (a run, a source, a snapshot,
+# a folder to push) are opened through hf_pma.io.guarded only: confined after links, regular
+# files only, bounded.
+READ_CALLS = {"open", "read_text", "read_bytes", "safe_open", "load", "copy", "copy2", "copyfile", "copytree"}
+# Modules that open files another way, and why that is safe.
+OPENS_ALLOWED = {
+    "hf_pma/io/guarded.py": "the one way in",
+    "hf_pma/io/safetensors.py": "SafetensorsWriter creates its output file inside a temporary folder hf-pma made",
+    "hf_pma/utils/fs.py": "the one way out: fsyncs and claims of files and folders hf-pma creates",
+    "hf_pma/evaluation/generated_tasks.py": "writes the task files it generates into its own folder",
+    "hf_pma/utils/distributed.py": "a probe file the ranks write into a folder they share",
+    "hf_pma/training/arguments.py": "the user's own training-arguments file named on the command line",
+    "hf_pma/training/pretrain_data.py": "the user's own text corpus named on the command line",
+    "hf_pma/evaluation/corpus.py": "the user's own held-out text named on the command line (--eval-file)",
+    "hf_pma/merging/hub_revisions.py": "creates the Hub cache files it downloads (O_NOFOLLOW) and their pointers",
+    "hf_pma/snapshots/sinks.py": "creates (O_EXCL, O_NOFOLLOW) and removes a probe that checks the folder is writable",
+}
+
+
+def _opens(node: ast.AST) -> str | None:
+    """What ``node`` opens a file with, if it is such a call: ``open(``, ``os.open(``,
+    ``.read_text(``, ``.read_bytes(``, ``json.load(``, ``safe_open(``, ``shutil.copy*(``."""
+    if not isinstance(node, ast.Call):
+        return None
+    func = node.func
+    if isinstance(func, ast.Name) and func.id in ("open", "safe_open"):
+        return f"{func.id}("
+    if not isinstance(func, ast.Attribute) or func.attr not in READ_CALLS:
+        return None
+    owner = func.value.id if isinstance(func.value, ast.Name) else None
+    if func.attr in ("read_text", "read_bytes", "safe_open"):
+        return f".{func.attr}("
+    if func.attr == "open" and owner in ("os", "io"):
+        return f"{owner}.open("
+    if func.attr == "load" and owner == "json":
+        return "json.load("
+    if func.attr.startswith("copy") and owner == "shutil":
+        return f"shutil.{func.attr}("
+    return None
+
+
+def test_files_are_opened_through_the_one_way_in():
+    """No module but the allowed ones opens a file itself (see :data:`OPENS_ALLOWED`)."""
+    offenders = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        where = str(path.relative_to(REPO_ROOT))
+        if where in OPENS_ALLOWED:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=where)):
+            what = _opens(node)
+            if what is not None:
+                offenders.append(f"{where}:{node.lineno} calls {what}")
+    assert not offenders, "open files from a user's folder through hf_pma.io.guarded:\n" + "\n".join(
+        offenders
+    )

@@ -150,12 +150,13 @@ def load_sharded_model(
     (source,) = resolve_sources([snapshot])
     if not source.sharded:
         raise ValueError(f"{snapshot} is not a sharded snapshot")
+    check_config_file(source)  # confined, regular, a bounded JSON object: before transformers parses it
     with source.open() as tensors:
         state = tensors.state_dict()
-    config = AutoConfig.from_pretrained(snapshot)
+    config = AutoConfig.from_pretrained(snapshot, trust_remote_code=False)
     stored = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
     target = stored if dtype == "auto" else parse_dtype(dtype)
-    model = AutoModelForCausalLM.from_config(config, dtype=target)
+    model = AutoModelForCausalLM.from_config(config, dtype=target, trust_remote_code=False)
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = set(getattr(model, "all_tied_weights_keys", None) or {})
     missing = [k for k in missing if k not in tied]
