@@ -496,7 +496,8 @@ def write_best(
     from hf_pma.core.manifest import MERGE_RECORD_NAME
     from hf_pma.evaluation.evaluator import write_eval_record
     from hf_pma.merging.engine import merge_checkpoints
-    from hf_pma.utils.fs import atomic_write_json, read_json
+    from hf_pma.io.guarded import read_json
+    from hf_pma.utils.fs import atomic_write_json
 
     label = label or report.get("best")
     entry = next((e for e in report["combinations"] if e["label"] == label), None)

@@ -15,7 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hf_pma.core.manifest import MANIFEST_NAME, PMA_SUBDIR, SNAPSHOT_RECORD_NAME
-from hf_pma.utils.fs import is_library_folder, read_json
+from hf_pma.io.guarded import read_json
+from hf_pma.utils.fs import is_library_folder
 
 __all__ = ["TRAINER_CHECKPOINT_PATTERN", "check_overwrite_target", "listing_manifest"]
 

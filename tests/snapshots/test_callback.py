@@ -24,7 +24,7 @@ from hf_pma.snapshots.writer import (
     write_safetensors,
     write_snapshot,
 )
-from hf_pma.utils.fs import read_json
+from hf_pma.io.guarded import read_json
 from tests.dist.pma_common import (  # noqa: E402
     StopAt,
     TokenDataset,
