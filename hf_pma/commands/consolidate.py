@@ -32,8 +32,10 @@ def run(args: argparse.Namespace) -> int:
     """Run ``hf-pma consolidate``."""
     from hf_pma.commands import set_verbosity
     from hf_pma.merging.consolidate import consolidate_snapshot
+    from hf_pma.utils.fs import check_output_folder
 
     set_verbosity(args)
+    check_output_folder(args.output, args.overwrite)  # before the snapshot is read
     consolidate_snapshot(
         args.snapshot,
         args.output,

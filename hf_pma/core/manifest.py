@@ -602,7 +602,8 @@ def snapshot_name_problems(pma_dir: str | os.PathLike[str]) -> list[str]:
     problems = []
     for child in sorted(pma_dir.iterdir()):
         if re.fullmatch(SNAPSHOT_DIR_PATTERN, child.name) and not is_snapshot_folder(child, pma_dir):
-            what = "a symbolic link" if child.is_symlink() else "a folder without pma.json" if child.is_dir() else "a file"
+            what = "a folder without pma.json" if child.is_dir() else "a file"
+            what = "a symbolic link" if child.is_symlink() else what
             problems.append(f"{escape(child)} is {what}, not a snapshot that hf-pma wrote")
     return problems
 

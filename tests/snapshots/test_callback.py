@@ -88,7 +88,10 @@ def test_snapshots_are_loadable_model_folders_equal_to_the_weights_at_that_step(
         assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "pma.json"} <= {
             p.name for p in folder.iterdir()
         }
-        assert read_json(folder / "pma.json") == record.to_dict()
+        written = read_json(folder / "pma.json")
+        # The record, and the files the writer wrote (only those are ever deleted with the folder).
+        assert written["extra"].pop("files") == sorted(p.name for p in folder.iterdir())
+        assert written == record.to_dict()
         assert record.num_bytes == (folder / "model.safetensors").stat().st_size
         # The mean training loss since the previous snapshot (the first: since the start).
         assert record.loss is not None and record.extra["loss_source"] == "model"
