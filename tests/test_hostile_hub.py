@@ -109,10 +109,13 @@ def merges(server, tmp_path_factory):
             cache,
         ]
     )
+    commands.append(
+        ["merge", "evil/commit-model", "--revisions", "step*", "-o", root / "out" / "c", "--cache-dir", cache]
+    )
     results = run_cli_in_one_process(*commands, env=_env(server, root), timeout=120)
     written = _tree(root) - before
     return {
-        "results": dict(zip([*names, "refs"], results)),
+        "results": dict(zip([*names, "refs", "commit-refs"], results)),
         "outside": sorted(p for p in written if not p.startswith(("cache", "out"))),
         "cache": cache,
         "root": root,
@@ -162,6 +165,8 @@ def test_a_commit_id_shaped_like_a_path_is_refused_before_any_download(merges, e
     line = _error_line(merges["results"]["commit"], "merge")
     assert "the Hub answered the commit id '../../../PWNED_sha', which is not 40 hex characters" in line
     assert "evil/commit-model@step300" in line
+    line = _error_line(merges["results"]["commit-refs"], "merge")  # a branch's target commit, from the refs
+    assert "evil/commit-model@" in line and "the Hub answered the commit id '../../../PWNED_sha'" in line
     line = _error_line(evals_and_silence["results"]["commit"], "eval")
     assert "the Hub answered the commit id '../../../PWNED_sha'" in line
     assert not any(
