@@ -86,7 +86,7 @@ def test_plot_text_escapes_mathtext_and_control_characters():
 
 def test_command_line_is_one_line_that_a_shell_reads_back_exactly(tmp_path):
     args = [
-        "hf-pma",
+        "prog",
         "merge",
         "my run/pma",
         "a'b",
@@ -98,7 +98,7 @@ def test_command_line_is_one_line_that_a_shell_reads_back_exactly(tmp_path):
         os.fsdecode(b"\xff"),
     ]
     line = command_line(args)
-    assert line.isprintable() and line.startswith("hf-pma merge 'my run/pma' 'a'\"'\"'b' $'x\\ny\\x1b[2J' ")
+    assert line.isprintable() and line.startswith("prog merge 'my run/pma' 'a'\"'\"'b' $'x\\ny\\x1b[2J' ")
     script = f"{sys.executable} -c 'import json, os, sys; print(json.dumps([os.fsencode(a).hex() for a in sys.argv[1:]]))' {line}"
     done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=30)
     assert json.loads(done.stdout) == [os.fsencode(a).hex() for a in args], done.stderr
