@@ -36,6 +36,7 @@ from hf_pma.evaluation.options import EvalOptions
 from hf_pma.merging.sources import CheckpointSource, resolve_sources
 from hf_pma.utils.formatting import format_number, markdown_table
 from hf_pma.utils.fs import atomic_write_file
+from hf_pma.utils.text import plot_text
 
 logger = logging.get_logger(__name__)
 
@@ -472,11 +473,11 @@ def plot_sweep(report: Mapping[str, Any], output_path: str | os.PathLike[str], d
         ax.set_yticks(range(len(everies)), [str(k) for k in everies])
         ax.set_xlabel("window: N snapshots, or T tokens")
         ax.set_ylabel("every k-th snapshot")
-        ax.set_title(strategy)
+        ax.set_title(plot_text(strategy))
     if image is not None:
         fig.colorbar(image, ax=list(axes), fraction=0.03, label="better than the last snapshot by")
     base = report["baseline"]["value"]
-    fig.suptitle(f"{report['metric']} of merges (last snapshot: {format_number(base)})", fontsize=10)
+    fig.suptitle(f"{plot_text(report['metric'])} of merges (last snapshot: {format_number(base)})", fontsize=10)
     output_path = Path(output_path)
     output_path.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_file(output_path, lambda tmp: fig.savefig(tmp, format="png"))
