@@ -64,10 +64,18 @@ def escape(text: Any) -> str:
 def shown(value: Any, limit: int = 200) -> str:
     """A value as a one-line error shows it: its ``repr`` (paths as their string's ``repr``),
     escaped (:func:`escape`: ``repr`` leaves no control character, but a ``str`` subclass or an
-    object's own ``__repr__`` may), cut to ``limit`` characters with ``...``."""
+    object's own ``__repr__`` may), cut to ``limit`` characters with ``...``. A value ``repr``
+    cannot write (an integer of more than 4300 digits, a list nested past the recursion limit) is
+    described instead."""
     if isinstance(value, os.PathLike):
         value = os.fspath(value)
-    text = escape(repr(value))
+    try:
+        text = escape(repr(value))
+    except ValueError:  # an integer past Python's 4300 digits for str
+        digits = int(abs(value).bit_length() * 0.30103) + 1 if isinstance(value, int) else None
+        text = f"<an integer of about {digits} digits>" if digits else f"<a {type(value).__name__}>"
+    except RecursionError:
+        text = f"<a {type(value).__name__} nested too deep to show>"
     return text if len(text) <= limit else text[: max(limit - 3, 0)] + "..."
 
 

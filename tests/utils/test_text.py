@@ -55,6 +55,11 @@ def test_shown_is_a_quoted_one_line_repr_cut_to_a_length():
 
     assert shown(Sly("x")) == "fake\\nline"
     assert shown("x" * 500, 20) == "'" + "x" * 16 + "..."
+    nested: list = []
+    for _ in range(100_000):
+        nested = [nested]
+    assert shown(10**5000) == "<an integer of about 5001 digits>"  # repr refuses it
+    assert shown(nested) == "<a list nested too deep to show>"
 
 
 def test_write_line_and_write_lines_never_write_a_control_character():
