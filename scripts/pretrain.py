@@ -52,10 +52,11 @@ from hf_pma import PMATrainer, PMATrainingArguments
 from hf_pma.evaluation.corpus import load_documents, split_documents
 from hf_pma.evaluation.evaluator import EVAL_RECORD_NAME, evaluate_models, results_table, write_eval_record
 from hf_pma.evaluation.generated_tasks import TaskOptions, fits_context, make_tasks_from_split
+from hf_pma.io.guarded import read_json
 from hf_pma.training.pretrain_data import pack_dataset, stdlib_documents, train_bpe_tokenizer
 from hf_pma.training.trainer import save_full_model
 from hf_pma.utils.distributed import is_main_process, run_on_main_process
-from hf_pma.utils.fs import atomic_write_json, read_json, remove_tree
+from hf_pma.utils.fs import atomic_write_json, remove_tree
 from hf_pma.utils.logs import enable_logging
 from hf_pma.utils.secrets import redact
 from hf_pma.utils.text import command_line
@@ -80,66 +81,97 @@ class ModelArguments:
     """Which model to train."""
 
     model_name_or_path: str | None = dataclasses.field(
-        default=None, metadata={"help": "Start from these weights (continued pre-training); else from a config."}
+        default=None,
+        metadata={"help": "Start from these weights (continued pre-training); else from a config."},
     )
     config_name: str | None = dataclasses.field(
-        default=None, metadata={"help": "Config (Hub id or folder) of a model trained from scratch; default: a small Llama."}
+        default=None,
+        metadata={
+            "help": "Config (Hub id or folder) of a model trained from scratch; default: a small Llama."
+        },
     )
     config_overrides: str | None = dataclasses.field(
         default=None, metadata={"help": "Config overrides, e.g. 'hidden_size=256,num_hidden_layers=8'."}
     )
     tokenizer_name: str | None = dataclasses.field(
-        default=None, metadata={"help": "Tokenizer (Hub id or folder); default: the model's, else a BPE trained on the train split."}
+        default=None,
+        metadata={
+            "help": "Tokenizer (Hub id or folder); default: the model's, else a BPE trained on the train split."
+        },
     )
-    vocab_size: int = dataclasses.field(default=4096, metadata={"help": "Vocabulary of the tokenizer trained here."})
+    vocab_size: int = dataclasses.field(
+        default=4096, metadata={"help": "Vocabulary of the tokenizer trained here."}
+    )
 
 
 @dataclasses.dataclass
 class DataArguments:
     """Which text to train and evaluate on."""
 
-    dataset_name: str | None = dataclasses.field(default=None, metadata={"help": "A datasets name (Hub id or local builder)."})
+    dataset_name: str | None = dataclasses.field(
+        default=None, metadata={"help": "A datasets name (Hub id or local builder)."}
+    )
     dataset_config_name: str | None = dataclasses.field(default=None, metadata={"help": "Its configuration."})
     dataset_split: str = dataclasses.field(default="train", metadata={"help": "Split to read."})
-    streaming: bool = dataclasses.field(default=False, metadata={"help": "Stream the dataset instead of downloading it."})
+    streaming: bool = dataclasses.field(
+        default=False, metadata={"help": "Stream the dataset instead of downloading it."}
+    )
     train_files: list[str] | None = dataclasses.field(
         default=None, metadata={"help": "Text files or folders (txt, md, py, jsonl, json, csv, parquet)."}
     )
-    text_column: str = dataclasses.field(default="text", metadata={"help": "Column of the text in tables and datasets."})
+    text_column: str = dataclasses.field(
+        default="text", metadata={"help": "Column of the text in tables and datasets."}
+    )
     max_documents: int | None = dataclasses.field(
-        default=None, metadata={"help": "Read at most this many documents (required with --streaming to hold out a split)."}
+        default=None,
+        metadata={
+            "help": "Read at most this many documents (required with --streaming to hold out a split)."
+        },
     )
     default_corpus_bytes: int = dataclasses.field(
-        default=3_000_000, metadata={"help": "Bytes of standard-library source in the embedded default corpus."}
+        default=3_000_000,
+        metadata={"help": "Bytes of standard-library source in the embedded default corpus."},
     )
-    block_size: int = dataclasses.field(default=128, metadata={"help": "Tokens per training sequence (texts are packed)."})
-    eval_fraction: float = dataclasses.field(default=0.05, metadata={"help": "Share of documents held out for evaluation."})
+    block_size: int = dataclasses.field(
+        default=128, metadata={"help": "Tokens per training sequence (texts are packed)."}
+    )
+    eval_fraction: float = dataclasses.field(
+        default=0.05, metadata={"help": "Share of documents held out for evaluation."}
+    )
     max_eval_blocks: int = dataclasses.field(
         default=64,
-        metadata={"help": "Held-out blocks in the Trainer's evaluations: spread evenly over the final evaluation's text."},
+        metadata={
+            "help": "Held-out blocks in the Trainer's evaluations: spread evenly over the final evaluation's text."
+        },
     )
     max_eval_texts: int = dataclasses.field(
         default=40, metadata={"help": "Held-out documents in the final loss / bits-per-byte evaluation."}
     )
     max_eval_chars: int | None = dataclasses.field(
-        default=None, metadata={"help": "Characters of each of those documents evaluated (its start; default: all)."}
+        default=None,
+        metadata={"help": "Characters of each of those documents evaluated (its start; default: all)."},
     )
     token_budget: int | None = dataclasses.field(
         default=None, metadata={"help": "Train on this many tokens (sets max_steps from the global batch)."}
     )
     make_tasks: bool = dataclasses.field(
-        default=True, metadata={"help": "Generate multiple-choice tasks from the held-out documents and evaluate on them."}
+        default=True,
+        metadata={"help": "Generate multiple-choice tasks from the held-out documents and evaluate on them."},
     )
     task_items: int = dataclasses.field(default=150, metadata={"help": "Items per generated task."})
     eval_tasks: str | None = dataclasses.field(
-        default=None, metadata={"help": "Extra lm-eval task names for the final evaluation (e.g. hellaswag,arc_easy)."}
+        default=None,
+        metadata={"help": "Extra lm-eval task names for the final evaluation (e.g. hellaswag,arc_easy)."},
     )
     overwrite_output_dir: bool = dataclasses.field(
         default=False,
-        metadata={"help": "Delete an earlier run's snapshots and merge in output_dir first (never when resuming)."},
+        metadata={
+            "help": "Delete an earlier run's snapshots and merge in output_dir first (never when resuming)."
+        },
     )
     push_live_model: bool = dataclasses.field(
-        default=False, metadata={"help": "With --push_to_hub, also let the Trainer push the live model (main branch)."}
+        default=False,
+        metadata={"help": "With --push_to_hub, also let the Trainer push the live model (main branch)."},
     )
 
 
@@ -204,13 +236,17 @@ def parse_arguments(
     return model_args, data, comparison, args
 
 
-def check_comparison(comparison: ComparisonArguments, args: PMATrainingArguments, token_budget: int | None = None) -> None:
+def check_comparison(
+    comparison: ComparisonArguments, args: PMATrainingArguments, token_budget: int | None = None
+) -> None:
     """``ValueError`` naming the argument when the annealed fork cannot be made (``token_budget``:
     max_steps is set from it later)."""
     if comparison.anneal_steps < 0:
         raise ValueError(f"anneal_steps must be 0 or positive, got {comparison.anneal_steps}")
     if comparison.anneal_decay_type not in ("linear", "cosine", "1-sqrt"):
-        raise ValueError(f"anneal_decay_type must be linear, cosine or 1-sqrt, got {comparison.anneal_decay_type!r}")
+        raise ValueError(
+            f"anneal_decay_type must be linear, cosine or 1-sqrt, got {comparison.anneal_decay_type!r}"
+        )
     if not comparison.anneal_steps:
         return
     schedule = str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
@@ -220,8 +256,12 @@ def check_comparison(comparison: ComparisonArguments, args: PMATrainingArguments
             f"got lr_scheduler_type {schedule}; or pass --anneal_steps 0"
         )
     if args.max_steps <= 0 and not token_budget:
-        raise ValueError("anneal_steps needs max_steps (or token_budget): the fork starts anneal_steps before the end")
-    if args.max_steps > 0 and comparison.anneal_steps >= args.max_steps - args.get_warmup_steps(args.max_steps):
+        raise ValueError(
+            "anneal_steps needs max_steps (or token_budget): the fork starts anneal_steps before the end"
+        )
+    if args.max_steps > 0 and comparison.anneal_steps >= args.max_steps - args.get_warmup_steps(
+        args.max_steps
+    ):
         raise ValueError(
             f"anneal_steps ({comparison.anneal_steps}) must be shorter than the constant-LR part of the run "
             f"(max_steps {args.max_steps} minus the warmup)"
@@ -256,8 +296,11 @@ def train_annealed_fork(
         args,
         output_dir=str(out),
         lr_scheduler_type="warmup_stable_decay",
-        lr_scheduler_kwargs={"num_decay_steps": comparison.anneal_steps, "decay_type": comparison.anneal_decay_type,
-                             "min_lr_ratio": 0.0},
+        lr_scheduler_kwargs={
+            "num_decay_steps": comparison.anneal_steps,
+            "decay_type": comparison.anneal_decay_type,
+            "min_lr_ratio": 0.0,
+        },
         eval_strategy="no",
         save_strategy="no",
         push_to_hub=False,
@@ -356,9 +399,13 @@ def read_documents(data: DataArguments) -> tuple[list[str], str]:
             data.dataset_name, data.dataset_config_name, split=data.dataset_split, streaming=data.streaming
         )
         if data.streaming and data.max_documents is None:
-            raise ValueError("--streaming needs --max_documents (documents to read, train and held-out together)")
+            raise ValueError(
+                "--streaming needs --max_documents (documents to read, train and held-out together)"
+            )
         if data.text_column not in (ds.column_names or []):
-            raise ValueError(f"{data.dataset_name} has no column {data.text_column!r} (columns: {ds.column_names})")
+            raise ValueError(
+                f"{data.dataset_name} has no column {data.text_column!r} (columns: {ds.column_names})"
+            )
         rows = ds.take(data.max_documents) if data.streaming else ds
         docs = [row[data.text_column] for _, row in zip(range(data.max_documents or len(ds)), rows)]
         return docs, data.dataset_name
@@ -414,7 +461,9 @@ def full_batches(train_ds, args: PMATrainingArguments):
     global_batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
     keep = len(train_ds) - len(train_ds) % global_batch
     if keep == 0:
-        raise ValueError(f"the training data holds {len(train_ds)} blocks, fewer than one global batch of {global_batch}")
+        raise ValueError(
+            f"the training data holds {len(train_ds)} blocks, fewer than one global batch of {global_batch}"
+        )
     return train_ds.select(range(keep)) if keep < len(train_ds) else train_ds
 
 
@@ -509,8 +558,12 @@ def _document_losses(lm: dict) -> list[float]:
     return [nll / tokens for nll, tokens in zip(per_text["nll"], per_text["tokens"]) if tokens]
 
 
-def paired_comparison(lm: dict[str, dict], reference: str = "last snapshot", merge: str = "PMA merge",
-                      annealed: str = "annealed") -> dict:
+def paired_comparison(
+    lm: dict[str, dict],
+    reference: str = "last snapshot",
+    merge: str = "PMA merge",
+    annealed: str = "annealed",
+) -> dict:
     """Each model's mean held-out loss over the same documents, its mean per-document difference
     from ``reference`` with the paired standard error, and the share of the annealing gain that
     the merge recovers: (reference - merge) / (reference - annealed)."""
@@ -522,9 +575,19 @@ def paired_comparison(lm: dict[str, dict], reference: str = "last snapshot", mer
         losses = _document_losses(lm[label])
         diffs = [a - b for a, b in zip(losses, base)]
         stderr = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None
-        models[label] = {"loss": statistics.fmean(losses), "loss_diff": statistics.fmean(diffs), "paired_stderr": stderr}
-    record = {"reference": reference, "merge": merge, "annealed": annealed if annealed in lm else None,
-              "documents": len(base), "models": models, "annealing_gain_recovered": None}
+        models[label] = {
+            "loss": statistics.fmean(losses),
+            "loss_diff": statistics.fmean(diffs),
+            "paired_stderr": stderr,
+        }
+    record = {
+        "reference": reference,
+        "merge": merge,
+        "annealed": annealed if annealed in lm else None,
+        "documents": len(base),
+        "models": models,
+        "annealing_gain_recovered": None,
+    }
     if annealed in lm and merge in lm and models[annealed]["loss_diff"] < 0:
         record["annealing_gain_recovered"] = models[merge]["loss_diff"] / models[annealed]["loss_diff"]
     return record
@@ -577,7 +640,9 @@ def main(argv: list[str] | None = None) -> int:
                 shutil.rmtree(old)
     docs, corpus_name = read_documents(data)
     train_docs, heldout = split_documents(docs, eval_fraction=data.eval_fraction, seed=args.seed)
-    cache_dir = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hf_pma" / "tokenizers"
+    cache_dir = (
+        Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hf_pma" / "tokenizers"
+    )
     tokenizer = run_on_main_process(build_tokenizer, model_args, train_docs, cache_dir)
     train_ds = full_batches(pack_dataset(train_docs, tokenizer, data.block_size), args)
     # The Trainer's evaluations read the final evaluation's text, so that their curves and the
@@ -585,7 +650,12 @@ def main(argv: list[str] | None = None) -> int:
     eval_ds = pack_dataset(final_eval_texts(heldout, data), tokenizer, data.block_size)
     eval_ds = eval_ds.select(evenly_spaced(len(eval_ds), data.max_eval_blocks))
     if data.token_budget:
-        tokens_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size * data.block_size
+        tokens_per_step = (
+            args.per_device_train_batch_size
+            * args.gradient_accumulation_steps
+            * args.world_size
+            * data.block_size
+        )
         args.max_steps = max(1, data.token_budget // tokens_per_step)
         check_comparison(comparison, args)
     model = build_model(model_args, tokenizer, data.block_size)
@@ -611,12 +681,16 @@ def main(argv: list[str] | None = None) -> int:
     trainer.train()
     save_full_model(trainer, out / "final")
     if trainer.pma_merged_dir is None:
-        logger.warning("No snapshot was taken: no merge to evaluate (lengthen the run or lower pma_interval_tokens).")
+        logger.warning(
+            "No snapshot was taken: no merge to evaluate (lengthen the run or lower pma_interval_tokens)."
+        )
         return 1
     annealed = None
     if fork_step:
         checkpoint = out / f"checkpoint-{fork_step}"
-        annealed = train_annealed_fork(model_args, comparison, args, tokenizer, train_ds, data.block_size, checkpoint)
+        annealed = train_annealed_fork(
+            model_args, comparison, args, tokenizer, train_ds, data.block_size, checkpoint
+        )
         if is_main_process():
             remove_tree(checkpoint)  # only the fork needed it
 
@@ -627,11 +701,19 @@ def main(argv: list[str] | None = None) -> int:
         from hf_pma.publishing.card import comparison_table, write_model_card
 
         paired = paired_comparison(results["lm"], reference=next(iter(results["lm"])))
-        tokens_per_step = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size * data.block_size
+        tokens_per_step = (
+            args.per_device_train_batch_size
+            * args.gradient_accumulation_steps
+            * args.world_size
+            * data.block_size
+        )
         paired["tokens"] = trainer.state.num_input_tokens_seen or args.max_steps * tokens_per_step
         if annealed is not None:
-            paired["anneal"] = {"steps": comparison.anneal_steps, "tokens": comparison.anneal_steps * tokens_per_step,
-                                "decay_type": comparison.anneal_decay_type}
+            paired["anneal"] = {
+                "steps": comparison.anneal_steps,
+                "tokens": comparison.anneal_steps * tokens_per_step,
+                "decay_type": comparison.anneal_decay_type,
+            }
         write_comparison(trainer.pma_merged_dir, paired)
         training_record = trainer.pma_merged_dir / "pma_training.json"
         record = json.loads(training_record.read_text())
