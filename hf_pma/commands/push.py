@@ -11,9 +11,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "push",
         help="push a merged model folder (and its card) to the Hugging Face Hub",
         description=(
-            "Upload a model folder to a Hub repo through HfApi (create_repo, upload_folder). The token "
+            "Upload a model folder to a Hub repo through HfApi (create_repo, create_commit). The token "
             "comes from HF_TOKEN or `hf auth login`, the Hub from HF_ENDPOINT. A merged folder without "
-            "README.md gets its card written first."
+            "README.md gets its card written first. Exactly the regular files inside the folder are uploaded: a "
+            "symbolic link that leads out of it, a FIFO or a device, a malformed record or a file holding the "
+            "token stops the push before any request."
         ),
     )
     p.add_argument("folder", help="the model folder to push (config.json + weights)")

@@ -1,6 +1,6 @@
 """Push a model folder (a PMA merge, with its card) to the Hugging Face Hub through ``HfApi``.
 
-Going through ``HfApi.create_repo`` and ``HfApi.upload_folder`` means ``HF_TOKEN``,
+Going through ``HfApi.create_repo`` and ``HfApi.create_commit`` means ``HF_TOKEN``,
 ``HF_ENDPOINT`` and the cached login (``hf auth login``) work as everywhere else. Everything
 that can be checked locally is checked before the first request: the repo id, the revision
 name, the token, the folder (a complete model: config and every weight file the index names),
