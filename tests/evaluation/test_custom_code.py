@@ -221,3 +221,37 @@ def test_a_task_folder_that_names_python_code_is_said_to_run_it(tmp_path, caplog
     assert (
         "A task folder is code: lm-eval runs the Python its YAML names (!function)".replace(" ", "") in text
     )
+
+
+def test_sweep_of_a_run_whose_snapshot_names_custom_code_runs_none(tmp_path, tiny_tokenizer):
+    from tests.snapshot_runs import noise_deviation, write_run
+
+    run, _ = write_run(tmp_path / "run", 2, noise_deviation(), tokenizer=tiny_tokenizer)
+    newest = sorted((run / "pma").glob("snapshot-*"), key=lambda p: int(p.name.split("-")[1]))[-1]
+    marker = tmp_path / "MARKER"
+    (newest / "evil.py").write_text(CODE.format(marker=str(marker)))
+    _edit_json(
+        newest / "config.json",
+        model_type="evil_model",
+        auto_map={"AutoConfig": "evil.EvilConfig", "AutoModelForCausalLM": "evil.EvilModel"},
+    )
+    (tmp_path / "heldout.txt").write_text(sample_text(1500))
+    done = run_cli(
+        "sweep",
+        run,
+        "--eval-file",
+        tmp_path / "heldout.txt",
+        "--window",
+        "2",
+        "--every",
+        "1",
+        "--strategy",
+        "sma",
+        "-o",
+        tmp_path / "s.json",
+        "-q",
+    )
+    assert not marker.exists()
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
+    assert "(config.json has auto_map) needs custom code (auto_map) that hf-pma does not run" in done.stderr
+    assert not (tmp_path / "s.json").exists()
