@@ -72,15 +72,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     from hf_pma.utils.threads import fit_cpu_threads
 
     fit_cpu_threads()  # a shared CPU: the cores others leave free (OMP_NUM_THREADS overrides)
-    from hf_pma.utils.fs import NoSpaceError
-
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError, FileExistsError, PermissionError, NoSpaceError, ConnectionError) as err:
+    except (ValueError, OSError, ConnectionError) as err:  # OSError: FileNotFound, FileExists, Permission, NoSpace, ELOOP ...
         # Bad input: one clear line, no traceback (use -v for the traceback).
         if getattr(args, "verbose", False):
             raise
-        write_error_line(args.command, f"error: {err}")
+        write_error_line(args.command, f"error: {hub_error_line(err) or err}")
         return 2
     except KeyboardInterrupt:
         # Ctrl-C: the ``finally`` blocks on the way up have removed what was half written.

@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import stat
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -392,7 +393,17 @@ def _folder_bytes(folder: Path) -> int | None:
     except ValueError:
         return None
     files = found[1] if found else sharded_weight_files(folder)  # a sharded snapshot: its rank files
-    return sum(f.stat().st_size for f in files) if files else None
+    # A size shown, never a file read: regular files only, links not followed (a link may lead
+    # outside the run, or to itself), a file that vanished meanwhile not counted.
+    sizes = []
+    for f in files:
+        try:
+            info = os.lstat(f)
+        except OSError:
+            continue
+        if stat.S_ISREG(info.st_mode):
+            sizes.append(info.st_size)
+    return sum(sizes) if sizes else None
 
 
 def snapshot_rows(run: str | os.PathLike[str], include_final: bool = False) -> list[dict[str, Any]]:
