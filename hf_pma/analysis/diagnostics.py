@@ -396,7 +396,7 @@ def _folder_bytes(folder: Path) -> int | None:
     # A size shown, never a file read: regular files only, links not followed (a link may lead
     # outside the run, or to itself), a file that vanished meanwhile not counted.
     sizes = []
-    for f in files:
+    for f in files or []:
         try:
             info = os.lstat(f)
         except OSError:
