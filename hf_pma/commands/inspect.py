@@ -61,8 +61,8 @@ def run_window(run: str | Path) -> tuple[int | None, int | None, str | None]:
     else its training record (``pma_training.json``: ``pma_window`` / ``pma_window_tokens``);
     ``(None, None, None)`` when the run records none (or is not a local folder)."""
     from hf_pma.core.manifest import MERGE_RECORD_NAME, PMA_SUBDIR, TRAINING_RECORD_NAME
-    from hf_pma.merging.sources import run_layout
     from hf_pma.io.guarded import read_json
+    from hf_pma.merging.sources import run_layout
 
     run = Path(run)
     if not run.is_dir():

@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCa
 
 from hf_pma.core.manifest import MERGE_RECORD_NAME, SnapshotRecord, included_snapshots, manifest_snapshots
 from hf_pma.core.strategies import ema_weights  # noqa: E402
+from hf_pma.io.guarded import read_json
 from hf_pma.snapshots.callback import ONLINE_STATE_NAME, PMACallback  # noqa: E402
 from hf_pma.snapshots.gather import gather_full_state_dict
 from hf_pma.snapshots.online import OnlineAverage  # noqa: E402
@@ -24,7 +25,6 @@ from hf_pma.snapshots.writer import (
     write_safetensors,
     write_snapshot,
 )
-from hf_pma.io.guarded import read_json
 from tests.dist.pma_common import (  # noqa: E402
     StopAt,
     TokenDataset,
