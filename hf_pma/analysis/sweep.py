@@ -21,24 +21,27 @@ evaluates; :func:`sweep_table`, :func:`plot_sweep` and :func:`write_best` presen
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from transformers.utils import logging
 
+from hf_pma.core.manifest import find_manifest, missing_snapshot_error
 from hf_pma.core.selection import window_by_progress
 from hf_pma.core.strategies import merge_weights
 from hf_pma.evaluation.options import EvalOptions
 from hf_pma.merging.sources import CheckpointSource, resolve_sources
 from hf_pma.utils.formatting import format_number, markdown_table
 from hf_pma.utils.fs import atomic_write_file
-from hf_pma.utils.text import plot_text
+from hf_pma.utils.text import escape, plot_text
 
 logger = logging.get_logger(__name__)
+T = TypeVar("T")
 
 __all__ = [
     "DEFAULT_WINDOWS",
@@ -261,6 +264,37 @@ class SweepEvaluator:
         return self.evaluate_state(state, origin=f"merge of {names}")
 
 
+def _vanished(sources: Sequence[CheckpointSource]) -> FileNotFoundError | None:
+    """The error for the first of ``sources`` whose folder or weight files are gone since they
+    were resolved (a training's ``keep_last`` rotating snapshots out while the sweep runs)."""
+    for source in sources:
+        if source.path.is_dir() and all(f.is_file() for f in source.files):
+            continue
+        name = source.record.get("path")
+        manifest = find_manifest(source.confined_to) if isinstance(name, str) else None
+        if manifest is not None:
+            return missing_snapshot_error(manifest, name, source.path, seen=True)
+        return FileNotFoundError(
+            f"source {escape(source.path)} was deleted while this command ran (a checkpoint rotation?); run it again"
+        )
+    return None
+
+
+def _while_present(sources: Sequence[CheckpointSource], action: Callable[[], T]) -> T:
+    """``action()`` (which reads ``sources``), said in one line naming the snapshot when one of them
+    was deleted since the sweep began, before or while it is read."""
+    gone = _vanished(sources)
+    if gone is not None:
+        raise gone
+    try:
+        return action()
+    except (OSError, ValueError) as err:
+        gone = _vanished(sources)
+        if gone is None:
+            raise
+        raise gone from err
+
+
 def _source_list(run: Any) -> list[CheckpointSource]:
     if isinstance(run, (list, tuple)):
         if run and all(isinstance(s, CheckpointSource) for s in run):
@@ -322,15 +356,22 @@ def run_sweep(
         raise ValueError(
             f"no combination fits the run's {len(sources)} snapshot(s): use smaller --window or --every values"
         )
-    evaluator = SweepEvaluator(
-        sources[-1].path, texts, EvalOptions.build(options, **option_fields), tokenizer=tokenizer, device=device
+    evaluator = _while_present(
+        [sources[-1]],
+        lambda: SweepEvaluator(
+            sources[-1].path.absolute(),  # a path, never taken for a Hub id
+            texts,
+            EvalOptions.build(options, **option_fields),
+            tokenizer=tokenizer,
+            device=device,
+        ),
     )
     unique = {c.key() for c in combos}
     logger.info(
         f"Sweep over {len(sources)} snapshots: {len(combos)} combinations, {len(unique)} distinct merges "
         f"(+ the last snapshot alone)"
     )
-    baseline = evaluator.evaluate_merge([sources[-1]], weights=[1.0])
+    baseline = _while_present([sources[-1]], lambda: evaluator.evaluate_merge([sources[-1]], weights=[1.0]))
     metric = metric or _default_metric(baseline)
     if _metric_value(baseline, metric) is None:
         available = [f"{t}/{m}" for t, ms in baseline.items() for m in ms if not m.endswith("_stderr")]
@@ -346,7 +387,8 @@ def run_sweep(
         if key in done:
             duplicate_of, results = done[key]
         else:
-            results = evaluator.evaluate_merge([sources[i] for i in combo.indices], weights=list(combo.weights))
+            merged = [sources[i] for i in combo.indices]
+            results = _while_present(merged, functools.partial(evaluator.evaluate_merge, merged, list(combo.weights)))
             done[key] = (combo.label, results)
         value = _metric_value(results, metric)
         entries.append(
@@ -496,8 +538,8 @@ def write_best(
     last snapshot's)."""
     from hf_pma.core.manifest import MERGE_RECORD_NAME
     from hf_pma.evaluation.evaluator import write_eval_record
-    from hf_pma.merging.engine import merge_checkpoints
     from hf_pma.io.guarded import read_json
+    from hf_pma.merging.engine import merge_checkpoints
     from hf_pma.utils.fs import atomic_write_json
 
     label = label or report.get("best")

@@ -7,7 +7,9 @@ Layout::
     <output_dir>/pma/merged/                merged model + pma_merge.json
 
 The manifest is only ever replaced atomically (temporary file, fsync, rename, fsync of the
-folder), and a snapshot is listed only after its folder is complete, so a crash at any moment
+folder), every read-modify-write of it (:func:`write_manifest`, :func:`add_snapshot`, ...) runs
+under the snapshot folder's claim (:func:`hf_pma.utils.fs.hold_claim`: a training holds it for
+its whole run, another process waits for it), and a snapshot is listed only after its folder is complete, so a crash at any moment
 leaves a manifest that lists complete snapshots only. Paths in the manifest are relative to the
 manifest's folder so a run can be moved or uploaded.
 
@@ -21,18 +23,20 @@ wrote (:func:`is_snapshot_folder`) are ever deleted.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import re
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from hf_pma.io.guarded import read_json
 from hf_pma.utils.fs import (
     atomic_write_json,
     confined_path,
+    hold_claim,
     is_library_folder,
     remove_path,
     remove_stale_temporaries,
@@ -41,6 +45,7 @@ from hf_pma.utils.fs import (
 from hf_pma.utils.text import escape, shown
 
 __all__ = [
+    "check_eval_results",
     "MANIFEST_NAME",
     "SNAPSHOT_RECORD_NAME",
     "MERGE_RECORD_NAME",
@@ -80,6 +85,7 @@ __all__ = [
     "remove_snapshot_folder",
     "clean_incomplete",
     "orphan_snapshots",
+    "missing_snapshot_error",
 ]
 
 MANIFEST_NAME = "manifest.json"
@@ -361,7 +367,9 @@ def validate_manifest(data: Any, path: str | os.PathLike[str]) -> list[SnapshotR
             raise ManifestError(f"{path}: '{key}' must be {expected}, got {_value_shown(data[key])}")
     entries = data.get("snapshots")
     if not isinstance(entries, list):
-        raise ManifestError(f"{path}: 'snapshots' must be a list of snapshot records, got {shown(entries, 60)}")
+        raise ManifestError(
+            f"{path}: 'snapshots' must be a list of snapshot records, got {shown(entries, 60)}"
+        )
     records: list[SnapshotRecord] = []
     folders: dict[Path, str] = {}
     for i, entry in enumerate(entries):
@@ -413,6 +421,23 @@ def manifest_snapshots(pma_dir: str | os.PathLike[str]) -> list[SnapshotRecord]:
     return _read_checked(pma_dir)[1]
 
 
+T = TypeVar("T")
+
+
+def _under_claim(fn: Callable[..., T]) -> Callable[..., T]:
+    """Run a read-modify-write of the manifest in ``pma_dir`` (the first argument) under that
+    folder's claim: another process's write waits, none is lost (re-entrant in the process that
+    holds it: the training holds it for its whole run)."""
+
+    @functools.wraps(fn)
+    def claimed(pma_dir: str | os.PathLike[str], *args: Any, **kwargs: Any) -> T:
+        with hold_claim(pma_dir, what="snapshot folder"):
+            return fn(pma_dir, *args, **kwargs)
+
+    return claimed
+
+
+@_under_claim
 def write_manifest(
     pma_dir: str | os.PathLike[str],
     snapshots: Iterable[SnapshotRecord | dict[str, Any]],
@@ -450,6 +475,7 @@ def _sorted(records: Iterable[SnapshotRecord]) -> list[SnapshotRecord]:
     return sorted(records, key=lambda r: (r.tokens, r.step))
 
 
+@_under_claim
 def add_snapshot(
     pma_dir: str | os.PathLike[str],
     record: SnapshotRecord,
@@ -479,6 +505,7 @@ def add_snapshot(
     return [old for old in doomed if remove_snapshot_folder(pma_dir, old)]
 
 
+@_under_claim
 def exclude_snapshots(
     pma_dir: str | os.PathLike[str], tokens: Iterable[int], reason: str = "excluded"
 ) -> list[SnapshotRecord]:
@@ -500,6 +527,7 @@ def exclude_snapshots(
     return changed
 
 
+@_under_claim
 def drop_snapshots_after(pma_dir: str | os.PathLike[str], tokens: int) -> list[SnapshotRecord]:
     """Remove the snapshots with more than ``tokens`` tokens from the manifest, then from disk.
 
@@ -613,6 +641,7 @@ def is_set_aside(record: SnapshotRecord) -> bool:
     return record.extra.get(SET_ASIDE_KEY) is not None
 
 
+@_under_claim
 def set_aside_snapshots_after(
     pma_dir: str | os.PathLike[str], tokens: int
 ) -> tuple[list[SnapshotRecord], list[SnapshotRecord]]:
@@ -639,6 +668,32 @@ def set_aside_snapshots_after(
     if newly or passed:
         write_manifest(pma_dir, [r for r in records if r not in passed])
     return newly, [r for r in passed if remove_snapshot_folder(pma_dir, r)]
+
+
+def missing_snapshot_error(
+    manifest: str | os.PathLike[str], name: str, folder: str | os.PathLike[str], seen: bool = False
+) -> FileNotFoundError:
+    """The one-line error for the snapshot ``name`` listed in ``manifest`` whose ``folder`` is not there.
+
+    When this command had seen it (``seen``), or when the manifest no longer lists it (read again
+    now), it was deleted while the command ran: a training's ``keep_last`` rotating it out, or a
+    resume setting it aside; the error says so (such a path is never taken for a Hub id).
+    Otherwise the manifest lists a folder that does not exist.
+    """
+    manifest, folder = Path(manifest), Path(folder)
+    if not seen:
+        try:
+            seen = name not in {r.path for r in manifest_snapshots(manifest.parent)}
+        except (OSError, ValueError):
+            seen = False
+    if seen:
+        return FileNotFoundError(
+            f"snapshot {escape(name)} listed in {escape(manifest)} was deleted while this command ran (keep_last "
+            f"rotation?): {escape(folder)} is gone; run it again to use the snapshots listed now"
+        )
+    return FileNotFoundError(
+        f"snapshot {escape(name)} listed in {escape(manifest)} does not exist at {escape(folder)}"
+    )
 
 
 def _logger() -> Any:
@@ -706,3 +761,26 @@ def orphan_snapshots(pma_dir: str | os.PathLike[str]) -> list[tuple[Path, Snapsh
             record = None
         orphans.append((child, record))
     return orphans
+
+
+def check_eval_results(results: Any, what: str = "results") -> None:
+    """``ValueError`` unless ``results`` maps model labels to ``{task: {metric: number or null}}``
+    (the ``results`` of ``pma_eval.json``); ``what`` names it in the one-line error."""
+    if not isinstance(results, Mapping):
+        raise ValueError(f"{what} should map a model label to its results, found {type(results).__name__}")
+    for label, tasks in results.items():
+        if not isinstance(tasks, Mapping):
+            raise ValueError(
+                f"{what}[{shown(label, 60)}] should map task names to metrics, found {type(tasks).__name__}"
+            )
+        for task, metrics in tasks.items():
+            if not isinstance(metrics, Mapping):
+                raise ValueError(
+                    f"{what}[{shown(label, 60)}][{shown(task, 60)}] should map metric names to numbers"
+                )
+            for metric, value in metrics.items():
+                if value is not None and not _is_number(value):
+                    raise ValueError(
+                        f"{what}[{shown(label, 60)}][{shown(task, 60)}][{shown(metric, 60)}] is {shown(value, 60)}, "
+                        "not a number or null"
+                    )

@@ -47,7 +47,8 @@ from hf_pma.snapshots.sinks import (
     SnapshotSink,
 )
 from hf_pma.snapshots.writer import SnapshotWriter
-from hf_pma.utils.distributed import check_folder_shared, is_peft_model
+from hf_pma.utils.distributed import check_folder_shared, is_peft_model, run_on_main_process
+from hf_pma.utils.fs import FolderClaim
 from hf_pma.utils.logs import notice
 from hf_pma.utils.parsing import parse_dtype, parse_size
 
@@ -144,6 +145,7 @@ class PMACallback(TrainerCallback, ExportableState):
         self.resume_state: dict[str, Any] | None = None
 
         self._pma_dir: Path | None = None
+        self._run_claim: FolderClaim | None = None
         self._is_main = True
         self._sink: SnapshotSink | None = None
         self._step_lr: float | None = None
@@ -255,6 +257,17 @@ class PMACallback(TrainerCallback, ExportableState):
         self._enable_token_count(args)
         self._is_main = bool(state.is_world_process_zero)
         self._pma_dir = Path(self.output_dir or Path(args.output_dir) / PMA_SUBDIR).absolute()
+        run_on_main_process(self._claim_folder)  # before anything is written; refused on every rank
+        try:
+            self._begin(args, state, model, optimizer, lr_scheduler, kwargs.get("processing_class"))
+        except BaseException:
+            self._release_folder()
+            raise
+
+    def _begin(
+        self, args: Any, state: Any, model: Any, optimizer: Any, lr_scheduler: Any, processing_class: Any
+    ) -> None:
+        """Train begin, once this run holds its snapshot folder."""
         self._pending = None
         resumed = state.global_step > 0
         self.schedule.begin(
@@ -263,7 +276,7 @@ class PMACallback(TrainerCallback, ExportableState):
             self._saved_state(state) if resumed else None,
         )
         self._plan = self._plan_run(args, state, lr_scheduler)
-        self._sink = self._make_sink(kwargs.get("processing_class"), model)
+        self._sink = self._make_sink(processing_class, model)
         self._disk = DiskBudget(self._pma_dir, self.max_disk_bytes)
         self._time = TimeBudget()
         self._disk_checked = False
@@ -349,17 +362,39 @@ class PMACallback(TrainerCallback, ExportableState):
         self._sink.save_checkpoint(Path(args.output_dir) / f"checkpoint-{state.global_step}")
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
-        self._losses.detach()
-        self._commit(should_save=False)
-        self._sink.close(model)
-        self._sink.reached(int(state.num_input_tokens_seen))  # snapshots set aside by a resume and passed since
-        if self.interval_tokens is not None and self.schedule.tokens > self.schedule.tokens_at_begin:
-            steps = max(1, state.global_step - self._plan_step0)
-            self._report_cost(max(1, (self.schedule.tokens - self.schedule.tokens_at_begin) // steps), at_end=True)
-        if self._is_main and isinstance(self._sink, DiskSnapshotSink):
-            self._announce_end()
+        try:
+            self._losses.detach()
+            self._commit(should_save=False)
+            self._sink.close(model)
+            self._sink.reached(int(state.num_input_tokens_seen))  # snapshots set aside by a resume and passed since
+            if self.interval_tokens is not None and self.schedule.tokens > self.schedule.tokens_at_begin:
+                steps = max(1, state.global_step - self._plan_step0)
+                self._report_cost(max(1, (self.schedule.tokens - self.schedule.tokens_at_begin) // steps), at_end=True)
+            if self._is_main and isinstance(self._sink, DiskSnapshotSink):
+                self._announce_end()
+        finally:
+            self._release_folder()
 
     # ------------------------------------------------------------------ internals
+
+    def _claim_folder(self) -> None:
+        """Main process (the one that writes the manifest): hold the snapshot folder's claim from
+        train begin to train end (:class:`hf_pma.utils.fs.FolderClaim`), so that a second training
+        in the same folder, on this host or another one sharing the filesystem, stops at its start
+        with one line naming this one's host and pid instead of interleaving the manifest. Refused
+        at once, not waited for: the holder trains for hours. The kernel releases it when this
+        process dies; a train() that raised keeps it until this callback is collected or trains
+        again (the claim is re-entrant within one process)."""
+        if self._run_claim is not None and self._run_claim.folder != self._pma_dir:
+            self._release_folder()
+        if self._run_claim is None:
+            self._run_claim = FolderClaim(self._pma_dir, what="snapshot folder", busy="is in use by another training")
+        self._pma_dir.parent.mkdir(parents=True, exist_ok=True)  # the claim file lies beside the folder
+        self._run_claim.acquire(wait=0)
+
+    def _release_folder(self) -> None:
+        if self._run_claim is not None:
+            self._run_claim.release()
 
     @staticmethod
     def _enable_token_count(args: Any) -> None:

@@ -27,6 +27,7 @@ import re
 import shutil
 import socket
 import stat
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -47,8 +48,12 @@ __all__ = [
     "OutputExistsError",
     "check_output_file",
     "check_output_folder",
+    "CLAIM_WAIT_S",
+    "FolderClaim",
     "claim_output",
     "claim_path",
+    "hold_claim",
+    "holds_claim",
     "confined_path",
     "embedded_name",
     "free_bytes",
@@ -556,13 +561,64 @@ def claim_path(final_dir: str | os.PathLike[str]) -> Path:
     return final_dir.with_name(f".{embedded_name(final_dir)}.claim")
 
 
-def _claim_holder(fd: int) -> str:
+def _claim_record(fd: int) -> dict[str, Any] | None:
+    """The holder a claim file records (``{"host", "pid", ...}``), ``None`` when it records none."""
     try:
         os.lseek(fd, 0, os.SEEK_SET)
-        info = json.loads(os.read(fd, 4096) or b"{}")
-        return f"host {escape(info['host'])}, pid {escape(info['pid'])}"
-    except (OSError, ValueError, KeyError, TypeError):
+        info = json.loads(os.read(fd, 4096) or b"null")
+    except (OSError, ValueError):
+        return None
+    if not isinstance(info, dict) or "host" not in info or "pid" not in info:
+        return None
+    return info
+
+
+def _claim_holder(fd: int) -> str:
+    info = _claim_record(fd)
+    if info is None:
         return "a process that has not said which yet"
+    where = "" if info["host"] == _host() else ", on another host"
+    return f"host {escape(info['host'])}, pid {escape(info['pid'])}{where}"
+
+
+# Whether to wait for a claim: the output claims (a merge's or consolidation's output folder, a
+# training's snapshot folder) are refused at once, because their holders work for minutes to
+# hours and a second job would replace, or be mixed into, the first one's result. The short
+# read-modify-write sections (a manifest entry, the eval record, the card) wait up to
+# CLAIM_WAIT_S: their holders finish in milliseconds, and refusing would throw away what the
+# waiting command computed (an evaluation of hours); a holder still there after the wait (a
+# merge writing that folder, a training) is named in the error.
+CLAIM_WAIT_S = 30.0
+
+# The claims this process holds, by claim file: {key: [fd, count]}. A claim taken again by this
+# process while it holds it (a manifest entry written by the training that holds its run folder,
+# the card of a merge being written) goes on at once.
+_HELD: dict[str, list[int]] = {}
+_HELD_LOCK = threading.Lock()
+# Why a claim file cannot be made beside a folder where nothing of hf-pma's could race either.
+_UNCLAIMABLE_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR)
+
+
+def _claim_key(path: Path) -> str:
+    try:
+        return os.path.join(os.path.realpath(path.parent), path.name)
+    except (OSError, ValueError):
+        return os.path.abspath(path)
+
+
+def _write_claim_record(fd: int) -> None:
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.write(fd, json.dumps({"host": _host(), "pid": os.getpid(), "started": time.time()}).encode())
+
+
+def _release_claim(path: Path, fd: int) -> None:
+    try:
+        if os.fstat(fd).st_ino == os.lstat(path).st_ino:
+            path.unlink()
+    except OSError:
+        pass
+    os.close(fd)
 
 
 @contextmanager
@@ -578,34 +634,145 @@ def claim_output(final_dir: str | os.PathLike[str], overwrite: bool = False) -> 
     left a non-empty folder). Publish with ``publish_folder(tmp, final_dir, replace=overwrite)``
     inside the block: without ``overwrite`` that rename refuses a non-empty folder, which also
     covers filesystems without ``flock`` (where the claim is only the record of the holder).
-    The claim file is removed on release. Yields ``final_dir``.
+    The claim file is removed on release. Yields ``final_dir``. The same claim guards the
+    folder's records (:func:`hold_claim`): a card or an eval record written meanwhile waits.
     """
     final_dir = Path(final_dir)
     final_dir.parent.mkdir(parents=True, exist_ok=True)
     path = claim_path(final_dir)
-    fd = _acquire_claim(path, final_dir)
+    key = _claim_key(path)
+    fd = _acquire_claim(path, final_dir)  # never re-entrant: a second claim in this process is refused too
     try:
-        os.ftruncate(fd, 0)
-        os.lseek(fd, 0, os.SEEK_SET)
-        os.write(fd, json.dumps({"host": _host(), "pid": os.getpid(), "started": time.time()}).encode())
+        _write_claim_record(fd)
+        with _HELD_LOCK:
+            _HELD[key] = [fd, 1]
         check_output_folder(final_dir, overwrite)
         yield final_dir
     finally:
+        with _HELD_LOCK:
+            if _HELD.get(key, [None])[0] == fd:
+                del _HELD[key]
+        _release_claim(path, fd)
+
+
+class FolderClaim:
+    """An exclusive claim on ``folder`` held by this process: the claim of :func:`claim_output`
+    (an ``flock`` on ``.<name>.claim`` beside the folder, recording host and pid), taken for as
+    long as a job works on the folder, not only while it is written.
+
+    A training holds its snapshot folder's (:class:`hf_pma.PMACallback`, from train begin to
+    train end); every read-modify-write of a record in a folder (manifest, eval record, card)
+    holds it for that section (:func:`hold_claim`). Within one process the claim is re-entrant
+    (threads of a process share it: they order their own writes); another process waits up to
+    ``wait`` seconds, then gets :class:`OutputBusyError` naming the folder and the holder (its
+    host and pid, and whether it is on another host). The kernel releases the ``flock`` when
+    the holder dies; on a filesystem without ``flock`` the record is the lock: a holder on this
+    host whose pid is gone is stale, and one on another host is refused (hf-pma cannot check
+    it) with the claim file to remove. A folder whose parent cannot be written (a read-only
+    place) is not claimed: nothing could race there that hf-pma writes.
+
+    Args:
+        folder: the folder to claim.
+        what: how an error names it (``"snapshot folder"``).
+        busy: what the holder is doing, for the error (``"is in use by another training"``).
+    """
+
+    def __init__(
+        self,
+        folder: str | os.PathLike[str],
+        *,
+        what: str = "folder",
+        busy: str = "is being written by another process",
+    ) -> None:
+        self.folder = Path(folder).absolute()
+        self.path = claim_path(self.folder)
+        self.what = what
+        self.busy = busy
+        self._key = _claim_key(self.path)
+        self._held = False
+
+    @property
+    def held(self) -> bool:
+        """Whether this object holds the claim now."""
+        return self._held
+
+    def acquire(self, wait: float = 0.0) -> FolderClaim:
+        """Take the claim, waiting up to ``wait`` seconds for another process to release it."""
+        if self._held:
+            return self
+        with _HELD_LOCK:
+            entry = _HELD.get(self._key)
+            if entry is not None:
+                entry[1] += 1
+                self._held = True
+                return self
         try:
-            if os.fstat(fd).st_ino == os.lstat(path).st_ino:
-                path.unlink()
-        except OSError:
+            fd = _acquire_claim(self.path, self.folder, wait=wait, what=self.what, busy=self.busy)
+        except OSError as err:
+            if isinstance(err, FileExistsError) or err.errno not in _UNCLAIMABLE_ERRNOS:
+                raise  # held by another process, or a planted claim file: refused
+            _logger().debug(f"hf-pma: no claim on {escape(self.folder)} ({escape(err)})")
+            return self  # not held: a folder in a place that cannot be written, or not there yet
+        _write_claim_record(fd)
+        with _HELD_LOCK:
+            _HELD[self._key] = [fd, 1]
+        self._held = True
+        return self
+
+    def release(self) -> None:
+        """Give the claim back (the claim file is removed when this was its last holder here)."""
+        if not self._held:
+            return
+        self._held = False
+        with _HELD_LOCK:
+            entry = _HELD.get(self._key)
+            if entry is None:
+                return
+            entry[1] -= 1
+            if entry[1] > 0:
+                return
+            del _HELD[self._key]
+        _release_claim(self.path, entry[0])
+
+    def __enter__(self) -> FolderClaim:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+    def __del__(self) -> None:  # a job that never reached its end (an exception in training)
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - at interpreter exit the kernel releases it anyway
             pass
-        os.close(fd)
 
 
-def _open_claim(path: Path, final_dir: Path) -> int:
+@contextmanager
+def hold_claim(
+    folder: str | os.PathLike[str], wait: float = CLAIM_WAIT_S, what: str = "folder"
+) -> Iterator[Path]:
+    """Hold ``folder``'s claim (:class:`FolderClaim`) for a short read-modify-write of a record in it,
+    waiting up to ``wait`` seconds for another process's section (or job) to end. Yields the folder."""
+    claim = FolderClaim(folder, what=what).acquire(wait)
+    try:
+        yield claim.folder
+    finally:
+        claim.release()
+
+
+def holds_claim(folder: str | os.PathLike[str]) -> bool:
+    """Whether this process holds ``folder``'s claim now."""
+    with _HELD_LOCK:
+        return _claim_key(claim_path(Path(folder).absolute())) in _HELD
+
+
+def _open_claim(path: Path, final_dir: Path, what: str = "output folder") -> int:
     """Open (creating it) the claim file ``path`` of ``final_dir``, never through a symbolic link,
     and only when it is a regular file of its own (one link): the claim is truncated and written,
     so anything else (a link or a hard link to another file, a FIFO, a folder) is refused in one
     line naming it."""
     refused = (
-        f"the claim file {escape(path)} of output folder {escape(final_dir)} is not a regular file that hf-pma "
+        f"the claim file {escape(path)} of {what} {escape(final_dir)} is not a regular file that hf-pma "
         "made ({}); remove it or choose another output folder"
     )
     flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
@@ -627,26 +794,52 @@ def _open_claim(path: Path, final_dir: Path) -> int:
     return fd
 
 
-def _acquire_claim(path: Path, final_dir: Path) -> int:
+def _acquire_claim(
+    path: Path,
+    final_dir: Path,
+    wait: float = 0.0,
+    what: str = "output folder",
+    busy: str = "is being written by another process",
+) -> int:
+    """Open and lock the claim file ``path`` of ``final_dir``; the open file once locked.
+
+    Waits up to ``wait`` seconds for a holder to release it (polling), then raises
+    :class:`OutputBusyError`: ``<what> <final_dir> <busy> (<holder>)``. Without ``flock`` on the
+    filesystem, the holder the file records decides (see :class:`FolderClaim`)."""
     import fcntl
 
+    deadline = time.monotonic() + wait
+    delay, announced = 0.002, False
     while True:
-        fd = _open_claim(path, final_dir)
+        fd = _open_claim(path, final_dir, what)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
+            if time.monotonic() < deadline:
+                if not announced:  # a wait that may be long says why it waits, once
+                    announced = True
+                    _logger().warning(f"hf-pma: {what} {escape(final_dir)} {busy} ({_claim_holder(fd)}); waiting up to {wait:g}s")
+                os.close(fd)
+                time.sleep(delay)  # a poll: flock has no timeout
+                delay = min(0.05, delay * 2)
+                continue
             holder = _claim_holder(fd)
             os.close(fd)
-            raise OutputBusyError(
-                f"output folder {final_dir} is being written by another process ({holder}); wait for it to "
-                "finish or choose another folder"
-            ) from None
+            raise OutputBusyError(_busy_message(what, final_dir, busy, holder, wait)) from None
         except OSError as err:
             if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
                 os.close(fd)
                 raise
-            _logger().debug(f"hf-pma: no file locks on the filesystem of {path}; the publish rename guards {final_dir}")
-            return fd
+            _logger().debug(f"hf-pma: no file locks on the filesystem of {path}; its record names the holder")
+            problem = _recorded_holder(fd, path)
+            if problem is None:
+                return fd
+            os.close(fd)
+            if time.monotonic() < deadline:
+                time.sleep(delay)
+                delay = min(0.05, delay * 2)
+                continue
+            raise OutputBusyError(_busy_message(what, final_dir, busy, problem, wait)) from None
         try:
             same = os.fstat(fd).st_ino == os.stat(path).st_ino
         except FileNotFoundError:
@@ -654,6 +847,32 @@ def _acquire_claim(path: Path, final_dir: Path) -> int:
         if same:
             return fd
         os.close(fd)  # the holder released (and removed) it between our open and our lock: retry
+
+
+def _busy_message(what: str, final_dir: Path, busy: str, holder: str, wait: float) -> str:
+    waited = f" (waited {wait:g}s)" if wait > 0 else ""
+    if what == "output folder" and busy == "is being written by another process":
+        advice = "wait for it to finish or choose another folder"
+    else:
+        advice = "wait for it to finish, or use another folder"
+    return f"{what} {escape(final_dir)} {busy} ({holder}){waited}; {advice}"
+
+
+def _recorded_holder(fd: int, path: Path) -> str | None:
+    """Without ``flock``: the live holder the claim file records, described; ``None`` when it
+    records none, this process, or a process of this host that is gone (stale)."""
+    info = _claim_record(fd)
+    if info is None or (info["host"] == _host() and info["pid"] == os.getpid()):
+        return None
+    if info["host"] == _host():
+        pid = info["pid"]
+        if isinstance(pid, int) and not isinstance(pid, bool) and not _pid_alive(pid):
+            return None
+        return f"host {escape(info['host'])}, pid {escape(pid)}"
+    return (
+        f"host {escape(info['host'])}, pid {escape(info['pid'])}, on another host, which hf-pma cannot check "
+        f"without file locks: if that process is gone, remove {escape(path)}"
+    )
 
 
 def check_output_file(path: str | os.PathLike[str], what: str = "output file") -> None:

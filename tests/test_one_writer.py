@@ -1,0 +1,272 @@
+"""One writer per run folder: a training holds its snapshot folder for the whole run (a second one
+stops at its start naming the first, on every rank); every read-modify-write of a record (the
+manifest, the eval record, the card) happens under its folder's claim; a reader that meets a
+snapshot deleted meanwhile says so. Real processes race; barriers are files, never sleeps."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from transformers import Trainer
+
+from hf_pma.analysis.sweep import run_sweep
+from hf_pma.core.manifest import PMA_SUBDIR, manifest_snapshots
+from hf_pma.evaluation.evaluator import read_eval_record
+from hf_pma.merging.sources import resolve_sources
+from hf_pma.snapshots.callback import PMACallback
+from hf_pma.utils.fs import FolderClaim, _host, claim_path
+from tests.dist.pma_common import TokenDataset, make_args, make_tiny_model, pad_collate
+from tests.pma_records import merge_record
+from tests.snapshot_runs import noise_deviation, write_run
+from tests.testing_utils import launch, sample_text
+
+TRAIN = Path(__file__).parent / "dist" / "one_writer_train.py"
+ROUNDS = 20
+
+
+def wait_for(path: Path, *procs: subprocess.Popen, timeout: float = 300) -> None:
+    """Wait until ``path`` exists (a barrier file); fail if a process it depends on exits first."""
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        for proc in procs:
+            assert proc.poll() is None, f"a process exited with {proc.returncode} before {path.name} appeared"
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.005)
+
+
+def python(code: str, *args: object, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", code, *map(str, args)], **kwargs)
+
+
+def refusal(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("REFUSED")]
+
+
+# ---------------------------------------------------------------- one training per snapshot folder
+
+
+def test_a_second_training_in_the_same_output_dir_stops_at_its_start_naming_the_first(tmp_path):
+    out, ready, go = tmp_path / "run", tmp_path / "ready", tmp_path / "go"
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen(
+            [sys.executable, TRAIN, out, ready, go], stdout=log, stderr=subprocess.STDOUT
+        )
+        try:
+            wait_for(ready, first)  # the first holds its folder, one snapshot listed
+            second = subprocess.run([sys.executable, TRAIN, out], capture_output=True, text=True, timeout=300)
+        finally:
+            go.touch()
+            first.wait(timeout=300)
+    assert first.returncode == 0, (tmp_path / "first.log").read_text()[-3000:]
+    assert second.returncode == 3, second.stderr[-3000:]
+    assert refusal(second.stderr) == [
+        f"REFUSED rank 0: snapshot folder {out / PMA_SUBDIR} is in use by another training (host {_host()}, "
+        f"pid {first.pid}); wait for it to finish, or use another folder"
+    ]
+    # The first run's manifest lists its own snapshots only; the claim went with its end.
+    assert [r.path for r in manifest_snapshots(out / PMA_SUBDIR)] == [
+        f"snapshot-{64 * k}" for k in (1, 2, 3, 4)
+    ]
+    assert sorted(os.listdir(out)) == [PMA_SUBDIR]
+
+
+HOLD = """
+import fcntl, json, os, sys, time
+from pathlib import Path
+fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
+fcntl.flock(fd, fcntl.LOCK_EX)
+os.write(fd, json.dumps({"host": sys.argv[2], "pid": 4242}).encode())
+Path(sys.argv[3]).touch()
+while not Path(sys.argv[4]).exists():
+    time.sleep(0.005)
+"""
+
+
+def test_a_training_held_from_another_host_through_the_shared_filesystem_is_named(tmp_path):
+    """The claim is a lock on the shared filesystem: a holder on another node (its lock and its
+    record, as NFS shows them) stops this training before anything is written, saying so."""
+    out = tmp_path / "run"
+    out.mkdir()
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    holder = python(HOLD, claim_path(out / PMA_SUBDIR), "node-b", ready, go)
+    try:
+        wait_for(ready, holder)
+        trainer = Trainer(
+            model=make_tiny_model(seed=0),
+            args=make_args(out, max_steps=2),
+            train_dataset=TokenDataset(n=16),
+            data_collator=pad_collate,
+            callbacks=[PMACallback(interval_tokens=64)],
+        )
+        with pytest.raises(FileExistsError) as refused:
+            trainer.train()
+    finally:
+        go.touch()
+        holder.wait(timeout=60)
+    assert str(refused.value) == (
+        f"snapshot folder {out / PMA_SUBDIR} is in use by another training (host node-b, pid 4242, on another "
+        "host); wait for it to finish, or use another folder"
+    )
+    assert trainer.state.global_step == 0 and not (out / PMA_SUBDIR).exists()
+
+
+def test_under_ddp_every_rank_stops_with_the_main_process_refusal(tmp_path):
+    """Only rank 0 (the one that writes the manifest) takes the claim; its refusal reaches every
+    rank, none waits in a collective."""
+    out = tmp_path / "run"
+    out.mkdir()
+    with FolderClaim(out / PMA_SUBDIR, what="snapshot folder") as claim:  # this test process trains there
+        assert claim.held
+        result = launch(TRAIN, out, nproc=2, check=False, timeout=300)
+    assert not result.timed_out and result.returncode != 0, result.report()
+    expected = (
+        f"snapshot folder {out / PMA_SUBDIR} is in use by another training (host {_host()}, pid {os.getpid()}); "
+        "wait for it to finish, or use another folder"
+    )
+    for rank in (0, 1):
+        assert refusal(result.output(rank, "stderr")) == [f"REFUSED rank {rank}: {expected}"], result.report()
+    assert not (out / PMA_SUBDIR / "manifest.json").exists()
+
+
+# ---------------------------------------------------------------- read-modify-writes of records
+
+RECORD_WRITER = """
+import sys, time
+from pathlib import Path
+from hf_pma.evaluation.evaluator import write_eval_record
+folder, me, ready, go = sys.argv[1], sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])
+ready.touch()
+while not go.exists():
+    time.sleep(0.002)
+for j in range(int(sys.argv[5])):
+    write_eval_record(folder, {f"{me}-{j}": {"lm": {"loss": float(j)}}}, eval_dataset=me)
+"""
+
+MANIFEST_WRITER = """
+import sys, time
+from pathlib import Path
+from hf_pma.core.manifest import SnapshotRecord, add_snapshot
+pma, me, ready, go = sys.argv[1], int(sys.argv[2]), Path(sys.argv[3]), Path(sys.argv[4])
+ready.touch()
+while not go.exists():
+    time.sleep(0.002)
+for j in range(int(sys.argv[5])):
+    tokens = 2 * j + me
+    add_snapshot(pma, SnapshotRecord(path=f"snapshot-{tokens}", tokens=tokens, step=tokens))
+"""
+
+
+def race(tmp_path: Path, code: str, target: Path, names: list[str]) -> None:
+    """Start one writer per name, release them together, and wait for them to succeed."""
+    go = tmp_path / "go"
+    writers = [
+        python(code, target, name, tmp_path / f"ready-{name}", go, ROUNDS, stderr=subprocess.PIPE)
+        for name in names
+    ]
+    try:
+        for name in names:
+            wait_for(tmp_path / f"ready-{name}", *writers)
+    finally:
+        go.touch()
+        errors = [w.communicate(timeout=300)[1] for w in writers]
+    assert [w.returncode for w in writers] == [0] * len(names), errors
+
+
+def test_two_eval_record_writers_keep_every_result(tmp_path):
+    folder = tmp_path / "merged"
+    folder.mkdir()
+    race(tmp_path, RECORD_WRITER, folder, ["a", "b"])
+    record = read_eval_record(folder)
+    assert sorted(record["results"]) == sorted(f"{me}-{j}" for me in "ab" for j in range(ROUNDS))
+    assert sorted(os.listdir(tmp_path)) == ["go", "merged", "ready-a", "ready-b"]  # the claim is gone
+
+
+def test_two_processes_appending_to_one_manifest_keep_every_snapshot(tmp_path):
+    pma = tmp_path / "run" / PMA_SUBDIR
+    pma.mkdir(parents=True)
+    race(tmp_path, MANIFEST_WRITER, pma, ["0", "1"])
+    assert [r.tokens for r in manifest_snapshots(pma)] == list(range(2 * ROUNDS))
+
+
+MERGE_OVERWRITE = """
+import sys, time
+from pathlib import Path
+from hf_pma.utils.fs import claim_output, publish_folder, temporary_path
+out, record, ready, go = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])
+with claim_output(out, overwrite=True):  # as a merge does: claimed, written aside, published
+    tmp = temporary_path(out)
+    tmp.mkdir()
+    (tmp / "pma_merge.json").write_text(record)
+    ready.touch()
+    while not go.exists():
+        time.sleep(0.002)
+    publish_folder(tmp, out, replace=True)
+"""
+
+
+def test_a_card_written_while_a_merge_overwrites_the_folder_describes_the_new_merge(tmp_path):
+    out = tmp_path / "merged"
+    out.mkdir()
+    (out / "pma_merge.json").write_text(json.dumps(merge_record("sma")))
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    merge = python(MERGE_OVERWRITE, out, json.dumps(merge_record("ema", alpha=0.3)), ready, go)
+    try:
+        wait_for(ready, merge)
+        card = python(
+            "import sys; from hf_pma.cli import main; sys.exit(main())",
+            "card",
+            out,
+            "--no-plot",
+            "--model-name",
+            "racer",
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        # Released once the card waits for the merge's claim (or, without a claim, once it is done).
+        waited = next((line for line in card.stderr if "waiting up to" in line), None)
+    finally:
+        go.touch()
+        merge.wait(timeout=60)
+    card.wait(timeout=120)
+    assert merge.returncode == 0 and card.returncode == 0, card.stderr.read()
+    assert waited is not None and (
+        f"merged folder {out} is being written by another process (host {_host()}, pid {merge.pid}); waiting up to 30s"
+        in waited
+    )
+    text = (out / "README.md").read_text()
+    assert json.loads((out / "pma_merge.json").read_text())["strategy"] == "ema"
+    assert "ema" in text.lower() and "sma" not in text.lower(), text
+
+
+# ---------------------------------------------------------------- a snapshot deleted meanwhile
+
+
+@pytest.fixture
+def run_in_cwd(tmp_path, tiny_tokenizer, monkeypatch):
+    """A run of 4 snapshots, its sources resolved from inside ``pma/`` (names without a folder:
+    ``snapshot-4000``, which would be a valid Hub id)."""
+    run, _ = write_run(tmp_path / "run", 4, noise_deviation(0.03), tokenizer=tiny_tokenizer)
+    monkeypatch.chdir(run / PMA_SUBDIR)
+    return run, resolve_sources(["."])
+
+
+@pytest.mark.parametrize("gone", [0, 3], ids=["oldest", "newest"])
+def test_a_sweep_that_meets_a_snapshot_rotated_out_says_so(run_in_cwd, gone):
+    run, sources = run_in_cwd
+    assert str(sources[gone].path) == f"snapshot-{1000 * (gone + 1)}"
+    shutil.rmtree(run / PMA_SUBDIR / sources[gone].path)  # keep_last, between the listing and the reading
+    with pytest.raises(FileNotFoundError) as err:
+        run_sweep(
+            sources, windows=[4], every=[1], strategies=["sma"], texts=[sample_text(2000)], progress=False
+        )
+    assert str(err.value) == (
+        f"snapshot snapshot-{1000 * (gone + 1)} listed in manifest.json was deleted while this command ran "
+        f"(keep_last rotation?): snapshot-{1000 * (gone + 1)} is gone; run it again to use the snapshots listed now"
+    )
