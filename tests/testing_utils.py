@@ -226,6 +226,7 @@ def run_cli(
     cwd: str | os.PathLike | None = None,
     process: bool = False,
     timeout: float = 300,
+    input: str | None = None,
 ) -> CliResult:
     """Run ``hf-pma ARGV``: the one way tests run the command.
 
@@ -240,12 +241,19 @@ def run_cli(
     ``process=True`` starts the installed console script instead, with ``env`` on top of this
     environment: for what only a real process shows (the entry point, the exit code the shell
     sees, what is imported, settings that libraries read once at import such as
-    ``HF_ENDPOINT``, a process that another one races or kills).
+    ``HF_ENDPOINT``, a process that another one races or kills). ``input`` is what that process
+    reads on its standard input (a user answering a prompt).
     """
     args = [os.fspath(a) for a in argv]
     if process:
         done = subprocess.run(
-            [hf_pma_command(), *args], capture_output=True, text=True, env=_process_env(env), cwd=cwd, timeout=timeout
+            [hf_pma_command(), *args],
+            capture_output=True,
+            text=True,
+            env=_process_env(env),
+            cwd=cwd,
+            timeout=timeout,
+            input=input,
         )
         return CliResult(args, done.returncode, done.stdout, done.stderr)
     return _run_cli_here(args, env or {}, cwd)
@@ -269,10 +277,16 @@ def run_cli_in_one_process(
     )
     done = subprocess.run(
         [sys.executable, "-c", driver, json.dumps(argvs)],
-        capture_output=True, text=True, env=_process_env(env), cwd=cwd, timeout=timeout,
+        capture_output=True,
+        text=True,
+        env=_process_env(env),
+        cwd=cwd,
+        timeout=timeout,
     )
     if done.returncode != 0:
-        raise AssertionError(f"the process running {len(argvs)} hf-pma commands failed:\n{done.stderr[-6000:]}")
+        raise AssertionError(
+            f"the process running {len(argvs)} hf-pma commands failed:\n{done.stderr[-6000:]}"
+        )
     return [CliResult(**result) for result in json.loads(done.stdout.rsplit("\n", 1)[-1])]
 
 

@@ -26,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers.utils import logging
 
-from hf_pma.core.manifest import EVAL_RECORD_NAME
+from hf_pma.core.manifest import EVAL_RECORD_NAME, check_eval_results
 from hf_pma.evaluation.harness import flatten_lm_eval_results, jsonable, load_task_manager, run_lm_eval
 from hf_pma.evaluation.model_checks import (
     LOAD_KWARGS,
@@ -37,10 +37,9 @@ from hf_pma.evaluation.model_checks import (
 )
 from hf_pma.evaluation.options import EvalOptions
 from hf_pma.io.guarded import read_json
-from hf_pma.publishing.records import check_eval_results
 from hf_pma.utils.distributed import require_unsharded_model, run_on_main_process
 from hf_pma.utils.formatting import MISSING, format_metric, markdown_table, metric_label
-from hf_pma.utils.fs import atomic_write_json
+from hf_pma.utils.fs import atomic_write_json, hold_claim
 from hf_pma.utils.text import escape
 
 logger = logging.get_logger(__name__)
@@ -445,7 +444,8 @@ def evaluate_models(
     ``options`` (or its fields as keywords) as :func:`evaluate_model`. Everything is checked
     before the first model is evaluated: the task names, every model folder and its tokenizer.
     Returns ``{"results": {label: flat results}, "eval_dataset": eval_dataset, "models":
-    {label: model}, "lm": {label: LM details}, "lm_eval": {label: lm-eval results}}``: its
+    {label: model}, "tokenizers": {label: the tokenizer's folder or name}, "lm": {label: LM
+    details}, "lm_eval": {label: lm-eval results}}``: its
     ``results`` and ``eval_dataset`` form the ``pma_eval.json`` record
     (:func:`write_eval_record`). Under several processes this runs on the main process only.
     """
@@ -478,8 +478,12 @@ def _evaluate_models(
     if options.tasks:
         tasks, task_manager = load_task_manager(options.tasks, options.include_path)
         options = options.replace(tasks=tasks)
+    tokenizers: dict[str, str | None] = {}  # model -> its tokenizer's folder or name, in the results
     for model in models:  # fail on a bad folder or tokenizer now, not after hours of evaluation
         name, tok_name = resolve_model(model, tokenizer)
+        tokenizers[model] = tok_name if isinstance(tok_name, str) else None
+        if tokenizer is None and tok_name is not None and Path(tok_name) != Path(name):
+            logger.info(f"{escape(model)}: evaluated with the tokenizer of its run folder {escape(tok_name)}")
         if Path(name).exists():
             rows = _config_vocab_rows(name)
             if rows is not None:
@@ -489,6 +493,7 @@ def _evaluate_models(
         "results": {},
         "eval_dataset": eval_dataset,
         "models": {},
+        "tokenizers": {},
         "lm": {},
         "lm_eval": {},
     }
@@ -504,6 +509,7 @@ def _evaluate_models(
                 torch.cuda.empty_cache()
         report["results"][label] = out["results"]
         report["models"][label] = model
+        report["tokenizers"][label] = tokenizers.get(model)
         if out["lm"] is not None:
             report["lm"][label] = out["lm"]
         if out["lm_eval"] is not None:
@@ -535,17 +541,20 @@ def write_eval_record(
     path = folder / EVAL_RECORD_NAME
 
     def write() -> Path:
-        record: dict[str, Any] = {"results": {}, "eval_dataset": None}
-        if update and path.is_file():
-            old = read_eval_record(folder)
-            record["results"].update(old["results"])
-            record["eval_dataset"] = old.get("eval_dataset")
-        record["results"].update(
-            {str(k): {str(t): dict(m) for t, m in v.items()} for k, v in results.items()}
-        )
-        if eval_dataset is not None:
-            record["eval_dataset"] = str(eval_dataset)
-        atomic_write_json(path, record)
+        # Read, update and replace under the folder's claim: two jobs recording into one folder
+        # both keep their results (the second waits for the first), and a merge replacing it is waited for.
+        with hold_claim(folder, what="--record folder"):
+            record: dict[str, Any] = {"results": {}, "eval_dataset": None}
+            if update and path.is_file():
+                old = read_eval_record(folder)
+                record["results"].update(old["results"])
+                record["eval_dataset"] = old.get("eval_dataset")
+            record["results"].update(
+                {str(k): {str(t): dict(m) for t, m in v.items()} for k, v in results.items()}
+            )
+            if eval_dataset is not None:
+                record["eval_dataset"] = str(eval_dataset)
+            atomic_write_json(path, record)
         logger.info(f"Wrote {path}")
         return path
 

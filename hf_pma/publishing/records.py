@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +26,7 @@ from hf_pma.core.manifest import (
     MERGE_RECORD_NAME,
     PMA_SUBDIR,
     TRAINING_RECORD_NAME,
+    check_eval_results,
     read_manifest,
 )
 from hf_pma.io.guarded import read_json
@@ -223,29 +223,6 @@ def _check_merge_record(path: Path, data: dict[str, Any]) -> None:
             _check_field(path, source, key, _is_number, "a number", f"sources[{i}]")
         for key in ("name", "path", "phase", "repo_id", "revision", "commit"):
             _check_field(path, source, key, lambda v: isinstance(v, str), "a string", f"sources[{i}]")
-
-
-def check_eval_results(results: Any, what: str = "results") -> None:
-    """``ValueError`` unless ``results`` maps model labels to ``{task: {metric: number or null}}``
-    (the ``results`` of ``pma_eval.json``); ``what`` names it in the one-line error."""
-    if not isinstance(results, Mapping):
-        raise ValueError(f"{what} should map a model label to its results, found {type(results).__name__}")
-    for label, tasks in results.items():
-        if not isinstance(tasks, Mapping):
-            raise ValueError(
-                f"{what}[{shown(label, 60)}] should map task names to metrics, found {type(tasks).__name__}"
-            )
-        for task, metrics in tasks.items():
-            if not isinstance(metrics, Mapping):
-                raise ValueError(
-                    f"{what}[{shown(label, 60)}][{shown(task, 60)}] should map metric names to numbers"
-                )
-            for metric, value in metrics.items():
-                if value is not None and not _is_number(value):
-                    raise ValueError(
-                        f"{what}[{shown(label, 60)}][{shown(task, 60)}][{shown(metric, 60)}] is {shown(value, 60)}, "
-                        "not a number or null"
-                    )
 
 
 def _find_run_manifest(folder: Path) -> Path | None:

@@ -7,15 +7,12 @@ from __future__ import annotations
 
 import ast
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
 import hf_pma
 from tests.testing_utils import (
-    _process_env,
-    hf_pma_command,
     make_tiny_model,
     run_cli,
     sample_text,
@@ -76,21 +73,16 @@ def _error_lines(stderr: str) -> list[str]:
 def test_eval_of_a_folder_with_custom_code_runs_none_even_when_the_user_says_yes(good, tmp_path):
     folder, marker = _evil(good, tmp_path)
     out = tmp_path / "out.json"
-    done = subprocess.run(
-        [
-            hf_pma_command(),
-            "eval",
-            str(folder),
-            "--eval-file",
-            str(good.parent / "heldout.txt"),
-            "-o",
-            str(out),
-        ],
-        input="y\n",
-        capture_output=True,
-        text=True,
-        env=_process_env({"OMP_NUM_THREADS": "1"}),
-        timeout=300,
+    done = run_cli(
+        "eval",
+        folder,
+        "--eval-file",
+        good.parent / "heldout.txt",
+        "-o",
+        out,
+        input="y\n",  # the answer transformers' prompt would take: there must be no prompt
+        env={"OMP_NUM_THREADS": "1"},
+        process=True,
     )
     assert not marker.exists(), "the folder's Python ran"
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
