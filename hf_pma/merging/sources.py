@@ -26,6 +26,7 @@ from hf_pma.core.manifest import (
     MAX_RECORD_INT,
     PMA_SUBDIR,
     manifest_snapshots,
+    missing_snapshot_error,
     read_manifest,
     read_snapshot_record,
 )
@@ -439,7 +440,7 @@ def _expand_manifest(manifest: Path, layout: RunLayout) -> list[CheckpointSource
             continue
         folder = pma_dir / record.path
         if not folder.is_dir():
-            raise FileNotFoundError(f"snapshot {record.path} listed in {manifest} does not exist at {folder}")
+            raise missing_snapshot_error(manifest, record.path, folder)  # or deleted since the manifest was read
         data = record.to_dict()
         data["interval_tokens"] = interval
         sources.append(_source_from_folder(folder, record.tokens, record.step, data, root=layout.path))

@@ -36,7 +36,7 @@ from hf_pma import __version__
 from hf_pma.core.manifest import CARD_NAME, PLOT_NAME, PMA_SUBDIR
 from hf_pma.publishing.records import FolderRecords, label_rank, load_records, sanitize_text
 from hf_pma.utils.formatting import format_metric, format_number, metric_label
-from hf_pma.utils.fs import atomic_write_text
+from hf_pma.utils.fs import atomic_write_text, hold_claim
 from hf_pma.utils.text import escape
 
 if TYPE_CHECKING:
@@ -637,12 +637,13 @@ def write_model_card(
     when ``plot`` and matplotlib is installed; returns the card's path. ``kwargs`` go to
     :func:`build_model_card`."""
     folder = Path(folder)
-    records = load_records(folder)
-    if plot:
-        _try_plot(folder, records)
-    card = build_model_card(folder, repo_id, records=records, **kwargs)
-    path = folder / CARD_NAME
-    atomic_write_text(path, str(card))  # a crash never leaves half a card
+    with hold_claim(folder, what="merged folder"):  # the records read are those the card stands beside
+        records = load_records(folder)
+        if plot:
+            _try_plot(folder, records)
+        card = build_model_card(folder, repo_id, records=records, **kwargs)
+        path = folder / CARD_NAME
+        atomic_write_text(path, str(card))  # a crash never leaves half a card
     logger.info(f"Wrote the model card {path.name} in {folder.name}")
     return path
 

@@ -45,8 +45,12 @@ def check_revision_name(revision: str, name: str = "revision") -> str:
 
 def looks_local(name: str | os.PathLike[str]) -> bool:
     """Whether ``name`` can only mean a local path, never a Hub id (``org/name``, ``name``,
-    ``org/name@REV``): it starts with ``.``, ``/`` or ``~``, holds a ``\\`` or more than one
-    ``/``, or its first part exists here (``run/snapshot-9`` where ``run/`` is a folder)."""
+    ``org/name@REV``): it is a path object (``pathlib.Path``: what hf-pma took from a run folder
+    or manifest, which is never looked up on the Hub even once deleted), starts with ``.``, ``/``
+    or ``~``, holds a ``\\`` or more than one ``/``, or its first part exists here
+    (``run/snapshot-9`` where ``run/`` is a folder)."""
+    if isinstance(name, os.PathLike):
+        return True
     text = os.fspath(name)
     if text.startswith((".", "/", "~")) or "\\" in text or os.sep in text.replace("/", ""):
         return True
