@@ -65,6 +65,31 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], help="output dtype (default: input dtype)"
     )
+    p.add_argument(
+        "--clip-to-dtype",
+        action="store_true",
+        help=(
+            "clip merged values beyond the range of the output dtype (float16: 65504) to it, and say how many; "
+            "by default such a merge is refused, naming the tensor"
+        ),
+    )
+    p.add_argument(
+        "--allow-different-configs",
+        action="store_true",
+        help=(
+            "merge sources whose config.json differ in what changes the meaning of the weights (architecture, "
+            "heads, head size, key-value heads, RoPE, vocabulary, layers, ...): a deliberate soup of models, "
+            "with a warning; by default refused, naming the two sources and the fields"
+        ),
+    )
+    p.add_argument(
+        "--tokenizer",
+        metavar="DIR",
+        help=(
+            "the folder whose tokenizer the merged folder takes (default: the newest source's, else that of "
+            "the run folder named; recorded in pma_merge.json)"
+        ),
+    )
     p.add_argument("--accumulate-dtype", choices=["float32", "float64"], default="float32")
     p.add_argument("--max-shard-size", default="5GB", help="largest output shard (default: 5GB)")
     p.add_argument(
@@ -95,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     from hf_pma.core.outputs import check_overwrite_target
     from hf_pma.core.strategies import validate_strategy
     from hf_pma.merging.engine import merge_checkpoints
-    from hf_pma.merging.sources import describe_sources, resolve_sources
+    from hf_pma.merging.sources import describe_sources, resolve_sources, tokenizer_folder
     from hf_pma.utils.fs import check_output_folder
 
     validate_strategy(args.strategy, args.alpha, args.weights)  # before any source is downloaded
@@ -103,6 +128,8 @@ def run(args: argparse.Namespace) -> int:
     check_output_folder(output, args.overwrite)  # before any download
     if args.overwrite:
         check_overwrite_target(output, (MERGE_RECORD_NAME,))
+    if args.tokenizer is not None:
+        tokenizer_folder((), args.tokenizer)  # holds a tokenizer: checked before any download
     selection = ("last", "every", "revisions", "cache_dir", "include_final", "window_tokens", "window_steps")
     sources = resolve_sources(args.sources, **{k: getattr(args, k) for k in selection})
     _warn_whole_run(args, sources)
@@ -117,6 +144,9 @@ def run(args: argparse.Namespace) -> int:
         "workers",
         "window_tokens",
         "window_steps",
+        "allow_different_configs",
+        "clip_to_dtype",
+        "tokenizer",
     )
     merge_checkpoints(
         sources, args.output, progress=not args.quiet, **{k: getattr(args, k) for k in same_names}

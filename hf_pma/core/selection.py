@@ -17,7 +17,14 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["WINDOW_UNITS", "WindowSpan", "window_by_progress", "window_span", "check_window"]
+__all__ = [
+    "WINDOW_UNITS",
+    "WindowSpan",
+    "window_by_progress",
+    "window_span",
+    "check_window",
+    "snapshot_intervals",
+]
 
 WINDOW_UNITS = ("tokens", "steps")
 
@@ -116,3 +123,27 @@ def window_span(
         if values and all(isinstance(v, int) and not isinstance(v, bool) for v in values):
             return WindowSpan(name, min(values), max(values), requested)
     return None
+
+
+def _runs(values: Sequence[int]) -> list[int]:
+    """Each value once per run of equal neighbours, in order: ``[1, 1, 2, 2, 1] -> [1, 2, 1]``."""
+    return [v for i, v in enumerate(values) if i == 0 or v != values[i - 1]]
+
+
+def snapshot_intervals(
+    recorded: Sequence[int | None], tokens: Sequence[int | None]
+) -> tuple[list[int], str | None]:
+    """The snapshot intervals V (tokens) the merged members (oldest first) were taken at, each
+    once per stretch, and what they come from: ``(the intervals, "recorded")`` when every member
+    records its interval (a snapshot's ``extra.interval_tokens``), else ``(the token gaps
+    between consecutive members, "gaps")`` when every member knows its tokens, else ``([],
+    None)``. More than one interval means that V changed within the merge (a run resumed with
+    another ``interval_tokens``), or that the members are unevenly spaced.
+    """
+    if recorded and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in recorded):
+        return _runs(list(recorded)), "recorded"  # type: ignore[arg-type]
+    if len(tokens) >= 2 and all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+        gaps = [b - a for a, b in zip(tokens, tokens[1:])]  # type: ignore[operator]
+        if all(g > 0 for g in gaps):
+            return _runs(gaps), "gaps"
+    return [], None

@@ -13,6 +13,7 @@ the folder (:func:`check_loadable_folder`)."""
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from hf_pma.core.manifest import EVAL_RECORD_NAME, MANIFEST_NAME, PMA_SUBDIR
@@ -65,9 +66,24 @@ _FOUND_ON_HUB: set[tuple[str, str]] = set()
 _HUB_FOLDERS: dict[tuple[str, str], str] = {}
 
 
+def _tokenizer_candidates(folder: Path) -> list[Path]:
+    """Where the tokenizer of a model folder may be: the folder itself, and, only for a folder of a
+    run (a snapshot or merge beside the run's manifest, a Trainer ``checkpoint-N``), the run folder
+    (where the Trainer saves the tokenizer). Never a folder above otherwise: a ``tokenizer.json``
+    that someone put in the parent of a merged folder is not its tokenizer."""
+    candidates = [folder]
+    parent = folder.absolute().parent
+    if (parent / MANIFEST_NAME).is_file():  # <run>/pma/snapshot-N, <run>/pma/merged, or <run>/snapshot-N
+        candidates.append(parent)
+        if parent.name == PMA_SUBDIR:
+            candidates.append(parent.parent)
+    elif re.fullmatch(r"checkpoint-\d+", folder.name):
+        candidates.append(parent)
+    return candidates
+
+
 def _find_tokenizer_folder(folder: Path) -> Path | None:
-    # A snapshot (<run>/pma/snapshot-N) often holds weights only: look in the run folder too.
-    for candidate in (folder, folder.parent, folder.parent.parent):
+    for candidate in _tokenizer_candidates(folder):
         if any((candidate / name).is_file() for name in _TOKENIZER_FILES):
             return candidate
     return None
@@ -173,7 +189,8 @@ def resolve_model(
             found = _find_tokenizer_folder(path)
             if found is None:
                 raise FileNotFoundError(
-                    f"no tokenizer in model folder {path} (nor in its parent folders): pass one with --tokenizer"
+                    f"no tokenizer in model folder {escape(path)} (nor in the run folder that holds it): "
+                    "pass one with --tokenizer"
                 )
             tokenizer = found
         if tokenizer is not None and Path(tokenizer).is_dir():

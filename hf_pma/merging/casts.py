@@ -21,10 +21,22 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["NUMPY_FLOATS", "decode_float", "encode_float"]
+__all__ = ["FINITE_MAX", "NUMPY_FLOATS", "decode_float", "encode_float"]
 
 # Dtypes numpy stores natively.
 NUMPY_FLOATS = {"F64": np.float64, "F32": np.float32, "F16": np.float16}
+
+# The largest finite magnitude of each stored dtype: a value beyond it does not survive the cast
+# (float16, bfloat16, float32 and float8 e5m2 overflow to infinity, float8 e4m3fn saturates at
+# 448). The merge checks its result against it before encoding (hf_pma.merging.chunks).
+FINITE_MAX = {
+    "F64": float(np.finfo(np.float64).max),
+    "F32": float(np.finfo(np.float32).max),
+    "F16": float(np.finfo(np.float16).max),  # 65504
+    "BF16": float(np.uint32(0x7F7F0000).view(np.float32)),  # 3.3895e38
+    "F8_E4M3": 448.0,
+    "F8_E5M2": 57344.0,
+}
 
 
 def _fp8_values(exp_bits: int, man_bits: int, bias: int, finite_max_code: int) -> np.ndarray:

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 from hf_pma import __version__
 from hf_pma.core.manifest import MERGE_RECORD_NAME, MODEL_SUPPORT_FILES
 from hf_pma.core.outputs import check_overwrite_target
-from hf_pma.core.selection import check_window
+from hf_pma.core.selection import check_window, snapshot_intervals
 from hf_pma.core.strategies import merge_weights, validate_strategy
 from hf_pma.io.guarded import check_file, copy_file, read_json
 from hf_pma.io.safetensors import (
@@ -52,13 +52,17 @@ from hf_pma.merging.chunks import (
     run_chunks,
 )
 from hf_pma.merging.sources import (
+    TOKENIZER_FILES,
     CheckpointSource,
     CheckpointTensors,
+    check_same_model,
     describe_sources,
     open_all,
+    recorded_interval,
     resolve_sources,
     select_window,
     sources_span,
+    tokenizer_folder,
 )
 from hf_pma.utils.fs import (
     atomic_write_json,
@@ -72,7 +76,7 @@ from hf_pma.utils.fs import (
 )
 from hf_pma.utils.logs import get_logger
 from hf_pma.utils.parsing import parse_dtype, parse_dtype_name, parse_size
-from hf_pma.utils.text import escape
+from hf_pma.utils.text import escape, shown
 
 if TYPE_CHECKING:
     import torch
@@ -236,6 +240,8 @@ def merge_state_dict(
     window_tokens: int | None = None,
     window_steps: int | None = None,
     include_final: bool = False,
+    allow_different_configs: bool = False,
+    clip_to_dtype: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Merge checkpoints into an in-memory state dict (one model's worth of memory).
 
@@ -251,6 +257,8 @@ def merge_state_dict(
     validate_strategy(strategy, alpha, weights)  # before a Hub source is downloaded
     srcs = _as_sources(sources, last, window_tokens, window_steps, include_final)
     coefs = merge_weights(len(srcs), strategy, alpha, weights)
+    check_same_model(srcs, allow_different_configs)
+    check_intervals(srcs)
     opened = open_all(srcs, raw=True)
     try:
         plans = plan_tensors(validate_sources(srcs, opened), out_dtype)
@@ -265,7 +273,7 @@ def merge_state_dict(
                 plan, 0, plan.numel, chunk_elems, _copy_into(tensor_bytes(state[plan.name]), plan)
             )
         )
-        run_chunks(
+        clipped = run_chunks(
             tasks,
             [str(s.path) for s in srcs],
             opened,
@@ -274,7 +282,9 @@ def merge_state_dict(
             DEFAULT_CHUNK_BYTES,
             workers,
             progress=progress,
+            clip=clip_to_dtype,
         )
+        _report_clipped(clipped, plans)
         return state
     finally:
         for tensors in opened:
@@ -318,57 +328,129 @@ _PARSED_SUPPORT_FILES = frozenset(n for n in SUPPORT_FILES if n.endswith(".json"
 }
 
 
-def _support_names(newest: CheckpointSource) -> list[str]:
-    """The support files of the newest source that the output copies (config, tokenizer, ``*.py``)."""
-    names = [n for n in SUPPORT_FILES if (newest.path / n).exists() or (newest.path / n).is_symlink()]
-    return names + sorted(p.name for p in newest.path.glob("*.py"))
+# Where check_config_file takes the tokenizer from when not told: the newest source's own folder.
+_OWN_FOLDER = Path(".")
 
 
-def check_config_file(newest: CheckpointSource) -> list[str]:
-    """Check now, before any tensor, the files that the output copies from the newest source.
+def _support_files(newest: CheckpointSource, tokenizer: Path | None = _OWN_FOLDER) -> list[tuple[Path, Path]]:
+    """The support files the output copies, each with the folder it must stay inside: the
+    configuration and ``*.py`` of the newest source, and the tokenizer files of ``tokenizer``
+    (a folder; the newest source's own by default; ``None``: no tokenizer)."""
+    files = [
+        (newest.path / n, newest.confined_to)
+        for n in SUPPORT_FILES
+        if n not in TOKENIZER_FILES and _present(newest.path / n)
+    ]
+    files += [(p, newest.confined_to) for p in sorted(newest.path.glob("*.py"))]
+    folder = newest.path if tokenizer is _OWN_FOLDER else tokenizer
+    if folder is not None:
+        inside = newest.confined_to if folder in (newest.path, newest.root) else folder
+        files += [(folder / n, inside) for n in TOKENIZER_FILES if _present(folder / n)]
+    return files
+
+
+def _present(path: Path) -> bool:
+    return path.exists() or path.is_symlink()
+
+
+def check_config_file(newest: CheckpointSource, tokenizer: Path | None = _OWN_FOLDER) -> list[str]:
+    """Check now, before any tensor, the files that the output copies from the newest source
+    (and the tokenizer files from ``tokenizer``, a folder: by default the newest source's own;
+    ``None``: none).
 
     ``FileNotFoundError`` when it has no ``config.json`` (``adapter_config.json`` for an
-    adapter). Every support file must be a regular file inside the source after links
+    adapter). Every support file must be a regular file inside its folder after links
     (:func:`hf_pma.io.guarded.check_file`; a ``tokenizer.model`` or ``*.py`` linking outside is
     refused, naming it), and every configuration (``config.json``, ``generation_config.json``,
-    ...) a bounded JSON object (:func:`hf_pma.io.guarded.read_json`): a truncated one is refused,
-    naming it. Returns the names to copy.
+    ``tokenizer_config.json``, ...) a bounded JSON object (:func:`hf_pma.io.guarded.read_json`):
+    a truncated one is refused, naming it. Returns the names to copy.
     """
     config_name = "adapter_config.json" if newest.is_adapter else "config.json"
-    names = _support_names(newest)
-    if config_name not in names:
+    files = _support_files(newest, tokenizer)
+    if newest.path / config_name not in {path for path, _ in files}:
         raise FileNotFoundError(
             f"{escape(newest.path)} has no {config_name}; the merged folder would not load without it"
         )
-    for name in names:
-        path = newest.path / name
-        if name in _PARSED_SUPPORT_FILES:
-            _read_config(path, newest)
+    for path, inside in files:
+        if path.name in _PARSED_SUPPORT_FILES:
+            _read_config(path, inside)
         else:
-            check_file(path, newest.confined_to)
-    return names
+            check_file(path, inside)
+    return [path.name for path, _ in files]
 
 
-def _read_config(path: Path, newest: CheckpointSource) -> dict[str, Any]:
-    config = read_json(path, newest.confined_to, kind="config")
+def _read_config(path: Path, inside: Path) -> dict[str, Any]:
+    config = read_json(path, inside, kind="config")
     if not isinstance(config, dict):
         raise ValueError(f"{escape(path)} should hold a JSON object, got {type(config).__name__}")
     return config
 
 
-def _copy_support_files(newest: CheckpointSource, dest: Path, out_dtype: str | torch.dtype | None) -> None:
-    """Copy the support files of the newest source into ``dest`` (checked again, see
-    :func:`check_config_file`: regular files inside the source, copied as plain files), with
-    ``config.json``'s dtype set to ``out_dtype`` when given."""
-    for name in check_config_file(newest):
-        if name == "config.json" and out_dtype is not None:
-            config = _read_config(newest.path / name, newest)
+def _copy_support_files(
+    newest: CheckpointSource,
+    dest: Path,
+    out_dtype: str | torch.dtype | None,
+    tokenizer: Path | None = _OWN_FOLDER,
+) -> None:
+    """Copy the support files of the newest source (and the tokenizer files of ``tokenizer``, see
+    :func:`check_config_file`) into ``dest``, checked again (regular files inside their folder,
+    copied as plain files), with ``config.json``'s dtype set to ``out_dtype`` when given."""
+    check_config_file(newest, tokenizer)
+    for path, inside in _support_files(newest, tokenizer):
+        if path.name == "config.json" and out_dtype is not None:
+            config = _read_config(path, inside)
             for key in ("dtype", "torch_dtype"):
                 if key in config:
                     config[key] = parse_dtype_name(out_dtype)
-            (dest / name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            (dest / path.name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         else:
-            copy_file(newest.path / name, dest / name, newest.confined_to)
+            copy_file(path, dest / path.name, inside)
+
+
+def check_intervals(sources: Sequence[CheckpointSource]) -> tuple[list[int], str | None]:
+    """The snapshot intervals V of the merged sources (see
+    :func:`hf_pma.core.selection.snapshot_intervals`); a warning when there is more than one: V
+    changed within the merge (a run resumed with another ``interval_tokens``: the sources are
+    unevenly spaced in tokens, and the strategy's weights count sources, not tokens), or the
+    sources are unevenly spaced."""
+    intervals, basis = snapshot_intervals(
+        [recorded_interval(s) for s in sources], [s.tokens for s in sources]
+    )
+    if len(intervals) > 1:
+        values = " then ".join(f"{v:,}" for v in intervals)
+        what = (
+            f"the snapshot interval V changed within the merged sources: {values} tokens (their records)"
+            if basis == "recorded"
+            else f"the merged sources are unevenly spaced: token gaps of {values}"
+        )
+        logger.warning(
+            f"{what}, from {escape(sources[0].name)} to {escape(sources[-1].name)}; the strategy weighs sources, "
+            "not tokens (a window in tokens, --window-tokens, keeps the span)"
+        )
+    return intervals, basis
+
+
+def _report_clipped(clipped: dict[str, int], plans: Sequence[TensorPlan]) -> dict[str, Any] | None:
+    """Warn of the values clipped to the output dtype's range (``clip_to_dtype``); their count for the record."""
+    if not clipped:
+        return None
+    dtypes = sorted({TORCH_NAMES[p.out_dtype] for p in plans if p.name in clipped})
+    total = sum(clipped.values())
+    names = ", ".join(shown(n) for n in list(clipped)[:5]) + (", ..." if len(clipped) > 5 else "")
+    logger.warning(
+        f"clipped {total:,} merged value(s) in {len(clipped)} tensor(s) ({names}) to the range of "
+        f"{'/'.join(dtypes)} (clip_to_dtype)"
+    )
+    return {"dtype": ",".join(dtypes), "values": total, "tensors": dict(clipped)}
+
+
+def _tokenizer_record(folder: Path | None, newest: CheckpointSource, output_dir: Path) -> str | None:
+    """How the record names the tokenizer's folder: the Hub revision, or a relative path."""
+    if folder is None:
+        return None
+    if folder == newest.path and newest.record.get("repo_id"):
+        return f"{newest.record['repo_id']}@{newest.record.get('revision')}"
+    return _portable_path(folder, output_dir)
 
 
 def _portable_path(path: Path, output_dir: Path) -> str:
@@ -387,7 +469,11 @@ def _merge_record(
     accumulate_dtype: str,
     output_dir: Path,
     window: dict[str, Any] | None = None,
+    notes: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
+    """The merge record (``pma_merge.json``); ``notes``: what the merge found on the way
+    (``intervals``, ``config_differences``, ``clipped``, ``tokenizer``)."""
+    notes = notes or {}
     entries = []
     for source, weight in zip(sources, coefs):
         rec = source.record
@@ -408,9 +494,8 @@ def _merge_record(
                 path=f"{rec['repo_id']}@{rec['revision']}",
                 **{k: rec.get(k) for k in ("repo_id", "revision", "commit")},
             )
-    interval = next(
-        (s.record.get("interval_tokens") for s in sources if s.record.get("interval_tokens")), None
-    )
+    recorded = [v for v in map(recorded_interval, sources) if v is not None]
+    intervals, basis = notes.get("intervals") or ([], None)
     repos = {e.get("repo_id") for e in entries}
     return {
         "hf_pma_version": __version__,
@@ -420,7 +505,13 @@ def _merge_record(
         "dtype": out_dtype,
         "accumulate_dtype": TORCH_NAMES[accumulate_name(accumulate_dtype)],
         "created": time.time(),
-        "interval_tokens": interval,
+        "interval_tokens": recorded[-1] if recorded else None,  # the newest source's V
+        # Every V within the merge, in order (several: V changed on resume, or uneven gaps).
+        "intervals_tokens": intervals or None,
+        "intervals_from": basis,  # "recorded" (the snapshots' records) or "gaps" (between their tokens)
+        "config_differences": notes.get("config_differences") or None,  # allow_different_configs
+        "clipped": notes.get("clipped"),  # clip_to_dtype: values clipped to the output dtype's range
+        "tokenizer": notes.get("tokenizer"),  # the folder whose tokenizer the merge holds
         "num_sources": len(sources),
         "window": window,
         "base_model": repos.pop() if len(repos) == 1 and None not in repos else None,
@@ -438,10 +529,13 @@ def write_output_shards(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     workers: int | None = None,
     progress: bool = False,
-) -> None:
+    clip: bool = False,
+) -> dict[str, int]:
     """Merge the tensors of ``shards`` and write each shard file into ``folder`` (fsynced).
 
-    ``opened``: the sources opened with :func:`~hf_pma.merging.sources.open_all` ``(raw=True)``."""
+    ``opened``: the sources opened with :func:`~hf_pma.merging.sources.open_all` ``(raw=True)``.
+    ``clip``: clip values beyond the output dtype's range (else refused, see
+    :func:`~hf_pma.merging.chunks.run_chunks`). Returns the values clipped per tensor."""
     writers = [
         SafetensorsWriter(folder / s.filename, [(p.name, p.out_dtype, p.shape) for p in s.plans])
         for s in shards
@@ -454,7 +548,7 @@ def write_output_shards(
             for plan in shard.plans
             for task in chunk_tasks(plan, 0, plan.numel, chunk_elems, _write_into(writer, plan.name))
         )
-        run_chunks(
+        clipped = run_chunks(
             tasks,
             [str(s.path) for s in sources],
             opened,
@@ -463,6 +557,7 @@ def write_output_shards(
             chunk_bytes,
             workers,
             progress=progress,
+            clip=clip,
         )
     finally:
         errors = []
@@ -473,6 +568,7 @@ def write_output_shards(
                 errors.append(err)
     if errors:
         raise errors[0]
+    return clipped
 
 
 def _write_into(writer: SafetensorsWriter, name: str):
@@ -512,6 +608,9 @@ def merge_checkpoints(
     window_tokens: int | None = None,
     window_steps: int | None = None,
     include_final: bool = False,
+    allow_different_configs: bool = False,
+    clip_to_dtype: bool = False,
+    tokenizer: str | os.PathLike[str] | None = None,
 ) -> Path:
     """Merge checkpoints into a new Hugging Face model folder and return its path.
 
@@ -546,10 +645,25 @@ def merge_checkpoints(
         window_steps: the same in optimizer steps (Trainer checkpoints without token counts).
         include_final: with a run folder, also merge the final model at its top (as the
             newest source).
+        allow_different_configs: merge sources whose ``config.json`` differ in what changes the
+            meaning of the weights (heads, head size, RoPE, vocabulary, ...: see
+            :func:`~hf_pma.merging.sources.check_same_model`), a deliberate soup, with a warning
+            and the differences in the record; refused by default, naming both sources.
+        clip_to_dtype: clip merged values beyond the output dtype's finite range (float16's
+            65504, ...) to the range, with a warning and their count in the record; by default
+            such a tensor is refused, naming it and its largest magnitude, before anything is
+            published.
+        tokenizer: the folder whose tokenizer the output takes; default: the newest source's
+            own, else that of the run folder named that holds it (never a folder above);
+            recorded as ``tokenizer``.
 
-    The sources taken (count, first and last, the tokens or steps they span) are logged, and
-    recorded with the window's span (``window``) in ``pma_merge.json``; a merge of a single
-    source logs a warning.
+    Sources are one model and one run: their ``config.json`` are compared before the first
+    tensor is read, and a run folder given with other sources is refused
+    (:func:`~hf_pma.merging.sources.check_one_run`; explicit snapshot folders of several runs
+    are merged). The sources taken (count, first and last, the tokens or steps they span) are
+    logged, and recorded with the window's span (``window``) in ``pma_merge.json``, with the
+    snapshot intervals they were taken at (``intervals_tokens``: a warning when V changed within
+    them); a merge of a single source logs a warning.
 
     Without ``distributed`` and with safetensors sources, the merge imports neither torch nor
     transformers (see :mod:`hf_pma.merging.chunks` for how numpy's arithmetic compares with
@@ -563,7 +677,18 @@ def merge_checkpoints(
     srcs = _as_sources(sources, last, window_tokens, window_steps, include_final)
     coefs = merge_weights(len(srcs), strategy, alpha, weights)
     window = _window_record(srcs, window_tokens, window_steps)
-    check_config_file(srcs[-1])
+    tok_folder = tokenizer_folder(srcs, tokenizer)
+    check_config_file(srcs[-1], tok_folder)
+    notes: dict[str, Any] = {
+        "config_differences": check_same_model(srcs, allow_different_configs),
+        "intervals": check_intervals(srcs),
+        "tokenizer": _tokenizer_record(tok_folder, srcs[-1], output_dir),
+    }
+    if tok_folder is None:
+        logger.info(
+            f"no tokenizer in {escape(srcs[-1].path)} nor in the run folder that holds it: the merged folder has "
+            "none (name one with --tokenizer, tokenizer=)"
+        )
     if distributed:
         from hf_pma.utils.distributed import all_ranks_checked, distributed_rank_and_size, local_world_size
 
@@ -610,15 +735,24 @@ def merge_checkpoints(
                 window,
             )
         mine = [shard for shard, owner in zip(shards, _owners(shards, world_size)) if owner == rank]
-        write_output_shards(
-            tmp, mine, srcs, opened, coefs, accumulate_dtype, chunk_bytes, workers, progress and rank == 0
+        return write_output_shards(
+            tmp,
+            mine,
+            srcs,
+            opened,
+            coefs,
+            accumulate_dtype,
+            chunk_bytes,
+            workers,
+            progress and rank == 0,
+            clip=clip_to_dtype,
         )
 
     def finish() -> None:
         if rank != 0:
             return
         write_shard_index(tmp, srcs[-1].prefix, planned["shards"])
-        _copy_support_files(srcs[-1], tmp, out_dtype)
+        _copy_support_files(srcs[-1], tmp, out_dtype, tok_folder)
         out_dtypes = sorted({TORCH_NAMES[p.out_dtype] for p in planned["plans"] if p.averaged})
         record = _merge_record(
             srcs,
@@ -630,13 +764,19 @@ def merge_checkpoints(
             accumulate_dtype,
             output_dir,
             window,
+            notes,
         )
         atomic_write_json(tmp / MERGE_RECORD_NAME, record)
         publish_folder(tmp, output_dir, replace=overwrite)
 
     try:
         with no_space_errors(output_dir, None):
-            checked(write_mine, f"writing the merged shards into {tmp}")
+            clipped: dict[str, int] = {}
+            for counts in checked(write_mine, f"writing the merged shards into {tmp}"):
+                for name, count in (counts or {}).items():
+                    clipped[name] = clipped.get(name, 0) + count
+            if rank == 0:
+                notes["clipped"] = _report_clipped(clipped, planned["plans"])
             checked(finish, f"finishing the merge into {output_dir}")
     except BaseException:
         if rank == 0:

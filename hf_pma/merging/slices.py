@@ -33,7 +33,13 @@ from hf_pma.core.strategies import merge_weights
 from hf_pma.io.torch_adapters import DTYPE_FROM_SAFETENSORS
 from hf_pma.merging.chunks import DEFAULT_CHUNK_BYTES, TensorPlan, chunk_elements, chunk_tasks, run_chunks
 from hf_pma.merging.engine import validate_sources
-from hf_pma.merging.sources import CheckpointSource, CheckpointTensors, open_all, resolve_sources
+from hf_pma.merging.sources import (
+    CheckpointSource,
+    CheckpointTensors,
+    check_same_model,
+    open_all,
+    resolve_sources,
+)
 from hf_pma.utils.distributed import all_ranks_checked, distributed_rank_and_size
 
 logger = logging.get_logger(__name__)
@@ -255,6 +261,7 @@ class SliceSwap:
             else resolve_sources(list(sources))
         )
         coefs = merge_weights(len(srcs), strategy, alpha, weights)
+        check_same_model(srcs)  # one model: configurations compared before the first tensor
         self._slots: list[LocalSlot] = []
         self._backup: list[torch.Tensor] = []
         self.bytes_read = 0

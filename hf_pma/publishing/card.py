@@ -340,6 +340,14 @@ def eval_results_for(eval_record: dict[str, Any] | None, label: str | None = Non
 
 
 def _interval_text(merge: dict[str, Any], sources: list[dict[str, Any]]) -> str:
+    intervals = merge.get("intervals_tokens")  # every V within the merge, as the snapshots recorded it
+    if (
+        merge.get("intervals_from") == "recorded"
+        and isinstance(intervals, list)
+        and 1 < len(intervals) <= 50
+        and all(_is_number(v) and v > 0 for v in intervals)
+    ):
+        return "changed within the merge: " + ", then ".join(f"{_fmt_tokens(v)} tokens" for v in intervals)
     interval = merge.get("interval_tokens")
     if _is_number(interval) and interval > 0:
         return f"{_fmt_tokens(interval)} tokens"
