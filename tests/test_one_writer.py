@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from transformers import Trainer
 
-from hf_pma.analysis.sweep import run_sweep
+from hf_pma.analysis.sweep import run_sweep, write_best
 from hf_pma.core.manifest import PMA_SUBDIR, manifest_snapshots
 from hf_pma.evaluation.evaluator import read_eval_record
 from hf_pma.merging.sources import resolve_sources
@@ -270,3 +270,19 @@ def test_a_sweep_that_meets_a_snapshot_rotated_out_says_so(run_in_cwd, gone):
         f"snapshot snapshot-{1000 * (gone + 1)} listed in manifest.json was deleted while this command ran "
         f"(keep_last rotation?): snapshot-{1000 * (gone + 1)} is gone; run it again to use the snapshots listed now"
     )
+
+
+def test_writing_the_best_merge_after_its_snapshot_rotated_out_says_so(run_in_cwd, tmp_path):
+    run, sources = run_in_cwd
+    report = run_sweep(
+        sources, windows=[2], every=[1], strategies=["sma"], texts=[sample_text(2000)], progress=False
+    )
+    assert report["best"] == "sma N=2 k=1"
+    shutil.rmtree(run / PMA_SUBDIR / "snapshot-3000")  # keep_last, between the sweep and --best-output
+    with pytest.raises(FileNotFoundError) as err:
+        write_best(report, tmp_path / "best", progress=False)
+    assert str(err.value) == (
+        "snapshot snapshot-3000 of the sweep was deleted while this command ran (keep_last rotation?); run the "
+        "sweep again to use the snapshots listed now"
+    )
+    assert not (tmp_path / "best").exists()

@@ -540,33 +540,40 @@ def write_best(
     from hf_pma.evaluation.evaluator import write_eval_record
     from hf_pma.io.guarded import read_json
     from hf_pma.merging.engine import merge_checkpoints
-    from hf_pma.utils.fs import atomic_write_json
+    from hf_pma.utils.fs import atomic_write_json, hold_claim
 
     label = label or report.get("best")
     entry = next((e for e in report["combinations"] if e["label"] == label), None)
     if entry is None:
         raise ValueError(f"no combination {label!r} in the sweep report")
     by_name = {s["name"]: s["path"] for s in report["snapshots"]}
-    paths = [by_name[name] for name in entry["snapshots"]]
+    paths = [Path(by_name[name]) for name in entry["snapshots"]]  # folders the sweep read: never Hub ids
+    gone = next((p for p in paths if not p.is_dir()), None)
+    if gone is not None:
+        raise FileNotFoundError(
+            f"snapshot {escape(gone)} of the sweep was deleted while this command ran (keep_last rotation?); "
+            "run the sweep again to use the snapshots listed now"
+        )
     strategy = entry["strategy"] if len(paths) > 1 else "sma"
     out = merge_checkpoints(
         paths, output_dir, strategy=strategy, alpha=entry["alpha"] or 0.2, overwrite=overwrite, progress=progress,
         window_tokens=entry.get("window_tokens"),
     )
-    record = read_json(out / MERGE_RECORD_NAME)
-    interval = report.get("interval_tokens")
-    record["interval_tokens"] = interval * entry["every"] if interval else record.get("interval_tokens")
-    record["sweep"] = {
-        "window": entry["window"], "window_tokens": entry.get("window_tokens"), "every": entry["every"],
-        "strategy": entry["strategy"],
-        "metric": report["metric"], "value": entry["value"], "baseline_value": report["baseline"]["value"],
-    }
-    atomic_write_json(out / MERGE_RECORD_NAME, record)
-    write_eval_record(
-        out,
-        {"last snapshot": report["baseline"]["results"], "PMA merge": entry["results"]},
-        eval_dataset=report.get("eval_dataset"),
-        update=False,
-    )
+    with hold_claim(out, what="output folder"):  # the records completed under the folder's claim
+        record = read_json(out / MERGE_RECORD_NAME)
+        interval = report.get("interval_tokens")
+        record["interval_tokens"] = interval * entry["every"] if interval else record.get("interval_tokens")
+        record["sweep"] = {
+            "window": entry["window"], "window_tokens": entry.get("window_tokens"), "every": entry["every"],
+            "strategy": entry["strategy"],
+            "metric": report["metric"], "value": entry["value"], "baseline_value": report["baseline"]["value"],
+        }
+        atomic_write_json(out / MERGE_RECORD_NAME, record)
+        write_eval_record(
+            out,
+            {"last snapshot": report["baseline"]["results"], "PMA merge": entry["results"]},
+            eval_dataset=report.get("eval_dataset"),
+            update=False,
+        )
     logger.info(f"Wrote the merge {label} to {out}")
     return out

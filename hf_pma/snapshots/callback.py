@@ -19,6 +19,7 @@ ahead of the snapshots it follows).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from collections.abc import Iterable
@@ -389,7 +390,8 @@ class PMACallback(TrainerCallback, ExportableState):
             self._release_folder()
         if self._run_claim is None:
             self._run_claim = FolderClaim(self._pma_dir, what="snapshot folder", busy="is in use by another training")
-        self._pma_dir.parent.mkdir(parents=True, exist_ok=True)  # the claim file lies beside the folder
+        with contextlib.suppress(OSError):  # the claim file lies beside the folder (a file there: the sink says so)
+            self._pma_dir.parent.mkdir(parents=True, exist_ok=True)
         self._run_claim.acquire(wait=0)
 
     def _release_folder(self) -> None:
