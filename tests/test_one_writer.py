@@ -19,6 +19,7 @@ from transformers import Trainer
 from hf_pma.analysis.sweep import run_sweep, write_best
 from hf_pma.core.manifest import PMA_SUBDIR, manifest_snapshots
 from hf_pma.evaluation.evaluator import read_eval_record
+from hf_pma.merging.engine import merge_checkpoints
 from hf_pma.merging.sources import resolve_sources
 from hf_pma.snapshots.callback import PMACallback
 from hf_pma.utils.fs import FolderClaim, _host, claim_path
@@ -98,13 +99,7 @@ def test_a_training_held_from_another_host_through_the_shared_filesystem_is_name
     holder = python(HOLD, claim_path(out / PMA_SUBDIR), "node-b", ready, go)
     try:
         wait_for(ready, holder)
-        trainer = Trainer(
-            model=make_tiny_model(seed=0),
-            args=make_args(out, max_steps=2),
-            train_dataset=TokenDataset(n=16),
-            data_collator=pad_collate,
-            callbacks=[PMACallback(interval_tokens=64)],
-        )
+        trainer = tiny_trainer(out)
         with pytest.raises(FileExistsError) as refused:
             trainer.train()
     finally:
@@ -115,6 +110,43 @@ def test_a_training_held_from_another_host_through_the_shared_filesystem_is_name
         "host); wait for it to finish, or use another folder"
     )
     assert trainer.state.global_step == 0 and not (out / PMA_SUBDIR).exists()
+
+
+KILLED = """
+import sys, time
+from pathlib import Path
+from hf_pma.utils.fs import FolderClaim
+claim = FolderClaim(sys.argv[1], what="snapshot folder").acquire()
+Path(sys.argv[2]).touch()
+time.sleep(600)
+"""
+
+
+def tiny_trainer(out: Path) -> Trainer:
+    return Trainer(
+        model=make_tiny_model(seed=0),
+        args=make_args(out, max_steps=2),
+        train_dataset=TokenDataset(n=16),
+        data_collator=pad_collate,
+        callbacks=[PMACallback(interval_tokens=64)],
+    )
+
+
+def test_the_claim_goes_with_a_killed_training_and_with_the_end_of_one(tmp_path):
+    out, ready = tmp_path / "run", tmp_path / "ready"
+    out.mkdir()
+    holder = python(KILLED, out / PMA_SUBDIR, ready)
+    try:
+        wait_for(ready, holder)
+    finally:
+        holder.kill()  # SIGKILL: no clean-up ran; its claim file stays, naming a dead pid
+        holder.wait(timeout=60)
+    assert json.loads(claim_path(out / PMA_SUBDIR).read_text())["pid"] == holder.pid
+    tiny_trainer(out).train()  # the kernel released the lock with the process
+    assert [r.step for r in manifest_snapshots(out / PMA_SUBDIR)] == [1, 2]
+    assert sorted(os.listdir(out)) == [PMA_SUBDIR]  # released at train end
+    with FolderClaim(out / PMA_SUBDIR) as claim:  # by another job, at once
+        assert claim.held
 
 
 def test_under_ddp_every_rank_stops_with_the_main_process_refusal(tmp_path):
@@ -286,3 +318,15 @@ def test_writing_the_best_merge_after_its_snapshot_rotated_out_says_so(run_in_cw
         "sweep again to use the snapshots listed now"
     )
     assert not (tmp_path / "best").exists()
+
+
+def test_a_merge_that_meets_a_snapshot_rotated_out_says_so(run_in_cwd, tmp_path):
+    run, sources = run_in_cwd
+    shutil.rmtree(run / PMA_SUBDIR / "snapshot-1000")  # keep_last, between resolving and opening
+    with pytest.raises(FileNotFoundError) as err:
+        merge_checkpoints(sources, tmp_path / "merged", progress=False)
+    assert str(err.value) == (
+        "snapshot snapshot-1000 listed in manifest.json was deleted while this command ran (keep_last rotation?): "
+        "snapshot-1000 is gone; run it again to use the snapshots listed now"
+    )
+    assert not (tmp_path / "merged").exists()

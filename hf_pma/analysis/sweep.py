@@ -31,11 +31,10 @@ from typing import Any, TypeVar
 import torch
 from transformers.utils import logging
 
-from hf_pma.core.manifest import find_manifest, missing_snapshot_error
 from hf_pma.core.selection import window_by_progress
 from hf_pma.core.strategies import merge_weights
 from hf_pma.evaluation.options import EvalOptions
-from hf_pma.merging.sources import CheckpointSource, resolve_sources
+from hf_pma.merging.sources import CheckpointSource, resolve_sources, vanished_source_error
 from hf_pma.utils.formatting import format_number, markdown_table
 from hf_pma.utils.fs import atomic_write_file
 from hf_pma.utils.text import escape, plot_text
@@ -264,32 +263,16 @@ class SweepEvaluator:
         return self.evaluate_state(state, origin=f"merge of {names}")
 
 
-def _vanished(sources: Sequence[CheckpointSource]) -> FileNotFoundError | None:
-    """The error for the first of ``sources`` whose folder or weight files are gone since they
-    were resolved (a training's ``keep_last`` rotating snapshots out while the sweep runs)."""
-    for source in sources:
-        if source.path.is_dir() and all(f.is_file() for f in source.files):
-            continue
-        name = source.record.get("path")
-        manifest = find_manifest(source.confined_to) if isinstance(name, str) else None
-        if manifest is not None:
-            return missing_snapshot_error(manifest, name, source.path, seen=True)
-        return FileNotFoundError(
-            f"source {escape(source.path)} was deleted while this command ran (a checkpoint rotation?); run it again"
-        )
-    return None
-
-
 def _while_present(sources: Sequence[CheckpointSource], action: Callable[[], T]) -> T:
     """``action()`` (which reads ``sources``), said in one line naming the snapshot when one of them
     was deleted since the sweep began, before or while it is read."""
-    gone = _vanished(sources)
+    gone = vanished_source_error(sources)
     if gone is not None:
         raise gone
     try:
         return action()
     except (OSError, ValueError) as err:
-        gone = _vanished(sources)
+        gone = vanished_source_error(sources)
         if gone is None:
             raise
         raise gone from err

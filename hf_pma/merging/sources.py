@@ -25,6 +25,7 @@ from hf_pma.core.manifest import (
     MANIFEST_NAME,
     MAX_RECORD_INT,
     PMA_SUBDIR,
+    find_manifest,
     manifest_snapshots,
     missing_snapshot_error,
     read_manifest,
@@ -63,6 +64,7 @@ __all__ = [
     "sources_span",
     "describe_sources",
     "open_all",
+    "vanished_source_error",
     "open_weight_files",
     "find_weight_files",
     "WEIGHT_PREFIXES",
@@ -365,11 +367,32 @@ def open_all(sources: Sequence[CheckpointSource], raw: bool = False) -> list[Any
     try:
         for source in sources:
             opened.append(source.open_raw() if raw else source.open())
-    except BaseException:
+    except BaseException as err:
         for tensors in opened:
             tensors.close()
+        gone = vanished_source_error(sources) if isinstance(err, (OSError, ValueError)) else None
+        if gone is not None:
+            raise gone from err
         raise
     return opened
+
+
+def vanished_source_error(sources: Sequence[CheckpointSource]) -> FileNotFoundError | None:
+    """The one-line error for the first of ``sources`` whose folder or weight files are gone since
+    it was resolved (a training's ``keep_last`` rotating a snapshot out while a command runs):
+    a snapshot from a manifest is named with it (:func:`hf_pma.core.manifest.missing_snapshot_error`);
+    ``None`` when every source is still there."""
+    for source in sources:
+        if source.path.is_dir() and all(f.is_file() for f in source.files):
+            continue
+        name = source.record.get("path")
+        manifest = find_manifest(source.confined_to) if isinstance(name, str) else None
+        if manifest is not None:
+            return missing_snapshot_error(manifest, name, source.path, seen=True)
+        return FileNotFoundError(
+            f"source {escape(source.path)} was deleted while this command ran (a checkpoint rotation?); run it again"
+        )
+    return None
 
 
 def _sharded_files(folder: Path) -> list[Path] | None:
