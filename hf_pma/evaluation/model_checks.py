@@ -68,18 +68,16 @@ _HUB_FOLDERS: dict[tuple[str, str], str] = {}
 
 def _tokenizer_candidates(folder: Path) -> list[Path]:
     """Where the tokenizer of a model folder may be: the folder itself, and, only for a folder of a
-    run (a snapshot or merge beside the run's manifest, a Trainer ``checkpoint-N``), the run folder
-    (where the Trainer saves the tokenizer). Never a folder above otherwise: a ``tokenizer.json``
-    that someone put in the parent of a merged folder is not its tokenizer."""
-    candidates = [folder]
+    run, the run folder (where the Trainer saves the tokenizer): ``<run>`` for ``<run>/pma/NAME``
+    (a snapshot, the run's merge), for ``<run>/NAME`` beside the run's ``manifest.json``, and for a
+    Trainer ``<run>/checkpoint-N``. Never a folder above otherwise: a ``tokenizer.json`` that
+    someone put in the parent of a merged folder is not its tokenizer."""
     parent = folder.absolute().parent
-    if (parent / MANIFEST_NAME).is_file():  # <run>/pma/snapshot-N, <run>/pma/merged, or <run>/snapshot-N
-        candidates.append(parent)
-        if parent.name == PMA_SUBDIR:
-            candidates.append(parent.parent)
-    elif re.fullmatch(r"checkpoint-\d+", folder.name):
-        candidates.append(parent)
-    return candidates
+    if parent.name == PMA_SUBDIR:
+        return [folder, parent.parent]
+    if (parent / MANIFEST_NAME).is_file() or re.fullmatch(r"checkpoint-\d+", folder.name):
+        return [folder, parent]
+    return [folder]
 
 
 def _find_tokenizer_folder(folder: Path) -> Path | None:

@@ -16,6 +16,7 @@ from safetensors.numpy import load_file
 from hf_pma.core.manifest import MERGE_RECORD_NAME, PMA_SUBDIR, SnapshotRecord, write_manifest
 from hf_pma.evaluation.model_checks import resolve_model
 from hf_pma.merging.engine import merge_checkpoints
+from hf_pma.merging.sources import config_differences
 from hf_pma.publishing.card import build_model_card
 from tests.snapshot_runs import INTERVAL, noise_deviation, write_run
 from tests.testing_utils import make_tiny_model, run_cli, save_model_folder
@@ -72,6 +73,15 @@ def test_two_models_with_matching_shapes_are_refused_in_one_line(models, tmp_pat
     # One model written by two transformers versions (rope_theta at the top, no head_dim) is one model.
     merge_checkpoints([models["a_v4"], models["a2"], models["a"]], tmp_path / "ok", progress=False)
     assert _record(tmp_path / "ok")["config_differences"] is None
+    # Llama 3's RoPE as transformers 4 and 5 write it is one RoPE; an adapter's scaling is compared too.
+    rope = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}
+    v4 = {"model_type": "llama", "rope_theta": 5e5, "rope_scaling": {**rope, "type": "llama3"}}
+    v5 = {"model_type": "llama", "rope_parameters": {**rope, "rope_theta": 5e5}}
+    assert config_differences(v4, v5) == []
+    assert config_differences(v4, {**v5, "rope_parameters": {**rope, "factor": 4.0, "rope_theta": 5e5}}) != []
+    lora = {"peft_type": "LORA", "lora_alpha": 16, "target_modules": ["q_proj", "v_proj"]}
+    other = {**lora, "lora_alpha": 32, "target_modules": ["v_proj", "q_proj"]}
+    assert config_differences(lora, other, adapter=True) == [("lora_alpha", 16, 32)]
 
 
 def test_a_deliberate_soup_passes_with_the_flag_and_a_warning(models, tmp_path):
@@ -218,7 +228,7 @@ def test_eval_never_takes_a_tokenizer_from_a_folder_above(tmp_path, tiny_tokeniz
     tiny_tokenizer.save_pretrained(shared)  # someone else's tokenizer.json beside the merge
     with pytest.raises(FileNotFoundError, match="no tokenizer in model folder"):
         resolve_model(model)
-    # A snapshot of a run takes the run's tokenizer (its run folder, found through the manifest).
+    # A snapshot of a run takes the tokenizer of the run folder that holds its pma/ folder.
     run, _ = write_run(tmp_path / "run", 1, noise_deviation(), tokenizer=tiny_tokenizer)
     snapshot = run / PMA_SUBDIR / f"snapshot-{INTERVAL}"
     assert resolve_model(snapshot) == (str(snapshot), str(run.absolute()))
