@@ -114,6 +114,13 @@ def test_two_run_folders_are_not_interleaved(two_runs, tmp_path):
         assert (
             f"{first} is a run folder" in line and str(second) in line and "name each snapshot folder" in line
         )
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text("def f(x):\n    return x\n" * 10)
+    sweep = ("sweep", first, second, "--eval-file", heldout, "-o", tmp_path / "s.json", "--no-plot")
+    for window in (["--last", "2"], []):  # a sweep's windows are drawn the same way: one run
+        done = run_cli(*sweep, *window)
+        assert done.returncode == 2 and f"{first} is a run folder" in done.stderr, done.stderr
+    assert not (tmp_path / "s.json").exists()
     snapshot = second / PMA_SUBDIR / f"snapshot-{3 * INTERVAL}"
     done = run_cli("merge", first, snapshot, "-o", tmp_path / "m")
     assert done.returncode == 2 and f"given with {snapshot}" in done.stderr
