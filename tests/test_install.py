@@ -84,4 +84,4 @@ def test_installed_copy_imports_and_renders_a_card(installed, tmp_path):
     )
     assert card.returncode == 0, card.stderr
     text = (folder / "README.md").read_text()
-    assert text.startswith("---\n") and "model-index" in text and 'from_pretrained("org/installed")' in text
+    assert text.startswith("---\n") and "model-index" in text and "from_pretrained('org/installed')" in text

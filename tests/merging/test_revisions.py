@@ -403,7 +403,7 @@ def test_cli_merge_of_revisions_and_its_card(hub, checkpoints, tmp_path, monkeyp
     assert card.data.base_model == PYTHIA
     for step in (6000, 8000, 10000):
         assert f"step{step}" in card.text and hub.commits[f"step{step}"] in card.text
-    assert f'"{PYTHIA}@step6000",' in card.text  # the merge code names the revisions
+    assert f"'{PYTHIA}@step6000'," in card.text  # the merge code names the revisions
 
     # Bad input is one line: a pattern that matches nothing, or no Hub at all (HF_HUB_OFFLINE).
     bad = _cli(
