@@ -518,7 +518,9 @@ def _expand_manifest(manifest: Path, layout: RunLayout) -> list[CheckpointSource
             continue
         folder = pma_dir / record.path
         if not folder.is_dir():
-            raise missing_snapshot_error(manifest, record.path, folder)  # or deleted since the manifest was read
+            raise missing_snapshot_error(
+                manifest, record.path, folder
+            )  # or deleted since the manifest was read
         data = record.to_dict()
         data["interval_tokens"] = interval
         sources.append(_source_from_folder(folder, record.tokens, record.step, data, root=layout.path))
