@@ -59,17 +59,22 @@ def test_a_second_training_in_the_same_output_dir_stops_at_its_start_naming_the_
         first = subprocess.Popen(
             [sys.executable, TRAIN, out, ready, go], stdout=log, stderr=subprocess.STDOUT
         )
+        # The second imports meanwhile, and starts training once the first holds its folder.
+        second = subprocess.Popen(
+            [sys.executable, TRAIN, out, "--after", ready], stderr=subprocess.PIPE, text=True
+        )
         try:
-            wait_for(ready, first)  # the first holds its folder, one snapshot listed
-            second = subprocess.run([sys.executable, TRAIN, out], capture_output=True, text=True, timeout=300)
+            wait_for(ready, first)
+            second_err = second.communicate(timeout=300)[1]
         finally:
             go.touch()
             first.wait(timeout=300)
+            second.kill()
     assert first.returncode == 0, (tmp_path / "first.log").read_text()[-3000:]
-    assert second.returncode == 3, second.stderr[-3000:]
-    assert refusal(second.stderr) == [
+    assert second.returncode == 3, second_err[-3000:]
+    assert refusal(second_err) == [
         f"REFUSED rank 0: snapshot folder {out / PMA_SUBDIR} is in use by another training (host {_host()}, "
-        f"pid {first.pid}); wait for it to finish, or use another folder"
+        f"pid {first.pid}); wait for it to finish or choose another folder"
     ]
     # The first run's manifest lists its own snapshots only; the claim went with its end.
     assert [r.path for r in manifest_snapshots(out / PMA_SUBDIR)] == [
@@ -107,7 +112,7 @@ def test_a_training_held_from_another_host_through_the_shared_filesystem_is_name
         holder.wait(timeout=60)
     assert str(refused.value) == (
         f"snapshot folder {out / PMA_SUBDIR} is in use by another training (host node-b, pid 4242, on another "
-        "host); wait for it to finish, or use another folder"
+        "host); wait for it to finish or choose another folder"
     )
     assert trainer.state.global_step == 0 and not (out / PMA_SUBDIR).exists()
 
@@ -160,7 +165,7 @@ def test_under_ddp_every_rank_stops_with_the_main_process_refusal(tmp_path):
     assert not result.timed_out and result.returncode != 0, result.report()
     expected = (
         f"snapshot folder {out / PMA_SUBDIR} is in use by another training (host {_host()}, pid {os.getpid()}); "
-        "wait for it to finish, or use another folder"
+        "wait for it to finish or choose another folder"
     )
     for rank in (0, 1):
         assert refusal(result.output(rank, "stderr")) == [f"REFUSED rank {rank}: {expected}"], result.report()

@@ -851,11 +851,7 @@ def _acquire_claim(
 
 def _busy_message(what: str, final_dir: Path, busy: str, holder: str, wait: float) -> str:
     waited = f" (waited {wait:g}s)" if wait > 0 else ""
-    if what == "output folder" and busy == "is being written by another process":
-        advice = "wait for it to finish or choose another folder"
-    else:
-        advice = "wait for it to finish, or use another folder"
-    return f"{what} {escape(final_dir)} {busy} ({holder}){waited}; {advice}"
+    return f"{what} {escape(final_dir)} {busy} ({holder}){waited}; wait for it to finish or choose another folder"
 
 
 def _recorded_holder(fd: int, path: Path) -> str | None:

@@ -2,7 +2,8 @@
 
 ``python one_writer_train.py OUT [READY GO]``: with READY and GO, the training writes the file
 READY once its first optimizer step is done (it holds its snapshot folder then) and goes on only
-once the file GO exists (a barrier the test controls). A training refused at its start prints
+once the file GO exists (a barrier the test controls). ``python one_writer_train.py OUT --after
+READY``: the training starts once the file READY exists (its imports are done by then). A training refused at its start prints
 ``REFUSED rank <r>: <the error>`` on stderr and exits with status 3. Under ``torchrun`` every
 rank does the same (gloo on CPU).
 """
@@ -34,14 +35,18 @@ class Barrier(TrainerCallback):
         if state.global_step != 1:
             return
         self.ready.write_text(str(os.getpid()))
-        deadline = time.monotonic() + 300
-        while not self.go.exists():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.go} never appeared")
-            time.sleep(0.01)
+        wait_for(self.go)
 
 
-def main(out: Path, ready: Path | None, go: Path | None) -> int:
+def wait_for(path: Path) -> None:
+    deadline = time.monotonic() + 300
+    while not path.exists():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{path} never appeared")
+        time.sleep(0.01)
+
+
+def main(out: Path, ready: Path | None = None, go: Path | None = None, after: Path | None = None) -> int:
     torch.set_num_threads(1)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     args = make_args(
@@ -61,6 +66,8 @@ def main(out: Path, ready: Path | None, go: Path | None) -> int:
         data_collator=pad_collate,
         callbacks=callbacks,
     )
+    if after is not None:
+        wait_for(after)
     try:
         trainer.train()
     except FileExistsError as err:
@@ -71,4 +78,6 @@ def main(out: Path, ready: Path | None, go: Path | None) -> int:
 
 if __name__ == "__main__":
     argv = sys.argv[1:]
-    sys.exit(main(Path(argv[0]), *(Path(a) for a in argv[1:3]) if len(argv) >= 3 else (None, None)))
+    if argv[1:2] == ["--after"]:
+        sys.exit(main(Path(argv[0]), after=Path(argv[2])))
+    sys.exit(main(*map(Path, argv)))
