@@ -225,10 +225,15 @@ def _apply(changes: list, run: Path, merged: Path, victim: Path) -> None:
                     shutil.copy(folder / name, twin / name)
         elif kind == "record":
             where, field = what
+            record = folder / "pma.json"
+            if not (
+                record.is_file() and not record.is_symlink()
+            ):  # an earlier change made it a link or a FIFO
+                continue
             try:
                 json.loads((pma / "manifest.json").read_text())
-                json.loads((folder / "pma.json").read_text())
-            except (ValueError, RecursionError, OSError):  # an earlier change broke or replaced it
+                json.loads(record.read_text())
+            except (ValueError, RecursionError):  # an earlier change nested it deep
                 continue
             if where == "manifest":
                 data = json.loads((pma / "manifest.json").read_text())
@@ -255,8 +260,10 @@ def _apply(changes: list, run: Path, merged: Path, victim: Path) -> None:
                 "merged-config": merged / "config.json",
                 "pma_merge.json": merged / "pma_merge.json",
             }[what]
+            _replace(target)  # an earlier change may have made it a FIFO or a link
             target.write_text(_deep_json(value))
         elif kind == "header":
+            _replace(folder / "model.safetensors")
             (folder / "model.safetensors").write_bytes(_crafted_header(value))
         elif kind == "support":
             _replace(folder / what)

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from hf_pma.core.manifest import EVAL_RECORD_NAME, MANIFEST_NAME, PMA_SUBDIR
 from hf_pma.io.guarded import check_file, read_json
+from hf_pma.io.safetensors import SafetensorsReader
 from hf_pma.utils.fs import check_output_file
 from hf_pma.utils.names import looks_local
 from hf_pma.utils.text import escape
@@ -131,7 +132,8 @@ def check_loadable_folder(folder: str | os.PathLike[str]) -> None:
     """Check a local model or tokenizer folder before transformers loads it: no custom code
     (:func:`check_no_custom_code`), and every file a load opens (config, weights and the shards
     an index names, tokenizer files) is a regular file inside the folder, not a link out of it
-    nor a FIFO (:func:`hf_pma.io.guarded.check_file`). One-line ``ValueError`` naming the file."""
+    nor a FIFO (:func:`hf_pma.io.guarded.check_file`), and every safetensors header is valid
+    (:class:`hf_pma.io.safetensors.SafetensorsReader`). One-line ``ValueError`` naming the file."""
     folder = Path(folder)
     check_no_custom_code(folder)
     names = [n for n in (*_LOADED_FILES, *_TOKENIZER_FILES) if _present(folder, n)]
@@ -145,6 +147,10 @@ def check_loadable_folder(folder: str | os.PathLike[str]) -> None:
                 )
     for name in dict.fromkeys(names):
         check_file(folder / name, folder)
+        if name.endswith(".safetensors"):
+            # The header as hf-pma's reader checks it (what the safetensors library refuses, and
+            # the bounds beyond): a crafted header is one line here, not a Rust error in transformers.
+            SafetensorsReader(folder / name, folder).close()
 
 
 def _check_model_folder(path: Path) -> None:
