@@ -22,6 +22,7 @@ COMMANDS = {
     "card": "card",
     "push": "push",
     "sweep": "sweep",
+    "compare": "compare",
     "inspect": "inspect",
     "consolidate": "consolidate",
 }

@@ -25,9 +25,10 @@ def write_run(
     deviation: Callable[[int, str, torch.Tensor], torch.Tensor],
     tokenizer=None,
     excluded: Sequence[int] = (),
+    interval: int = INTERVAL,
 ) -> tuple[Path, list[dict[str, torch.Tensor]]]:
     """A run folder ``root`` whose ``pma/`` holds ``count`` snapshots ``theta_i = base + deviation(i, name, base)``
-    taken every ``INTERVAL`` tokens, listed in the manifest (``excluded`` indices marked so), with
+    taken every ``interval`` tokens (default ``INTERVAL``), listed in the manifest (``excluded`` indices marked so), with
     the tokenizer in the run folder. Returns the folder and each snapshot's state (float32)."""
     pma = root / PMA_SUBDIR
     pma.mkdir(parents=True)
@@ -39,17 +40,17 @@ def write_run(
         with torch.no_grad():
             for name, p in float_params(model).items():
                 p.copy_(base_state[name] + deviation(i, name, base_state[name]))
-        tokens = (i + 1) * INTERVAL
+        tokens = (i + 1) * interval
         record = SnapshotRecord(
             path=f"snapshot-{tokens}", tokens=tokens, step=10 * (i + 1), lr=3e-3, loss=4.0 - 0.05 * i, phase="stable",
-            extra={"interval_tokens": INTERVAL},
+            extra={"interval_tokens": interval},
         )
         if i in excluded:
             record.extra.update(excluded=True, excluded_reason="loss spike at step 99")
         save_model_folder(pma / record.path, model, extra=record.to_dict())
         records.append(record)
         states.append({n: p.detach().clone() for n, p in float_params(model).items()})
-    write_manifest(pma, records, interval_tokens=INTERVAL)
+    write_manifest(pma, records, interval_tokens=interval)
     if tokenizer is not None:
         tokenizer.save_pretrained(root)
     return root, states

@@ -235,6 +235,8 @@ class SweepEvaluator:
         self.options = options
         self.progress = progress
         self.evaluations = 0
+        # The whole output of the latest evaluation (``lm``: per-text losses, for paired comparisons).
+        self.last_output: dict[str, Any] | None = None
 
     def evaluate_state(self, state: Mapping[str, torch.Tensor], origin: str = "merged weights") -> dict[str, Any]:
         """Load ``state`` into the model and evaluate it; flat results ``{task: {metric: value}}``."""
@@ -246,6 +248,7 @@ class SweepEvaluator:
             self.model, self.tokenizer, self.texts, self.options, task_manager=self.task_manager, progress=self.progress
         )
         self.evaluations += 1
+        self.last_output = out
         return out["results"]
 
     def evaluate_merge(

@@ -1,0 +1,888 @@
+"""Compare runs at matched tokens: does the merge rank runs as annealing would?
+
+For a learning-rate sweep or a scaling ladder, every run is evaluated at the same token count
+``T`` (the largest at which every run has a snapshot, or one chosen) on the same held-out text:
+
+* **last**: the run's snapshot at ``T`` (its constant-LR weights);
+* **merge**: the merge of its snapshots up to ``T`` (the run's own window, from its records, or
+  one given), built in memory and swapped into the loaded model, as ``hf-pma sweep`` does
+  (:class:`hf_pma.analysis.sweep.SweepEvaluator`: nothing is written);
+* **annealed**: the run's annealed fork (``RUN/annealed/``) when it ends at ``T``.
+
+The report ranks the runs by each, gives the rank agreement of merge and of last with annealed
+(Kendall's tau, :func:`scipy.stats.kendalltau`) and their mean absolute error against the
+annealed value, optionally fits ``L(x) = E + A * x**(-alpha)`` across runs
+(:func:`scipy.optimize.curve_fit`) for each kind of model, and explains every merge that is worse
+than its last snapshot (with the window a small sweep picks instead).
+
+:func:`plan_comparison` reads the runs and checks everything that can be checked (one line per
+problem, before any model is loaded); :func:`compare_runs` evaluates; :func:`compare_table`,
+:func:`plot_fit` present. The pure parts (:func:`matched_tokens`, :func:`rank_runs`,
+:func:`kendall_tau`, :func:`mean_absolute_error`, :func:`fit_power_law`) need no torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+import hashlib
+import math
+import os
+import statistics
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from hf_pma.core.selection import window_by_progress
+from hf_pma.core.strategies import merge_weights
+from hf_pma.io.guarded import JSON_LIMITS, read_bytes, read_json
+from hf_pma.merging.sources import (
+    CheckpointSource,
+    check_same_model,
+    model_source,
+    resolve_sources,
+    run_layout,
+    tokenizer_folder,
+)
+from hf_pma.utils.formatting import format_number, markdown_table
+from hf_pma.utils.logs import get_logger
+from hf_pma.utils.text import escape, plot_text, shown
+
+logger = get_logger(__name__)
+
+__all__ = [
+    "ANNEALED_DIR",
+    "ANNEAL_RECORD_NAME",
+    "DEFAULT_WINDOW",
+    "FIT_AXES",
+    "KINDS",
+    "RunPlan",
+    "matched_tokens",
+    "rank_runs",
+    "kendall_tau",
+    "mean_absolute_error",
+    "fit_power_law",
+    "paired_difference",
+    "parse_x_values",
+    "plan_comparison",
+    "compare_runs",
+    "compare_table",
+    "plot_fit",
+]
+
+# Where a run keeps its annealed fork, and the record of where it starts and ends.
+ANNEALED_DIR = "annealed"
+ANNEAL_RECORD_NAME = "pma_anneal.json"
+# The merge window of a run that records none: PMATrainingArguments.pma_window's default.
+DEFAULT_WINDOW = 10
+# What --fit may put on the x axis.
+FIT_AXES = ("params", "tokens", "compute")
+# The models compared per run, in table order.
+KINDS = ("last", "merge", "annealed")
+# The files that say which vocabulary a tokenizer has (two runs with the same ones tokenize alike).
+_VOCABULARY_FILES = (
+    "tokenizer.json",
+    "vocab.json",
+    "merges.txt",
+    "vocab.txt",
+    "tokenizer.model",
+    "spiece.model",
+)
+
+
+# ---------------------------------------------------------------- pure parts
+
+
+def matched_tokens(token_counts: Mapping[str, Sequence[int]], at_tokens: int | None = None) -> int:
+    """The token count every run has a snapshot at: ``at_tokens`` when given (``ValueError``
+    naming the runs without one there, with their nearest), else the largest common one
+    (``ValueError`` showing each run's range when there is none)."""
+    if at_tokens is not None:
+        lacking = [name for name, counts in token_counts.items() if at_tokens not in counts]
+        if lacking:
+            near = "; ".join(
+                f"{escape(name)}: nearest {min(token_counts[name], key=lambda t: abs(t - at_tokens)):,}"
+                for name in lacking[:5]
+            )
+            raise ValueError(f"--at-tokens {at_tokens:,}: no snapshot at that token count in {near}")
+        return at_tokens
+    common = set.intersection(*(set(c) for c in token_counts.values())) if token_counts else set()
+    if not common:
+        ranges = "; ".join(
+            f"{escape(name)}: {len(c)} from {min(c):,} to {max(c):,}"
+            for name, c in list(token_counts.items())[:5]
+        )
+        raise ValueError(
+            f"no token count at which every run has a snapshot ({ranges}): snapshots must be taken at the same "
+            "token counts (same pma_interval_tokens and tokens per step), or give --at-tokens"
+        )
+    return max(common)
+
+
+def rank_runs(values: Mapping[str, float | None], higher_is_better: bool = False) -> list[str]:
+    """The runs from best to worst by ``values`` (runs without a finite value left out)."""
+    scored = [(v, name) for name, v in values.items() if v is not None and math.isfinite(v)]
+    return [name for v, name in sorted(scored, key=lambda p: -p[0] if higher_is_better else p[0])]
+
+
+def kendall_tau(a: Sequence[float], b: Sequence[float]) -> dict[str, Any]:
+    """Kendall's tau-b of two paired sequences (:func:`scipy.stats.kendalltau`): ``{"tau", "p_value",
+    "n"}``; ``tau`` is ``None`` with fewer than 2 pairs or when one side is constant."""
+    from scipy.stats import kendalltau
+
+    n = len(a)
+    if n != len(b):
+        raise ValueError(f"kendall_tau needs paired values, got {n} and {len(b)}")
+    if n < 2:
+        return {"tau": None, "p_value": None, "n": n}
+    result = kendalltau(list(a), list(b))
+    tau, p = float(result.statistic), float(result.pvalue)
+    return {"tau": tau if math.isfinite(tau) else None, "p_value": p if math.isfinite(p) else None, "n": n}
+
+
+def mean_absolute_error(predicted: Sequence[float], target: Sequence[float]) -> float | None:
+    """``mean(|predicted - target|)``; ``None`` for no pairs."""
+    if len(predicted) != len(target):
+        raise ValueError(f"mean_absolute_error needs paired values, got {len(predicted)} and {len(target)}")
+    return statistics.fmean(abs(p - t) for p, t in zip(predicted, target)) if predicted else None
+
+
+def fit_power_law(x: Sequence[float], y: Sequence[float]) -> dict[str, Any]:
+    """Fit ``y = E + A * x**(-alpha)`` by least squares (:func:`scipy.optimize.curve_fit`, ``A >= 0``,
+    ``0 < alpha <= 4``, ``E <= min(y)``). Returns ``{"E", "A", "alpha", "points", "rmse"}``, or
+    ``{"error": one line, "points"}`` when the points do not allow a fit (fewer than 3 distinct
+    x, not finite, or no convergence)."""
+    import numpy as np
+
+    points = len(x)
+    xs, ys = np.asarray(x, dtype=float), np.asarray(y, dtype=float)
+    if len(xs) != len(ys):
+        raise ValueError(f"fit_power_law needs paired values, got {len(xs)} and {len(ys)}")
+    if not (np.isfinite(xs).all() and np.isfinite(ys).all()) or (xs <= 0).any():
+        return {"error": "the values are not all finite, or an x is not positive", "points": points}
+    if len(set(xs.tolist())) < 3:
+        return {
+            "error": f"a fit of E, A and alpha needs 3 distinct x values, got {len(set(xs.tolist()))}",
+            "points": points,
+        }
+    from scipy.optimize import curve_fit
+
+    x0 = float(xs.min())
+    u = xs / x0  # conditioned: A is fitted at x0, then rescaled
+
+    def law(u: Any, e: float, a: float, alpha: float) -> Any:
+        return e + a * u ** (-alpha)
+
+    span = float(ys.max() - ys.min()) or 1e-3
+    e_max = float(ys.min())
+    guess = (e_max - 0.5 * span, 1.5 * span, 0.5)
+    try:
+        (e, a_u, alpha), _ = curve_fit(
+            law, u, ys, p0=guess, bounds=([-np.inf, 0.0, 1e-6], [e_max, np.inf, 4.0]), maxfev=20000
+        )
+    except (RuntimeError, ValueError) as err:  # no convergence, or a degenerate problem
+        return {"error": f"the fit did not converge: {str(err).splitlines()[0]}", "points": points}
+    a = float(a_u) * x0 ** float(alpha)
+    rmse = float(np.sqrt(np.mean((law(u, e, a_u, alpha) - ys) ** 2)))
+    return {"E": float(e), "A": a, "alpha": float(alpha), "points": points, "rmse": rmse}
+
+
+def paired_difference(
+    per_text: Mapping[str, Sequence[float]], reference: Mapping[str, Sequence[float]]
+) -> dict[str, Any]:
+    """The mean per-document loss difference of a model from ``reference`` on the same documents
+    (``per_text`` as :func:`hf_pma.evaluation.evaluator.evaluate_language_modeling` returns it:
+    ``{"nll": [...], "tokens": [...]}``) with its paired standard error: ``{"diff", "stderr",
+    "documents"}`` (``stderr`` ``None`` for one document)."""
+
+    def losses(p: Mapping[str, Sequence[float]]) -> list[float | None]:
+        return [nll / tokens if tokens else None for nll, tokens in zip(p["nll"], p["tokens"])]
+
+    diffs = [a - b for a, b in zip(losses(per_text), losses(reference)) if a is not None and b is not None]
+    if not diffs:
+        return {"diff": None, "stderr": None, "documents": 0}
+    stderr = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None
+    return {"diff": statistics.fmean(diffs), "stderr": stderr, "documents": len(diffs)}
+
+
+def parse_x_values(text: str) -> dict[str, float]:
+    """``"run1=1e6,run2=3e6"`` -> ``{"run1": 1e6, "run2": 3e6}`` (``ValueError`` naming a bad item)."""
+    out: dict[str, float] = {}
+    for item in (t.strip() for t in str(text).split(",")):
+        if not item:
+            continue
+        name, sep, value = item.rpartition("=")
+        try:
+            number = float(value)
+        except ValueError:
+            number = float("nan")
+        if not sep or not name or not math.isfinite(number) or number <= 0:
+            raise ValueError(f"--x {shown(item)}: expected RUN=VALUE with a positive number, e.g. run1=1e6")
+        out[name] = number
+    if not out:
+        raise ValueError("--x holds no RUN=VALUE item")
+    return out
+
+
+# ---------------------------------------------------------------- planning (reads records, no weights)
+
+
+@dataclasses.dataclass
+class RunPlan:
+    """One run of a comparison, as planned: its snapshots up to the matched tokens, the merge's
+    snapshots and weights, its annealed model (if one ends there) and its x values."""
+
+    name: str
+    path: Path
+    sources: list[CheckpointSource]
+    merge_indices: list[int]
+    merge_weights: list[float]
+    window_origin: str
+    annealed: CheckpointSource | None = None
+    annealed_note: str | None = None
+    params: int | None = None
+    x: float | None = None
+
+    @property
+    def last(self) -> CheckpointSource:
+        """The snapshot at the matched tokens."""
+        return self.sources[-1]
+
+    @property
+    def merge_sources(self) -> list[CheckpointSource]:
+        """The snapshots the merge takes, oldest first."""
+        return [self.sources[i] for i in self.merge_indices]
+
+
+def _run_names(runs: Sequence[str | os.PathLike[str]]) -> list[str]:
+    """Each run's name: its folder's name, or the path as given where two names clash."""
+    names = [Path(r).name or str(r) for r in runs]
+    return [str(r) if names.count(n) > 1 else n for r, n in zip(runs, names)]
+
+
+def _snapshots(run: Path, name: str) -> list[CheckpointSource]:
+    if not run.is_dir():
+        raise FileNotFoundError(f"run {escape(run)} is not a folder")
+    layout = run_layout(run)
+    if not layout.is_run:
+        raise ValueError(
+            f"run {escape(name)} holds no snapshots (no PMA manifest, no checkpoint-* folders; it holds "
+            f"{layout.found()}): give run folders"
+        )
+    sources = resolve_sources([run])
+    unknown = [s.name for s in sources if s.tokens is None]
+    if unknown:
+        raise ValueError(
+            f"run {escape(name)}: {len(unknown)} snapshot(s) without a token count ({escape(', '.join(unknown[:3]))}): "
+            "runs are matched by tokens (Trainer checkpoints record them with include_num_input_tokens_seen=True)"
+        )
+    return sources
+
+
+def _vocabulary(folder: Path | None) -> str | None:
+    """A fingerprint of the tokenizer in ``folder`` (its vocabulary files' bytes), ``None`` when none."""
+    if folder is None:
+        return None
+    digest = hashlib.sha256()
+    found = False
+    for name in _VOCABULARY_FILES:
+        path = folder / name
+        if path.is_file() or path.is_symlink():
+            digest.update(
+                name.encode() + b"\0" + read_bytes(path, folder, max_bytes=JSON_LIMITS["config"]) + b"\0"
+            )
+            found = True
+    return digest.hexdigest() if found else None
+
+
+def _anneal_tokens(folder: Path, source: CheckpointSource) -> int | None:
+    """Where the annealed fork ends: its record (``pma_anneal.json``: ``end_tokens`` or
+    ``tokens``), else its snapshot record or trainer state (as the sources read them), else ``None``."""
+    record_path = folder / ANNEAL_RECORD_NAME
+    if record_path.is_file() or record_path.is_symlink():
+        record = read_json(record_path, folder)
+        if not isinstance(record, dict):
+            raise ValueError(f"{escape(record_path)} should hold a JSON object, got {type(record).__name__}")
+        for key in ("end_tokens", "tokens"):
+            value = record.get(key)
+            if value is not None:
+                if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                    raise ValueError(
+                        f"{escape(record_path)}: {key!r} must be a token count, got {shown(value, 60)}"
+                    )
+                return value
+    return source.tokens
+
+
+def _plan_annealed(
+    run: Path, name: str, last: CheckpointSource, at_tokens: int, is_end: bool
+) -> tuple[CheckpointSource | None, str | None]:
+    folder = run / ANNEALED_DIR
+    if not folder.is_dir():
+        return None, None
+    source = model_source(folder)
+    check_same_model([source, last])  # another architecture: one line now, not a failed load later
+    tokens = _anneal_tokens(folder, source)
+    if tokens == at_tokens:
+        return source, None
+    if tokens is None:
+        if is_end:
+            return (
+                source,
+                f"{ANNEALED_DIR}/ records no tokens: taken to end at the run's last snapshot ({at_tokens:,})",
+            )
+        return (
+            None,
+            f"{ANNEALED_DIR}/ records no tokens, and {at_tokens:,} is not the run's last snapshot: left out",
+        )
+    return None, f"{ANNEALED_DIR}/ ends at {tokens:,} tokens, not at {at_tokens:,}: left out"
+
+
+def _plan_window(
+    sources: list[CheckpointSource],
+    strategy: str,
+    alpha: float,
+    last: int | None,
+    window_tokens: int | None,
+    recorded: tuple[int | None, int | None, str | None] | None,
+    name: str,
+) -> tuple[list[int], list[float], str]:
+    count, tokens, where = recorded or (None, None, None)
+    if last is not None:
+        if last > len(sources):
+            raise ValueError(
+                f"--last {last}: run {escape(name)} has only {len(sources)} snapshot(s) up to {sources[-1].tokens:,} tokens"
+            )
+        indices, origin = list(range(len(sources) - last, len(sources))), f"--last {last}"
+    elif window_tokens is not None or tokens:
+        span = window_tokens or tokens
+        indices = window_by_progress([s.tokens for s in sources], span, "tokens")
+        origin = (
+            f"--window-tokens {span:,}"
+            if window_tokens
+            else f"the run's own last {span:,} tokens ({escape(where)})"
+        )
+    else:
+        n = count or DEFAULT_WINDOW
+        origin = (
+            f"the run's own N={n} ({escape(where)})"
+            if count
+            else f"the default N={n} (the run records no window)"
+        )
+        if n > len(sources):
+            origin += f"; only {len(sources)} snapshot(s) up to {sources[-1].tokens:,} tokens"
+        indices = list(range(max(0, len(sources) - n), len(sources)))
+    weights = merge_weights(len(indices), strategy if len(indices) > 1 else "sma", alpha)
+    return indices, list(weights), origin
+
+
+def _parameter_count(source: CheckpointSource) -> int:
+    """Parameters stored in a snapshot: the elements of its weight files' tensors (from their
+    headers; a tied embedding counted once)."""
+    tensors = source.open_raw()
+    try:
+        return sum(info.numel for info in tensors.infos.values())
+    finally:
+        tensors.close()
+
+
+def plan_comparison(
+    runs: Sequence[str | os.PathLike[str]],
+    *,
+    at_tokens: int | None = None,
+    last: int | None = None,
+    window_tokens: int | None = None,
+    strategy: str = "sma",
+    alpha: float = 0.2,
+    recorded_windows: Sequence[tuple[int | None, int | None, str | None]] | None = None,
+    tokenizer: str | os.PathLike[str] | None = None,
+    fit: str | None = None,
+    x_values: Mapping[str, float] | None = None,
+) -> tuple[int, list[RunPlan]]:
+    """Read the runs and plan the comparison: ``(matched tokens, one plan per run)``.
+
+    ``last`` / ``window_tokens`` choose every run's merge; else each run's own window
+    (``recorded_windows``: per run ``(N, T, where)``, as ``hf-pma inspect`` reads it from the
+    run's records), else N = :data:`DEFAULT_WINDOW`. ``fit`` (one of :data:`FIT_AXES`) sets each
+    plan's ``x`` (``x_values``, by run name or path, override it). Every problem is one-line
+    ``ValueError`` / ``FileNotFoundError`` raised here, before any model is loaded: fewer than
+    two runs, a run given twice or without snapshots, no common tokens, different tokenizers,
+    an annealed model of another architecture, a fit without 3 distinct x values.
+    """
+    if len(runs) < 2:
+        raise ValueError(f"compare needs at least two runs, got {len(runs)}: for one run use hf-pma sweep")
+    resolved = [Path(r).resolve() for r in runs]
+    twice = next((r for i, r in enumerate(runs) if resolved[i] in resolved[:i]), None)
+    if twice is not None:
+        raise ValueError(f"run {escape(twice)} is given twice")
+    merge_weights(2, strategy, alpha)  # a bad strategy or alpha: one line now
+    if last is not None and window_tokens is not None:
+        raise ValueError("give one of --last and --window-tokens: each chooses the merge window on its own")
+    if fit is not None and fit not in FIT_AXES:
+        raise ValueError(f"--fit {shown(fit)}: choose one of {', '.join(FIT_AXES)}")
+    names = _run_names(runs)
+    snapshots = {name: _snapshots(Path(run), name) for name, run in zip(names, runs)}
+    tokens = matched_tokens({n: [s.tokens for s in ss] for n, ss in snapshots.items()}, at_tokens)
+
+    fingerprints: dict[str, str | None] = {}
+    plans = []
+    for i, (name, run) in enumerate(zip(names, runs)):
+        sources = [s for s in snapshots[name] if s.tokens <= tokens]
+        is_end = sources[-1] is snapshots[name][-1]
+        if tokenizer is None:
+            fingerprints[name] = _vocabulary(tokenizer_folder(sources))
+        indices, weights, origin = _plan_window(
+            sources,
+            strategy,
+            alpha,
+            last,
+            window_tokens,
+            recorded_windows[i] if recorded_windows else None,
+            name,
+        )
+        check_same_model([sources[i] for i in indices])
+        annealed, note = _plan_annealed(Path(run), name, sources[-1], tokens, is_end)
+        plans.append(RunPlan(name, Path(run), sources, indices, weights, origin, annealed, note))
+    if tokenizer is None:
+        missing = [n for n, f in fingerprints.items() if f is None]
+        if missing:
+            raise ValueError(
+                f"run {escape(missing[0])} holds no tokenizer (in its snapshot or run folder): give --tokenizer"
+            )
+        groups: dict[str, list[str]] = {}
+        for n, f in fingerprints.items():
+            groups.setdefault(f, []).append(n)
+        if len(groups) > 1:
+            first, second = (g[0] for g in list(groups.values())[:2])
+            raise ValueError(
+                f"runs {escape(first)} and {escape(second)} have different tokenizers: their losses are not comparable "
+                "(compare runs of one tokenizer; bits per byte would be, but the ranking uses the loss)"
+            )
+    if fit is not None:
+        x_values = dict(x_values or {})
+        for plan, run in zip(plans, runs):
+            plan.params = _parameter_count(plan.last)
+            given = x_values.pop(plan.name, x_values.pop(str(run), None))
+            plan.x = (
+                given
+                if given is not None
+                else {
+                    "params": float(plan.params),
+                    "tokens": float(tokens),
+                    "compute": 6.0 * plan.params * tokens,
+                }[fit]
+            )
+        if x_values:
+            raise ValueError(
+                f"--x names {escape(', '.join(x_values))}, which is not one of the runs ({escape(', '.join(names))})"
+            )
+        distinct = len({p.x for p in plans})
+        if distinct < 3:
+            hint = (
+                " (at matched tokens every run has the same tokens: fit params or compute, or give --x)"
+                if fit == "tokens"
+                else ""
+            )
+            raise ValueError(
+                f"--fit {fit} needs at least 3 runs with distinct x values, got {distinct}{hint}"
+            )
+        try:
+            import scipy  # noqa: F401
+        except ImportError:
+            raise ValueError("--fit needs scipy: pip install 'hf-pma[eval]'") from None
+    return tokens, plans
+
+
+# ---------------------------------------------------------------- evaluation
+
+
+def _metric_value(results: Mapping[str, Mapping[str, Any]], metric: str) -> float | None:
+    from hf_pma.analysis.sweep import _metric_value as value_of  # one reader of a metric from flat results
+
+    return value_of(results, metric)
+
+
+def _span(sources: Sequence[CheckpointSource]) -> int:
+    """Tokens a merge reaches back over: from its oldest snapshot to its newest, plus one interval."""
+    if len(sources) < 2:
+        return 0
+    step = sources[-1].tokens - sources[-2].tokens
+    return sources[-1].tokens - sources[0].tokens + step
+
+
+def _why_worse(plan: RunPlan, at_tokens: int) -> str:
+    """Why a merge may lose to its last snapshot: how far back it reaches, and the training loss then."""
+    merged = plan.merge_sources
+    span = _span(merged)
+    share = span / at_tokens if at_tokens else 0.0
+    text = (
+        f"the merge of the last {len(merged)} snapshots ({plan.window_origin}) reaches back {span:,} tokens, "
+        f"{share:.0%} of the run's {at_tokens:,}"
+    )
+    first, newest = merged[0].record.get("loss"), merged[-1].record.get("loss")
+    if isinstance(first, (int, float)) and isinstance(newest, (int, float)) and first > newest:
+        text += (
+            f"; the training loss was {first:.3f} at its oldest snapshot ({merged[0].tokens:,} tokens) and "
+            f"{newest:.3f} at its newest: it averages in weights from before the loss had settled"
+        )
+    elif share >= 0.25:
+        text += ": it averages in weights from early in training, before the loss had settled"
+    return text
+
+
+def _smaller_windows(n: int) -> list[int]:
+    """The windows a small sweep tries below N: N/2, N/4, ... down to 2."""
+    out, w = [], n // 2
+    while w >= 2:
+        out.append(w)
+        w //= 2
+    return sorted(set(out))
+
+
+def _evaluate(
+    evaluator: Any, sources: Sequence[CheckpointSource], weights: Sequence[float]
+) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """One model (a merge of ``sources``, or one source with weight 1) evaluated in the
+    evaluator's live model: its flat results, and its per-text losses (``None`` without texts)."""
+    results = evaluator.evaluate_merge(list(sources), weights=list(weights))
+    lm = (evaluator.last_output or {}).get("lm")
+    return results, (lm or {}).get("per_text")
+
+
+def compare_runs(
+    at_tokens: int,
+    plans: Sequence[RunPlan],
+    texts: Sequence[str] | None = None,
+    options: Any = None,
+    *,
+    strategy: str = "sma",
+    alpha: float = 0.2,
+    metric: str | None = None,
+    higher_is_better: bool | None = None,
+    tokenizer: str | os.PathLike[str] | None = None,
+    device: Any = None,
+    fit: str | None = None,
+    eval_dataset: str | None = None,
+    progress: bool = False,
+    **option_fields: Any,
+) -> dict[str, Any]:
+    """Evaluate every planned run's last snapshot, merge and annealed model on the same texts
+    and tasks (``options``, or its fields as keywords, as for
+    :func:`hf_pma.evaluation.evaluator.evaluate_model`), one run's model in memory at a time.
+
+    ``metric`` (``task/name``; default ``lm/loss`` with texts, else the first task's accuracy)
+    ranks the runs. A merge worse than its last snapshot is explained, and its smaller windows
+    (N/2, N/4, ... 2) are evaluated too: the best of them, or the last snapshot, is the window
+    ``hf-pma sweep`` would pick among those. Returns the JSON-ready report (see
+    :func:`compare_table`). Under several processes the evaluations run on the main process.
+    """
+    from hf_pma.analysis.sweep import SweepEvaluator, _default_metric, lower_is_better, parse_metric
+    from hf_pma.evaluation.options import EvalOptions
+
+    options = EvalOptions.build(options, **option_fields)
+    if metric is not None:
+        parse_metric(metric)
+    entries: list[dict[str, Any]] = []
+    tasks = None
+    for plan in plans:
+        evaluator = SweepEvaluator(
+            plan.last.path.absolute(), texts, options, tokenizer=tokenizer, device=device, progress=progress
+        )
+        tasks = evaluator.tasks
+
+        evaluate = functools.partial(_evaluate, evaluator)
+        logger.info(
+            f"{plan.name}: evaluating the last snapshot, the merge and the annealed model at {at_tokens:,} tokens"
+        )
+        last_results, last_texts = evaluate([plan.last], [1.0])
+        metric = metric or _default_metric(last_results)
+        higher = (not lower_is_better(metric)) if higher_is_better is None else bool(higher_is_better)
+        merge_results, merge_texts = evaluate(plan.merge_sources, plan.merge_weights)
+        entry: dict[str, Any] = {
+            "name": plan.name,
+            "path": str(plan.path),
+            "params": plan.params,
+            "x": plan.x,
+            "last": {
+                "snapshot": plan.last.name,
+                "tokens": plan.last.tokens,
+                "results": last_results,
+                "value": _metric_value(last_results, metric),
+            },
+            "merge": {
+                "snapshots": [s.name for s in plan.merge_sources],
+                "tokens": [s.tokens for s in plan.merge_sources],
+                "weights": plan.merge_weights,
+                "strategy": strategy if len(plan.merge_indices) > 1 else "sma",
+                "window": len(plan.merge_indices),
+                "window_origin": plan.window_origin,
+                "span_tokens": _span(plan.merge_sources),
+                "results": merge_results,
+                "value": _metric_value(merge_results, metric),
+                "paired": paired_difference(merge_texts, last_texts) if merge_texts and last_texts else None,
+            },
+            "annealed": None,
+            "annealed_note": plan.annealed_note,
+            "merge_worse": None,
+        }
+        if plan.annealed is not None:
+            results, per_text = evaluate([plan.annealed], [1.0])
+            entry["annealed"] = {
+                "path": str(plan.annealed.path),
+                "results": results,
+                "value": _metric_value(results, metric),
+                "paired": paired_difference(per_text, last_texts) if per_text and last_texts else None,
+            }
+            m, a, b = entry["merge"]["value"], entry["annealed"]["value"], entry["last"]["value"]
+            if None not in (m, a, b) and a != b:
+                entry["annealing_gain_recovered"] = (b - m) / (b - a)
+        m, b = entry["merge"]["value"], entry["last"]["value"]
+        if m is not None and b is not None and (m < b if higher else m > b):
+            entry["merge_worse"] = _sweep_pick(plan, evaluate, metric, higher, b, strategy, alpha, at_tokens)
+        entries.append(entry)
+        del evaluator, evaluate
+        gc.collect()
+    return _report(at_tokens, entries, metric, higher, fit, eval_dataset, tasks)
+
+
+def _sweep_pick(
+    plan: RunPlan,
+    evaluate: Any,
+    metric: str,
+    higher: bool,
+    last_value: float | None,
+    strategy: str,
+    alpha: float,
+    at_tokens: int,
+) -> dict[str, Any]:
+    """For a merge worse than its last snapshot: why, and the best of its smaller windows (N/2,
+    N/4, ... 2, planned by :func:`hf_pma.analysis.sweep.plan_sweep`) or the last snapshot."""
+    from hf_pma.analysis.sweep import BASELINE_LABEL, plan_sweep
+    from hf_pma.utils.text import command_line
+
+    n = len(plan.merge_indices)
+    windows = _smaller_windows(n)
+    combos = (
+        plan_sweep(len(plan.sources), windows=windows, every=[1], strategies=[strategy], alpha=alpha)[0]
+        if windows
+        else []
+    )
+    tried = []
+    for combo in combos:
+        results, _ = evaluate([plan.sources[i] for i in combo.indices], combo.weights)
+        tried.append({"label": combo.label, "window": combo.window, "value": _metric_value(results, metric)})
+    candidates = [{"label": BASELINE_LABEL, "window": 1, "value": last_value}, *tried]
+    scored = [t for t in candidates if t["value"] is not None]
+    pick = (max if higher else min)(scored, key=lambda t: t["value"]) if scored else None
+    command = command_line(
+        [
+            "hf-pma",
+            "sweep",
+            plan.path,
+            "--window",
+            ",".join(map(str, [*windows, n])),
+            "--every",
+            "1,2",
+            "--strategy",
+            strategy,
+            "--eval-file",
+            "FILE",
+            "-o",
+            "sweep.json",
+        ]
+    )
+    return {
+        "explanation": _why_worse(plan, at_tokens),
+        "smaller_windows": tried,
+        "pick": pick,
+        "sweep_command": command,
+    }
+
+
+def _report(at_tokens, entries, metric, higher, fit, eval_dataset, tasks) -> dict[str, Any]:  # noqa: ANN001
+    values = {kind: {e["name"]: (e[kind] or {}).get("value") for e in entries} for kind in KINDS}
+    rankings = {kind: rank_runs(v, higher) for kind, v in values.items()}
+    with_annealed = [e for e in entries if e["annealed"] is not None and e["annealed"]["value"] is not None]
+    agreement = None
+    if with_annealed:
+        ann = [e["annealed"]["value"] for e in with_annealed]
+        agreement = {"runs": [e["name"] for e in with_annealed]}
+        for kind in ("merge", "last"):
+            pred = [e[kind]["value"] for e in with_annealed]
+            if any(p is None for p in pred):
+                agreement[kind] = None
+                continue
+            agreement[kind] = {"kendall": kendall_tau(pred, ann), "mae": mean_absolute_error(pred, ann)}
+    fits = None
+    if fit is not None:
+        fits = {"x": fit, "law": "L(x) = E + A * x^(-alpha)"}
+        for kind in KINDS:
+            pts = [
+                (e["x"], values[kind][e["name"]])
+                for e in entries
+                if e["x"] is not None and values[kind][e["name"]] is not None
+            ]
+            fits[kind] = (
+                fit_power_law([p[0] for p in pts], [p[1] for p in pts])
+                if pts
+                else {"error": "no values", "points": 0}
+            )
+    return {
+        "at_tokens": at_tokens,
+        "metric": metric,
+        "higher_is_better": higher,
+        "eval_dataset": eval_dataset,
+        "tasks": tasks,
+        "runs": entries,
+        "rankings": rankings,
+        "agreement": agreement,
+        "fit": fits,
+    }
+
+
+# ---------------------------------------------------------------- presentation
+
+
+def _signed(value: float | None, stderr: float | None = None) -> str:
+    if value is None:
+        return "-"
+    text = format_number(value, "+.4f")
+    if stderr is not None:
+        text += f" ± {format_number(stderr, '.4f')}"
+    return text
+
+
+def _tau(agreement: Mapping[str, Any] | None, kind: str) -> str:
+    found = (agreement or {}).get(kind)
+    if not found:
+        return "-"
+    tau = found["kendall"]["tau"]
+    return f"Kendall's tau {format_number(tau, '+.2f')}, mean absolute error {format_number(found['mae'], '.4f')}"
+
+
+def compare_table(report: Mapping[str, Any]) -> str:
+    """The comparison as text: a markdown table (one row per run: last, merge, the merge's paired
+    difference from last with its standard error, annealed, the share of the annealing gain the
+    merge recovers, the rank by each), then the rankings, the agreement with annealed, the fits,
+    and one paragraph per merge worse than its last snapshot. Every name is escaped."""
+    metric = report["metric"]
+    ranks = {kind: {name: i + 1 for i, name in enumerate(report["rankings"][kind])} for kind in KINDS}
+    header = [
+        "run",
+        f"last {metric}",
+        "merge",
+        "window",
+        "merge - last (paired ± SE)",
+        "annealed",
+        "gain recovered",
+        "rank last / merge / annealed",
+    ]
+    rows = []
+    for e in report["runs"]:
+        paired = e["merge"].get("paired") or {}
+        gain = e.get("annealing_gain_recovered")
+        rows.append(
+            [
+                e["name"],
+                format_number(e["last"]["value"]),
+                format_number(e["merge"]["value"]) + (" (worse)" if e["merge_worse"] else ""),
+                f"{e['merge']['strategy']} N={e['merge']['window']}",
+                _signed(paired.get("diff"), paired.get("stderr")),
+                format_number((e["annealed"] or {}).get("value")),
+                "-" if gain is None else f"{gain:.0%}",
+                " / ".join(str(ranks[k].get(e["name"], "-")) for k in KINDS),
+            ]
+        )
+    lines = [markdown_table(header, rows, align="lrrlrrrr"), ""]
+    direction = "higher" if report["higher_is_better"] else "lower"
+    lines.append(f"At {report['at_tokens']:,} tokens; {metric}: {direction} is better.")
+    for kind in KINDS:
+        if report["rankings"][kind]:
+            lines.append(f"Ranking by {kind}: {' > '.join(escape(n) for n in report['rankings'][kind])}")
+    agreement = report.get("agreement")
+    if agreement:
+        runs = len(agreement["runs"])
+        lines.append(
+            f"Against annealed ({runs} runs): merge {_tau(agreement, 'merge')}; last {_tau(agreement, 'last')}"
+        )
+    else:
+        lines.append("No run has an annealed model at these tokens: no rank agreement to report.")
+    for e in report["runs"]:
+        if e.get("annealed_note"):
+            lines.append(f"{escape(e['name'])}: {escape(e['annealed_note'])}")
+    fits = report.get("fit")
+    if fits:
+        lines.append(f"Fit of {fits['law']} across runs, x = {fits['x']}:")
+        for kind in KINDS:
+            f = fits[kind]
+            if "error" in f:
+                lines.append(f"  {kind}: no fit ({escape(f['error'])})")
+            else:
+                lines.append(
+                    f"  {kind}: E = {f['E']:.4f}, A = {f['A']:.4g}, alpha = {f['alpha']:.4f} "
+                    f"({f['points']} runs, rmse {f['rmse']:.2g})"
+                )
+    for e in report["runs"]:
+        worse = e["merge_worse"]
+        if not worse:
+            continue
+        pick = worse["pick"]
+        text = (
+            f"{escape(e['name'])}: the merge is worse than the last snapshot: {escape(worse['explanation'])}."
+        )
+        if pick is not None:
+            text += (
+                f" Of the smaller windows, {pick['label']} is best ({format_number(pick['value'])}); "
+                f"to sweep the run: {escape(worse['sweep_command'])}"
+            )
+        lines.append(text)
+    return "\n".join(lines)
+
+
+def plot_fit(report: Mapping[str, Any], output_path: str | os.PathLike[str], dpi: int = 110) -> Path:
+    """The values of last, merge and annealed against x (log scale), with their fitted curves."""
+    import numpy as np
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    from hf_pma.utils.fs import atomic_write_file
+
+    fits = report.get("fit") or {}
+    fig = Figure(figsize=(6.4, 4.2), dpi=dpi, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    xs_all = [e["x"] for e in report["runs"] if e.get("x")]
+    grid = np.geomspace(min(xs_all), max(xs_all), 100) if xs_all else None
+    for kind, color, marker in zip(KINDS, ("tab:gray", "tab:blue", "tab:orange"), ("o", "s", "^")):
+        pts = [(e["x"], (e[kind] or {}).get("value")) for e in report["runs"]]
+        pts = [(x, y) for x, y in pts if x and y is not None]
+        if not pts:
+            continue
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], color=color, marker=marker, label=kind, zorder=3)
+        f = fits.get(kind) or {}
+        if "error" not in f and f and grid is not None:
+            ax.plot(
+                grid,
+                f["E"] + f["A"] * grid ** (-f["alpha"]),
+                color=color,
+                lw=1,
+                label=f"{kind} fit: E={f['E']:.3f}, alpha={f['alpha']:.3f}",
+            )
+    for e in report["runs"]:
+        if e.get("x") and e["last"]["value"] is not None:
+            ax.annotate(
+                plot_text(e["name"]),
+                (e["x"], e["last"]["value"]),
+                fontsize=6,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
+    ax.set_xscale("log")
+    ax.set_xlabel(plot_text(fits.get("x", "x")))
+    ax.set_ylabel(plot_text(report["metric"]))
+    ax.set_title(f"runs at {report['at_tokens']:,} tokens", fontsize=10)
+    ax.legend(fontsize=7)
+    output_path = Path(output_path)
+    atomic_write_file(output_path, lambda tmp: fig.savefig(tmp, format="png"))
+    return output_path

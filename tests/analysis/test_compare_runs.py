@@ -1,0 +1,294 @@
+"""``hf-pma compare``: runs at matched tokens (last, merge, annealed), ranks, Kendall's tau, MAE,
+the power-law fit, the explanation of a merge worse than its last snapshot, and every bad input
+as one line before any evaluation."""
+
+from __future__ import annotations
+
+import json
+import math
+import zlib
+
+import pytest
+import torch
+
+from hf_pma.analysis.compare_runs import (
+    ANNEAL_RECORD_NAME,
+    fit_power_law,
+    kendall_tau,
+    matched_tokens,
+    mean_absolute_error,
+    paired_difference,
+    parse_x_values,
+    plan_comparison,
+    rank_runs,
+)
+from hf_pma.evaluation.evaluator import evaluate_models
+from hf_pma.merging.engine import merge_checkpoints
+from tests.snapshot_runs import float_params, noise_deviation, write_run
+from tests.testing_utils import make_tiny_model, run_cli, sample_text, save_model_folder, train_tiny_tokenizer
+
+COUNT = 5  # snapshots per run, every 1000 tokens: 1000 ... 5000
+
+
+def _texts() -> list[str]:
+    text = sample_text(8000)
+    return [text[i : i + 2000] for i in range(0, 8000, 2000)]
+
+
+def _drifting(scale: float):
+    """Snapshots far from the final weights early on, closer later: a merge over all of them
+    reaches back over weights from before training settled (worse than the last snapshot)."""
+
+    def deviation(i: int, name: str, base: torch.Tensor) -> torch.Tensor:
+        g = torch.Generator().manual_seed(zlib.crc32(f"drift/{i}/{name}".encode()))
+        return scale * (COUNT - 1 - i) * torch.randn(base.shape, generator=g)
+
+    return deviation
+
+
+def _annealed(run, scale: float, end_tokens: int = COUNT * 1000) -> None:
+    """``run/annealed/``: the runs' base weights plus noise of ``scale``, with its record."""
+    model = make_tiny_model(seed=0)
+    g = torch.Generator().manual_seed(zlib.crc32(str(run).encode()))
+    with torch.no_grad():
+        for p in float_params(model).values():
+            p.add_(scale * torch.randn(p.shape, generator=g))
+    save_model_folder(run / "annealed", model)
+    record = {"start_tokens": end_tokens - 2000, "end_tokens": end_tokens, "decay_type": "linear"}
+    (run / "annealed" / ANNEAL_RECORD_NAME).write_text(json.dumps(record))
+
+
+@pytest.fixture(scope="module")
+def three_runs(tmp_path_factory, tiny_tokenizer):
+    """Three runs (5 snapshots each, every 1000 tokens), each with an annealed model at 5000 tokens;
+    run ``c`` drifts (its merge over all 5 snapshots is worse than its last snapshot)."""
+    root = tmp_path_factory.mktemp("compare")
+    runs = []
+    for name, deviation, anneal in (
+        ("a", noise_deviation(0.05, seed=1), 0.01),
+        ("b", noise_deviation(0.15, seed=2), 0.05),
+        ("c", _drifting(0.5), 0.1),
+    ):
+        run, _ = write_run(root / name, COUNT, deviation, tokenizer=tiny_tokenizer)
+        _annealed(run, anneal)
+        runs.append(run)
+    eval_file = root / "heldout.jsonl"
+    eval_file.write_text("".join(json.dumps({"text": t}) + "\n" for t in _texts()))
+    return root, runs, eval_file
+
+
+@pytest.fixture(scope="module")
+def compared(three_runs):
+    """``hf-pma compare a b c --eval-file ... -o compare.json --fit params --x ...`` (run once)."""
+    root, runs, eval_file = three_runs
+    out = root / "compare.json"
+    result = run_cli(
+        "compare",
+        *runs,
+        "--eval-file",
+        eval_file,
+        "--block-size",
+        "64",
+        "-o",
+        out,
+        "--fit",
+        "params",
+        "--x",
+        "a=1e6,b=3e6,c=1e7",
+        "-q",
+    )
+    assert result.returncode == 0, result.stderr
+    return result, json.loads(out.read_text()), out
+
+
+# ---------------------------------------------------------------- pure parts
+
+
+def test_kendall_tau_and_mean_absolute_error_against_hand_computed_values():
+    annealed = [2.9, 2.1, 1.2]
+    # Same order as annealed: every pair concordant.
+    assert kendall_tau([3.0, 2.0, 1.0], annealed)["tau"] == pytest.approx(1.0)
+    # last: pairs (0,1) discordant, (0,2) and (1,2) concordant: (2 - 1) / 3.
+    assert kendall_tau([2.0, 3.0, 1.0], annealed)["tau"] == pytest.approx(1 / 3)
+    assert kendall_tau([1.0, 2.0, 3.0], annealed)["tau"] == pytest.approx(-1.0)
+    assert kendall_tau([1.0], [2.0])["tau"] is None
+    assert mean_absolute_error([3.0, 2.0, 1.0], annealed) == pytest.approx((0.1 + 0.1 + 0.2) / 3)
+    assert mean_absolute_error([], []) is None
+    assert rank_runs({"x": 2.0, "y": 1.0, "z": None, "w": 3.0}) == ["y", "x", "w"]
+    assert rank_runs({"x": 0.2, "y": 0.4}, higher_is_better=True) == ["y", "x"]
+
+
+def test_fit_recovers_a_known_power_law():
+    xs = [1e5, 3e5, 1e6, 3e6, 1e7, 3e7]
+    ys = [2.0 + 50.0 * x**-0.3 for x in xs]
+    fit = fit_power_law(xs, ys)
+    assert fit["E"] == pytest.approx(2.0, rel=1e-4)
+    assert fit["A"] == pytest.approx(50.0, rel=1e-3)
+    assert fit["alpha"] == pytest.approx(0.3, rel=1e-4)
+    assert fit["points"] == 6 and fit["rmse"] < 1e-6
+    # Too few distinct x, or a value that is not finite: one line, no exception.
+    assert "3 distinct x values, got 2" in fit_power_law([1.0, 1.0, 2.0], [3.0, 3.0, 2.0])["error"]
+    assert "not all finite" in fit_power_law([1.0, 2.0, 3.0], [1.0, math.nan, 2.0])["error"]
+
+
+def test_matched_tokens_paired_difference_and_x_values():
+    assert matched_tokens({"a": [1000, 2000, 3000], "b": [2000, 3000, 4000]}) == 3000
+    assert matched_tokens({"a": [1000, 2000, 3000], "b": [2000, 3000]}, at_tokens=2000) == 2000
+    with pytest.raises(
+        ValueError, match="--at-tokens 1,000: no snapshot at that token count in b: nearest 2,000"
+    ):
+        matched_tokens({"a": [1000, 2000], "b": [2000, 3000]}, at_tokens=1000)
+    with pytest.raises(ValueError, match="no token count at which every run has a snapshot"):
+        matched_tokens({"a": [1000, 2000], "b": [1500, 2500]})
+    # Per-document losses 1.0, 2.0 (reference 0.5, 1.0): differences 0.5 and 1.0.
+    paired = paired_difference(
+        {"nll": [10.0, 40.0], "tokens": [10, 20]}, {"nll": [5.0, 20.0], "tokens": [10, 20]}
+    )
+    assert paired["diff"] == pytest.approx(0.75) and paired["documents"] == 2
+    assert paired["stderr"] == pytest.approx(
+        math.sqrt(((0.5 - 0.75) ** 2 + (1.0 - 0.75) ** 2) / 1) / math.sqrt(2)
+    )
+    assert parse_x_values("r1=1e6, r2=3000") == {"r1": 1e6, "r2": 3000.0}
+    with pytest.raises(ValueError, match="expected RUN=VALUE"):
+        parse_x_values("r1=big")
+
+
+# ---------------------------------------------------------------- three runs
+
+
+def test_compare_three_runs(three_runs, compared):
+    root, runs, eval_file = three_runs
+    result, report, out = compared
+    assert report["at_tokens"] == COUNT * 1000 and report["metric"] == "lm/loss"
+    by = {e["name"]: e for e in report["runs"]}
+    assert list(by) == ["a", "b", "c"]
+    # The run records no window: the default N=10, cut to the 5 snapshots there are.
+    assert by["a"]["merge"]["window"] == COUNT and "the default N=10" in by["a"]["merge"]["window_origin"]
+    assert by["a"]["last"]["snapshot"] == "snapshot-5000"
+
+    # The numbers equal the same models merged to disk and evaluated on their own.
+    merged = merge_checkpoints(
+        [runs[1] / "pma" / f"snapshot-{1000 * (i + 1)}" for i in range(COUNT)], root / "merged-b"
+    )
+    texts = [json.loads(line)["text"] for line in eval_file.read_text().splitlines()]
+    separate = evaluate_models(
+        [runs[1] / "pma" / "snapshot-5000", merged, runs[1] / "annealed"],
+        tokenizer=runs[1],
+        texts=texts,
+        block_size=64,
+        progress=False,
+    )["results"]
+    values = [r["lm"]["loss"] for r in separate.values()]
+    assert [by["b"][k]["value"] for k in ("last", "merge", "annealed")] == pytest.approx(values, abs=1e-5)
+
+    # Rankings, Kendall's tau and MAE, counted by hand from the report's own values.
+    names = ["a", "b", "c"]
+    vals = {k: [by[n][k]["value"] for n in names] for k in ("last", "merge", "annealed")}
+    for kind in ("last", "merge", "annealed"):
+        assert report["rankings"][kind] == sorted(names, key=lambda n: by[n][kind]["value"])
+
+    def tau(x, y):
+        pairs = [(i, j) for i in range(3) for j in range(i + 1, 3)]
+        s = sum(math.copysign(1, (x[i] - x[j]) * (y[i] - y[j])) for i, j in pairs)
+        return s / len(pairs)
+
+    for kind in ("merge", "last"):
+        found = report["agreement"][kind]
+        assert found["kendall"]["tau"] == pytest.approx(tau(vals[kind], vals["annealed"]))
+        assert found["mae"] == pytest.approx(
+            sum(abs(a - b) for a, b in zip(vals[kind], vals["annealed"])) / 3
+        )
+    # The merge's paired difference from the last snapshot has the sign of the loss difference.
+    for n in names:
+        paired = by[n]["merge"]["paired"]
+        assert paired["documents"] == 4 and paired["stderr"] > 0
+        assert math.copysign(1, paired["diff"]) == math.copysign(
+            1, by[n]["merge"]["value"] - by[n]["last"]["value"]
+        )
+
+    # Run c's merge reaches back over weights far from its last: worse, explained, with a smaller window tried.
+    worse = by["c"]["merge_worse"]
+    assert by["a"]["merge_worse"] is None and worse is not None
+    assert "reaches back 5,000 tokens, 100% of the run's 5,000" in worse["explanation"]
+    assert "training loss was 4.000 at its oldest snapshot" in worse["explanation"]
+    assert [t["label"] for t in worse["smaller_windows"]] == ["sma N=2 k=1"]
+    assert worse["pick"]["label"] in ("last snapshot", "sma N=2 k=1")
+    assert "hf-pma sweep" in worse["sweep_command"] and "--window 2,5" in worse["sweep_command"]
+
+    # The fit across runs (x given per run) and its plot.
+    assert report["fit"]["x"] == "params" and {"E", "A", "alpha"} <= set(report["fit"]["merge"])
+    assert [e["x"] for e in report["runs"]] == [1e6, 3e6, 1e7]
+    assert out.with_suffix(".png").stat().st_size > 1000
+    # The printed table: one row per run, the agreement line, the explanation.
+    assert "| a " in result.stdout and "Against annealed (3 runs): merge Kendall's tau" in result.stdout
+    assert "c: the merge is worse than the last snapshot" in result.stdout
+
+
+def test_compare_annealed_at_other_tokens_is_left_out_and_last_window(three_runs):
+    """At 3000 tokens no annealed model ends there: left out, said, no agreement; --last 2 merges 2."""
+    root, runs, eval_file = three_runs
+    at, plans = plan_comparison(runs, at_tokens=3000, last=2)
+    assert at == 3000 and [p.last.name for p in plans] == ["snapshot-3000"] * 3
+    assert all(p.annealed is None and "ends at 5,000 tokens, not at 3,000" in p.annealed_note for p in plans)
+    assert [s.name for s in plans[0].merge_sources] == ["snapshot-2000", "snapshot-3000"]
+    at, plans = plan_comparison(runs, window_tokens=2000)
+    assert [s.name for s in plans[0].merge_sources] == ["snapshot-4000", "snapshot-5000"]
+    assert plans[0].annealed is not None
+
+
+# ---------------------------------------------------------------- bad input: one line, exit 2, nothing evaluated
+
+
+@pytest.fixture(scope="module")
+def odd_runs(three_runs, tiny_tokenizer):
+    root, runs, _ = three_runs
+    offset, _ = write_run(root / "offset", 3, noise_deviation(0.05), tokenizer=tiny_tokenizer, interval=1300)
+    other_tok, _ = write_run(
+        root / "other-tok", 3, noise_deviation(0.05), tokenizer=train_tiny_tokenizer(400)
+    )
+    return {"offset": offset, "other-tok": other_tok, "model": runs[0] / "annealed"}
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("one run", "compare needs at least two runs, got 1"),
+        ("no common tokens", "no token count at which every run has a snapshot"),
+        ("no snapshot there", "--at-tokens 2,500: no snapshot at that token count in a: nearest 2,000"),
+        ("different tokenizers", "runs a and other-tok have different tokenizers"),
+        ("no snapshots", "run annealed holds no snapshots"),
+        ("no eval file", "nothing to evaluate: give --eval-file and/or --tasks"),
+        ("missing eval file", "document source"),
+        ("fit without distinct x", "--fit params needs at least 3 runs with distinct x values, got 1"),
+        ("x of an unknown run", "--x names zz, which is not one of the runs"),
+        ("last too long", "--last 7: run a has only 5 snapshot(s)"),
+        ("run twice", "is given twice"),
+    ],
+)
+def test_bad_input_is_one_line_before_any_evaluation(three_runs, odd_runs, case, message):
+    root, (a, b, c), eval_file = three_runs
+    out = root / f"bad-{case.replace(' ', '-')}.json"
+    args = {
+        "one run": [a],
+        "no common tokens": [a, odd_runs["offset"]],
+        "no snapshot there": [a, b, "--at-tokens", "2500"],
+        "different tokenizers": [a, odd_runs["other-tok"]],
+        "no snapshots": [a, odd_runs["model"]],
+        "no eval file": [a, b, "--no-eval", None],
+        "missing eval file": [a, b, "--eval-file", root / "missing.txt"],
+        "fit without distinct x": [a, b, c, "--fit", "params"],
+        "x of an unknown run": [a, b, c, "--fit", "params", "--x", "a=1,b=2,zz=3"],
+        "last too long": [a, b, "--last", "7"],
+        "run twice": [a, a],
+    }[case]
+    if "--no-eval" in args:
+        args = args[:2]
+    elif "--eval-file" not in args:
+        args = [*args, "--eval-file", eval_file]
+    result = run_cli("compare", *args, "-o", out)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.startswith("hf-pma compare: error: ") and result.stderr.count("\n") == 1, (
+        result.stderr
+    )
+    assert message in result.stderr
+    assert not out.exists() and "Held-out LM" not in result.stderr
