@@ -530,9 +530,11 @@ def write_eval_record(
     {metric: value}}}, "eval_dataset": ...}``, the record the model card reads.
 
     ``results`` is ``evaluate_models(...)["results"]`` or ``{label: evaluate_model(...)["results"]}``,
-    labels such as ``"last snapshot"``, ``"PMA merge"``, ``"annealed"``. With ``update`` the
-    labels already in the record are kept unless given again (and its ``eval_dataset`` unless a
-    new one is given). Under several processes only the main process writes.
+    labels such as ``"last snapshot"``, ``"PMA merge"``, ``"annealed"``. With ``update`` the new
+    results are merged into an existing record: models, tasks and metrics are added or updated,
+    everything else is kept (the other models' results, the metrics not given again, the record's
+    other keys such as ``comparison``, and its ``eval_dataset`` unless a new one is given).
+    ``update=False`` starts afresh. Under several processes only the main process writes.
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -546,12 +548,12 @@ def write_eval_record(
         with hold_claim(folder, what="--record folder"):
             record: dict[str, Any] = {"results": {}, "eval_dataset": None}
             if update and path.is_file():
-                old = read_eval_record(folder)
-                record["results"].update(old["results"])
-                record["eval_dataset"] = old.get("eval_dataset")
-            record["results"].update(
-                {str(k): {str(t): dict(m) for t, m in v.items()} for k, v in results.items()}
-            )
+                record.update(read_eval_record(folder))  # every key kept (e.g. "comparison")
+            merged = {str(k): {str(t): dict(m) for t, m in v.items()} for k, v in record["results"].items()}
+            for label, tasks in results.items():
+                for task, metrics in tasks.items():
+                    merged.setdefault(str(label), {}).setdefault(str(task), {}).update(metrics)
+            record["results"] = merged
             if eval_dataset is not None:
                 record["eval_dataset"] = str(eval_dataset)
             atomic_write_json(path, record)

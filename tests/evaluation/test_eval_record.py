@@ -1,0 +1,76 @@
+"""``--record`` adds: ``hf-pma eval ... --record DIR`` and ``write_eval_record`` merge new results
+into an existing ``pma_eval.json`` (models and metrics added or updated, every other key kept)."""
+
+from __future__ import annotations
+
+import json
+
+from hf_pma.analysis.comparison import paired_comparison, write_comparison
+from hf_pma.evaluation.evaluator import write_eval_record
+from hf_pma.publishing.card import build_model_card
+from tests.pma_records import EVAL_RECORD, write_merged_folder
+from tests.testing_utils import run_cli, sample_text
+
+
+def _lm(nll, tokens):
+    return {"per_text": {"nll": nll, "tokens": tokens}}
+
+
+LM = {
+    "last snapshot": _lm([8.0, 12.0, 20.0], [2, 4, 5]),
+    "PMA merge": _lm([7.0, 11.0, 19.0], [2, 4, 5]),
+    "annealed": _lm([6.0, 10.0, 18.0], [2, 4, 5]),
+}
+TABLE_ROW = "| PMA merge | 3.3500 | -0.3167 ± 0.0928 (3.4 SE) | 50% |"
+
+
+def test_the_cards_comparison_survives_an_extra_eval_record(tmp_path, tiny_tokenizer):
+    merged = write_merged_folder(tmp_path, tiny_tokenizer)
+    write_comparison(merged, paired_comparison(LM, tokens=6144))
+    assert TABLE_ROW in build_model_card(merged).text
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text(sample_text(600))
+
+    done = run_cli(
+        "eval",
+        merged,
+        "--labels",
+        "PMA merge",
+        "--eval-file",
+        heldout,
+        "--block-size",
+        "32",
+        "--record",
+        merged,
+        "-q",
+        "--output",
+        tmp_path / "results.json",
+    )
+    assert done.returncode == 0, done.stderr
+    record = json.loads((merged / "pma_eval.json").read_text())
+    assert "comparison" in record and record["eval_dataset"] == "heldout.txt"
+    new = json.loads((tmp_path / "results.json").read_text())["results"]["PMA merge"]["lm"]
+    assert record["results"]["PMA merge"]["lm"] == new  # updated
+    assert (
+        record["results"]["PMA merge"]["py_syntax"] == EVAL_RECORD["results"]["PMA merge"]["py_syntax"]
+    )  # kept
+    assert record["results"]["annealed"] == EVAL_RECORD["results"]["annealed"]  # kept
+    assert TABLE_ROW in build_model_card(merged).text  # the card's matched table is still there
+
+
+def test_write_eval_record_adds_models_and_metrics(tmp_path, tiny_tokenizer):
+    merged = write_merged_folder(tmp_path, tiny_tokenizer)
+    write_comparison(merged, paired_comparison(LM, tokens=6144))
+    write_eval_record(
+        merged, {"PMA merge": {"lm": {"loss": 1.0}, "new_task": {"acc": 0.5}}, "other": {"lm": {"loss": 2.0}}}
+    )
+    record = json.loads((merged / "pma_eval.json").read_text())
+    merge = record["results"]["PMA merge"]
+    assert merge["lm"] == {**EVAL_RECORD["results"]["PMA merge"]["lm"], "loss": 1.0}
+    assert merge["new_task"] == {"acc": 0.5} and record["results"]["other"] == {"lm": {"loss": 2.0}}
+    assert record["eval_dataset"] == EVAL_RECORD["eval_dataset"] and "comparison" in record
+    write_eval_record(merged, {"other": {"lm": {"loss": 3.0}}}, update=False)  # afresh
+    assert json.loads((merged / "pma_eval.json").read_text()) == {
+        "results": {"other": {"lm": {"loss": 3.0}}},
+        "eval_dataset": None,
+    }
