@@ -63,7 +63,6 @@ __all__ = [
     "kendall_tau",
     "mean_absolute_error",
     "fit_power_law",
-    "paired_difference",
     "parse_x_values",
     "plan_comparison",
     "compare_runs",
@@ -78,8 +77,10 @@ ANNEAL_RECORD_NAME = "pma_anneal.json"
 DEFAULT_WINDOW = 10
 # What --fit may put on the x axis.
 FIT_AXES = ("params", "tokens", "compute")
-# The models compared per run, in table order.
+# The models compared per run, in table order, and their labels in the paired comparison record
+# (hf_pma.analysis.comparison.paired_comparison).
 KINDS = ("last", "merge", "annealed")
+LAST_LABEL, MERGE_LABEL, ANNEALED_LABEL = "last snapshot", "PMA merge", "annealed"
 # The files that say which vocabulary a tokenizer has (two runs with the same ones tokenize alike).
 _VOCABULARY_FILES = (
     "tokenizer.json",
@@ -186,24 +187,6 @@ def fit_power_law(x: Sequence[float], y: Sequence[float]) -> dict[str, Any]:
     a = float(a_u) * x0 ** float(alpha)
     rmse = float(np.sqrt(np.mean((law(u, e, a_u, alpha) - ys) ** 2)))
     return {"E": float(e), "A": a, "alpha": float(alpha), "points": points, "rmse": rmse}
-
-
-def paired_difference(
-    per_text: Mapping[str, Sequence[float]], reference: Mapping[str, Sequence[float]]
-) -> dict[str, Any]:
-    """The mean per-document loss difference of a model from ``reference`` on the same documents
-    (``per_text`` as :func:`hf_pma.evaluation.evaluator.evaluate_language_modeling` returns it:
-    ``{"nll": [...], "tokens": [...]}``) with its paired standard error: ``{"diff", "stderr",
-    "documents"}`` (``stderr`` ``None`` for one document)."""
-
-    def losses(p: Mapping[str, Sequence[float]]) -> list[float | None]:
-        return [nll / tokens if tokens else None for nll, tokens in zip(p["nll"], p["tokens"])]
-
-    diffs = [a - b for a, b in zip(losses(per_text), losses(reference)) if a is not None and b is not None]
-    if not diffs:
-        return {"diff": None, "stderr": None, "documents": 0}
-    stderr = statistics.stdev(diffs) / math.sqrt(len(diffs)) if len(diffs) > 1 else None
-    return {"diff": statistics.fmean(diffs), "stderr": stderr, "documents": len(diffs)}
 
 
 def parse_x_values(text: str) -> dict[str, float]:
@@ -417,6 +400,10 @@ def plan_comparison(
     if twice is not None:
         raise ValueError(f"run {escape(twice)} is given twice")
     merge_weights(2, strategy, alpha)  # a bad strategy or alpha: one line now
+    try:
+        import scipy  # noqa: F401  (Kendall's tau, the fit)
+    except ImportError:
+        raise ValueError("hf-pma compare needs scipy: pip install 'hf-pma[eval]'") from None
     if last is not None and window_tokens is not None:
         raise ValueError("give one of --last and --window-tokens: each chooses the merge window on its own")
     if fit is not None and fit not in FIT_AXES:
@@ -487,10 +474,6 @@ def plan_comparison(
             raise ValueError(
                 f"--fit {fit} needs at least 3 runs with distinct x values, got {distinct}{hint}"
             )
-        try:
-            import scipy  # noqa: F401
-        except ImportError:
-            raise ValueError("--fit needs scipy: pip install 'hf-pma[eval]'") from None
     return tokens, plans
 
 
@@ -544,10 +527,10 @@ def _evaluate(
     evaluator: Any, sources: Sequence[CheckpointSource], weights: Sequence[float]
 ) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """One model (a merge of ``sources``, or one source with weight 1) evaluated in the
-    evaluator's live model: its flat results, and its per-text losses (``None`` without texts)."""
+    evaluator's live model: its flat results, and its held-out LM details (with ``per_text``;
+    ``None`` without texts)."""
     results = evaluator.evaluate_merge(list(sources), weights=list(weights))
-    lm = (evaluator.last_output or {}).get("lm")
-    return results, (lm or {}).get("per_text")
+    return results, (evaluator.last_output or {}).get("lm")
 
 
 def compare_runs(
@@ -577,6 +560,7 @@ def compare_runs(
     ``hf-pma sweep`` would pick among those. Returns the JSON-ready report (see
     :func:`compare_table`). Under several processes the evaluations run on the main process.
     """
+    from hf_pma.analysis.comparison import paired_comparison
     from hf_pma.analysis.sweep import SweepEvaluator, _default_metric, lower_is_better, parse_metric
     from hf_pma.evaluation.options import EvalOptions
 
@@ -595,10 +579,10 @@ def compare_runs(
         logger.info(
             f"{plan.name}: evaluating the last snapshot, the merge and the annealed model at {at_tokens:,} tokens"
         )
-        last_results, last_texts = evaluate([plan.last], [1.0])
+        last_results, last_lm = evaluate([plan.last], [1.0])
         metric = metric or _default_metric(last_results)
         higher = (not lower_is_better(metric)) if higher_is_better is None else bool(higher_is_better)
-        merge_results, merge_texts = evaluate(plan.merge_sources, plan.merge_weights)
+        merge_results, merge_lm = evaluate(plan.merge_sources, plan.merge_weights)
         entry: dict[str, Any] = {
             "name": plan.name,
             "path": str(plan.path),
@@ -620,23 +604,34 @@ def compare_runs(
                 "span_tokens": _span(plan.merge_sources),
                 "results": merge_results,
                 "value": _metric_value(merge_results, metric),
-                "paired": paired_difference(merge_texts, last_texts) if merge_texts and last_texts else None,
+                "paired": None,
             },
             "annealed": None,
             "annealed_note": plan.annealed_note,
             "merge_worse": None,
         }
+        lm = {LAST_LABEL: last_lm, MERGE_LABEL: merge_lm}
         if plan.annealed is not None:
-            results, per_text = evaluate([plan.annealed], [1.0])
+            results, lm[ANNEALED_LABEL] = evaluate([plan.annealed], [1.0])
             entry["annealed"] = {
                 "path": str(plan.annealed.path),
                 "results": results,
                 "value": _metric_value(results, metric),
-                "paired": paired_difference(per_text, last_texts) if per_text and last_texts else None,
+                "paired": None,
             }
-            m, a, b = entry["merge"]["value"], entry["annealed"]["value"], entry["last"]["value"]
-            if None not in (m, a, b) and a != b:
-                entry["annealing_gain_recovered"] = (b - m) / (b - a)
+        entry["comparison"] = None
+        if all(details is not None for details in lm.values()):  # held-out text: the paired comparison
+            record = paired_comparison(lm, LAST_LABEL, MERGE_LABEL, ANNEALED_LABEL, tokens=at_tokens)
+            entry["comparison"] = record
+            for kind, label in (("merge", MERGE_LABEL), ("annealed", ANNEALED_LABEL)):
+                row = record["models"].get(label)
+                if row is not None and entry[kind] is not None:
+                    entry[kind]["paired"] = {
+                        "diff": row["loss_diff"],
+                        "stderr": row["paired_stderr"],
+                        "documents": record["documents"],
+                    }
+            entry["annealing_gain_recovered"] = record["annealing_gain_recovered"]
         m, b = entry["merge"]["value"], entry["last"]["value"]
         if m is not None and b is not None and (m < b if higher else m > b):
             entry["merge_worse"] = _sweep_pick(plan, evaluate, metric, higher, b, strategy, alpha, at_tokens)

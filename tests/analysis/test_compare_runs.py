@@ -17,7 +17,6 @@ from hf_pma.analysis.compare_runs import (
     kendall_tau,
     matched_tokens,
     mean_absolute_error,
-    paired_difference,
     parse_x_values,
     plan_comparison,
     rank_runs,
@@ -131,7 +130,7 @@ def test_fit_recovers_a_known_power_law():
     assert "not all finite" in fit_power_law([1.0, 2.0, 3.0], [1.0, math.nan, 2.0])["error"]
 
 
-def test_matched_tokens_paired_difference_and_x_values():
+def test_matched_tokens_and_x_values():
     assert matched_tokens({"a": [1000, 2000, 3000], "b": [2000, 3000, 4000]}) == 3000
     assert matched_tokens({"a": [1000, 2000, 3000], "b": [2000, 3000]}, at_tokens=2000) == 2000
     with pytest.raises(
@@ -140,14 +139,6 @@ def test_matched_tokens_paired_difference_and_x_values():
         matched_tokens({"a": [1000, 2000], "b": [2000, 3000]}, at_tokens=1000)
     with pytest.raises(ValueError, match="no token count at which every run has a snapshot"):
         matched_tokens({"a": [1000, 2000], "b": [1500, 2500]})
-    # Per-document losses 1.0, 2.0 (reference 0.5, 1.0): differences 0.5 and 1.0.
-    paired = paired_difference(
-        {"nll": [10.0, 40.0], "tokens": [10, 20]}, {"nll": [5.0, 20.0], "tokens": [10, 20]}
-    )
-    assert paired["diff"] == pytest.approx(0.75) and paired["documents"] == 2
-    assert paired["stderr"] == pytest.approx(
-        math.sqrt(((0.5 - 0.75) ** 2 + (1.0 - 0.75) ** 2) / 1) / math.sqrt(2)
-    )
     assert parse_x_values("r1=1e6, r2=3000") == {"r1": 1e6, "r2": 3000.0}
     with pytest.raises(ValueError, match="expected RUN=VALUE"):
         parse_x_values("r1=big")
@@ -198,13 +189,16 @@ def test_compare_three_runs(three_runs, compared):
         assert found["mae"] == pytest.approx(
             sum(abs(a - b) for a, b in zip(vals[kind], vals["annealed"])) / 3
         )
-    # The merge's paired difference from the last snapshot has the sign of the loss difference.
+    # The paired comparison of each run (hf_pma.analysis.comparison): the merge's mean per-document
+    # difference from the last snapshot, with its standard error, and the share of the annealing gain.
     for n in names:
-        paired = by[n]["merge"]["paired"]
-        assert paired["documents"] == 4 and paired["stderr"] > 0
-        assert math.copysign(1, paired["diff"]) == math.copysign(
-            1, by[n]["merge"]["value"] - by[n]["last"]["value"]
-        )
+        record, paired = by[n]["comparison"], by[n]["merge"]["paired"]
+        models = record["models"]
+        assert record["documents"] == paired["documents"] == 4 and record["tokens"] == COUNT * 1000
+        assert paired["diff"] == pytest.approx(models["PMA merge"]["loss"] - models["last snapshot"]["loss"])
+        assert paired["stderr"] > 0 and by[n]["annealed"]["paired"]["stderr"] > 0
+        assert models["last snapshot"]["per_token_loss"] == pytest.approx(by[n]["last"]["value"])
+        assert by[n]["annealing_gain_recovered"] == record["annealing_gain_recovered"]
 
     # Run c's merge reaches back over weights far from its last: worse, explained, with a smaller window tried.
     worse = by["c"]["merge_worse"]
