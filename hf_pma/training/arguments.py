@@ -124,6 +124,21 @@ class PMATrainingArguments(TrainingArguments):
     pma_push_revision: str = dataclasses.field(
         default="pma-merged", metadata={"help": "Branch of hub_model_id that receives the merged model."}
     )
+    pma_anneal_steps: int = dataclasses.field(
+        default=0,
+        metadata={
+            "help": "The annealing check: save a checkpoint this many steps before the end and, after training, "
+            "fork the run there with the LR decayed to 0 over these steps, to <output_dir>/annealed (needs "
+            "lr_scheduler_type constant or constant_with_warmup). 0: no fork."
+        },
+    )
+    pma_anneal_tokens: int | None = dataclasses.field(
+        default=None,
+        metadata={"help": "The same, given in tokens (global): turned into steps at the run's first step."},
+    )
+    pma_anneal_decay: str = dataclasses.field(
+        default="linear", metadata={"help": "Shape of the fork's decay: linear, cosine or 1-sqrt."}
+    )
 
     def __post_init__(self) -> None:
         if self.pma_eval and deepspeed_zero_stage(self.deepspeed) == 3:
@@ -174,7 +189,32 @@ class PMATrainingArguments(TrainingArguments):
             raise ValueError(f"pma_save_dtype must be float32, bfloat16 or float16, got {self.pma_save_dtype!r}")
         if isinstance(self.pma_init_from, (str, os.PathLike)):
             self.pma_init_from = [str(self.pma_init_from)]
+        self.check_annealing()
         for item in self.pma_init_from or []:
             # Local paths must exist now; a Hub id ("org/name[@REV]") is fetched when the trainer starts.
             if not Path(item).exists() and not _HUB_ID.fullmatch(item):
                 raise ValueError(f"pma_init_from: {item} does not exist")
+
+    def check_annealing(self) -> None:
+        """``ValueError`` naming the option when the annealed fork (``pma_anneal_steps`` /
+        ``pma_anneal_tokens``) cannot be made; call it again after changing them or ``max_steps``."""
+        from hf_pma.training.annealing import CONSTANT_SCHEDULES, check_decay_type, fork_step, schedule_name
+
+        steps, tokens = self.pma_anneal_steps, self.pma_anneal_tokens
+        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+            raise ValueError(f"pma_anneal_steps must be 0 or a positive integer, got {steps!r}")
+        if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1):
+            raise ValueError(f"pma_anneal_tokens must be a positive integer, got {tokens!r}")
+        if steps and tokens:
+            raise ValueError("give pma_anneal_steps or pma_anneal_tokens, not both")
+        check_decay_type(self.pma_anneal_decay, "pma_anneal_decay")
+        if not (steps or tokens):
+            return
+        name = "pma_anneal_steps" if steps else "pma_anneal_tokens"
+        if schedule_name(self) not in CONSTANT_SCHEDULES:
+            raise ValueError(
+                f"{name} needs a constant-LR run to fork from (lr_scheduler_type constant_with_warmup), got "
+                f"lr_scheduler_type {schedule_name(self)}; or set it to 0"
+            )
+        if steps and self.max_steps > 0:
+            fork_step(self.max_steps, steps, self)

@@ -32,7 +32,9 @@ from hf_pma.merging.slices import SliceSwap
 from hf_pma.merging.sources import resolve_sources, select_window
 from hf_pma.merging.swap import backup_weights, load_weights, restore_weights
 from hf_pma.snapshots.callback import PMACallback
+from hf_pma.training.annealing import SaveCheckpointAt, anneal_from_checkpoint, annealing_check
 from hf_pma.training.arguments import PMATrainingArguments
+from hf_pma.training.saving import save_full_model
 from hf_pma.utils.distributed import all_ranks_checked, is_peft_model, local_world_size
 from hf_pma.utils.fs import atomic_write_json
 from hf_pma.utils.logs import enable_logging
@@ -43,28 +45,6 @@ logger = logging.get_logger(__name__)
 __all__ = ["PMATrainer", "PMATrainingArguments", "LossSpikeError", "save_full_model"]
 
 INIT_RECORD_NAME = "pma_init.json"
-
-
-def save_full_model(trainer: Trainer, output_dir: str | Path) -> None:
-    """``trainer.save_model(output_dir)`` that writes a folder ``from_pretrained`` loads under
-    any sharding. Call it on every process.
-
-    Under FSDP with ``fsdp_state_dict_type: SHARDED_STATE_DICT`` (what FSDP2 configs use, so
-    that checkpoints stay sharded), ``Trainer.save_model`` writes no weights at all; here the
-    state-dict type is FULL_STATE_DICT for the duration of the call (the full weights are
-    gathered to the main process, which writes them), then back to what it was. DDP, ZeRO-3
-    and a single process save as ``save_model`` does.
-    """
-    plugin = getattr(trainer.accelerator.state, "fsdp_plugin", None)
-    if not trainer.is_fsdp_enabled or plugin is None or "FULL_STATE_DICT" in str(plugin.state_dict_type):
-        trainer.save_model(str(output_dir))
-        return
-    previous = plugin.state_dict_type
-    plugin.set_state_dict_type("FULL_STATE_DICT")
-    try:
-        trainer.save_model(str(output_dir))
-    finally:
-        plugin.state_dict_type = previous
 
 
 class LossSpikeError(RuntimeError):
@@ -98,11 +78,19 @@ class PMATrainer(Trainer):
             async_write=args.pma_async_write,
             max_disk_bytes=args.pma_max_disk_bytes,
         )
-        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), callback]
+        self._pma_fork_saver: SaveCheckpointAt | None = None
+        if args.pma_anneal_steps or args.pma_anneal_tokens:  # the annealing check: its checkpoint
+            self._pma_fork_saver = SaveCheckpointAt(
+                anneal_steps=args.pma_anneal_steps or None, anneal_tokens=args.pma_anneal_tokens
+            )
+        extra = [self._pma_fork_saver] if self._pma_fork_saver else []
+        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), callback, *extra]
         super().__init__(model, args, *pargs, **kwargs)
         enable_logging()  # hf-pma's records at the verbosity the Trainer just set for transformers
         self.pma_callback.accelerator = self.accelerator
         self.pma_merged_dir: Path | None = None
+        # The annealed fork of the annealing check (pma_anneal_steps / pma_anneal_tokens), once made.
+        self.pma_annealed_dir: Path | None = None
         # The command that reproduces this run, for the model card (scripts set it).
         self.pma_command: str | None = None
         self.pma_recoveries: list[dict[str, Any]] = []
@@ -329,7 +317,32 @@ class PMATrainer(Trainer):
             self.pma_merged_dir = self.merge_snapshots()
             if self.pma_merged_dir is not None and self.args.push_to_hub and self.args.pma_push_merged:
                 self.push_merged_to_hub(revision=self.args.pma_push_revision)
+        if self._pma_fork_saver is not None and self._pma_fork_saver.step is not None:
+            self.pma_annealed_dir = self._anneal_at_end(self._pma_fork_saver)
         return output
+
+    def _anneal_at_end(self, saver: SaveCheckpointAt) -> Path | None:
+        """The fork of the annealing check, from the checkpoint ``saver`` made; that checkpoint is
+        deleted afterwards unless the run's own save strategy wanted it."""
+        checkpoint = Path(self.args.output_dir) / f"checkpoint-{saver.step}"
+        if not checkpoint.is_dir():
+            logger.warning(f"no {checkpoint.name} to fork the annealed model from (resumed past it?): no fork")
+            return None
+        out = anneal_from_checkpoint(
+            self, checkpoint, steps=saver.anneal_steps, decay_type=self.args.pma_anneal_decay
+        )
+        if saver.forced:
+            from hf_pma.utils.fs import remove_tree
+
+            self._pma_barrier(lambda: remove_tree(checkpoint) if self.is_world_process_zero() else None)
+        return out
+
+    def annealing_check(self, texts: list[str], **kwargs: Any) -> dict[str, Any]:
+        """Evaluate the last snapshot, the merge and the annealed model on the same held-out
+        ``texts`` and write the paired comparison into the merged folder's ``pma_eval.json`` and
+        card: :func:`hf_pma.training.annealing.annealing_check` (its keywords: ``annealed``,
+        ``tasks``, ``include_path``, ``block_size``, ``eval_dataset``). Call it on every process."""
+        return annealing_check(self, texts, **kwargs)
 
     def merge_snapshots(self, output_dir: str | Path | None = None, last: int | None = None) -> Path | None:
         """Merge the newest ``last`` (default ``pma_window``) snapshots into ``output_dir``.
