@@ -39,7 +39,7 @@ from hf_pma.snapshots.gather import sharding_kind, unwrap_model
 from hf_pma.snapshots.loss import StepLossTracker
 from hf_pma.snapshots.lr_probe import first_group_value, peak_lr, planned_lrs
 from hf_pma.snapshots.online import ONLINE_KINDS, OnlineAverage
-from hf_pma.snapshots.sharded import ShardedSnapshotSink
+from hf_pma.snapshots.sharded import ShardedOnlineAverageSink, ShardedSnapshotSink
 from hf_pma.snapshots.sinks import (
     ONLINE_STATE_NAME,
     DiskSnapshotSink,
@@ -77,6 +77,8 @@ class PMACallback(TrainerCallback, ExportableState):
         async_write: write in a background thread (the step only copies weights to CPU).
         online: ``"sma"`` or ``"ema"``: keep a running float32 average on CPU instead of
             writing snapshots; saved as a model folder ``<output_dir>/online-<kind>`` at the end.
+            Under FSDP1/FSDP2 or ZeRO-3 (with ``sharded`` ``"auto"`` or ``True``) every rank
+            averages only its own slices and the folder is a sharded one (one file per rank).
         online_alpha: EMA factor for ``online="ema"``.
         max_disk_bytes: the disk budget of the snapshots (bytes or ``"200GB"``). ``None``: the
             free space of the snapshot folder. The projected bytes (one snapshot in the saved
@@ -115,8 +117,6 @@ class PMACallback(TrainerCallback, ExportableState):
     ) -> None:
         if sharded not in (True, False, "auto"):
             raise ValueError(f"sharded must be True, False or 'auto', got {sharded!r}")
-        if sharded is True and online is not None:
-            raise ValueError("sharded=True writes per-rank snapshot files; online averaging keeps one average instead")
         self.sharded = sharded
         self.schedule = SnapshotSchedule(interval_tokens, phases)
         self.requested_interval_tokens = self.schedule.requested_interval_tokens
@@ -216,8 +216,8 @@ class PMACallback(TrainerCallback, ExportableState):
         return self._sink.exclude(tokens, reason)
 
     def online_state_dict(self, dtype: torch.dtype | str | None = None) -> dict[str, torch.Tensor] | None:
-        """The online running average (float32 unless ``dtype``), or ``None`` without online mode
-        or on other processes than the main one."""
+        """The online running average (float32 unless ``dtype``), or ``None`` without online mode,
+        on other processes than the main one, or for a sharded average (no process holds it all)."""
         if not isinstance(self._sink, OnlineAverageSink):
             return None
         self._commit(should_save=False)
@@ -414,12 +414,14 @@ class PMACallback(TrainerCallback, ExportableState):
             "accelerator": self.accelerator,
             "processing_class": processing_class,
         }
-        if self.online is not None:
-            return OnlineAverageSink(self._pma_dir, online=self.online, alpha=self.online_alpha, **common)
         adapter = model is not None and is_peft_model(unwrap_model(model))
         if self.sharded is True and adapter:
             raise ValueError("sharded=True stores full weights; a PEFT model's snapshots are its adapter: use sharded=False")
-        if self.sharded is True or (self.sharded == "auto" and not adapter and model is not None and sharding_kind(model)):
+        sharded = self.sharded is True or (self.sharded == "auto" and not adapter and model is not None and sharding_kind(model))
+        if self.online is not None:
+            online = ShardedOnlineAverageSink if sharded else OnlineAverageSink
+            return online(self._pma_dir, online=self.online, alpha=self.online_alpha, **common)
+        if sharded:
             return ShardedSnapshotSink(self._pma_dir, keep_last=self.keep_last, **common)
         return DiskSnapshotSink(self._pma_dir, keep_last=self.keep_last, **common)
 

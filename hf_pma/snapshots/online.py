@@ -48,6 +48,8 @@ class OnlineAverage:
         self.count = 0
         self.records: list[SnapshotRecord] = []
         self._average: dict[str, torch.Tensor] = {}
+        # The raw ``__metadata__`` of the file :meth:`load_state` read (empty otherwise).
+        self.metadata: dict[str, str] = {}
 
     def update(self, state_dict: dict[str, torch.Tensor], record: SnapshotRecord | None = None) -> None:
         """Fold one snapshot into the average (CPU tensors of any floating dtype)."""
@@ -115,11 +117,18 @@ class OnlineAverage:
             "sources": sources,
         }
 
-    def save_state(self, path: str | os.PathLike[str]) -> None:
-        """Save the average and its bookkeeping to one safetensors file (for checkpoints)."""
+    @property
+    def num_bytes(self) -> int:
+        """Bytes of memory the average holds."""
+        return sum(t.numel() * t.element_size() for t in self._average.values())
+
+    def save_state(self, path: str | os.PathLike[str], extra_metadata: dict[str, str] | None = None) -> None:
+        """Save the average and its bookkeeping to one safetensors file (for checkpoints);
+        ``extra_metadata`` is stored beside (a sharded average's rank, world size and slices)."""
         from hf_pma.snapshots.writer import write_safetensors
 
         metadata = {
+            **(extra_metadata or {}),
             "kind": self.kind,
             "alpha": repr(self.alpha),
             "count": str(self.count),
@@ -149,6 +158,7 @@ class OnlineAverage:
                 average = cls(metadata["kind"], alpha)
                 average.count = count
                 average.records = [SnapshotRecord.from_dict(d, f"{escape(path)}: records") for d in records]
+                average.metadata = dict(metadata)
             except (KeyError, ValueError) as err:
                 raise ValueError(f"{escape(path)} is not an hf-pma online average: {escape(err)}") from None
             average._average = tensors.state_dict()

@@ -38,6 +38,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import shutil
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,6 +48,7 @@ import torch
 from transformers.utils import logging
 
 from hf_pma.core.manifest import SnapshotRecord, add_snapshot
+from hf_pma.io.guarded import parse_json
 from hf_pma.io.safetensors import SafetensorsWriter
 from hf_pma.io.sharded import (
     DCP_SHARDING_INFO_KEY,
@@ -57,9 +59,16 @@ from hf_pma.io.sharded import (
 )
 from hf_pma.io.torch_adapters import SAFETENSORS_FROM_DTYPE, safetensors_dtype, tensor_bytes
 from hf_pma.snapshots.gather import LocalSlice, local_slices
-from hf_pma.snapshots.sinks import DiskSnapshotSink
-from hf_pma.snapshots.writer import check_replaceable, write_metadata_files, write_snapshot_record
+from hf_pma.snapshots.online import OnlineAverage
+from hf_pma.snapshots.sinks import DiskSnapshotSink, OnlineAverageSink, ResumePoint, online_state_name
+from hf_pma.snapshots.writer import (
+    check_replaceable,
+    model_metadata,
+    write_metadata_files,
+    write_snapshot_record,
+)
 from hf_pma.utils.fs import LEGACY_PREFIXES, fsync_dir, fsync_tree, remove_tree
+from hf_pma.utils.text import escape, shown
 
 logger = logging.get_logger(__name__)
 
@@ -73,6 +82,7 @@ __all__ = [
     "finish_sharded_snapshot",
     "sharded_tmp_dir",
     "ShardedSnapshotSink",
+    "ShardedOnlineAverageSink",
 ]
 
 # Layout names recorded in the manifest and in pma.json.
@@ -373,3 +383,246 @@ class ShardedSnapshotSink(DiskSnapshotSink):
         """Wait for the last write (on rank 0: until it is listed), then free the staging buffers."""
         super().close(model)
         self.staging.release()
+
+
+# ---------------------------------------------------------------------------------------------
+# The shard-local online average
+# ---------------------------------------------------------------------------------------------
+
+
+def _slice_layout(s: LocalSlice) -> list[Any]:
+    """What identifies where a slice sits (stored with a rank's saved average, compared on resume)."""
+    return [list(s.offsets), list(s.sizes), list(s.global_shape), bool(s.flat)]
+
+
+class ShardedOnlineAverageSink(OnlineAverageSink):
+    """The online average of a sharded run (``online=`` under FSDP1/FSDP2 or DeepSpeed ZeRO-3):
+    every rank averages its own slices, in float32 on the CPU; no rank gathers the model.
+
+    At each snapshot, in the training thread, every rank folds the live slices it holds
+    (:func:`hf_pma.snapshots.gather.local_slices`: FSDP ``DTensor`` / ``ShardedTensor`` local
+    shards, ZeRO-3 ``ds_tensor`` partitions; unsharded tensors on rank 0) into its float32
+    copy, one tensor at a time: host memory per rank is one float32 copy of the rank's slices
+    (plus, from an accelerator, one tensor in the training dtype while it is folded in).
+    Nothing runs off the training thread and no collective runs at a snapshot.
+
+    Every Trainer checkpoint gets one file per rank, ``pma_online-rank<r>.safetensors``
+    (float32 slices; the count, records, world size and each slice's place in its metadata),
+    restored on resume by the same rank: the resumed average is bit-identical to an
+    uninterrupted one. A resume at another world size (or other shards) stops with one line.
+    At train end the average is written as a sharded folder ``<pma_dir>/online-<kind>/`` (one
+    file per rank in the layout of :class:`ShardedSnapshotSink`, config, tokenizer and
+    ``pma_merge.json``), which every hf-pma reader takes (``merge``, ``consolidate``, ``eval``).
+    """
+
+    def __init__(
+        self,
+        pma_dir: str | os.PathLike[str],
+        *,
+        online: str = "sma",
+        alpha: float = 0.2,
+        rank: int | None = None,
+        world_size: int | None = None,
+        **kwargs: Any,
+    ) -> None:
+        initialized = torch.distributed.is_available() and torch.distributed.is_initialized()
+        self.rank = rank if rank is not None else (torch.distributed.get_rank() if initialized else 0)
+        self.world_size = world_size if world_size is not None else (torch.distributed.get_world_size() if initialized else 1)
+        kwargs.setdefault("is_main", self.rank == 0)
+        kwargs["async_write"] = False  # the update runs in the training thread: nothing to overlap
+        super().__init__(pma_dir, online=online, alpha=alpha, **kwargs)
+        self._slices: dict[str, LocalSlice] = {}  # where each averaged tensor sits (no data)
+
+    # -- resume ---------------------------------------------------------------------------------
+
+    def open(self, resume: ResumePoint | None) -> dict[str, Any]:
+        """Every rank: restore its part of the average from the checkpoint (same world size only);
+        the main process checks the final folder can be written. A failure stops every rank."""
+        from hf_pma.utils.distributed import all_ranks_checked
+
+        counts = all_ranks_checked(lambda: self._restore(resume), "restoring the sharded online average")
+        if resume is not None:
+            missing = [r for r, c in enumerate(counts) if c is None]
+            if missing and len(missing) < len(counts):
+                raise ValueError(
+                    f"hf-pma: {escape(resume.checkpoint_dir)} lacks the online average of rank(s) {missing}: "
+                    "resume from a checkpoint that every rank saved"
+                )
+            if missing:
+                logger.warning(
+                    f"hf-pma: no online average in {escape(resume.checkpoint_dir)}; the online average restarts empty"
+                )
+            elif len(set(counts)) > 1:
+                raise ValueError(
+                    f"hf-pma: the ranks' online averages in {escape(resume.checkpoint_dir)} hold different numbers of "
+                    f"snapshots ({counts}): the checkpoint is inconsistent"
+                )
+            elif self.is_main:
+                logger.info(
+                    f"hf-pma: restored the sharded online {self.average.kind} average of {counts[0]} snapshots "
+                    f"({self.world_size} ranks)"
+                )
+        all_ranks_checked(lambda: self._check_target() if self.is_main else None, "checking the online average's folder")
+        return {}
+
+    def _restore(self, resume: ResumePoint | None) -> int | None:
+        if resume is None:
+            return 0
+        path = resume.checkpoint_dir / online_state_name(self.rank)
+        if not path.is_file():
+            return None
+        average = OnlineAverage.load_state(path)
+        saved_world = average.metadata.get("world_size")
+        if saved_world != str(self.world_size):
+            raise ValueError(
+                f"hf-pma: {escape(path)} is one rank's part of an online average taken by {shown(saved_world)} ranks; "
+                f"this run has {self.world_size}: resume with {shown(saved_world)} processes (the online average "
+                "is not resharded)"
+            )
+        if average.kind != self.average.kind or average.alpha != self.average.alpha:
+            raise ValueError(
+                f"hf-pma: {escape(path)} holds an online {shown(average.kind)} average (alpha {average.alpha}); this "
+                f"run asks for {self.average.kind} (alpha {self.average.alpha})"
+            )
+        layout = parse_json(average.metadata.get("slices", "null"), f"{escape(path)}: metadata 'slices'")
+        if not isinstance(layout, dict) or set(layout) != set(average.state_dict()):
+            raise ValueError(f"hf-pma: {escape(path)} is not an hf-pma sharded online average: bad 'slices' metadata")
+        self._slices = {}
+        for name, entry in layout.items():
+            try:
+                offsets, sizes, shape, flat = entry
+                s = LocalSlice(name, torch.empty(0), tuple(offsets), tuple(sizes), tuple(shape), bool(flat))
+                ok = s.numel == average._average[name].numel()
+            except (TypeError, ValueError):
+                ok = False
+            if not ok:
+                raise ValueError(f"hf-pma: {escape(path)}: the slice of {shown(name)} does not match its tensor")
+            self._slices[name] = s
+        self.average = average
+        return average.count
+
+    def warm_up(self, model: torch.nn.Module) -> None:
+        """Every rank: a restored average must sit on this run's shards (checked before training)."""
+        from hf_pma.utils.distributed import all_ranks_checked
+
+        if self._slices:
+            all_ranks_checked(lambda: self._check_layout(local_slices(model, self.rank)), "checking the online average's shards")
+
+    def _check_layout(self, slices: Sequence[LocalSlice]) -> None:
+        live = {s.name: _slice_layout(s) for s in slices}
+        saved = {name: _slice_layout(s) for name, s in self._slices.items()}
+        if live != saved:
+            name = next(iter(sorted(n for n in set(live) | set(saved) if live.get(n) != saved.get(n))))
+            raise ValueError(
+                f"hf-pma: rank {self.rank}'s online average holds tensor {shown(name)} as {saved.get(name)} but this "
+                f"run's shards hold it as {live.get(name)} (offsets, sizes, shape, flat): resume with the sharding "
+                "the average was taken with"
+            )
+
+    # -- snapshots ------------------------------------------------------------------------------
+
+    def take(self, model: torch.nn.Module, record: SnapshotRecord) -> None:
+        """Every rank: fold this rank's live slices into its float32 average now."""
+        if self._taken is not None:
+            raise RuntimeError("SnapshotSink.take() called twice without commit()")
+        slices = local_slices(model, self.rank)
+        if self._slices:
+            self._check_layout(slices)
+        else:
+            self._slices = {s.name: dataclasses.replace(s, tensor=torch.empty(0)) for s in slices}
+        self._model_dtype = next((s.tensor.dtype for s in slices if s.tensor.is_floating_point()), self._model_dtype)
+        with torch.no_grad():
+            self.average.update({s.name: s.tensor for s in slices})
+        self._taken = record
+
+    def commit(self) -> None:
+        """The record is final: it joins the average's list."""
+        if self._taken is None:
+            return
+        record, self._taken = self._taken, None
+        self.average.records.append(record)
+
+    def state_dict(self, dtype: torch.dtype | None = None) -> None:
+        """``None``: no process holds the full average (see :meth:`local_average`)."""
+        return None
+
+    def local_average(self) -> list[tuple[LocalSlice, torch.Tensor]]:
+        """This rank's slices of the average: ``(where it sits, float32 data)`` per tensor."""
+        self.commit()
+        return [(self._slices[name], tensor) for name, tensor in self.average._average.items()]
+
+    def save_checkpoint(self, checkpoint_dir: Path) -> None:
+        """Every rank: its part of the average into the checkpoint, ``pma_online-rank<r>.safetensors``."""
+        self.commit()
+        if self.average.count == 0:
+            return
+        if not checkpoint_dir.is_dir():
+            logger.warning(f"hf-pma: {escape(checkpoint_dir)} is not a folder; the online average was not saved in it")
+            return
+        layout = {name: _slice_layout(self._slices[name]) for name in self.average._average}
+        self.average.save_state(
+            checkpoint_dir / online_state_name(self.rank),
+            extra_metadata={"world_size": str(self.world_size), "rank": str(self.rank), "slices": json.dumps(layout)},
+        )
+
+    # -- the end --------------------------------------------------------------------------------
+
+    def close(self, model: torch.nn.Module | None) -> None:
+        """Every rank: write the average as the sharded folder ``<pma_dir>/online-<kind>``."""
+        self.commit()
+        if model is not None and self.average.count > 0:
+            self.write_sharded(model)
+
+    def write_sharded(self, model: torch.nn.Module) -> Path:
+        """Every rank writes its file of the average into a temporary folder beside the target;
+        the main process adds the config, tokenizer and merge record and renames it into place."""
+        from hf_pma.core.manifest import MERGE_RECORD_NAME
+        from hf_pma.utils.distributed import all_ranks_checked
+        from hf_pma.utils.fs import publish_folder, remove_stale_temporaries, temporary_path
+
+        dtype = self.save_dtype or self._model_dtype
+        payload = [str(temporary_path(self.target)) if self.is_main else None]
+        if self.world_size > 1:
+            torch.distributed.broadcast_object_list(payload, src=0)
+        tmp = Path(payload[0])
+
+        def prepare() -> None:
+            if self.is_main:
+                remove_stale_temporaries(self.pma_dir, self.target.name)
+                tmp.mkdir()
+
+        def write_mine() -> None:
+            names = list(self.average._average)
+            buffers = []
+            for name in names:
+                tensor = self.average._average[name]
+                target = dtype if (dtype is not None and tensor.is_floating_point()) else tensor.dtype
+                buffers.append(tensor.to(target).reshape(-1))
+            write_rank_file(tmp / rank_file_name(self.rank), StagedShard([self._slices[n] for n in names], buffers))
+
+        def publish() -> None:
+            if not self.is_main:
+                return
+            layout = LAYOUT_FLAT if any(s.flat for s in self._slices.values()) else LAYOUT_DCP
+            config, generation_config = model_metadata(model, dtype)
+            write_metadata_files(tmp, config, generation_config, self.processing_class)
+            record = self.average.merge_record(self._interval_tokens, str(dtype).removeprefix("torch.") if dtype else None)
+            record.update(sharded=True, world_size=self.world_size, layout=layout)
+            (tmp / MERGE_RECORD_NAME).write_text(json.dumps(record, indent=2) + "\n")
+            self._check_target()
+            publish_folder(tmp, self.target)
+
+        try:
+            all_ranks_checked(prepare, f"creating {self.target}")
+            all_ranks_checked(write_mine, f"writing this rank's part of {self.target}")
+            all_ranks_checked(publish, f"completing {self.target}")
+        except BaseException:
+            if self.is_main:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if self.is_main:
+            logger.info(
+                f"hf-pma: sharded online {self.average.kind} average of {self.average.count} snapshots saved to "
+                f"{self.target} ({self.world_size} rank files)"
+            )
+        return self.target

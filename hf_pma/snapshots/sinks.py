@@ -54,10 +54,15 @@ from hf_pma.utils.text import escape
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["ONLINE_STATE_NAME", "ResumePoint", "SnapshotSink", "DiskSnapshotSink", "OnlineAverageSink"]
+__all__ = ["ONLINE_STATE_NAME", "online_state_name", "ResumePoint", "SnapshotSink", "DiskSnapshotSink", "OnlineAverageSink"]
 
 # File in a Trainer checkpoint folder holding the online average (online mode only).
 ONLINE_STATE_NAME = "pma_online.safetensors"
+
+
+def online_state_name(rank: int) -> str:
+    """The file in a Trainer checkpoint folder holding rank ``rank``'s part of a sharded online average."""
+    return f"pma_online-rank{rank}.safetensors"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -366,7 +371,17 @@ class OnlineAverageSink(SnapshotSink):
                 logger.info(f"hf-pma: restored the online {self.average.kind} average of {self.average.count} snapshots")
             else:
                 logger.warning(f"hf-pma: no online average at {path}; the online average restarts empty")
-        target = self.pma_dir / f"online-{self.average.kind}"
+        self._check_target()
+        return {}
+
+    @property
+    def target(self) -> Path:
+        """The folder the average is written to at train end: ``<pma_dir>/online-<kind>``."""
+        return self.pma_dir / f"online-{self.average.kind}"
+
+    def _check_target(self) -> None:
+        """Main process: the final folder is absent or hf-pma's, and the snapshot folder writable."""
+        target = self.target
         if (target.exists() or target.is_symlink()) and not is_library_folder(target, MERGE_RECORD_NAME):
             raise FileExistsError(
                 f"hf-pma: {escape(target)} exists and hf-pma did not write it (no {MERGE_RECORD_NAME} inside, or a "
@@ -379,7 +394,6 @@ class OnlineAverageSink(SnapshotSink):
             probe.unlink()
         except OSError as err:
             raise PermissionError(f"hf-pma: cannot write to {self.pma_dir}: {err}") from err
-        return {}
 
     def kept_on_disk(self, snapshots: int | None) -> int | None:
         """One folder: the average, written at train end."""

@@ -43,6 +43,12 @@ def _eval(out: Path) -> None:
     eval_launch.run(out)
 
 
+def _online(out: Path) -> None:
+    from tests.dist import online_sharded
+
+    online_sharded.run(out)
+
+
 def _two_nodes(out: Path) -> None:
     from tests.dist import two_nodes
 
@@ -61,6 +67,7 @@ SCENARIOS: dict[str, Callable[[Path], None]] = {
     "merged_eval": _merged_eval,  # tests/merging/test_slices_distributed.py
     "eval": _eval,  # tests/evaluation/test_eval_cli.py
     "sharded": _sharded,  # tests/snapshots/test_sharded.py
+    "online": _online,  # tests/snapshots/test_online_sharded.py
     "two_nodes": _two_nodes,  # tests/utils/test_distributed.py (raises on every rank: keep it last)
 }
 

@@ -1,0 +1,166 @@
+"""A shard-local online average under FSDP2 (``fully_shard``, gloo, CPU), run by the shared launch
+``world2`` (tests/dist/scenarios.py) and read by tests/snapshots/test_online_sharded.py.
+
+A tiny Llama whose vocabulary (515 rows) does not split evenly is trained for ``STEPS`` steps
+while three :class:`PMACallback` instances watch the same weights: sharded snapshots on disk
+(``sharded=True``), and online ``sma`` and ``ema`` averages (``sharded="auto"``). The Trainer does
+not shard on CPU, so the callbacks are driven the way the Trainer drives them. Every gather is
+patched to raise for the whole run (``_gather_fsdp``, the sinks' ``gather_full_state_dict`` and
+``DTensor.full_tensor``): the online averages must never gather. A Trainer checkpoint is saved at
+``CHECKPOINT_STEP`` (``on_save``), and a second pair of online callbacks resumes from it with the
+weights of that step: their final averages must be bit-identical to the uninterrupted ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+import torch.distributed as dist
+from transformers import TrainerControl, TrainerState
+
+from hf_pma.snapshots.callback import PMACallback
+from tests.dist.sharded_snapshots import LR, TOKENS_PER_STEP, build, train_step
+
+STEPS = 5
+CHECKPOINT_STEP = 3
+ALPHA = 0.3
+KINDS = ("sma", "ema")
+
+
+class GatherCalled(AssertionError):
+    pass
+
+
+@contextlib.contextmanager
+def forbid_gathers() -> Iterator[None]:
+    """Every way to gather the full weights raises inside (this process; put back afterwards)."""
+    from torch.distributed.tensor import DTensor
+
+    from hf_pma.snapshots import gather, sinks
+
+    def refuse(*args, **kwargs):
+        raise GatherCalled("a full gather happened during online averaging")
+
+    patched = [
+        (gather, "_gather_fsdp"),
+        (gather, "gather_full_state_dict"),
+        (sinks, "gather_full_state_dict"),
+        (DTensor, "full_tensor"),
+    ]
+    saved = [getattr(owner, name) for owner, name in patched]
+    for owner, name in patched:
+        setattr(owner, name, refuse)
+    try:
+        yield
+    finally:
+        for (owner, name), value in zip(patched, saved):
+            setattr(owner, name, value)
+
+
+def drive(out: Path, rank: int, world: int, callbacks: dict, model, optimizer, start: int) -> None:
+    """Train from step ``start`` to ``STEPS`` with ``callbacks`` driven as the Trainer drives them;
+    each callback has its own Trainer output folder ``out/run-<name>`` (its checkpoints)."""
+    args = {
+        name: SimpleNamespace(
+            output_dir=str(out / f"run-{name}"),
+            include_num_input_tokens_seen="all",
+            world_size=world,
+            learning_rate=LR,
+            get_warmup_steps=lambda steps: 0,
+        )
+        for name in callbacks
+    }
+    state = TrainerState(max_steps=STEPS, global_step=start, num_input_tokens_seen=start * TOKENS_PER_STEP)
+    state.is_world_process_zero = rank == 0
+    control = TrainerControl()
+    for name, cb in callbacks.items():
+        cb.on_train_begin(args[name], state, control, model=model, optimizer=optimizer, lr_scheduler=None)
+    for step in range(start + 1, STEPS + 1):
+        for name, cb in callbacks.items():
+            cb.on_step_begin(args[name], state, control)
+        train_step(model, optimizer, step)
+        for name, cb in callbacks.items():
+            cb.on_optimizer_step(args[name], state, control, optimizer=optimizer)
+        state.global_step = step
+        state.num_input_tokens_seen = step * TOKENS_PER_STEP
+        for name, cb in callbacks.items():
+            cb.on_step_end(args[name], state, control, model=model, lr_scheduler=None)
+        if step == CHECKPOINT_STEP and start == 0:
+            if rank == 0:  # what the Trainer writes before on_save
+                for name in callbacks:
+                    (out / f"run-{name}" / f"checkpoint-{step}").mkdir(parents=True)
+            dist.barrier()
+            for name, cb in callbacks.items():
+                cb.on_save(args[name], state, control)
+    for name, cb in callbacks.items():
+        cb.on_train_end(args[name], state, control, model=model)
+
+
+def run(out: Path) -> dict:
+    with forbid_gathers():
+        return _run(out)
+
+
+def _run(out: Path) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def online(kind: str, folder: str) -> PMACallback:
+        return PMACallback(
+            interval_tokens=TOKENS_PER_STEP,
+            output_dir=out / folder / "pma",
+            phases=("warmup", "stable", "decay"),
+            online=kind,
+            online_alpha=ALPHA,
+        )
+
+    model, optimizer = build()
+    callbacks = {
+        "sharded": PMACallback(
+            interval_tokens=TOKENS_PER_STEP,
+            output_dir=out / "sharded",
+            phases=("warmup", "stable", "decay"),
+            sharded=True,
+        ),
+        **{kind: online(kind, f"straight-{kind}") for kind in KINDS},  # checkpoints in run-<kind>
+    }
+    drive(out, rank, world, callbacks, model, optimizer, 0)
+    report = {
+        "rank": rank,
+        "world_size": world,
+        "sinks": {name: type(cb.sink).__name__ for name, cb in callbacks.items()},
+        "online_state_dict": callbacks["sma"].online_state_dict() is None,
+        "average_bytes": callbacks["sma"].sink.average.num_bytes,
+    }
+    # The resumed run: the weights of the checkpoint's step, then the online callbacks resume.
+    model, optimizer = build()
+    for step in range(1, CHECKPOINT_STEP + 1):
+        train_step(model, optimizer, step)
+    resumed = {kind: online(kind, f"resumed-{kind}") for kind in KINDS}
+    drive(out, rank, world, resumed, model, optimizer, CHECKPOINT_STEP)
+    report["resumed_counts"] = {kind: cb.sink.count for kind, cb in resumed.items()}
+    dist.barrier()
+    (out / f"result-rank{rank}.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def main() -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    run(args.out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(main)()

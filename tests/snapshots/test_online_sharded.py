@@ -1,0 +1,108 @@
+"""The shard-local online average (``PMACallback(online=...)`` under FSDP2, gloo, CPU).
+
+The scenario tests/dist/online_sharded.py runs in the shared 2-process launch ``world2``: every
+gather raises there, so a finished launch is itself the proof that no rank gathered the model.
+Here: the average equals the offline merge of the same weights' sharded snapshots (SMA, EMA);
+a run resumed from a checkpoint ends with a bit-identical average; a resume at another world
+size stops with one line; the output folder is read by merge and consolidate.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_pma.core.manifest import MERGE_RECORD_NAME, manifest_snapshots
+from hf_pma.core.strategies import ema_weights
+from hf_pma.merging.consolidate import consolidate_snapshot
+from hf_pma.merging.engine import merge_state_dict
+from hf_pma.snapshots.sharded import ShardedOnlineAverageSink
+from hf_pma.snapshots.sinks import ResumePoint, online_state_name
+from tests.dist.online_sharded import ALPHA, CHECKPOINT_STEP, STEPS
+from tests.testing_utils import rank_reports
+
+pytestmark = [pytest.mark.distributed, pytest.mark.shared_launch("world2")]
+
+
+@pytest.fixture(scope="module")
+def run(shared_launch) -> Path:
+    return shared_launch("world2") / "online"
+
+
+def online_folder(run: Path, which: str, kind: str) -> Path:
+    return run / f"{which}-{kind}" / "pma" / f"online-{kind}"
+
+
+def test_each_rank_averages_its_own_slices(run):
+    reports = rank_reports(run, 2)
+    for report in reports:
+        assert report["sinks"] == {
+            "sharded": "ShardedSnapshotSink",
+            "sma": "ShardedOnlineAverageSink",
+            "ema": "ShardedOnlineAverageSink",
+        }
+        assert report["online_state_dict"]  # no process holds the full average
+    # One float32 copy of each rank's slices: together, about one float32 model (rank 0 also
+    # holds the unsharded tensors), never one model per rank.
+    full = sum(t.numel() for t in merge_state_dict([online_folder(run, "straight", "sma")]).values()) * 4
+    per_rank = [r["average_bytes"] for r in reports]
+    assert sum(per_rank) == full and max(per_rank) < 0.75 * full
+
+
+@pytest.mark.parametrize("kind", ["sma", "ema"])
+def test_online_average_equals_the_offline_merge_of_the_same_weights(run, kind):
+    snapshots = [run / "sharded" / r.path for r in manifest_snapshots(run / "sharded")]
+    assert len(snapshots) == STEPS
+    offline = merge_state_dict(snapshots, strategy=kind, alpha=ALPHA)
+    folder = online_folder(run, "straight", kind)
+    online = merge_state_dict([folder])
+    assert online.keys() == offline.keys()
+    for name, tensor in offline.items():
+        assert torch.allclose(online[name], tensor, rtol=1e-6, atol=1e-7), name
+    record = json.loads((folder / MERGE_RECORD_NAME).read_text())
+    weights = [1 / STEPS] * STEPS if kind == "sma" else ema_weights(STEPS, ALPHA)
+    assert record["weights"] == pytest.approx(weights)
+    assert [s["step"] for s in record["sources"]] == list(range(1, STEPS + 1))
+    assert record["sharded"] and record["world_size"] == 2 and record["online"]
+
+
+@pytest.mark.parametrize("kind", ["sma", "ema"])
+def test_resumed_average_is_bit_identical_to_the_uninterrupted_one(run, kind):
+    assert {r["resumed_counts"][kind] for r in rank_reports(run, 2)} == {STEPS}
+    checkpoint = run / f"run-{kind}" / f"checkpoint-{CHECKPOINT_STEP}"
+    assert sorted(p.name for p in checkpoint.iterdir()) == [online_state_name(0), online_state_name(1)]
+    straight = merge_state_dict([online_folder(run, "straight", kind)])
+    resumed = merge_state_dict([online_folder(run, "resumed", kind)])
+    assert straight.keys() == resumed.keys()
+    assert all(torch.equal(straight[k], resumed[k]) for k in straight)
+    a, b = (
+        json.loads((online_folder(run, w, kind) / MERGE_RECORD_NAME).read_text())
+        for w in ("straight", "resumed")
+    )
+    assert a["weights"] == b["weights"] and [s["tokens"] for s in a["sources"]] == [
+        s["tokens"] for s in b["sources"]
+    ]
+
+
+def test_resume_at_another_world_size_stops_with_one_line(run, tmp_path):
+    checkpoint = run / "run-sma" / f"checkpoint-{CHECKPOINT_STEP}"
+    sink = ShardedOnlineAverageSink(tmp_path / "pma", online="sma", rank=0, world_size=1)
+    with pytest.raises(
+        ValueError, match=r"taken by '2' ranks; this run has 1: resume with '2' processes"
+    ) as err:
+        sink.open(ResumePoint(CHECKPOINT_STEP * 64, CHECKPOINT_STEP, checkpoint))
+    assert "\n" not in str(err.value)
+
+
+def test_online_folder_is_read_by_consolidate(run, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    folder = online_folder(run, "straight", "sma")
+    consolidate_snapshot(folder, tmp_path / "full")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "full", trust_remote_code=False)
+    merged = merge_state_dict([folder])
+    live = model.state_dict()
+    assert all(torch.equal(live[name], tensor) for name, tensor in merged.items())
