@@ -57,6 +57,7 @@ def main() -> None:
         sink.commit()
         sink.close(engine)
         result[name] = type(sink).__name__
+    result["online"] = online_zero3(engine, ids, args.out, rank)
     dist.barrier()
     if rank == 0:
         sharded = merge_state_dict([args.out / "sharded" / "snapshot-16"])
@@ -66,6 +67,57 @@ def main() -> None:
         result["layout"] = json.loads((args.out / "sharded" / "manifest.json").read_text())["shard_layout"]
     (args.out / f"result-rank{rank}.json").write_text(json.dumps(result))
     dist.barrier()
+
+
+def online_zero3(engine, ids, out: Path, rank: int) -> dict:
+    """The shard-local online SMA of two snapshots (each rank its ``ds_tensor`` partitions, with
+    ``GatheredParameters`` patched to raise) against the merge of sharded snapshots of the same
+    weights; rank 0 reports the largest difference."""
+    import deepspeed
+
+    from hf_pma.core.manifest import SnapshotRecord
+    from hf_pma.merging.engine import merge_state_dict
+    from hf_pma.snapshots.sharded import ShardedOnlineAverageSink, ShardedSnapshotSink
+
+    online = ShardedOnlineAverageSink(out / "online", online="sma")
+    snapshots = ShardedSnapshotSink(out / "online-reference", async_write=False)
+    for sink in (online, snapshots):
+        sink.open(None)
+        sink.update_manifest()
+    gathered = deepspeed.zero.GatheredParameters
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a full gather happened during online averaging")
+
+    for tokens in (32, 48):
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        engine.step()
+        deepspeed.zero.GatheredParameters = refuse
+        try:
+            online.take(engine, SnapshotRecord(path=f"snapshot-{tokens}", tokens=tokens, step=tokens // 16))
+            online.commit()
+        finally:
+            deepspeed.zero.GatheredParameters = gathered
+        snapshots.take(engine, SnapshotRecord(path=f"snapshot-{tokens}", tokens=tokens, step=tokens // 16))
+        snapshots.commit()
+    snapshots.close(engine)
+    deepspeed.zero.GatheredParameters = refuse
+    try:
+        online.close(engine)
+    finally:
+        deepspeed.zero.GatheredParameters = gathered
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank != 0:
+        return {}
+    reference = merge_state_dict([out / "online-reference" / f"snapshot-{t}" for t in (32, 48)])
+    average = merge_state_dict([out / "online" / "online-sma"])
+    return {
+        "sink": type(online).__name__,
+        "same_names": sorted(reference) == sorted(average),
+        "max_diff": max(float((average[k] - reference[k]).abs().max()) for k in reference),
+    }
 
 
 if __name__ == "__main__":

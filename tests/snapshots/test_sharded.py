@@ -190,6 +190,10 @@ def test_zero3_sharded_snapshot_equals_gathered(shared_launch):
     assert rank0["kind"] == "zero3" and rank0["sharded"] == "ShardedSnapshotSink"
     assert rank0["layout"] == "dcp-hf-safetensors+flat"
     assert rank0["same_names"] and rank0["equal"], rank0
+    # The shard-local online average of two snapshots (no gather) equals their merge.
+    online = rank0["online"]
+    assert online["sink"] == "ShardedOnlineAverageSink" and online["same_names"], online
+    assert online["max_diff"] < 1e-6, online
 
 
 def test_trainer_with_forced_sharded_snapshots_and_keep_last(tmp_path):
