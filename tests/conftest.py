@@ -85,7 +85,7 @@ def small_filesystem(tmp_path):
 # in one launch); test modules register their own with ``shared_launch_job`` too. World size 2
 # runs under `accelerate launch` (the quickstart's launcher), world size 4 under torchrun.
 for _name, (_scenarios, _options) in {
-    "world2": (("ddp", "fsdp_gather", "merged_eval", "eval", "online", "two_nodes"), {"launcher": "accelerate"}),
+    "world2": (("ddp", "fsdp_gather", "merged_eval", "eval", "compare", "online", "two_nodes"), {"launcher": "accelerate"}),
     "world4": (("sharded", "merged_eval"), {"nproc": 4}),
 }.items():
     shared_launch_job(_name)(

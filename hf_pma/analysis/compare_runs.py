@@ -30,6 +30,7 @@ import hashlib
 import math
 import os
 import statistics
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -151,7 +152,7 @@ def mean_absolute_error(predicted: Sequence[float], target: Sequence[float]) -> 
 
 def fit_power_law(x: Sequence[float], y: Sequence[float]) -> dict[str, Any]:
     """Fit ``y = E + A * x**(-alpha)`` by least squares (:func:`scipy.optimize.curve_fit`, ``A >= 0``,
-    ``0 < alpha <= 4``, ``E <= min(y)``). Returns ``{"E", "A", "alpha", "points", "rmse"}``, or
+    ``0 < alpha <= 4``, ``E <= min(y)``, and ``E >= 0`` when every y is positive: a loss). Returns ``{"E", "A", "alpha", "points", "rmse"}``, or
     ``{"error": one line, "points"}`` when the points do not allow a fit (fewer than 3 distinct
     x, not finite, or no convergence)."""
     import numpy as np
@@ -167,7 +168,7 @@ def fit_power_law(x: Sequence[float], y: Sequence[float]) -> dict[str, Any]:
             "error": f"a fit of E, A and alpha needs 3 distinct x values, got {len(set(xs.tolist()))}",
             "points": points,
         }
-    from scipy.optimize import curve_fit
+    from scipy.optimize import OptimizeWarning, curve_fit
 
     x0 = float(xs.min())
     u = xs / x0  # conditioned: A is fitted at x0, then rescaled
@@ -177,11 +178,14 @@ def fit_power_law(x: Sequence[float], y: Sequence[float]) -> dict[str, Any]:
 
     span = float(ys.max() - ys.min()) or 1e-3
     e_max = float(ys.min())
-    guess = (e_max - 0.5 * span, 1.5 * span, 0.5)
+    e_min = 0.0 if e_max > 0 else -np.inf  # a loss is never negative: no E below 0 for positive losses
+    guess = (max(e_max - 0.5 * span, e_min if e_min > -np.inf else e_max - 0.5 * span), 1.5 * span, 0.5)
     try:
-        (e, a_u, alpha), _ = curve_fit(
-            law, u, ys, p0=guess, bounds=([-np.inf, 0.0, 1e-6], [e_max, np.inf, 4.0]), maxfev=20000
-        )
+        with warnings.catch_warnings():  # 3 runs, 3 parameters: no covariance, as expected
+            warnings.simplefilter("ignore", OptimizeWarning)
+            (e, a_u, alpha), _ = curve_fit(
+                law, u, ys, p0=guess, bounds=([e_min, 0.0, 1e-6], [e_max, np.inf, 4.0]), maxfev=20000
+            )
     except (RuntimeError, ValueError) as err:  # no convergence, or a degenerate problem
         return {"error": f"the fit did not converge: {str(err).splitlines()[0]}", "points": points}
     a = float(a_u) * x0 ** float(alpha)
@@ -344,14 +348,14 @@ def _plan_window(
         origin = (
             f"--window-tokens {span:,}"
             if window_tokens
-            else f"the run's own last {span:,} tokens ({escape(where)})"
+            else f"the run's own last {span:,} tokens, {escape(where)}"
         )
     else:
         n = count or DEFAULT_WINDOW
         origin = (
-            f"the run's own N={n} ({escape(where)})"
+            f"the run's own N={n}, {escape(where)}"
             if count
-            else f"the default N={n} (the run records no window)"
+            else f"the default N={n}: the run records no window"
         )
         if n > len(sources):
             origin += f"; only {len(sources)} snapshot(s) up to {sources[-1].tokens:,} tokens"

@@ -154,7 +154,7 @@ def test_compare_three_runs(three_runs, compared):
     by = {e["name"]: e for e in report["runs"]}
     assert list(by) == ["a", "b", "c"]
     # The run records no window: the default N=10, cut to the 5 snapshots there are.
-    assert by["a"]["merge"]["window"] == COUNT and "the default N=10" in by["a"]["merge"]["window_origin"]
+    assert by["a"]["merge"]["window"] == COUNT and "the default N=10: the run records no window" in by["a"]["merge"]["window_origin"]
     assert by["a"]["last"]["snapshot"] == "snapshot-5000"
 
     # The numbers equal the same models merged to disk and evaluated on their own.
@@ -286,3 +286,20 @@ def test_bad_input_is_one_line_before_any_evaluation(three_runs, odd_runs, case,
     )
     assert message in result.stderr
     assert not out.exists() and "Held-out LM" not in result.stderr
+
+
+# ---------------------------------------------------------------- under accelerate launch
+
+
+@pytest.mark.distributed
+@pytest.mark.shared_launch("world2")  # the `compare` scenario of tests/dist/scenarios.py
+def test_compare_under_accelerate_launch_evaluates_on_the_main_process_only(shared_launch):
+    out = shared_launch("world2") / "compare"
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [r["code"] for r in ranks] == [0, 0] and ranks[0]["world_size"] == 2
+    # 3 runs x (last, merge, annealed), and a smaller window for a merge worse than its last: all on rank 0.
+    assert ranks[0]["evaluations"] >= 9 and ranks[1]["evaluations"] == 0
+    assert "Against annealed (3 runs)" in ranks[0]["stdout"] and ranks[1]["stdout"] == ""
+    report = json.loads((out / "compare.json").read_text())
+    assert [e["name"] for e in report["runs"]] == ["a", "b", "c"] and report["at_tokens"] == 3000
+    assert all(e["annealed"]["value"] is not None for e in report["runs"])

@@ -43,6 +43,12 @@ def _eval(out: Path) -> None:
     eval_launch.run(out)
 
 
+def _compare(out: Path) -> None:
+    from tests.dist import compare_launch
+
+    compare_launch.run(out)
+
+
 def _online(out: Path) -> None:
     from tests.dist import online_sharded
 
@@ -68,6 +74,7 @@ SCENARIOS: dict[str, Callable[[Path], None]] = {
     "eval": _eval,  # tests/evaluation/test_eval_cli.py
     "sharded": _sharded,  # tests/snapshots/test_sharded.py
     "online": _online,  # tests/snapshots/test_online_sharded.py
+    "compare": _compare,  # tests/analysis/test_compare_runs.py
     "two_nodes": _two_nodes,  # tests/utils/test_distributed.py (raises on every rank: keep it last)
 }
 
