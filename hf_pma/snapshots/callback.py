@@ -75,11 +75,17 @@ class PMACallback(TrainerCallback, ExportableState):
             default: the training dtype.
         max_shard_size: largest safetensors shard (as ``save_pretrained``).
         async_write: write in a background thread (the step only copies weights to CPU).
-        online: ``"sma"`` or ``"ema"``: keep a running float32 average on CPU instead of
+        online: ``"sma"``, ``"ema"`` or a decay kind: keep a running float32 average on CPU instead of
             writing snapshots; saved as a model folder ``<output_dir>/online-<kind>`` at the end.
             Under FSDP1/FSDP2 or ZeRO-3 (with ``sharded`` ``"auto"`` or ``True``) every rank
             averages only its own slices and the folder is a sharded one (one file per rank).
         online_alpha: EMA factor for ``online="ema"``.
+        online_half_life_tokens: for ``online="ema"``: the tokens over which a snapshot's weight
+            halves (replaces ``online_alpha``; the same average whatever ``interval_tokens``).
+        online_window_tokens: for ``online="sma"`` or a decay kind (``"linear-decay"``,
+            ``"cosine-decay"``, ``"1-sqrt-decay"``: WSM's decay emulation, which needs it):
+            average over tumbling windows of this many tokens (the average restarts at each
+            multiple); see :mod:`hf_pma.snapshots.online` for what each equals offline.
         max_disk_bytes: the disk budget of the snapshots (bytes or ``"200GB"``). ``None``: the
             free space of the snapshot folder. The projected bytes (one snapshot in the saved
             dtype x the snapshots kept) are checked before the first snapshot is written; over
@@ -112,6 +118,8 @@ class PMACallback(TrainerCallback, ExportableState):
         async_write: bool = True,
         online: str | None = None,
         online_alpha: float = 0.2,
+        online_half_life_tokens: int | None = None,
+        online_window_tokens: int | None = None,
         max_disk_bytes: int | str | None = None,
         sharded: bool | str = "auto",
     ) -> None:
@@ -132,8 +140,17 @@ class PMACallback(TrainerCallback, ExportableState):
         if online is not None and online not in ONLINE_KINDS:
             raise ValueError(f"online must be one of {ONLINE_KINDS} or None, got {online!r}")
         self.online = online
-        OnlineAverage(online or "sma", online_alpha)  # validates online_alpha
+        if online is None and (online_half_life_tokens is not None or online_window_tokens is not None):
+            raise ValueError("online_half_life_tokens and online_window_tokens need online='sma', 'ema' or a decay kind")
+        OnlineAverage(  # validates the online options together
+            online or ("ema" if online_half_life_tokens is not None else "sma"),
+            online_alpha,
+            half_life_tokens=online_half_life_tokens,
+            window_tokens=online_window_tokens,
+        )
         self.online_alpha = float(online_alpha)
+        self.online_half_life_tokens = online_half_life_tokens
+        self.online_window_tokens = online_window_tokens
         if online is not None and keep_last is not None:
             raise ValueError("keep_last has no effect with online averaging (no snapshots are written)")
         self.max_disk_bytes = parse_size(max_disk_bytes, "max_disk_bytes") if max_disk_bytes is not None else None
@@ -243,6 +260,8 @@ class PMACallback(TrainerCallback, ExportableState):
                 "async_write": self.async_write,
                 "online": self.online,
                 "online_alpha": self.online_alpha,
+                "online_half_life_tokens": self.online_half_life_tokens,
+                "online_window_tokens": self.online_window_tokens,
                 "max_disk_bytes": self.max_disk_bytes,
                 "sharded": self.sharded,
             },
@@ -420,7 +439,14 @@ class PMACallback(TrainerCallback, ExportableState):
         sharded = self.sharded is True or (self.sharded == "auto" and not adapter and model is not None and sharding_kind(model))
         if self.online is not None:
             online = ShardedOnlineAverageSink if sharded else OnlineAverageSink
-            return online(self._pma_dir, online=self.online, alpha=self.online_alpha, **common)
+            return online(
+                self._pma_dir,
+                online=self.online,
+                alpha=self.online_alpha,
+                half_life_tokens=self.online_half_life_tokens,
+                window_tokens=self.online_window_tokens,
+                **common,
+            )
         if sharded:
             return ShardedSnapshotSink(self._pma_dir, keep_last=self.keep_last, **common)
         return DiskSnapshotSink(self._pma_dir, keep_last=self.keep_last, **common)

@@ -1,14 +1,30 @@
-"""A running average of snapshots kept in memory instead of on disk (``online="sma"|"ema"``).
+"""A running average of snapshots kept in memory instead of on disk (``online=...``).
 
 For users without the disk budget for N snapshot folders. Trade-offs against writing
 snapshots and merging afterwards:
 
-* memory: one float32 copy of the model on the main process's CPU, whatever the model's dtype;
-* no choice after the fact: ``sma`` averages *every* snapshot since the run started taking
-  them (not a window of the last N), ``ema`` weighs recent ones with ``alpha``; the strategy,
-  window and exclusions of a spike cannot be changed later;
+* memory: one float32 copy of the model on the main process's CPU, whatever the model's dtype
+  (under FSDP / ZeRO-3, one float32 copy of each rank's own slices on that rank:
+  :class:`hf_pma.snapshots.sharded.ShardedOnlineAverageSink`);
+* no choice after the fact: the strategy, window and exclusions of a spike cannot be changed
+  later;
 * it survives a restart only through Trainer checkpoints (the average is saved with each
-  checkpoint and restored on resume).
+  checkpoint and restored on resume, bit for bit).
+
+The kinds, each one float32 copy of the weights, and the offline merge each one equals:
+
+* ``sma``: the mean of every snapshot so far (``hf-pma merge`` of them all, ``--strategy sma``);
+  with ``window_tokens=T``, of the snapshots in the current *tumbling* window of T tokens
+  (``(kT, (k+1)T]``; the average restarts at each multiple of T): the SMA of those snapshots;
+* ``ema``: ``M = a*M_i + (1-a)*M`` from the first snapshot (``--strategy ema --alpha a``); with
+  ``half_life_tokens=H``, ``a = 1 - 2^(-dt/H)`` where ``dt`` is the tokens since the previous
+  snapshot, so a snapshot's weight halves every H tokens whatever the interval V (the merge
+  with the weights in ``pma_merge.json``);
+* ``linear-decay``, ``cosine-decay``, ``1-sqrt-decay`` (WSM's decay emulation; needs
+  ``window_tokens=T``): inside each tumbling window, snapshot ``j`` weighs
+  ``f((t_{j-1} - kT)/T) - f((t_j - kT)/T)`` (``f`` the decay shape, ``t_0 = kT``); with
+  snapshots every V tokens and T = nV that is ``--strategy <shape>-decay`` over the window's n
+  snapshots; before the window is full, the same weights normalised over the snapshots so far.
 """
 
 from __future__ import annotations
@@ -23,52 +39,139 @@ import torch
 
 from hf_pma import __version__
 from hf_pma.core.manifest import SnapshotRecord
-from hf_pma.core.strategies import ema_weights, sma_weights
+from hf_pma.core.strategies import DECAY_SHAPES
 
-__all__ = ["ONLINE_KINDS", "OnlineAverage"]
+__all__ = ["ONLINE_KINDS", "OnlineAverage", "effective_weights"]
 
-ONLINE_KINDS = ("sma", "ema")
+ONLINE_KINDS = ("sma", "ema", "linear-decay", "cosine-decay", "1-sqrt-decay")
+
+
+def effective_weights(update_weights: list[float]) -> list[float]:
+    """The weight of each snapshot in a running average whose i-th update was
+    ``M = a_i * M_i + (1 - a_i) * M`` (``a_1 = 1``): ``w_i = a_i * prod_{k>i} (1 - a_k)``."""
+    out, keep = [], 1.0
+    for a in reversed(update_weights):
+        out.append(a * keep)
+        keep *= 1.0 - a
+    return out[::-1]
+
+
+def _positive_int_or_none(value: Any, what: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{what} must be a positive number of tokens or None, got {value!r}")
+    return value
 
 
 class OnlineAverage:
-    """Running float32 average of state dicts: ``sma`` (cumulative mean) or ``ema`` (alpha).
+    """Running float32 average of state dicts (see the module docstring for the kinds).
 
-    The EMA follows the paper's recursion ``M^(1) = M_1``, ``M^(i) = a*M_i + (1-a)*M^(i-1)``, so
-    after n updates it equals :func:`hf_pma.core.strategies.ema_weights` applied to the n snapshots.
-    Integer and bool tensors (buffers) are not averaged: they must not change between updates.
+    Every update is ``M = a * M_i + (1 - a) * M`` with ``a`` from the kind (``1/i`` for SMA,
+    ``alpha`` or the half-life for EMA, ``c_j / sum(c)`` for the decay kinds); ``update_weights``
+    keeps each ``a``, so :meth:`weights` gives every snapshot's weight in the average. The EMA
+    follows the paper's recursion ``M^(1) = M_1``, so after n updates it equals
+    :func:`hf_pma.core.strategies.ema_weights` applied to the n snapshots. Integer and bool
+    tensors (buffers) are not averaged: they must not change between updates.
     """
 
-    def __init__(self, kind: str = "sma", alpha: float = 0.2) -> None:
+    def __init__(
+        self,
+        kind: str = "sma",
+        alpha: float = 0.2,
+        *,
+        half_life_tokens: int | None = None,
+        window_tokens: int | None = None,
+    ) -> None:
         if kind not in ONLINE_KINDS:
             raise ValueError(f"online must be one of {ONLINE_KINDS} or None, got {kind!r}")
         if not (isinstance(alpha, (int, float)) and 0.0 < alpha <= 1.0):
             raise ValueError(f"online_alpha must be in (0, 1], got {alpha!r}")
+        self.half_life_tokens = _positive_int_or_none(half_life_tokens, "online_half_life_tokens")
+        self.window_tokens = _positive_int_or_none(window_tokens, "online_window_tokens")
+        if self.half_life_tokens is not None and kind != "ema":
+            raise ValueError(f"online_half_life_tokens is for online='ema', not {kind!r}")
+        if self.window_tokens is not None and kind == "ema":
+            raise ValueError("online_window_tokens is for online='sma' or a decay kind; an EMA has no window")
+        if kind.endswith("-decay") and self.window_tokens is None:
+            raise ValueError(f"online={kind!r} emulates a decay over a window: give online_window_tokens")
         self.kind = kind
         self.alpha = float(alpha)
         self.count = 0
         self.records: list[SnapshotRecord] = []
+        self.update_weights: list[float] = []  # ``a`` of every update of the current window
+        self.window_start: int | None = None  # first token of the current window (``window_tokens``)
+        self.last_tokens: int | None = None  # tokens of the last snapshot
+        self.coef_sum = 0.0  # decay kinds: the sum of the window's coefficients so far
         self._average: dict[str, torch.Tensor] = {}
         # The raw ``__metadata__`` of the file :meth:`load_state` read (empty otherwise).
         self.metadata: dict[str, str] = {}
 
-    def update(self, state_dict: dict[str, torch.Tensor], record: SnapshotRecord | None = None) -> None:
-        """Fold one snapshot into the average (CPU tensors of any floating dtype)."""
+    @property
+    def options(self) -> dict[str, Any]:
+        """What defines the average (compared when a saved one is restored)."""
+        return {
+            "kind": self.kind,
+            "alpha": self.alpha,
+            "half_life_tokens": self.half_life_tokens,
+            "window_tokens": self.window_tokens,
+        }
+
+    def _next_weight(self, tokens: int | None) -> float:
+        """``a`` of the next update (and the window bookkeeping: a new window restarts the average)."""
+        if tokens is None and (self.window_tokens or self.half_life_tokens):
+            raise ValueError("online average: a windowed or half-life average needs each snapshot's tokens")
+        if self.window_tokens is not None:
+            start = (max(tokens, 1) - 1) // self.window_tokens * self.window_tokens
+            if start != self.window_start:  # a new tumbling window: the average restarts
+                self.window_start, self.count, self.records, self.update_weights = start, 0, [], []
+                self.coef_sum, self.last_tokens = 0.0, start
+        previous, self.last_tokens = self.last_tokens, tokens
         if self.count == 0:
+            if self.kind.endswith("-decay"):
+                self.coef_sum = self._decay_coefficient(previous, tokens)
+            return 1.0
+        if self.kind == "sma":
+            return 1.0 / (self.count + 1)
+        if self.kind == "ema":
+            if self.half_life_tokens is None:
+                return self.alpha
+            return 1.0 - 0.5 ** (max(0, tokens - previous) / self.half_life_tokens)
+        coefficient = self._decay_coefficient(previous, tokens)
+        self.coef_sum += coefficient
+        return coefficient / self.coef_sum if self.coef_sum > 0 else 0.0
+
+    def _decay_coefficient(self, previous: int | None, tokens: int) -> float:
+        f = DECAY_SHAPES[self.kind[: -len("-decay")]]
+        start = self.window_start or 0
+        position = lambda t: min(1.0, max(0.0, (t - start) / self.window_tokens))  # noqa: E731
+        return max(0.0, f(position(previous if previous is not None else start)) - f(position(tokens)))
+
+    def update(
+        self, state_dict: dict[str, torch.Tensor], record: SnapshotRecord | None = None, *, tokens: int | None = None
+    ) -> None:
+        """Fold one snapshot into the average (CPU or device tensors of any floating dtype, one
+        tensor at a time); ``tokens`` (default: ``record.tokens``) places it in its window."""
+        if self._average and set(state_dict) != set(self._average):
+            diff = sorted(set(state_dict) ^ set(self._average))[:5]
+            raise ValueError(f"online average: the snapshot's tensor names differ from the average's: {diff}")
+        weight = self._next_weight(tokens if tokens is not None else (record.tokens if record is not None else None))
+        if self.count == 0 and not self._average:
             self._average = {
                 k: (v.detach().to("cpu", torch.float32, copy=True) if v.is_floating_point() else v.detach().cpu().clone())
                 for k, v in state_dict.items()
             }
         else:
-            if set(state_dict) != set(self._average):
-                diff = sorted(set(state_dict) ^ set(self._average))[:5]
-                raise ValueError(f"online average: the snapshot's tensor names differ from the average's: {diff}")
-            weight = 1.0 / (self.count + 1) if self.kind == "sma" else self.alpha
             for name, tensor in state_dict.items():
                 average = self._average[name]
                 if average.is_floating_point():
-                    average.mul_(1.0 - weight).add_(tensor.detach().to("cpu"), alpha=weight)
+                    if weight == 1.0:
+                        average.copy_(tensor.detach())
+                    else:
+                        average.mul_(1.0 - weight).add_(tensor.detach().to("cpu"), alpha=weight)
                 elif not torch.equal(average, tensor.detach().cpu()):
                     raise ValueError(f"online average: non-float tensor {name!r} changed between snapshots")
+        self.update_weights.append(weight)
         self.count += 1
         if record is not None:
             self.records.append(record)
@@ -83,9 +186,7 @@ class OnlineAverage:
 
     def weights(self) -> list[float]:
         """The weight of each averaged snapshot, oldest first (what a merge of them would use)."""
-        if self.count == 0:
-            return []
-        return sma_weights(self.count) if self.kind == "sma" else ema_weights(self.count, self.alpha)
+        return effective_weights(self.update_weights)
 
     def merge_record(self, interval_tokens: int | None, dtype: str | None) -> dict[str, Any]:
         """The ``pma_merge.json`` of a folder holding this average."""
@@ -107,7 +208,10 @@ class OnlineAverage:
         return {
             "hf_pma_version": __version__,
             "strategy": self.kind,
-            "alpha": self.alpha if self.kind == "ema" else None,
+            "alpha": self.alpha if self.kind == "ema" and self.half_life_tokens is None else None,
+            "half_life_tokens": self.half_life_tokens,
+            "window_tokens": self.window_tokens,
+            "window_start_tokens": self.window_start,
             "weights": weights,
             "dtype": dtype,
             "accumulate_dtype": "float32",
@@ -133,6 +237,16 @@ class OnlineAverage:
             "alpha": repr(self.alpha),
             "count": str(self.count),
             "records": json.dumps([r.to_dict() for r in self.records]),
+            "online_state": json.dumps(
+                {
+                    "half_life_tokens": self.half_life_tokens,
+                    "window_tokens": self.window_tokens,
+                    "update_weights": self.update_weights,
+                    "window_start": self.window_start,
+                    "last_tokens": self.last_tokens,
+                    "coef_sum": self.coef_sum,
+                }
+            ),
         }
         tmp = f"{os.fspath(path)}.tmp"
         write_safetensors(tmp, self._average, metadata=metadata)
@@ -155,11 +269,51 @@ class OnlineAverage:
                 records = parse_json(metadata["records"], f"{escape(path)}: metadata 'records'")
                 if not math.isfinite(alpha) or not 0 <= count < 2**63 or not isinstance(records, list):
                     raise ValueError("'alpha', 'count' or 'records' out of range")
-                average = cls(metadata["kind"], alpha)
+                state = parse_json(metadata.get("online_state", "{}"), f"{escape(path)}: metadata 'online_state'")
+                if not isinstance(state, dict):
+                    raise ValueError("'online_state' is not an object")
+                average = cls(
+                    metadata["kind"],
+                    alpha,
+                    half_life_tokens=state.get("half_life_tokens"),
+                    window_tokens=state.get("window_tokens"),
+                )
                 average.count = count
                 average.records = [SnapshotRecord.from_dict(d, f"{escape(path)}: records") for d in records]
+                average._load_bookkeeping(state)
                 average.metadata = dict(metadata)
-            except (KeyError, ValueError) as err:
+            except (KeyError, TypeError, ValueError) as err:
                 raise ValueError(f"{escape(path)} is not an hf-pma online average: {escape(err)}") from None
             average._average = tensors.state_dict()
         return average
+
+    def _load_bookkeeping(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`save_state` stored beside the tensors (checked; an older file
+        without it: the SMA / EMA weights its count implies)."""
+        weights = state.get("update_weights")
+        if weights is None:  # written before the token windows: plain SMA or EMA
+            weights = [1.0] + [1.0 / (i + 1) if self.kind == "sma" else self.alpha for i in range(1, self.count)]
+        if (
+            not isinstance(weights, list)
+            or len(weights) != self.count
+            or not all(isinstance(w, (int, float)) and 0.0 <= w <= 1.0 for w in weights)
+        ):
+            raise ValueError("'update_weights' does not match 'count'")
+        self.update_weights = [float(w) for w in weights]
+        for key in ("window_start", "last_tokens"):
+            value = state.get(key)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise ValueError(f"{key!r} is not a token count")
+            setattr(self, key, value)
+        coef_sum = state.get("coef_sum", 0.0)
+        if not isinstance(coef_sum, (int, float)) or not math.isfinite(coef_sum) or coef_sum < 0:
+            raise ValueError("'coef_sum' is not a finite non-negative number")
+        self.coef_sum = float(coef_sum)
+
+    def check_same_options(self, other: OnlineAverage, where: str) -> None:
+        """``ValueError`` (one line) when ``other`` (a restored average) was taken with other options."""
+        if other.options != self.options:
+            raise ValueError(
+                f"hf-pma: {where} holds an online average taken with {other.options}; this run asks for "
+                f"{self.options}: resume with the same online options"
+            )

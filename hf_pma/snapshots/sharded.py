@@ -479,11 +479,7 @@ class ShardedOnlineAverageSink(OnlineAverageSink):
                 f"this run has {self.world_size}: resume with {shown(saved_world)} processes (the online average "
                 "is not resharded)"
             )
-        if average.kind != self.average.kind or average.alpha != self.average.alpha:
-            raise ValueError(
-                f"hf-pma: {escape(path)} holds an online {shown(average.kind)} average (alpha {average.alpha}); this "
-                f"run asks for {self.average.kind} (alpha {self.average.alpha})"
-            )
+        self.average.check_same_options(average, escape(path))
         layout = parse_json(average.metadata.get("slices", "null"), f"{escape(path)}: metadata 'slices'")
         if not isinstance(layout, dict) or set(layout) != set(average.state_dict()):
             raise ValueError(f"hf-pma: {escape(path)} is not an hf-pma sharded online average: bad 'slices' metadata")
@@ -532,7 +528,7 @@ class ShardedOnlineAverageSink(OnlineAverageSink):
             self._slices = {s.name: dataclasses.replace(s, tensor=torch.empty(0)) for s in slices}
         self._model_dtype = next((s.tensor.dtype for s in slices if s.tensor.is_floating_point()), self._model_dtype)
         with torch.no_grad():
-            self.average.update({s.name: s.tensor for s in slices})
+            self.average.update({s.name: s.tensor for s in slices}, tokens=record.tokens)
         self._taken = record
 
     def commit(self) -> None:

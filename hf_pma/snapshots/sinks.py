@@ -354,9 +354,18 @@ class OnlineAverageSink(SnapshotSink):
 
     kind = "online"
 
-    def __init__(self, pma_dir: str | os.PathLike[str], *, online: str = "sma", alpha: float = 0.2, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        pma_dir: str | os.PathLike[str],
+        *,
+        online: str = "sma",
+        alpha: float = 0.2,
+        half_life_tokens: int | None = None,
+        window_tokens: int | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(pma_dir, **kwargs)
-        self.average = OnlineAverage(online, alpha)
+        self.average = OnlineAverage(online, alpha, half_life_tokens=half_life_tokens, window_tokens=window_tokens)
         self._model_dtype: torch.dtype | None = None
         self._interval_tokens: int | None = None
 
@@ -367,7 +376,9 @@ class OnlineAverageSink(SnapshotSink):
         if resume is not None:
             path = resume.checkpoint_dir / ONLINE_STATE_NAME
             if path.is_file():
-                self.average = OnlineAverage.load_state(path)
+                restored = OnlineAverage.load_state(path)
+                self.average.check_same_options(restored, escape(path))
+                self.average = restored
                 logger.info(f"hf-pma: restored the online {self.average.kind} average of {self.average.count} snapshots")
             else:
                 logger.warning(f"hf-pma: no online average at {path}; the online average restarts empty")

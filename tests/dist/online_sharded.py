@@ -2,8 +2,9 @@
 ``world2`` (tests/dist/scenarios.py) and read by tests/snapshots/test_online_sharded.py.
 
 A tiny Llama whose vocabulary (515 rows) does not split evenly is trained for ``STEPS`` steps
-while three :class:`PMACallback` instances watch the same weights: sharded snapshots on disk
-(``sharded=True``), and online ``sma`` and ``ema`` averages (``sharded="auto"``). The Trainer does
+while four :class:`PMACallback` instances watch the same weights: sharded snapshots on disk
+(``sharded=True``), and online ``sma``, ``ema`` and ``1-sqrt-decay`` (WSM, over one window of every
+snapshot) averages (``sharded="auto"``). The Trainer does
 not shard on CPU, so the callbacks are driven the way the Trainer drives them. Every gather is
 patched to raise for the whole run (``_gather_fsdp``, the sinks' ``gather_full_state_dict`` and
 ``DTensor.full_tensor``): the online averages must never gather. A Trainer checkpoint is saved at
@@ -29,7 +30,7 @@ from tests.dist.sharded_snapshots import LR, TOKENS_PER_STEP, build, train_step
 STEPS = 5
 CHECKPOINT_STEP = 3
 ALPHA = 0.3
-KINDS = ("sma", "ema")
+KINDS = ("sma", "ema", "1-sqrt-decay")  # the decay over one window of all STEPS snapshots
 
 
 class GatherCalled(AssertionError):
@@ -116,6 +117,7 @@ def _run(out: Path) -> dict:
             phases=("warmup", "stable", "decay"),
             online=kind,
             online_alpha=ALPHA,
+            online_window_tokens=STEPS * TOKENS_PER_STEP if kind.endswith("-decay") else None,
         )
 
     model, optimizer = build()

@@ -2,7 +2,8 @@
 
 The scenario tests/dist/online_sharded.py runs in the shared 2-process launch ``world2``: every
 gather raises there, so a finished launch is itself the proof that no rank gathered the model.
-Here: the average equals the offline merge of the same weights' sharded snapshots (SMA, EMA);
+Here: the average equals the offline merge of the same weights' sharded snapshots (SMA, EMA,
+WSM's 1-sqrt decay emulation);
 a run resumed from a checkpoint ends with a bit-identical average; a resume at another world
 size stops with one line; the output folder is read by merge and consolidate.
 """
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 from hf_pma.core.manifest import MERGE_RECORD_NAME, manifest_snapshots
-from hf_pma.core.strategies import ema_weights
+from hf_pma.core.strategies import decay_emulation_weights, ema_weights
 from hf_pma.merging.consolidate import consolidate_snapshot
 from hf_pma.merging.engine import merge_state_dict
 from hf_pma.snapshots.sharded import ShardedOnlineAverageSink
@@ -43,6 +44,7 @@ def test_each_rank_averages_its_own_slices(run):
             "sharded": "ShardedSnapshotSink",
             "sma": "ShardedOnlineAverageSink",
             "ema": "ShardedOnlineAverageSink",
+            "1-sqrt-decay": "ShardedOnlineAverageSink",
         }
         assert report["online_state_dict"]  # no process holds the full average
     # One float32 copy of each rank's slices: together, about one float32 model (rank 0 also
@@ -52,7 +54,7 @@ def test_each_rank_averages_its_own_slices(run):
     assert sum(per_rank) == full and max(per_rank) < 0.75 * full
 
 
-@pytest.mark.parametrize("kind", ["sma", "ema"])
+@pytest.mark.parametrize("kind", ["sma", "ema", "1-sqrt-decay"])
 def test_online_average_equals_the_offline_merge_of_the_same_weights(run, kind):
     snapshots = [run / "sharded" / r.path for r in manifest_snapshots(run / "sharded")]
     assert len(snapshots) == STEPS
@@ -63,13 +65,17 @@ def test_online_average_equals_the_offline_merge_of_the_same_weights(run, kind):
     for name, tensor in offline.items():
         assert torch.allclose(online[name], tensor, rtol=1e-6, atol=1e-7), name
     record = json.loads((folder / MERGE_RECORD_NAME).read_text())
-    weights = [1 / STEPS] * STEPS if kind == "sma" else ema_weights(STEPS, ALPHA)
+    weights = {
+        "sma": [1 / STEPS] * STEPS,
+        "ema": ema_weights(STEPS, ALPHA),
+        "1-sqrt-decay": decay_emulation_weights(STEPS, "1-sqrt"),
+    }[kind]
     assert record["weights"] == pytest.approx(weights)
     assert [s["step"] for s in record["sources"]] == list(range(1, STEPS + 1))
     assert record["sharded"] and record["world_size"] == 2 and record["online"]
 
 
-@pytest.mark.parametrize("kind", ["sma", "ema"])
+@pytest.mark.parametrize("kind", ["sma", "ema", "1-sqrt-decay"])
 def test_resumed_average_is_bit_identical_to_the_uninterrupted_one(run, kind):
     assert {r["resumed_counts"][kind] for r in rank_reports(run, 2)} == {STEPS}
     checkpoint = run / f"run-{kind}" / f"checkpoint-{CHECKPOINT_STEP}"

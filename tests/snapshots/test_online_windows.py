@@ -1,0 +1,128 @@
+"""Token windows of the online average (:class:`hf_pma.snapshots.online.OnlineAverage`): an EMA
+given by its half-life in tokens, tumbling SMA windows, WSM's decay emulation; each equals the
+merge of the same snapshots with the weights it records, and survives a save and load bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_pma.core.manifest import SnapshotRecord
+from hf_pma.core.strategies import decay_emulation_weights, ema_weights
+from hf_pma.snapshots.online import OnlineAverage
+
+
+def snapshots(tokens: list[int]) -> list[tuple[SnapshotRecord, dict[str, torch.Tensor]]]:
+    generator = torch.Generator().manual_seed(0)
+    return [
+        (
+            SnapshotRecord(path=f"snapshot-{t}", tokens=t, step=i + 1),
+            {
+                "w": torch.randn(3, 5, generator=generator),
+                "b": torch.randn(7, generator=generator).bfloat16(),
+            },
+        )
+        for i, t in enumerate(tokens)
+    ]
+
+
+def fold(average: OnlineAverage, taken) -> OnlineAverage:
+    for record, state in taken:
+        average.update(state, record)
+    return average
+
+
+def merged(taken, weights: list[float]) -> dict[str, torch.Tensor]:
+    return {
+        name: sum(w * state[name].double() for w, (_, state) in zip(weights, taken)) for name in taken[0][1]
+    }
+
+
+def assert_close(average: OnlineAverage, expected: dict[str, torch.Tensor]) -> None:
+    got = average.state_dict()
+    assert got.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert torch.allclose(got[name].double(), tensor, atol=1e-6), name
+
+
+def test_ema_by_half_life_in_tokens_does_not_depend_on_the_interval():
+    # Irregular snapshot times: a snapshot's weight halves every 100 tokens after it.
+    taken = snapshots([50, 100, 250, 300, 500])
+    average = fold(OnlineAverage("ema", half_life_tokens=100), taken)
+    t = [r.tokens for r, _ in taken]
+    expected = [0.5 ** ((t[-1] - t[0]) / 100)] + [
+        (1 - 0.5 ** ((t[i] - t[i - 1]) / 100)) * 0.5 ** ((t[-1] - t[i]) / 100) for i in range(1, len(t))
+    ]
+    assert average.weights() == pytest.approx(expected)
+    assert sum(average.weights()) == pytest.approx(1.0)
+    assert_close(average, merged(taken, average.weights()))
+    # With equal intervals V it is the alpha EMA with alpha = 1 - 2^(-V/H).
+    regular = snapshots([100, 200, 300, 400])
+    assert fold(OnlineAverage("ema", half_life_tokens=200), regular).weights() == pytest.approx(
+        ema_weights(4, 1 - 0.5**0.5)
+    )
+
+
+def test_tumbling_sma_window_averages_the_snapshots_of_the_current_window():
+    taken = snapshots([64 * i for i in range(1, 7)])  # windows of 256: (0, 256], (256, 512]
+    average = fold(OnlineAverage("sma", window_tokens=256), taken)
+    assert average.count == 2 and average.window_start == 256
+    assert [r.tokens for r in average.records] == [320, 384]
+    assert_close(average, merged(taken[4:], [0.5, 0.5]))
+    assert average.merge_record(64, "float32")["window_start_tokens"] == 256
+
+
+@pytest.mark.parametrize("shape", ["linear", "cosine", "1-sqrt"])
+def test_decay_emulation_over_a_window_equals_the_offline_wsm_weights(shape):
+    taken = snapshots([64, 128, 192, 256])  # one full window of 4 snapshots
+    average = fold(OnlineAverage(f"{shape}-decay", window_tokens=256), taken)
+    assert average.weights() == pytest.approx(decay_emulation_weights(4, shape))
+    assert_close(average, merged(taken, decay_emulation_weights(4, shape)))
+    # Part-way through the window: the same coefficients, normalised over the snapshots so far.
+    partial = fold(OnlineAverage(f"{shape}-decay", window_tokens=256), taken[:2])
+    c = decay_emulation_weights(4, shape)[:2]
+    assert partial.weights() == pytest.approx([w / sum(c) for w in c])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"kind": "ema", "half_life_tokens": 100},
+        {"kind": "sma", "window_tokens": 192},
+        {"kind": "cosine-decay", "window_tokens": 256},
+    ],
+)
+def test_saved_mid_window_and_resumed_equals_uninterrupted_bit_for_bit(tmp_path, options):
+    taken = snapshots([64 * i for i in range(1, 8)])
+    kind = options.pop("kind")
+    straight = fold(OnlineAverage(kind, **options), taken)
+    first = fold(OnlineAverage(kind, **options), taken[:3])
+    first.save_state(tmp_path / "state.safetensors")
+    resumed = fold(OnlineAverage.load_state(tmp_path / "state.safetensors"), taken[3:])
+    assert resumed.weights() == straight.weights() and resumed.count == straight.count
+    a, b = straight.state_dict(), resumed.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_restored_average_with_other_options_is_refused(tmp_path):
+    saved = fold(OnlineAverage("sma", window_tokens=128), snapshots([64]))
+    saved.save_state(tmp_path / "state.safetensors")
+    restored = OnlineAverage.load_state(tmp_path / "state.safetensors")
+    with pytest.raises(ValueError, match="resume with the same online options") as err:
+        OnlineAverage("sma").check_same_options(restored, "checkpoint-1")
+    assert "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"kind": "sma", "half_life_tokens": 10}, "online_half_life_tokens is for online='ema'"),
+        ({"kind": "ema", "window_tokens": 10}, "an EMA has no window"),
+        ({"kind": "linear-decay"}, "give online_window_tokens"),
+        ({"kind": "sma", "window_tokens": 0}, "online_window_tokens must be a positive"),
+    ],
+)
+def test_bad_window_options_are_refused_in_one_line(kwargs, message):
+    kind = kwargs.pop("kind")
+    with pytest.raises(ValueError, match=message):
+        OnlineAverage(kind, **kwargs)
