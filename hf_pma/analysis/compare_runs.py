@@ -284,21 +284,19 @@ def _vocabulary(folder: Path | None) -> str | None:
 
 
 def _anneal_tokens(folder: Path, source: CheckpointSource) -> int | None:
-    """Where the annealed fork ends: its record (``pma_anneal.json``: ``end_tokens`` or
-    ``tokens``), else its snapshot record or trainer state (as the sources read them), else ``None``."""
+    """Where the annealed fork ends: its record (``pma_anneal.json``: ``end_tokens``), else its snapshot record or trainer state (as the sources read them), else ``None``."""
     record_path = folder / ANNEAL_RECORD_NAME
     if record_path.is_file() or record_path.is_symlink():
         record = read_json(record_path, folder)
         if not isinstance(record, dict):
             raise ValueError(f"{escape(record_path)} should hold a JSON object, got {type(record).__name__}")
-        for key in ("end_tokens", "tokens"):
-            value = record.get(key)
-            if value is not None:
-                if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                    raise ValueError(
-                        f"{escape(record_path)}: {key!r} must be a token count, got {shown(value, 60)}"
-                    )
-                return value
+        value = record.get("end_tokens")  # ("tokens" there is the decay's length, not where it ends)
+        if value is not None:
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(
+                    f"{escape(record_path)}: 'end_tokens' must be a token count, got {shown(value, 60)}"
+                )
+            return value
     return source.tokens
 
 
