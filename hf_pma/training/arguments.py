@@ -12,6 +12,7 @@ import json
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 from transformers import TrainingArguments
 from transformers.utils import logging
@@ -20,7 +21,7 @@ from hf_pma.core.schedule import check_phases
 from hf_pma.core.strategies import validate_strategy
 from hf_pma.utils.parsing import parse_size
 
-__all__ = ["PMATrainingArguments", "deepspeed_zero_stage"]
+__all__ = ["PMATrainingArguments", "deepspeed_zero_stage", "parse_with_config"]
 
 logger = logging.get_logger(__name__)
 
@@ -46,6 +47,42 @@ def deepspeed_zero_stage(deepspeed: str | dict | None) -> int | None:
         stage = os.environ.get("ACCELERATE_DEEPSPEED_ZERO_STAGE", "")
         return int(stage) if stage.isdigit() else None
     return None
+
+
+CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
+
+
+def read_arguments_file(path: str | os.PathLike[str], parser: Any) -> dict[str, Any]:
+    """The arguments of a YAML/JSON config file, checked against the names of ``parser``'s
+    dataclasses (an ``HfArgumentParser``); one-line errors naming the file."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    text = path.read_text()
+    values = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    if not isinstance(values, dict):
+        raise ValueError(f"{path}: expected a mapping of argument names to values")
+    known = {f.name for dc in parser.dataclass_types for f in dataclasses.fields(dc)}
+    unknown = sorted(set(values) - known)
+    if unknown:
+        raise ValueError(f"{path}: unknown argument(s) {', '.join(unknown)}")
+    return values
+
+
+def parse_with_config(
+    parser: Any, argv: list[str], default_config: str | os.PathLike[str] | None = None
+) -> tuple[Any, ...]:
+    """``parser.parse_args_into_dataclasses(argv)`` (an ``HfArgumentParser``) over a config file:
+    a YAML/JSON file given as the first argument, else ``default_config``, sets the defaults,
+    and the flags after it change them. Without either, the dataclasses' own defaults."""
+    config = default_config
+    if argv and argv[0].endswith(CONFIG_SUFFIXES) and not argv[0].startswith("-"):
+        config, argv = argv[0], argv[1:]
+    if config is not None:
+        parser.set_defaults(**read_arguments_file(config, parser))
+    return tuple(parser.parse_args_into_dataclasses(argv))
 
 
 @dataclasses.dataclass

@@ -19,7 +19,7 @@ from hf_pma.utils.fs import write_folder_atomically
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["stdlib_documents", "train_bpe_tokenizer", "pack_dataset"]
+__all__ = ["stdlib_documents", "train_bpe_tokenizer", "pack_dataset", "full_batches"]
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
 
@@ -126,3 +126,14 @@ def pack_dataset(texts: Sequence[str], tokenizer, block_size: int, add_eos: bool
     if len(packed) == 0:
         raise ValueError(f"the texts hold fewer tokens than one block of {block_size}")
     return packed
+
+
+def full_batches(dataset, global_batch: int):
+    """``dataset`` cut to a multiple of ``global_batch`` rows (sequences per optimizer step, all
+    processes): every step then sees the same tokens, so that a snapshot every V tokens falls on
+    the same steps in every epoch (and the last one on the last step, where an annealed fork ends).
+    ``ValueError`` when it holds less than one global batch."""
+    keep = len(dataset) - len(dataset) % global_batch
+    if keep == 0:
+        raise ValueError(f"the training data holds {len(dataset)} blocks, fewer than one global batch of {global_batch}")
+    return dataset.select(range(keep)) if keep < len(dataset) else dataset

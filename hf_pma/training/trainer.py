@@ -93,6 +93,8 @@ class PMATrainer(Trainer):
         self.pma_annealed_dir: Path | None = None
         # The command that reproduces this run, for the model card (scripts set it).
         self.pma_command: str | None = None
+        # More of the run for its record and card, e.g. {"datasets": [...], "base_model": ...} (scripts set it).
+        self.pma_record_extra: dict[str, Any] = {}
         self.pma_recoveries: list[dict[str, Any]] = []
         self._pma_pending_metrics: dict[str, float] | None = None
         # What the last merged evaluation cost this process (bytes read, CPU backup).
@@ -410,6 +412,7 @@ class PMATrainer(Trainer):
                 if "eval_pma_loss" in e
             ],
         }
+        record.update(self.pma_record_extra)
         return redact_obj(record, [args.hub_token])
 
     def push_merged_to_hub(

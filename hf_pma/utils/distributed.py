@@ -44,6 +44,7 @@ __all__ = [
     "sharding_kind",
     "require_unsharded_model",
     "is_peft_model",
+    "warn_if_fewer_processes",
 ]
 
 T = TypeVar("T")
@@ -351,3 +352,33 @@ def require_unsharded_model(model: Any) -> Any:
             "the main process alone; evaluate a full copy (e.g. a saved snapshot folder) instead"
         )
     return unwrap_model(model)
+
+
+def _launcher_processes() -> int | None:
+    """``--num_processes`` of the ``accelerate launch`` that started this process (Linux: read from
+    the parent's command line), or ``None`` when not started so or not known."""
+    try:
+        parent = Path(f"/proc/{os.getppid()}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return None
+    if "launch" not in parent[:4] or not any(Path(arg).name == "accelerate" for arg in parent[:3]):
+        return None
+    for i, arg in enumerate(parent):
+        value = arg.partition("=")[2] if arg.startswith("--num_processes=") else None
+        if arg == "--num_processes" and i + 1 < len(parent):
+            value = parent[i + 1]
+        if value is not None:
+            return int(value) if value.isdigit() else None
+    return None
+
+
+def warn_if_fewer_processes(script: str) -> None:
+    """A warning when ``accelerate launch --num_processes N`` (N > 1) started one process (on CPU,
+    ``--cpu`` alone does not make several), with the command that starts N running ``script``."""
+    asked = _launcher_processes()
+    if asked is not None and asked > 1 and int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        logger.warning(
+            f"accelerate launch was asked for {asked} processes but this run has 1 (WORLD_SIZE is not set): on "
+            f"CPU, start them with: ACCELERATE_USE_CPU=1 accelerate launch --multi_gpu --num_processes {asked} "
+            f"{script} (or torchrun --nproc_per_node {asked} {script})"
+        )

@@ -1,5 +1,5 @@
 """What scripts/pretrain.py tells a newcomer: no false "missing keys" warning when the annealed
-fork resumes a tied model, and a warning when ``accelerate launch --cpu --num_processes 2``
+fork (hf_pma.training.annealing) resumes a tied model, and a warning when ``accelerate launch --cpu --num_processes 2``
 started one process (with the command that starts two)."""
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from tests.testing_utils import (
     CollectLogs,
     launch,
     lm_setup,
-    load_pretrain_script,
     quiet_args,
 )
 
@@ -36,10 +35,10 @@ def _resume_messages(tmp_path, model, train, collator, wrap) -> list[str]:
     return [m for m in collect.messages if "missing keys" in m]
 
 
-def test_the_fork_resumes_a_tied_model_without_a_missing_keys_warning(tmp_path, monkeypatch):
+def test_the_fork_resumes_a_tied_model_without_a_missing_keys_warning(tmp_path):
     import contextlib
 
-    script = load_pretrain_script(monkeypatch)
+    from hf_pma.training import annealing
     model, _, train, _, collator = lm_setup()
     assert model.lm_head.weight is model.get_input_embeddings().weight  # tied
     args = TrainingArguments(
@@ -51,10 +50,10 @@ def test_the_fork_resumes_a_tied_model_without_a_missing_keys_warning(tmp_path, 
     assert plain == ["There were missing keys in the checkpoint model loaded: ['lm_head.weight']."]
     # ...which is not true: the fork resumes it silently, and the weights are the checkpoint's.
     fresh = lm_setup(seed=1)[0]
-    assert _resume_messages(tmp_path, fresh, train, collator, script.tied_keys_not_missing) == []
+    assert _resume_messages(tmp_path, fresh, train, collator, annealing.tied_keys_not_missing) == []
     assert fresh.lm_head.weight is fresh.get_input_embeddings().weight
     # A real missing key is still reported.
-    keep = script._TiedKeysFilter({"lm_head.weight"})
+    keep = annealing._TiedKeysFilter({"lm_head.weight"})
     record = logging.LogRecord(
         "t", logging.WARNING, "", 0, keep.PREFIX + "['model.norm.weight'].", None, None
     )
