@@ -230,25 +230,22 @@ def train_trunk(args: argparse.Namespace, data: dict[str, Any], scratch: Path) -
     trainer.train()
     callback.wait()
     return {"dir": out, "checkpoint": out / f"checkpoint-{args.fork_step}", "log_history": trainer.state.log_history,
-            "seconds": time.time() - start, "steps": trainer.state.global_step}
+            "seconds": time.time() - start, "steps": trainer.state.global_step, "trainer": trainer}
 
 
-def train_annealed(args: argparse.Namespace, data: dict[str, Any], scratch: Path, checkpoint: Path, shape: str) -> dict[str, Any]:
-    """From the fork checkpoint: WSD decaying to 0 over --decay-steps (same data), snapshots in the decay phase."""
+def train_annealed(args: argparse.Namespace, scratch: Path, trunk: dict[str, Any], shape: str) -> dict[str, Any]:
+    """From the fork checkpoint: the library's annealed fork (``anneal_from_checkpoint``: WSD decaying
+    to 0 over --decay-steps, same data), with snapshots in the decay phase."""
     from hf_pma import PMACallback
+    from hf_pma.training.annealing import anneal_from_checkpoint
 
     out = scratch / f"annealed-{shape}"
-    targs = training_arguments(
-        args, out, lr_scheduler_type="warmup_stable_decay",
-        lr_scheduler_kwargs={"num_decay_steps": args.decay_steps, "decay_type": shape, "min_lr_ratio": 0.0},
-    )
     callback = PMACallback(interval_tokens=args.snapshot_every * tokens_per_step(args), phases=["decay"])
-    trainer = _trainer(args, data, targs, [callback])
     start = time.time()
-    trainer.train(resume_from_checkpoint=str(checkpoint))
+    anneal_from_checkpoint(trunk["trainer"], trunk["checkpoint"], steps=args.decay_steps, decay_type=shape,
+                           output_dir=out, callbacks=[callback])
     callback.wait()
-    return {"dir": out, "log_history": trainer.state.log_history, "seconds": time.time() - start,
-            "steps": args.decay_steps}
+    return {"dir": out, "seconds": time.time() - start, "steps": args.decay_steps}
 
 
 def lr_burst(start: int, steps: int, factor: float) -> Any:
@@ -579,7 +576,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"constant-LR run: {trunk['steps']} steps in {trunk['seconds']:.0f}s", flush=True)
         annealed = {}
         for shape in args.anneal:
-            run = train_annealed(args, data, scratch, trunk["checkpoint"], shape)
+            run = train_annealed(args, scratch, trunk, shape)
             annealed[shape] = run
             timings[f"annealed ({shape})"] = run["seconds"]
             print(f"annealed branch ({shape}): {args.decay_steps} steps in {run['seconds']:.0f}s", flush=True)

@@ -41,7 +41,7 @@ from hf_pma.analysis.comparison import paired_comparison, write_comparison
 from hf_pma.core.manifest import PMA_SUBDIR
 from hf_pma.io.guarded import read_json
 from hf_pma.training.saving import save_full_model
-from hf_pma.utils.distributed import is_main_process, run_on_main_process
+from hf_pma.utils.distributed import run_on_main_process
 from hf_pma.utils.fs import atomic_write_json
 from hf_pma.utils.text import escape, shown
 
@@ -240,6 +240,7 @@ def anneal_from_checkpoint(
     decay_type: str = "linear",
     output_dir: str | os.PathLike[str] | None = None,
     model: Any = None,
+    callbacks: Sequence[Any] | None = None,
 ) -> Path:
     """Fork a constant-LR run at ``checkpoint`` (a ``checkpoint-<step>`` folder of
     ``trainer``'s run): resume it with the learning rate decayed to 0 over ``steps`` optimizer
@@ -252,7 +253,8 @@ def anneal_from_checkpoint(
     datasets. The fork trains a new model instance: ``model``, else ``trainer.model_init()``,
     else a fresh one of the trainer's model class (its weights come from the checkpoint), with
     the Trainer's class (a plain ``transformers.Trainer`` for a ``PMATrainer``: a fork takes no
-    snapshots). Its run ends at ``step + steps``; with ``pma_interval_tokens`` chosen so that a
+    snapshots; ``callbacks`` are added to it, e.g. a ``PMACallback`` with ``phases=["decay"]`` to
+    snapshot the decay). Its run ends at ``step + steps``; with ``pma_interval_tokens`` chosen so that a
     snapshot falls there, the annealed model and that snapshot are at the same tokens.
 
     Writes ``output_dir`` (default ``<args.output_dir>/annealed``; replaced when it holds an
@@ -308,6 +310,7 @@ def anneal_from_checkpoint(
         data_collator=trainer.data_collator,
         train_dataset=trainer.train_dataset,
         processing_class=trainer.processing_class,
+        callbacks=list(callbacks) if callbacks else None,
         **extra,
     )
     logger.warning(
@@ -409,21 +412,22 @@ def annealing_check(
         batch_size=trainer.args.per_device_eval_batch_size,
     )
     write_eval_record(trainer.pma_merged_dir, results["results"], eval_dataset=results.get("eval_dataset"))
-    if not is_main_process():
-        return results
-    fork = read_anneal_record(annealed) if annealed is not None else None
-    anneal = {k: fork.get(k) for k in ("steps", "tokens", "decay_type")} if fork is not None else None
-    model_tokens = {"last snapshot": record.tokens, "annealed": (fork or {}).get("end_tokens")}
-    comparison = paired_comparison(
-        results["lm"],
-        reference=next(iter(results["lm"])),
-        tokens=int(trainer.state.num_input_tokens_seen),
-        model_tokens=model_tokens,
-        anneal=anneal,
-    )
-    write_comparison(trainer.pma_merged_dir, comparison)
-    from hf_pma.publishing.card import write_model_card
 
-    write_model_card(trainer.pma_merged_dir, repo_id=trainer.args.hub_model_id)
-    results["comparison"] = comparison
+    def compare() -> dict[str, Any]:  # on the main process; the others receive the record
+        from hf_pma.publishing.card import write_model_card
+
+        fork = read_anneal_record(annealed) if annealed is not None else None
+        anneal = {k: fork.get(k) for k in ("steps", "tokens", "decay_type")} if fork is not None else None
+        comparison = paired_comparison(
+            results["lm"],
+            reference=next(iter(results["lm"])),
+            tokens=int(trainer.state.num_input_tokens_seen),
+            model_tokens={"last snapshot": record.tokens, "annealed": (fork or {}).get("end_tokens")},
+            anneal=anneal,
+        )
+        write_comparison(trainer.pma_merged_dir, comparison)
+        write_model_card(trainer.pma_merged_dir, repo_id=trainer.args.hub_model_id)
+        return comparison
+
+    results["comparison"] = run_on_main_process(compare)
     return results

@@ -176,3 +176,6 @@ def test_two_processes_with_accelerate_launch(shared_launch):
     assert set(record["results"]) == {"last snapshot", "PMA merge", "annealed"}
     # the annealed fork resumed under 2 processes too, and ends at the same tokens
     assert record["comparison"]["tokens"] == training["total_tokens"] and (out / "annealed" / "config.json").is_file()
+    fork = json.loads((out / "annealed" / "pma_anneal.json").read_text())
+    assert (fork["start_step"], fork["end_step"], fork["end_tokens"]) == (18, 24, training["total_tokens"])
+    assert fork["snapshot"] == f"snapshot-{training['total_tokens']}"  # the last snapshot, at the same tokens
