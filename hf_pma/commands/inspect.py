@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
     from hf_pma.merging.hub_revisions import parse_hub_spec
     from hf_pma.merging.sources import model_source, resolve_sources
     from hf_pma.utils.formatting import format_number, text_table
-    from hf_pma.utils.fs import atomic_write_json
+    from hf_pma.utils.fs import atomic_write_json, check_output_file
     from hf_pma.utils.text import write_line, write_lines
 
     set_verbosity(args)
@@ -142,8 +142,8 @@ def run(args: argparse.Namespace) -> int:
     weights_fn = strategy_weights(args.strategy, args.alpha)
     plot = Path(args.plot) if args.plot and not (args.no_plot or args.no_diagnostics) else None
     for flag, path in (("--plot", plot), ("--output", args.output)):
-        if path and not Path(path).absolute().parent.is_dir():
-            raise FileNotFoundError(f"the folder of {flag} {path} does not exist")
+        if path:  # a link, a folder, a missing or read-only folder, inside a listed snapshot: one line now
+            check_output_file(path, flag)
     if args.reference and not Path(args.reference).exists():
         raise FileNotFoundError(f"--reference {args.reference} does not exist")
 

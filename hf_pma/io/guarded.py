@@ -21,7 +21,8 @@ filesystem others write to), so what it holds is checked per file, when it is op
 Entry points: :func:`open_file` (a raw descriptor, for ``pread``), :func:`read_bytes`,
 :func:`read_json` (records, configs, indexes), :func:`parse_json` (JSON text already in memory,
 such as a safetensors header's metadata), :func:`check_file` (a path to hand to a library that
-opens it itself), :func:`copy_file` (a support file into a folder hf-pma is writing) and
+opens it itself), :func:`check_folder` (a subfolder, such as a run's ``pma/``, confined the same
+way), :func:`copy_file` (a support file into a folder hf-pma is writing) and
 :func:`regular_files` (every regular file under a folder: what a copy or an upload takes).
 Torch-free; the files a folder names are never executed or imported here.
 """
@@ -44,6 +45,7 @@ __all__ = [
     "MAX_JSON_DEPTH",
     "UnsafeFileError",
     "check_file",
+    "check_folder",
     "confinement_root",
     "copy_file",
     "json_depth",
@@ -208,6 +210,19 @@ def check_file(
         return _opened_path(fd) or Path(path).resolve()
     finally:
         os.close(fd)
+
+
+def check_folder(path: str | os.PathLike[str], folder: str | os.PathLike[str]) -> Path:
+    """``path``, a folder under ``folder`` (a run's ``pma/``, a ``checkpoint-N``), resolved: it
+    must stay inside ``folder`` after symbolic links (:func:`confinement_root`), as every file
+    read from it must. A link that leaves it is an :class:`UnsafeFileError` naming it: what such a
+    folder holds (records, weights, a manifest) belongs to someone else's folder.
+    ``FileNotFoundError`` when it does not exist, ``NotADirectoryError`` when it is no folder."""
+    path = Path(path)
+    resolved, _ = _resolve_inside(path, folder)
+    if not resolved.is_dir():
+        raise NotADirectoryError(f"{escape(path)} is not a folder")
+    return resolved
 
 
 def read_bytes(

@@ -32,7 +32,7 @@ from hf_pma.core.manifest import (
     read_snapshot_record,
 )
 from hf_pma.core.selection import WindowSpan, check_window, window_by_progress, window_span
-from hf_pma.io.guarded import UnsafeFileError, check_file, read_json
+from hf_pma.io.guarded import UnsafeFileError, check_file, check_folder, read_json
 from hf_pma.io.safetensors import CheckpointFormatError, SafetensorsCheckpoint, TensorInfo
 from hf_pma.io.sharded import ShardedCheckpointTensors, sharded_weight_files
 from hf_pma.merging.hub_revisions import (
@@ -383,7 +383,8 @@ def vanished_source_error(sources: Sequence[CheckpointSource]) -> FileNotFoundEr
     a snapshot from a manifest is named with it (:func:`hf_pma.core.manifest.missing_snapshot_error`);
     ``None`` when every source is still there."""
     for source in sources:
-        if source.path.is_dir() and all(f.is_file() for f in source.files):
+        # A file still there in any form (a FIFO, a link) is not gone: its own error names it.
+        if source.path.is_dir() and all(os.path.lexists(f) for f in source.files):
             continue
         name = source.record.get("path")
         manifest = find_manifest(source.confined_to) if isinstance(name, str) else None
@@ -469,7 +470,9 @@ def run_layout(path: str | os.PathLike[str]) -> RunLayout:
     ``pma/manifest.json``) first, then ``checkpoint-*`` subfolders; weights at its top are a
     model folder when it holds neither, else the run's final model.
 
-    Raises ``ValueError`` when the rule cannot settle it: two manifests.
+    Raises ``ValueError`` when the rule cannot settle it: two manifests; and
+    :class:`~hf_pma.io.guarded.UnsafeFileError` (a ``ValueError``) for a ``pma/`` or a
+    ``checkpoint-*`` folder that is a link leading out of ``path``.
     """
     path = Path(path)
     manifests = [c for c in (path / MANIFEST_NAME, path / PMA_SUBDIR / MANIFEST_NAME) if c.is_file()]
@@ -480,6 +483,10 @@ def run_layout(path: str | os.PathLike[str]) -> RunLayout:
     found = [
         (int(m.group(1)), p) for p in path.iterdir() if p.is_dir() and (m := _CHECKPOINT_RE.fullmatch(p.name))
     ]
+    # The run's pma/ and checkpoint-* folders must be inside it after links: a pma/ or a
+    # checkpoint-N that links elsewhere would have its records and weights taken for the run's.
+    for folder in [m.parent for m in manifests if m.parent != path] + [p for _, p in found]:
+        check_folder(folder, path)
     top = find_weight_files(path)
     top_files = top[1] if top is not None else (sharded_weight_files(path) or [])
     return RunLayout(

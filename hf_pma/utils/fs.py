@@ -875,22 +875,37 @@ def check_output_file(path: str | os.PathLike[str], what: str = "output file") -
     """Check, before any work, that the file ``path`` can be written (atomically replaced) later.
 
     ``FileExistsError`` when ``path`` is a folder, a symbolic link (it would be replaced by a
-    regular file, and what it names left as it was) or another special file;
+    regular file, and what it names left as it was) or another special file, or lies inside a
+    snapshot folder listed in a run's manifest (:func:`listed_snapshot_of`: rotation deletes such
+    a folder, or keeps it forever once it holds a file that is not hf-pma's);
     ``FileNotFoundError`` when its folder does not exist; ``PermissionError`` when its folder is
     not writable (read-only permissions or a read-only filesystem). An existing regular file is
     fine: it is replaced. ``what`` names the path in the error (``"--output"``).
     """
     path = Path(path)
+    shown_path = escape(path)
     if path.is_symlink():
-        raise FileExistsError(f"{what} {path} is a symbolic link: give the path of a new or regular file")
+        raise FileExistsError(
+            f"{what} {shown_path} is a symbolic link: give the path of a new or regular file"
+        )
     if path.exists() and not path.is_file():
         kind = "a folder" if path.is_dir() else "not a regular file"
-        raise FileExistsError(f"{what} {path} is {kind}: give a file path")
+        raise FileExistsError(f"{what} {shown_path} is {kind}: give a file path")
     parent = path.absolute().parent
     if not parent.is_dir():
-        raise FileNotFoundError(f"the folder of {what} {path} does not exist")
+        raise FileNotFoundError(f"the folder of {what} {shown_path} does not exist")
+    listed = listed_snapshot_of(parent)
+    if listed is not None:
+        snapshot, manifest = listed
+        raise FileExistsError(
+            f"refusing {what} {shown_path}: it lies inside {escape(snapshot)}, a snapshot listed in "
+            f"{escape(manifest)}, which hf-pma replaces or deletes as its run goes on (keep_last, resume); "
+            "choose a place outside it"
+        )
     if not os.access(parent, os.W_OK | os.X_OK):
-        raise PermissionError(f"cannot write {what} {path}: its folder {parent} is not writable")
+        raise PermissionError(
+            f"cannot write {what} {shown_path}: its folder {escape(parent)} is not writable"
+        )
 
 
 def check_output_folder(output_dir: str | os.PathLike[str], overwrite: bool) -> None:

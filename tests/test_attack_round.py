@@ -1,0 +1,86 @@
+"""Cases of the trust classes beyond the ones each class's own tests name, tried as an attacker
+would: a run's ``pma/`` or ``checkpoint-N`` that links out of it, a ``.bin`` weight file that is
+a FIFO, file outputs (``-o``, ``--plot``, ``--record``) at a link or inside a listed snapshot."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+
+from tests.snapshot_runs import noise_deviation, write_run
+from tests.testing_utils import run_cli
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    """A run of three snapshots (written once; each test works on a copy)."""
+    run, _ = write_run(tmp_path_factory.mktemp("pristine") / "run", 3, noise_deviation())
+    return run
+
+
+@pytest.fixture
+def run(pristine, tmp_path):
+    copy = tmp_path / "run"
+    shutil.copytree(pristine, copy, symlinks=True)
+    return copy
+
+
+def _error(done) -> str:
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    lines = [line for line in done.stderr.splitlines() if line.startswith("hf-pma ")]
+    assert len(lines) == 1, done.stderr
+    return lines[0]
+
+
+def test_a_runs_pma_or_checkpoint_folder_linking_out_of_it_is_refused(run, tmp_path):
+    # pma/ moved elsewhere and linked back: its manifest and records are someone else's folder's.
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(run / "pma", elsewhere)
+    (run / "pma").symlink_to(elsewhere)
+    for argv in (("inspect", run, "--no-diagnostics"), ("merge", run, "-o", tmp_path / "m")):
+        line = _error(run_cli(*argv))
+        assert line.endswith(f"{run / 'pma'} is a symbolic link to outside the folder {run.resolve()}"), line
+    assert not (tmp_path / "m").exists()
+    # A run of Trainer checkpoints, one of which links out of it.
+    ckpts = tmp_path / "ckpts"
+    ckpts.mkdir()
+    shutil.copytree(elsewhere / "snapshot-1000", ckpts / "checkpoint-10")
+    (ckpts / "checkpoint-20").symlink_to(elsewhere / "snapshot-2000")
+    line = _error(run_cli("inspect", ckpts, "--no-diagnostics"))
+    assert line.endswith(
+        f"{ckpts / 'checkpoint-20'} is a symbolic link to outside the folder {ckpts.resolve()}"
+    )
+
+
+def test_a_bin_weight_file_that_is_a_fifo_is_named_not_called_deleted(run, tmp_path):
+    snapshot = run / "pma" / "snapshot-2000"
+    (snapshot / "model.safetensors").unlink()
+    os.mkfifo(snapshot / "pytorch_model.bin")
+    line = _error(run_cli("merge", run, "-o", tmp_path / "m"))
+    assert line == f"hf-pma merge: error: {snapshot / 'pytorch_model.bin'} is not a regular file (a FIFO)"
+
+
+def test_file_outputs_at_a_link_or_inside_a_listed_snapshot_are_refused_before_any_work(run, tmp_path):
+    victim = tmp_path / "victim.json"
+    victim.write_text("mine")
+    (tmp_path / "report.json").symlink_to(victim)
+    line = _error(run_cli("inspect", run, "--no-diagnostics", "-o", tmp_path / "report.json"))
+    assert "--output" in line and "is a symbolic link" in line
+    line = _error(run_cli("inspect", run, "--plot", tmp_path / "report.json"))
+    assert "--plot" in line and "is a symbolic link" in line
+    assert (tmp_path / "report.json").is_symlink() and victim.read_text() == "mine"
+
+    old = run / "pma" / "snapshot-1000"
+    before = sorted(p.name for p in old.iterdir())
+    newest = run / "pma" / "snapshot-3000"
+    for argv in (
+        ("inspect", run, "--no-diagnostics", "-o", old / "report.json"),
+        ("inspect", run, "--plot", old / "plot.png"),
+        ("eval", newest, "--tokenizer", newest, "--eval-file", victim, "-o", old / "results.json"),
+        ("eval", newest, "--tokenizer", newest, "--eval-file", victim, "--record", old),
+    ):
+        line = _error(run_cli(*argv))
+        assert "lies inside" in line and f"a snapshot listed in {run / 'pma' / 'manifest.json'}" in line, line
+    assert sorted(p.name for p in old.iterdir()) == before
