@@ -240,6 +240,15 @@ class PMACallback(TrainerCallback, ExportableState):
         self._commit(should_save=False)
         return self._sink.state_dict(parse_dtype(dtype))
 
+    def swap_in_online(self, model: Any) -> Any | None:
+        """Every process: put the online average into the live ``model`` (each rank its own
+        slices under FSDP / ZeRO-3); returns the function that puts the live weights back (every
+        process calls it), or ``None`` without online mode or before the first snapshot."""
+        if not isinstance(self._sink, OnlineAverageSink):
+            return None
+        self._commit(should_save=False)
+        return self._sink.swap_in(model)
+
     @property
     def online_count(self) -> int:
         """How many snapshots the online average holds."""

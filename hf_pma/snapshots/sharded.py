@@ -547,6 +547,37 @@ class ShardedOnlineAverageSink(OnlineAverageSink):
         self.commit()
         return [(self._slices[name], tensor) for name, tensor in self.average._average.items()]
 
+    @torch.no_grad()
+    def swap_in(self, model: torch.nn.Module) -> Any | None:
+        """Every rank: put its slices of the average into its own live shards (no gather; the
+        unsharded tensors, which rank 0 averages, are broadcast from it); returns the function
+        that puts the live weights back (every rank calls it), or ``None`` while the average is
+        empty. Call it with the model resharded (:func:`hf_pma.merging.slices.reshard`)."""
+        self.commit()
+        if self.average.count == 0:
+            return None
+        mine = local_slices(model, self.rank)
+        self._check_layout(mine)
+        unsharded: list[LocalSlice] = []
+        if self.world_size > 1:
+            sharded_names = {s.name for s in local_slices(model, 1)}
+            unsharded = [s for s in local_slices(model, 0) if s.name not in sharded_names]
+        backup: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for s in mine:
+            backup.append((s.tensor, s.tensor.to("cpu", copy=True)))
+            s.tensor.copy_(self.average._average[s.name].reshape(s.tensor.shape))
+        for s in unsharded:  # the same list, in the same order, on every rank
+            if self.rank != 0:
+                backup.append((s.tensor, s.tensor.to("cpu", copy=True)))
+            torch.distributed.broadcast(s.tensor, src=0)
+
+        @torch.no_grad()
+        def restore() -> None:
+            for live, saved in backup:
+                live.copy_(saved)
+
+        return restore
+
     def save_checkpoint(self, checkpoint_dir: Path) -> None:
         """Every rank: its part of the average into the checkpoint, ``pma_online-rank<r>.safetensors``."""
         self.commit()

@@ -37,7 +37,7 @@ from hf_pma.core.manifest import (
     manifest_snapshots,
     snapshot_path,
 )
-from hf_pma.snapshots.gather import full_state_dict_bytes, gather_full_state_dict
+from hf_pma.snapshots.gather import full_state_dict_bytes, gather_full_state_dict, unwrap_model
 from hf_pma.snapshots.online import OnlineAverage
 from hf_pma.snapshots.writer import (
     BackgroundWorker,
@@ -438,6 +438,43 @@ class OnlineAverageSink(SnapshotSink):
     def count(self) -> int:
         """How many snapshots the average holds."""
         return self.average.count
+
+    @torch.no_grad()
+    def swap_in(self, model: torch.nn.Module) -> Any | None:
+        """Every process: put the average into the live ``model`` (cast to its dtypes); returns
+        the function that puts the live weights back (every process calls it), or ``None``
+        when the average is still empty. The main process holds the average: under DDP each
+        tensor is broadcast from it; every process backs up its live tensors on the CPU."""
+        from hf_pma.utils.distributed import distributed_rank_and_size
+
+        _, world_size = distributed_rank_and_size()
+        if self.is_main:
+            self.commit()
+            self.worker.wait()
+        live = {n: t for n, t in unwrap_model(model).state_dict(keep_vars=True).items() if t.is_floating_point()}
+        names = [[n for n in live if n in self.average._average] if self.average.count else None]
+        if world_size > 1:
+            torch.distributed.broadcast_object_list(names, src=0)
+        if names[0] is None:
+            return None
+        storages = {live[n].data_ptr() for n in names[0]}
+        missing = [n for n, t in live.items() if n not in names[0] and t.data_ptr() not in storages]
+        if missing:  # the same on every process: they all raise
+            raise ValueError(f"the online average lacks tensor(s) the model has: {', '.join(missing[:5])}")
+        backup = {n: live[n].detach().to("cpu", copy=True) for n in names[0]}
+        for name in names[0]:
+            target = live[name].data
+            if self.is_main:
+                target.copy_(self.average._average[name].reshape(target.shape))
+            if world_size > 1:
+                torch.distributed.broadcast(target, src=0)
+
+        @torch.no_grad()
+        def restore() -> None:
+            for name, saved in backup.items():
+                live[name].data.copy_(saved)
+
+        return restore
 
     def save_checkpoint(self, checkpoint_dir: Path) -> None:
         """Save the average into the Trainer checkpoint folder (main process)."""

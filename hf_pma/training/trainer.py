@@ -28,7 +28,7 @@ from hf_pma.core.manifest import PMA_SUBDIR, TRAINING_RECORD_NAME
 from hf_pma.core.selection import window_by_progress
 from hf_pma.merging.chunks import default_workers
 from hf_pma.merging.engine import merge_checkpoints, merge_state_dict
-from hf_pma.merging.slices import SliceSwap
+from hf_pma.merging.slices import SliceSwap, reshard
 from hf_pma.merging.sources import resolve_sources, select_window
 from hf_pma.merging.swap import backup_weights, load_weights, restore_weights
 from hf_pma.snapshots.callback import PMACallback
@@ -69,7 +69,9 @@ class PMATrainer(Trainer):
             if model is None:
                 raise ValueError("pma_init_from needs a model instance (model_init is not supported with it)")
             self.pma_init_record = self._pma_init(model, args)
-        callback = PMACallback(
+        # A PMACallback passed in ``callbacks`` (e.g. ``online="sma"``) is used instead of one built from pma_* args.
+        given = next((c for c in kwargs.get("callbacks") or [] if isinstance(c, PMACallback)), None)
+        callback = given or PMACallback(
             interval_tokens=args.pma_interval_tokens,
             phases=args.pma_phases,
             keep_last=args.pma_keep_last,
@@ -84,7 +86,7 @@ class PMATrainer(Trainer):
                 anneal_steps=args.pma_anneal_steps or None, anneal_tokens=args.pma_anneal_tokens
             )
         extra = [self._pma_fork_saver] if self._pma_fork_saver else []
-        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), callback, *extra]
+        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), *([] if given else [callback]), *extra]
         super().__init__(model, args, *pargs, **kwargs)
         enable_logging()  # hf-pma's records at the verbosity the Trainer just set for transformers
         self.pma_callback.accelerator = self.accelerator
@@ -178,11 +180,19 @@ class PMATrainer(Trainer):
         return merge_state_dict(paths, strategy=strategy, alpha=self.args.pma_ema_alpha, workers=self._pma_workers())
 
     def _evaluate_merge(self, eval_dataset: Any, ignore_keys: list[str] | None, prefix: str) -> dict[str, float]:
-        paths, strategy = self._pma_merge_window()
-        if not paths:
+        online = self.pma_callback.online is not None
+        paths, strategy = ([], None) if online else self._pma_merge_window()
+        if not paths and not online:
             return {}
         start = time.perf_counter()
-        if is_peft_model(self.model):  # adapter-only snapshots: small, loaded through peft
+        if online:  # the online average, each process its own slices (no snapshot on disk)
+            reshard(self.model)
+            swapped = self.pma_callback.swap_in_online(self.model)
+            if swapped is None:
+                return {}
+            restore = lambda: (reshard(self.model), swapped())  # noqa: E731
+            self.pma_last_merge_stats = None
+        elif is_peft_model(self.model):  # adapter-only snapshots: small, loaded through peft
             backup = backup_weights(self.model)
             load_weights(self.model, merge_state_dict(paths, strategy=strategy, alpha=self.args.pma_ema_alpha))
             restore = lambda: restore_weights(self.model, backup)  # noqa: E731
@@ -205,7 +215,7 @@ class PMATrainer(Trainer):
         finally:
             restore()
         metrics = dict(output.metrics)
-        metrics[f"{prefix}_pma_num_snapshots"] = len(paths)
+        metrics[f"{prefix}_pma_num_snapshots"] = self.pma_callback.online_count if online else len(paths)
         metrics[f"{prefix}_pma_merge_runtime"] = round(merge_s, 4)
         return metrics
 

@@ -7,7 +7,8 @@ while four :class:`PMACallback` instances watch the same weights: sharded snapsh
 snapshot) averages (``sharded="auto"``). The Trainer does
 not shard on CPU, so the callbacks are driven the way the Trainer drives them. Every gather is
 patched to raise for the whole run (``_gather_fsdp``, the sinks' ``gather_full_state_dict`` and
-``DTensor.full_tensor``): the online averages must never gather. A Trainer checkpoint is saved at
+``DTensor.full_tensor``): the online averages must never gather, not even when the SMA is swapped
+into the live shards to compute a loss (merged evaluation). A Trainer checkpoint is saved at
 ``CHECKPOINT_STEP`` (``on_save``), and a second pair of online callbacks resumes from it with the
 weights of that step: their final averages must be bit-identical to the uninterrupted ones.
 """
@@ -61,6 +62,11 @@ def forbid_gathers() -> Iterator[None]:
     finally:
         for (owner, name), value in zip(patched, saved):
             setattr(owner, name, value)
+
+
+def eval_batch() -> torch.Tensor:
+    """The batch the merged-evaluation check computes its loss on."""
+    return torch.randint(3, 515, (2, 16), generator=torch.Generator().manual_seed(1234))
 
 
 def drive(out: Path, rank: int, world: int, callbacks: dict, model, optimizer, start: int) -> None:
@@ -138,6 +144,18 @@ def _run(out: Path) -> dict:
         "online_state_dict": callbacks["sma"].online_state_dict() is None,
         "average_bytes": callbacks["sma"].sink.average.num_bytes,
     }
+    # Merged evaluation by local slice: the average swapped into the live shards, then put back.
+    from hf_pma.merging.slices import reshard
+
+    ids = eval_batch()
+    with torch.no_grad():
+        report["live_loss"] = float(model(input_ids=ids, labels=ids).loss)
+        reshard(model)
+        restore = callbacks["sma"].swap_in_online(model)
+        report["swapped_loss"] = float(model(input_ids=ids, labels=ids).loss)
+        reshard(model)
+        restore()
+        report["restored_loss"] = float(model(input_ids=ids, labels=ids).loss)
     # The resumed run: the weights of the checkpoint's step, then the online callbacks resume.
     model, optimizer = build()
     for step in range(1, CHECKPOINT_STEP + 1):

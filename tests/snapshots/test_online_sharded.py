@@ -22,7 +22,7 @@ from hf_pma.merging.consolidate import consolidate_snapshot
 from hf_pma.merging.engine import merge_state_dict
 from hf_pma.snapshots.sharded import ShardedOnlineAverageSink
 from hf_pma.snapshots.sinks import ResumePoint, online_state_name
-from tests.dist.online_sharded import ALPHA, CHECKPOINT_STEP, STEPS
+from tests.dist.online_sharded import ALPHA, CHECKPOINT_STEP, STEPS, eval_batch
 from tests.testing_utils import rank_reports
 
 pytestmark = [pytest.mark.distributed, pytest.mark.shared_launch("world2")]
@@ -112,3 +112,17 @@ def test_online_folder_is_read_by_consolidate(run, tmp_path):
     merged = merge_state_dict([folder])
     live = model.state_dict()
     assert all(torch.equal(live[name], tensor) for name, tensor in merged.items())
+
+
+def test_merged_eval_swaps_the_average_into_the_live_shards_and_back(run, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    rank0 = rank_reports(run, 2)[0]
+    consolidate_snapshot(online_folder(run, "straight", "sma"), tmp_path / "full", progress=False)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "full", trust_remote_code=False)
+    ids = eval_batch()
+    with torch.no_grad():
+        expected = float(model(input_ids=ids, labels=ids).loss)
+    assert rank0["swapped_loss"] == pytest.approx(expected, rel=1e-5)
+    assert rank0["swapped_loss"] != rank0["live_loss"]
+    assert rank0["restored_loss"] == rank0["live_loss"]

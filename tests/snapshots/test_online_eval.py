@@ -1,0 +1,45 @@
+"""``eval_pma_loss`` from the online average: a PMATrainer given ``PMACallback(online=...)`` writes
+no snapshot, and its merged evaluation swaps the running average into the live model."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+
+from hf_pma import PMACallback, PMATrainer, PMATrainingArguments
+from tests.testing_utils import lm_setup, make_tiny_model, quiet_args
+
+
+def test_eval_pma_loss_comes_from_the_online_average(tiny_tokenizer, tmp_path):
+    _model, tokenizer, train, evaluation, collator = lm_setup(tiny_tokenizer)
+    callback = PMACallback(interval_tokens=256, online="sma")
+    args = PMATrainingArguments(
+        output_dir=str(tmp_path / "out"), **quiet_args(max_steps=12, eval_strategy="steps", eval_steps=12)
+    )
+    trainer = PMATrainer(
+        make_tiny_model(seed=0),
+        args,
+        train_dataset=train,
+        eval_dataset=evaluation,
+        data_collator=collator,
+        processing_class=tokenizer,
+        callbacks=[callback],
+    )
+    assert trainer.pma_callback is callback  # the one given, not a second one
+    trainer.train()
+    evals = [e for e in trainer.state.log_history if "eval_loss" in e]
+    assert evals and "eval_pma_loss" in evals[-1]  # the same log line as the live model's
+    assert evals[-1]["eval_pma_num_snapshots"] == callback.online_count > 1
+    assert evals[-1]["eval_pma_loss"] != evals[-1]["eval_loss"]
+    pma_dir = tmp_path / "out" / "pma"
+    assert not list(pma_dir.glob("snapshot-*"))  # nothing on disk during training
+    # The average written at the end (the same snapshots) evaluated by a plain Trainer.
+    plain = Trainer(
+        AutoModelForCausalLM.from_pretrained(pma_dir / "online-sma", trust_remote_code=False),
+        TrainingArguments(output_dir=str(tmp_path / "plain"), **quiet_args()),
+        eval_dataset=evaluation,
+        data_collator=collator,
+    )
+    assert plain.evaluate()["eval_loss"] == pytest.approx(evals[-1]["eval_pma_loss"], rel=1e-6)
+    # and the live weights came back
+    assert trainer.evaluate()["eval_loss"] == pytest.approx(evals[-1]["eval_loss"], rel=1e-6)
