@@ -1,4 +1,5 @@
-"""Snapshot cost under FSDP2 at several world sizes: full gather vs sharded snapshots.
+"""Snapshot cost under FSDP2 at several world sizes: full gather vs sharded snapshots, and the
+online average (gathered to rank 0 vs shard-local).
 
 A ~130M-parameter Llama (fp32 master weights) is sharded with ``fully_shard`` on gloo, one
 thread per process, and snapshots are taken the way ``PMACallback`` takes them (``take`` in the
@@ -18,12 +19,18 @@ Methods (one function each; add a measurement by adding a function to ``MEASUREM
   then ``clone``/``to(dtype)``), for reference;
 * ``sharded``: ``ShardedSnapshotSink`` (every rank its own slices, DCP layout);
 * ``dcp``: ``torch.distributed.checkpoint.save`` with ``HuggingFaceStorageWriter(save_distributed=True)``
-  on the same (cast) local shards: the engine hf-pma's own writer is compared with.
+  on the same (cast) local shards: the engine hf-pma's own writer is compared with;
+* ``online-gather``: one update of the online average the way it is kept without sharding
+  (``OnlineAverageSink``: the full fp32 weights gathered to rank 0, which averages them);
+* ``online-sharded``: one update of the shard-local online average (``ShardedOnlineAverageSink``:
+  every rank folds its own slices into its float32 copy; nothing gathered). The online methods
+  ignore ``--save-dtype`` (the average is float32) and write nothing per snapshot.
 
 Usage::
 
     python benchmarks/bench_scale.py                       # world sizes 1 2 4, all methods, bf16 snapshots
     python benchmarks/bench_scale.py --worlds 2 --methods sharded gather --save-dtype float32
+    python benchmarks/bench_scale.py --worlds 1 2 4 --methods online-gather online-sharded
 """
 
 from __future__ import annotations
@@ -186,7 +193,38 @@ def measure_dcp(model, out: Path, dtype, rank: int, world: int) -> dict:
     return {**result, "written_mb": (mine.stat().st_size if mine.exists() else 0) / 2**20}
 
 
+def _online_measure(sink, model) -> dict:
+    """One online update per snapshot; the average itself (allocated at the first) counts in the peak."""
+    sink.open(None)
+    sink.update_manifest()
+
+    def take(i: int) -> None:
+        sink.take(model, _record(i))
+        sink.commit()
+
+    result = _timed_snapshots(take, sink.wait)
+    return {**result, "written_mb": 0.0, "average_mb": sink.average.num_bytes / 2**20}
+
+
+def measure_online_gather(model, out: Path, dtype, rank: int, world: int) -> dict:
+    """Today's online average without sharding: ``OnlineAverageSink`` gathers the full fp32 weights to
+    rank 0, which folds them into its float32 average (in the background, as by default)."""
+    from hf_pma.snapshots.sinks import OnlineAverageSink
+
+    return _online_measure(OnlineAverageSink(out, online="sma", is_main=rank == 0), model)
+
+
+def measure_online_sharded(model, out: Path, dtype, rank: int, world: int) -> dict:
+    """The shard-local online average: ``ShardedOnlineAverageSink`` (every rank folds its own slices
+    into its float32 copy, in the training thread; no gather)."""
+    from hf_pma.snapshots.sharded import ShardedOnlineAverageSink
+
+    return _online_measure(ShardedOnlineAverageSink(out, online="sma"), model)
+
+
 MEASUREMENTS: dict[str, Callable[..., dict]] = {
+    "online-gather": measure_online_gather,
+    "online-sharded": measure_online_sharded,
     "gather": measure_gather,
     "gather-old": measure_gather_old,
     "sharded": measure_sharded,
@@ -297,10 +335,33 @@ def projection_table(models: tuple[float, ...] = (7e9, 70e9), worlds: tuple[int,
     return "\n".join(lines)
 
 
+def online_projection_table(models: tuple[float, ...] = (7e9, 70e9), worlds: tuple[int, ...] = (8, 64, 512)) -> str:
+    """Host memory of the online average projected to real models (P parameters, fp32 weights):
+    shard-local, each rank holds one float32 copy of its slices, 4P/W bytes, and folds it in
+    place; gathered to rank 0, rank 0 holds the float32 average (4P) plus the gathered fp32
+    weights (4P) and receives the whole model at every snapshot (at least 4P/D2H seconds)."""
+    lines = [
+        "| model | GPUs | shard-local: host GB per rank | gather: rank-0 host GB | gather: rank-0 receives GB per update |",
+        "|---|---|---|---|---|",
+    ]
+    for params in models:
+        for world in worlds:
+            lines.append(
+                f"| {params / 1e9:.0f}B | {world} | {4 * params / 1e9 / world:.2f} | {8 * params / 1e9:.0f} | "
+                f"{4 * params / 1e9:.0f} |"
+            )
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4])
-    parser.add_argument("--methods", nargs="+", default=["gather-old", "gather", "sharded", "dcp"], choices=sorted(MEASUREMENTS))
+    parser.add_argument(
+        "--methods",
+        nargs="+",
+        default=["gather-old", "gather", "sharded", "dcp", "online-gather", "online-sharded"],
+        choices=sorted(MEASUREMENTS),
+    )
     parser.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16"])
     parser.add_argument("--hidden", type=int, default=768)
     parser.add_argument("--layers", type=int, default=12)
@@ -317,6 +378,8 @@ def main() -> None:
         return
     if args.project_only:
         print(projection_table())
+        print()
+        print(online_projection_table())
         return
     rows = []
     for world in args.worlds:
@@ -332,6 +395,8 @@ def main() -> None:
     print(table(rows, args.save_dtype))
     print()
     print(projection_table())
+    print()
+    print(online_projection_table())
 
 
 if __name__ == "__main__":
