@@ -118,6 +118,8 @@ def test_cli_reference_covers_every_command():
     text = (DOCS / "cli.md").read_text()
     documented = set(re.findall(r"<!-- hf-pma-help ([\w-]+) -->", text))
     assert set(COMMANDS) - documented == set(), f"sub-commands missing from docs/cli.md: {sorted(set(COMMANDS) - documented)}"
+    in_table = set(re.findall(r"^\| \[`hf-pma ([\w-]+)`\]", text, re.M))
+    assert in_table == set(COMMANDS), f"docs/cli.md's command table: {sorted(in_table ^ set(COMMANDS))}"
 
 
 def _hf_pma_imports(block: str) -> list[ast.stmt]:

@@ -15,6 +15,15 @@ from tests.testing_utils import REPO_ROOT
 
 CONFIG = yaml.safe_load((REPO_ROOT / "scripts" / "configs" / "tiny.yaml").read_text())
 PAGES = ("README.md", "docs/quickstart.md")
+# Pages whose commands and paths name the default run's folders (runs/pma-tiny/...).
+RUN_PAGES = (
+    "README.md",
+    "docs/quickstart.md",
+    "docs/evaluation.md",
+    "docs/analysis.md",
+    "docs/merging.md",
+    "docs/publishing.md",
+)
 CONSTANT = CONFIG["lr_scheduler_type"] in ("constant", "constant_with_warmup")
 
 
@@ -67,6 +76,19 @@ CHECKS = [
     ("keep_last", r"the newest (\d+) kept", [CONFIG["pma_keep_last"]]),
     ("vocabulary", r"BPE tokenizer \(([\d,]+) tokens\)", [CONFIG["vocab_size"]]),
     ("block size", r"(\d+)-token blocks", [CONFIG["block_size"]]),
+    ("tokens of the run", r"(?:same|at) ([\d,]+) tokens", [TOTAL_TOKENS]),
+    ("last step", r"step ([\d,]+)\)", [CONFIG["max_steps"]]),
+    (
+        "merge span",
+        r"steps (\d+)(?:-| to )([\d,]+)",
+        [
+            CONFIG["max_steps"]
+            - (CONFIG["pma_window"] - 1) * CONFIG["pma_interval_tokens"] // TOKENS_PER_STEP,
+            CONFIG["max_steps"],
+        ],
+    ),
+    ("fork", r"at step (\d+)", [CONFIG["max_steps"] - CONFIG["anneal_steps"]]),
+    ("anneal tokens", r"over the last ([\d,]+) tokens", [CONFIG["anneal_steps"] * TOKENS_PER_STEP]),
     (
         "layers and width",
         r"(\d+)-layer Llama \(hidden size (\d+)",
@@ -76,7 +98,7 @@ CHECKS = [
 
 
 def _text() -> dict[str, str]:
-    return {page: (REPO_ROOT / page).read_text() for page in PAGES}
+    return {page: " ".join((REPO_ROOT / page).read_text().split()) for page in PAGES}  # line breaks as spaces
 
 
 @pytest.mark.parametrize("what, pattern, expected", CHECKS, ids=[c[0] for c in CHECKS])
@@ -116,7 +138,9 @@ def test_schedule_matches_tiny_yaml():
 
 
 def _benchmark_tables_hook():
-    spec = importlib.util.spec_from_file_location("benchmark_tables", REPO_ROOT / "docs" / "hooks" / "benchmark_tables.py")
+    spec = importlib.util.spec_from_file_location(
+        "benchmark_tables", REPO_ROOT / "docs" / "hooks" / "benchmark_tables.py"
+    )
     hook = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hook)
     return hook
@@ -132,10 +156,18 @@ def test_gpu_numbers_quoted_in_the_docs_are_those_of_the_committed_gpu_check():
     first, steady = round(costs["blocked_first_ms"]), round(costs["blocked_steady_ms"])
     share = round(100 * costs["blocked_steady_ms"] / interval_ms)
     choosing = " ".join((REPO_ROOT / "docs" / "choosing-v.md").read_text().split())
-    assert f"blocked training for {first} ms at its first snapshot and {steady} ms at each later one" in choosing
-    assert f"a snapshot every {interval_ms / 1000:.1f} s looked like a third of the training time; it was {share}%" in choosing
+    assert (
+        f"blocked training for {first} ms at its first snapshot and {steady} ms at each later one" in choosing
+    )
+    assert (
+        f"a snapshot every {interval_ms / 1000:.1f} s looked like a third of the training time; it was {share}%"
+        in choosing
+    )
     benchmarks = " ".join((REPO_ROOT / "docs" / "benchmarks.md").read_text().split())
-    assert f"{steady} ms per snapshot of a 110M-parameter model, {share}% of the {interval_ms / 1000:.1f} s" in benchmarks
+    assert (
+        f"{steady} ms per snapshot of a 110M-parameter model, {share}% of the {interval_ms / 1000:.1f} s"
+        in benchmarks
+    )
     assert results["train"]["parameters"] // 10**6 == 109  # "110M": 109.5M
 
 
@@ -151,3 +183,54 @@ def test_the_docs_hook_renders_the_committed_result_tables():
     for bad in ("gpu_check/missing.md", "../../README.md"):
         with pytest.raises(ValueError, match="no such file under benchmarks/results/"):
             hook.results_tables(bad)
+
+
+def test_the_default_runs_paths_in_the_docs_exist_in_it():
+    """``runs/pma-tiny/pma/snapshot-N`` names the default run's last snapshot (the run ends at
+    max_steps x tokens per step, on a multiple of V); every output folder is the configured one."""
+    assert TOTAL_TOKENS % CONFIG["pma_interval_tokens"] == 0
+    found = []
+    for page in RUN_PAGES:
+        text = (REPO_ROOT / page).read_text()
+        found += [(page, int(n)) for n in re.findall(r"runs/pma-tiny/pma/snapshot-(\d+)", text)]
+        assert "runs/tiny" not in text and "snapshot-1048576" not in text, page
+        assert all(name == CONFIG["output_dir"] for name in re.findall(r"\b(runs/pma-[\w-]+)", text)), page
+    assert found and all(n == TOTAL_TOKENS for _, n in found), found
+
+
+def test_the_evaluation_page_says_how_much_of_each_held_out_file_the_default_run_scores():
+    text = " ".join((REPO_ROOT / "docs" / "evaluation.md").read_text().split())
+    quoted = re.findall(r"score the first ([\d,]+) characters of each held-out file", text)
+    assert quoted == [f"{CONFIG['max_eval_chars']:,}"], quoted
+
+
+def _comparison_rows(text: str) -> dict[str, tuple[str, ...]]:
+    """label -> (per-document loss, difference, SE, share) of a page's comparison table."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip().strip("*") for c in line.strip().strip("|").split("|")]
+        label = cells[0].split(" (")[0]
+        if (
+            label in ("last snapshot", "PMA merge", "annealed")
+            and len(cells) >= 4
+            and re.fullmatch(r"\d\.\d{4}", cells[1])
+        ):
+            diff = re.match(r"(-?\d\.\d{4}) ± (\d\.\d{4})", cells[2].replace("*", ""))
+            rows[label] = (cells[1], *(diff.groups() if diff else ("", "")), cells[3].strip("*"))
+    return rows
+
+
+def test_the_quoted_default_run_tables_agree_with_each_other():
+    """README and quickstart quote one run: the same table; its ratios are those of its numbers."""
+    readme, quickstart = (_comparison_rows((REPO_ROOT / page).read_text()) for page in PAGES)
+    assert set(readme) == {"last snapshot", "PMA merge", "annealed"} and readme == quickstart
+    per_token = re.search(r"lm/loss \(per token\)\s+(\d\.\d{4})", (REPO_ROOT / PAGES[1]).read_text()).group(1)
+    assert f"{per_token} for the last snapshot" in _text()[PAGES[0]]
+    merge, annealed = float(readme["PMA merge"][1]), float(readme["annealed"][1])
+    low, high = (abs(merge) - 5e-5) / (abs(annealed) + 5e-5), (abs(merge) + 5e-5) / (abs(annealed) - 5e-5)
+    share = int(readme["PMA merge"][3].rstrip("%")) / 100
+    assert round(low, 2) <= share <= round(high, 2), (share, low, high)
+    for label in ("PMA merge", "annealed"):
+        text = _text()[PAGES[0]]
+        ratio = abs(float(readme[label][1])) / float(readme[label][2])
+        assert f"({ratio:.1f} SE)" in text, (label, ratio)
