@@ -9,8 +9,10 @@ import shutil
 
 import pytest
 
+from hf_pma.merging.hub_revisions import list_revisions, parse_progress
+from tests.hub_server import HubServer
 from tests.snapshot_runs import noise_deviation, write_run
-from tests.testing_utils import run_cli
+from tests.testing_utils import make_tiny_model, run_cli
 
 
 @pytest.fixture(scope="module")
@@ -84,3 +86,25 @@ def test_file_outputs_at_a_link_or_inside_a_listed_snapshot_are_refused_before_a
         line = _error(run_cli(*argv))
         assert "lies inside" in line and f"a snapshot listed in {run / 'pma' / 'manifest.json'}" in line, line
     assert sorted(p.name for p in old.iterdir()) == before
+
+
+def test_a_hub_ref_name_carries_no_progress_past_a_records_range_or_in_other_digits(tiny_tokenizer, tmp_path):
+    # step + 30 digits was merged and recorded as is: the merge's pma_merge.json was then refused
+    # by hf-pma card and push. Fullwidth digits ("step１２３" shows like "step123") were read as 123.
+    hostile = ("step" + "9" * 30, "step１２３", "step٣", "tokens" + "9" * 25 + "T")
+    assert all(parse_progress(name) == {"step": None, "tokens": None, "stage": None} for name in hostile)
+    assert parse_progress("step" + "9" * 18)["step"] == 10**18 - 1
+    folder = tmp_path / "model"
+    make_tiny_model(seed=0).save_pretrained(folder)
+    files = {p.name: p.read_bytes() for p in folder.iterdir()}
+    with HubServer() as hub:
+        hub.add_repo("evil/progress")
+        for i, name in enumerate(("step100", "step200", *hostile[:2])):
+            hub.commit_files("evil/progress", name, files, message=str(i))
+        revisions = list_revisions("evil/progress", "step*", endpoint=hub.url)
+    assert {r.name: r.step for r in revisions} == {
+        "step100": 100,
+        "step200": 200,
+        hostile[0]: None,
+        hostile[1]: None,
+    }

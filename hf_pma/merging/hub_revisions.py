@@ -40,7 +40,7 @@ from urllib.parse import urlsplit
 
 from tqdm.auto import tqdm
 
-from hf_pma.core.manifest import MODEL_SUPPORT_FILES
+from hf_pma.core.manifest import MAX_RECORD_INT, MODEL_SUPPORT_FILES
 from hf_pma.utils.formatting import format_bytes
 from hf_pma.utils.fs import free_bytes
 from hf_pma.utils.hub_client import (
@@ -202,12 +202,16 @@ def parse_token_count(text: str) -> int:
 
 
 def _group_value(key: str, value: str | None) -> int | None:
-    if value is None or value == "":
+    """A progress number from a ref name (a Hub answer), or ``None`` when it is none hf-pma can
+    record: digits other than ASCII (``step１２３`` shows like ``step123``), or a value past a
+    record's range (2**63 - 1: a merge's ``pma_merge.json`` could not be read back)."""
+    if value is None or value == "" or not value.isascii():
         return None
     try:
-        return parse_token_count(value) if key == "tokens" else int(value)
+        number = parse_token_count(value) if key == "tokens" else int(value)
     except ValueError:
         return None
+    return number if 0 <= number <= MAX_RECORD_INT else None
 
 
 def parse_progress(name: str, regex: re.Pattern[str] | None = None) -> dict[str, int | None]:
