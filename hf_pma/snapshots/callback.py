@@ -240,6 +240,16 @@ class PMACallback(TrainerCallback, ExportableState):
         self._commit(should_save=False)
         return self._sink.state_dict(parse_dtype(dtype))
 
+    def save_online_average(self, model: Any) -> Path | None:
+        """Every process: write the online average now to ``<pma_dir>/online-<kind>`` (a sharded
+        folder under FSDP / ZeRO-3, every rank its file), as train end does; returns the folder on
+        the main process (``None`` elsewhere, without online mode, or before the first snapshot)."""
+        if not isinstance(self._sink, OnlineAverageSink):
+            return None
+        self._commit(should_save=False)
+        folder = self._sink.write_average(model)
+        return folder if self._is_main else None
+
     def swap_in_online(self, model: Any) -> Any | None:
         """Every process: put the online average into the live ``model`` (each rank its own
         slices under FSDP / ZeRO-3); returns the function that puts the live weights back (every

@@ -600,6 +600,12 @@ class ShardedOnlineAverageSink(OnlineAverageSink):
         if model is not None and self.average.count > 0:
             self.write_sharded(model)
 
+    def write_average(self, model: torch.nn.Module) -> Path | None:
+        """Every rank: write the average now as the sharded folder ``<pma_dir>/online-<kind>``
+        (replacing an earlier one); ``None`` while it is empty."""
+        self.commit()
+        return self.write_sharded(model) if self.average.count > 0 else None
+
     def write_sharded(self, model: torch.nn.Module) -> Path:
         """Every rank writes its file of the average into a temporary folder beside the target;
         the main process adds the config, tokenizer and merge record and renames it into place."""

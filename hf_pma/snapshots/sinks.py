@@ -491,6 +491,15 @@ class OnlineAverageSink(SnapshotSink):
         if self.is_main and model is not None and self.average.count > 0:
             self._write_model(model)
 
+    def write_average(self, model: torch.nn.Module) -> Path | None:
+        """Every process: write the average now as ``<pma_dir>/online-<kind>`` (replacing an
+        earlier one; the main process writes); ``None`` while it is empty or on other processes."""
+        if not self.is_main:
+            return None
+        self.commit()
+        self.worker.wait()
+        return self._write_model(model) if self.average.count > 0 else None
+
     def _write_model(self, model: torch.nn.Module) -> Path:
         dtype = self.save_dtype or self._model_dtype
         state_dict = self.average.state_dict(dtype)

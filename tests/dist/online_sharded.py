@@ -144,6 +144,9 @@ def _run(out: Path) -> dict:
         "online_state_dict": callbacks["sma"].online_state_dict() is None,
         "average_bytes": callbacks["sma"].sink.average.num_bytes,
     }
+    # On request (here after train end): the same folder written again, replacing the first.
+    saved = callbacks["sma"].save_online_average(model)
+    report["saved_on_request"] = str(saved) if saved is not None else None
     # Merged evaluation by local slice: the average swapped into the live shards, then put back.
     from hf_pma.merging.slices import reshard
 

@@ -43,3 +43,6 @@ def test_eval_pma_loss_comes_from_the_online_average(tiny_tokenizer, tmp_path):
     assert plain.evaluate()["eval_loss"] == pytest.approx(evals[-1]["eval_pma_loss"], rel=1e-6)
     # and the live weights came back
     assert trainer.evaluate()["eval_loss"] == pytest.approx(evals[-1]["eval_loss"], rel=1e-6)
+    # Written again on request: the same folder, replaced.
+    assert callback.save_online_average(trainer.model) == pma_dir / "online-sma"
+    assert sorted(p.name for p in pma_dir.iterdir() if p.name.startswith(".")) == []

@@ -47,6 +47,8 @@ def test_each_rank_averages_its_own_slices(run):
             "1-sqrt-decay": "ShardedOnlineAverageSink",
         }
         assert report["online_state_dict"]  # no process holds the full average
+    assert reports[0]["saved_on_request"] == str(online_folder(run, "straight", "sma"))
+    assert reports[1]["saved_on_request"] is None
     # One float32 copy of each rank's slices: together, about one float32 model (rank 0 also
     # holds the unsharded tensors), never one model per rank.
     full = sum(t.numel() for t in merge_state_dict([online_folder(run, "straight", "sma")]).values()) * 4
