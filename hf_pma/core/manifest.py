@@ -53,6 +53,8 @@ __all__ = [
     "FORMAT_VERSION",
     "EVAL_RECORD_NAME",
     "TRAINING_RECORD_NAME",
+    "ANNEALED_DIR",
+    "ANNEAL_RECORD_NAME",
     "PLOT_NAME",
     "CARD_NAME",
     "MODEL_SUPPORT_FILES",
@@ -96,6 +98,9 @@ FORMAT_VERSION = 1
 # Records beside a merged model (read by the card and the plot).
 EVAL_RECORD_NAME = "pma_eval.json"
 TRAINING_RECORD_NAME = "pma_training.json"
+# The annealed fork of a run (the annealing check): <output_dir>/annealed/ and its record there.
+ANNEALED_DIR = "annealed"
+ANNEAL_RECORD_NAME = "pma_anneal.json"
 PLOT_NAME = "pma_training.png"
 CARD_NAME = "README.md"
 # The files of a model folder besides its weights (config, tokenizer, processor): what a merge

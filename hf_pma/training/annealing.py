@@ -38,7 +38,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.utils import logging
 
 from hf_pma.analysis.comparison import paired_comparison, write_comparison
-from hf_pma.core.manifest import PMA_SUBDIR
+from hf_pma.core.manifest import ANNEAL_RECORD_NAME, ANNEALED_DIR, PMA_SUBDIR
 from hf_pma.io.guarded import read_json
 from hf_pma.training.saving import save_full_model
 from hf_pma.utils.distributed import run_on_main_process
@@ -59,8 +59,6 @@ __all__ = [
 
 logger = logging.get_logger(__name__)
 
-ANNEALED_DIR = "annealed"
-ANNEAL_RECORD_NAME = "pma_anneal.json"
 DECAY_TYPES = ("linear", "cosine", "1-sqrt")
 CONSTANT_SCHEDULES = ("constant", "constant_with_warmup")
 _CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")

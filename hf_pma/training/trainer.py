@@ -12,6 +12,7 @@ merge is written by every process, each its share of the output shards.
 
 from __future__ import annotations
 
+import gc
 import json
 import math
 import statistics
@@ -338,8 +339,12 @@ class PMATrainer(Trainer):
         deleted afterwards unless the run's own save strategy wanted it."""
         checkpoint = Path(self.args.output_dir) / f"checkpoint-{saver.step}"
         if not checkpoint.is_dir():
-            logger.warning(f"no {checkpoint.name} to fork the annealed model from (resumed past it?): no fork")
+            logger.warning(
+                f"no {checkpoint.name} to fork the annealed model from (deleted by save_total_limit, or the run "
+                "resumed past it): no annealed fork"
+            )
             return None
+        self._pma_release_optimizer()
         out = anneal_from_checkpoint(
             self, checkpoint, steps=saver.anneal_steps, decay_type=self.args.pma_anneal_decay
         )
@@ -348,6 +353,19 @@ class PMATrainer(Trainer):
 
             self._pma_barrier(lambda: remove_tree(checkpoint) if self.is_world_process_zero() else None)
         return out
+
+    def _pma_release_optimizer(self) -> None:
+        """Free the finished run's optimizer moments before the fork builds its own (a second
+        ``train()`` makes a new optimizer); not under DeepSpeed, which owns its optimizer."""
+        if self.optimizer is None or self.is_deepspeed_enabled:
+            return
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        if isinstance(inner, torch.optim.Optimizer):
+            inner.state.clear()
+        self.optimizer, self.lr_scheduler = None, None
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
 
     def annealing_check(self, texts: list[str], **kwargs: Any) -> dict[str, Any]:
         """Evaluate the last snapshot, the merge and the annealed model on the same held-out

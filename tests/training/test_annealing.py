@@ -82,6 +82,7 @@ def test_pma_trainer_forks_at_the_end_and_the_check_lands_in_the_record_and_card
     trainer.train()
     out = tmp_path / "run"
     assert trainer.pma_annealed_dir == out / "annealed" and not (out / "checkpoint-6").exists()  # ours: deleted
+    assert trainer.optimizer is None  # the finished run's moments were freed for the fork
     record = json.loads((out / "annealed" / "pma_anneal.json").read_text())
     assert (record["start_step"], record["steps"], record["decay_type"]) == (6, 4, "1-sqrt")
     assert record["snapshot"] == f"snapshot-{STEPS * per_step}"  # at the tokens of the last snapshot
