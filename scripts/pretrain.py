@@ -133,8 +133,11 @@ def parse_arguments(argv: list[str]) -> tuple:
         dataclass_types, description=__doc__.split("\n\n")[0], epilog=USAGE_NOTE, formatter_class=_Formatter
     )
     model_args, data, comparison, args = parse_with_config(parser, argv, DEFAULT_CONFIG)
+    if data.token_budget:  # the global batch is known: processes x per device x accumulation
+        batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
+        args.max_steps = max(1, data.token_budget // (batch * data.block_size))
     if comparison.anneal_steps:  # the fork is PMATrainer's (pma_anneal_steps), checked there
-        if args.max_steps <= 0 and not data.token_budget:
+        if args.max_steps <= 0:
             raise ValueError("anneal_steps needs max_steps or token_budget (the fork starts before the end)")
         args.pma_anneal_steps, args.pma_anneal_decay = comparison.anneal_steps, comparison.anneal_decay_type
         args.check_annealing()
@@ -242,9 +245,6 @@ def main(argv: list[str] | None = None) -> int:
     eval_ds = pack_dataset(texts, tokenizer, data.block_size)
     count = min(len(eval_ds), data.max_eval_blocks)
     eval_ds = eval_ds.select([i * len(eval_ds) // count for i in range(count)])
-    if data.token_budget:
-        args.max_steps = max(1, data.token_budget // (global_batch * data.block_size))
-        args.check_annealing()
     model = build_model(model_args, tokenizer, data.block_size)
     logger.info(
         f"{corpus_name}: {len(train_docs)} train / {len(heldout)} held-out documents, {len(train_ds)} blocks of "

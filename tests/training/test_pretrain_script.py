@@ -132,6 +132,10 @@ def test_flags_change_the_embedded_default_and_a_config_file_replaces_it(tmp_pat
         pretrain.parse_arguments(["--lr_scheduler_type", "cosine"])
     with pytest.raises(ValueError, match=r"anneal_steps \(1000\) must be shorter"):
         pretrain.parse_arguments(["--anneal_steps", "1000"])
+    # --token_budget sets max_steps when the arguments are parsed (8 x 128 tokens a step): the fork is checked then
+    assert pretrain.parse_arguments(["--token_budget", "1024000"])[3].max_steps == 1000
+    with pytest.raises(ValueError, match=r"anneal_steps \(200\) must be shorter"):
+        pretrain.parse_arguments(["--token_budget", "102400"])
     own.write_text("output_dir: x\nanneal_steps: 10\nlr_scheduler_type: constant\n")
     with pytest.raises(ValueError, match="anneal_steps needs max_steps"):
         pretrain.parse_arguments([str(own)])
