@@ -225,7 +225,7 @@ def _parse_check(words: list[str], where: str) -> None:
         assert (REPO_ROOT / words[1]).is_file(), f"{where}: no {words[1]}"
 
 
-def _run_shell(words: list[str], where: str) -> None:
+def _run_shell(words: list[str], where: str) -> str:
     env = {}
     while words and re.fullmatch(r"\w+=\S*", words[0]):
         name, value = words.pop(0).split("=", 1)
@@ -236,6 +236,7 @@ def _run_shell(words: list[str], where: str) -> None:
     args = [a for w in words[1:] for a in (sorted(glob.glob(w)) or [w] if "*" in w else [w])]
     done = run_cli(*args, env=env or None)
     assert done.returncode == 0, f"{where}: `{shlex.join(words)}` failed:\n{done.stderr[-3000:]}"
+    return done.stdout
 
 
 class _Page:
@@ -246,6 +247,7 @@ class _Page:
         self.namespace: dict = {"__name__": "__docs__"}
         self.known: set[str] = set()
         self.ran: list[str] = []
+        self.printed: dict[str, str] = {}  # what each command run printed, by its text
         self.checked: list[str] = []
 
     def __call__(self, example) -> None:
@@ -269,13 +271,16 @@ class _Page:
         else:
             for words in _commands(source):
                 if reason is None:
-                    _run_shell(words, where)
+                    self.printed[shlex.join(words)] = _run_shell(words, where)
                 else:
                     _parse_check(words, where)
         (self.checked if reason else self.ran).append(where)
 
 
 SYBIL = Sybil(parsers=[CodeBlockParser(language) for language in RUN_LANGUAGES])
+ALL_PAGES = sorted(
+    p.relative_to(REPO_ROOT).as_posix() for p in (REPO_ROOT / "docs").rglob("*.md") if "hooks" not in p.parts
+)
 PAGES = [
     page
     for page in [
@@ -301,6 +306,62 @@ def test_the_page_runs(page, doc_folder, tmp_path, monkeypatch, request):
     evaluate = _Page(produced)
     for example in examples:
         evaluate(example)
+    for example in OUTPUTS.parse(REPO_ROOT / page):
+        command = _output_of(example)
+        if command is not None:  # a command's output shown: the page's run of that command printed it
+            assert command in evaluate.printed, f"{page}:{example.line}: no command `{command}` ran before"
+            shown = str(example.parsed).strip()
+            assert shown in evaluate.printed[command], (
+                f"{page}:{example.line}: shows\n{shown}\nprinted:\n{evaluate.printed[command]}"
+            )
+
+
+# --- Output shown on a page is real (and checked) or said to be an example ----------------------
+
+OUTPUTS = Sybil(parsers=[CodeBlockParser("text"), CodeBlockParser("console")])
+OUTPUT_OF = re.compile(r"<!--\s*output of:\s*(.*?)\s*-->", re.S)
+EXAMPLE = re.compile(r"\b(for example|e\.g\.|for instance)", re.I)
+LAYOUT = re.compile(r"(<output_dir>|run/|snapshot-<|<!--)")
+
+
+def _output_of(example) -> str | None:
+    """The command of the ``<!-- output of: CMD -->`` marker right before ``example``, if any."""
+    before = example.document.text[: example.start].rstrip()
+    found = OUTPUT_OF.fullmatch(before[before.rfind("<!--") :]) if before.endswith("-->") else None
+    return found.group(1) if found else None
+
+
+def _output_blocks() -> list[tuple[str, object]]:
+    return [(page, e) for page in ["README.md", *ALL_PAGES] for e in OUTPUTS.parse(REPO_ROOT / page)]
+
+
+def test_output_shown_is_checked_or_an_example():
+    """A ``text`` block that shows what something printed is either checked (``<!-- output of:
+    CMD -->``: the page runs CMD and the test compares; ``<!-- quoted: ... -->`` names the test that
+    checks it), or the sentence before it says "for example"; file layouts (paths) are neither.
+    Output blocks are fenced ``text`` (a test of this file finds unlabelled fences)."""
+    unlabelled = []
+    for page in ["README.md", *ALL_PAGES]:
+        inside = False
+        for n, line in enumerate((REPO_ROOT / page).read_text().splitlines(), 1):
+            if line.lstrip().startswith("```"):
+                if not inside and line.strip() == "```":
+                    unlabelled.append(f"{page}:{n}")
+                inside = not inside
+    wrong = []
+    for page, example in _output_blocks():
+        before = example.document.text[: example.start].rstrip()
+        first = str(example.parsed).lstrip().split("\n", 1)[0]
+        if (
+            LAYOUT.match(first)
+            or _output_of(example) is not None
+            or re.search(r"<!--\s*quoted:[^>]*-->\Z", before)
+        ):
+            continue
+        if not EXAMPLE.search(before.rsplit("\n\n", 1)[-1]):  # the paragraph before it
+            wrong.append(f"{page}:{example.line}")
+    assert not wrong, f"output blocks neither checked nor said to be an example: {wrong}"
+    assert not unlabelled, f"fenced blocks without a language: {unlabelled}"
 
 
 # --- The records format.md shows are those the callback example writes -------------------------
