@@ -5,12 +5,17 @@ a FIFO, file outputs (``-o``, ``--plot``, ``--record``) at a link or inside a li
 from __future__ import annotations
 
 import os
+import resource
 import shutil
+import subprocess
+import sys
 
 import pytest
 
 from hf_pma.merging.hub_revisions import list_revisions, parse_progress
-from tests.hub_server import HubServer
+from hf_pma.publishing.hub import push_folder_to_hub
+from tests.hub_server import HubServer, online_cli_env, online_hub
+from tests.pma_records import write_merged_folder
 from tests.snapshot_runs import noise_deviation, write_run
 from tests.testing_utils import make_tiny_model, run_cli
 
@@ -108,3 +113,64 @@ def test_a_hub_ref_name_carries_no_progress_past_a_records_range_or_in_other_dig
         hostile[0]: None,
         hostile[1]: None,
     }
+
+
+PUSH_TOKEN = "plain-secret-value-0123456789"
+
+
+@pytest.fixture
+def many_files(tmp_path, tiny_tokenizer):
+    """A merged folder (no card yet) holding 300 more small files."""
+    folder = write_merged_folder(tmp_path, tiny_tokenizer, careless=False)
+    (folder / "extra").mkdir()
+    for i in range(300):
+        (folder / "extra" / f"{i}.txt").write_text(str(i))
+    return folder
+
+
+def test_a_push_of_more_files_than_the_soft_open_file_limit_raises_it(monkeypatch, tmp_path, many_files):
+    # Every pushed file is held open until the commit: with the soft limit below that, the repo was
+    # created, then the push failed on "Too many open files" and left it empty.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = len(os.listdir("/proc/self/fd")) + 150
+    if hard != resource.RLIM_INFINITY and hard < 2 * low:  # the hard limit must leave room to raise
+        low = hard // 2
+    resource.setrlimit(resource.RLIMIT_NOFILE, (low, hard))
+    try:
+        with online_hub(monkeypatch, tmp_path, (PUSH_TOKEN,)) as hub:
+            push_folder_to_hub(many_files, "my-org/model", token=PUSH_TOKEN, endpoint=hub.url)
+            pushed = hub.files("my-org/model")
+    finally:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    assert len([name for name in pushed if name.startswith("extra/")]) == 300 and "README.md" in pushed
+
+
+def test_a_push_of_more_files_than_the_process_may_open_is_one_line_and_creates_no_repo(
+    monkeypatch, tmp_path, many_files
+):
+    driver = (
+        "import resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (200, 200))\n"
+        "from hf_pma.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    with online_hub(monkeypatch, tmp_path, (PUSH_TOKEN,)) as hub:
+        env = {
+            **os.environ,
+            **{k: v for k, v in online_cli_env(hub, PUSH_TOKEN, str(tmp_path / "home")).items() if v},
+        }
+        env.pop("HF_HUB_OFFLINE", None)
+        done = subprocess.run(
+            [sys.executable, "-c", driver, "push", str(many_files), "--repo-id", "my-org/model"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+        assert done.returncode == 2, done.stderr[-2000:]
+        assert done.stderr.strip().splitlines()[-1] == (
+            f"hf-pma push: error: {many_files} holds 308 files to push, more than this process may open at "
+            "once (ulimit -n 200): raise the limit or push fewer files"
+        )
+        assert hub.requests == [] and hub.repos == {}
+    assert not (many_files / "README.md").exists()

@@ -17,6 +17,7 @@ import fnmatch
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 from hf_pma.core.manifest import (
     CARD_NAME,
@@ -177,6 +178,29 @@ def files_to_push(folder: str | os.PathLike[str], ignore_patterns: Sequence[str]
     return [rel.as_posix() for rel in regular_files(folder) if not _ignored(rel.as_posix(), patterns)]
 
 
+def _allow_open_files(count: int, folder: Path) -> None:
+    """Let this process hold ``count`` more files open (a push holds every file it uploads open
+    until the commit): the soft limit of open files is raised toward the hard one when it is too
+    low; a folder with more files than the hard limit allows is one line before any request."""
+    try:
+        import resource
+    except ImportError:  # not POSIX
+        return
+    wanted = count + 2 + 256  # the card and plot a push may write; what the process holds besides
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= wanted:
+        return
+    raised = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
+        soft = raised
+    if soft < wanted:
+        raise ValueError(
+            f"{escape(folder)} holds {count:,} files to push, more than this process may open at once "
+            f"(ulimit -n {soft:,}): raise the limit or push fewer files"
+        )
+
+
 def _check_no_secrets(folder: Path, files: Sequence[str]) -> None:
     # The records and the card are small text files written by tools: a token there would be
     # published with the model.
@@ -304,6 +328,22 @@ def push_folder_to_hub(
     install_hub_client()  # connect and read timeouts on every request (HF_PMA_HUB_TIMEOUT)
     api = HfApi(endpoint=endpoint, token=token)
     where = f"{repo_id}" + (f" (branch {revision})" if revision else "")
+    stack = contextlib.ExitStack()
+    handles: dict[str, BinaryIO] = {}
+
+    def open_handles(names: Sequence[str]) -> None:
+        for relative in names:
+            if relative not in handles:
+                handles[relative] = stack.enter_context(os.fdopen(open_file(folder / relative, folder), "rb"))
+
+    # Every file is opened (and held open until the commit) before any request: a folder with
+    # more files than this process may open is one line here, not a repo created and left empty.
+    _allow_open_files(len(files), folder)
+    try:
+        open_handles([f for f in files if not (needs_card and f in (CARD_NAME, PLOT_NAME))])
+    except BaseException:
+        stack.close()
+        raise
     try:
         repo_url = api.create_repo(repo_id, private=True if private else None, exist_ok=True)
         # A bare name lands in the token owner's namespace: the card must show the full id.
@@ -312,19 +352,18 @@ def push_folder_to_hub(
             write_model_card(folder, repo_id=full_id)
             files = files_to_push(folder, patterns)
             check_no_token_in_files(folder, token, [f for f in files if f in (CARD_NAME, PLOT_NAME)])
+            open_handles(files)
         if revision is not None and not revision.startswith("refs/pr/"):
             api.create_branch(full_id, branch=revision, exist_ok=True)
-        with contextlib.ExitStack() as stack:
-            operations = []
-            for relative in files:
-                handle = stack.enter_context(os.fdopen(open_file(folder / relative, folder), "rb"))
-                operations.append(CommitOperationAdd(path_in_repo=relative, path_or_fileobj=handle))
-            info = api.create_commit(
-                repo_id=full_id,
-                operations=operations,
-                commit_message=commit_message or f"Upload {folder.name} with hf-pma",
-                revision=revision,
-            )
+        operations = [
+            CommitOperationAdd(path_in_repo=relative, path_or_fileobj=handles[relative]) for relative in files
+        ]
+        info = api.create_commit(
+            repo_id=full_id,
+            operations=operations,
+            commit_message=commit_message or f"Upload {folder.name} with hf-pma",
+            revision=revision,
+        )
     except HfHubHTTPError as err:
         status = _http_status(err)
         if status == 401:
@@ -340,5 +379,7 @@ def push_folder_to_hub(
         raise HubError(
             f"the Hub at {api.endpoint} failed while pushing to {where}: {_first_line(err)}"
         ) from None
+    finally:
+        stack.close()
     logger.info(f"Pushed {folder.name} to {api.endpoint}/{full_id}: {info.commit_url}")
     return str(info.commit_url)
