@@ -234,3 +234,25 @@ def test_the_quoted_default_run_tables_agree_with_each_other():
         text = _text()[PAGES[0]]
         ratio = abs(float(readme[label][1])) / float(readme[label][2])
         assert f"({ratio:.1f} SE)" in text, (label, ratio)
+
+
+def test_the_quoted_comparison_table_has_the_format_the_code_prints():
+    """The quickstart's comparison table has the header and row labels that ``comparison_table``
+    prints for the default run (32 held-out documents, the annealed fork over its last steps)."""
+    from hf_pma.analysis.comparison import paired_comparison
+    from hf_pma.publishing.card import comparison_table
+
+    def lm(offset: float) -> dict:
+        return {"per_text": {"nll": [4.0 - offset + 0.01 * i for i in range(32)], "tokens": [1] * 32}}
+
+    anneal = {
+        "steps": CONFIG["anneal_steps"],
+        "tokens": CONFIG["anneal_steps"] * TOKENS_PER_STEP,
+        "decay_type": "linear",
+    }
+    models = {"last snapshot": lm(0.0), "PMA merge": lm(0.1), "annealed": lm(0.09)}
+    printed = comparison_table(paired_comparison(models, anneal=anneal, tokens=TOTAL_TOKENS)).splitlines()
+    quoted = [line for line in (REPO_ROOT / PAGES[1]).read_text().splitlines() if line.startswith("| ")]
+    quoted = quoted[quoted.index(next(q for q in quoted if q.startswith("| model (all at"))) :][:4]
+    assert quoted[0] == printed[0]
+    assert [q.split(" | ")[0] for q in quoted[1:]] == [p.split(" | ")[0] for p in printed[2:]]
