@@ -479,6 +479,11 @@ class ShardedOnlineAverageSink(OnlineAverageSink):
                 f"this run has {self.world_size}: resume with {shown(saved_world)} processes (the online average "
                 "is not resharded)"
             )
+        if average.metadata.get("rank") != str(self.rank):
+            raise ValueError(
+                f"hf-pma: {escape(path)} holds rank {shown(average.metadata.get('rank'))}'s part of the online average, "
+                f"not rank {self.rank}'s: the checkpoint's files were renamed or mixed"
+            )
         self.average.check_same_options(average, escape(path))
         layout = parse_json(average.metadata.get("slices", "null"), f"{escape(path)}: metadata 'slices'")
         if not isinstance(layout, dict) or set(layout) != set(average.state_dict()):

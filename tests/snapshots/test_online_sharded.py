@@ -128,3 +128,15 @@ def test_merged_eval_swaps_the_average_into_the_live_shards_and_back(run, tmp_pa
     assert rank0["swapped_loss"] == pytest.approx(expected, rel=1e-5)
     assert rank0["swapped_loss"] != rank0["live_loss"]
     assert rank0["restored_loss"] == rank0["live_loss"]
+
+
+def test_a_rank_file_under_another_ranks_name_is_refused(run, tmp_path):
+    import shutil
+
+    checkpoint = tmp_path / f"checkpoint-{CHECKPOINT_STEP}"
+    checkpoint.mkdir()
+    source = run / "run-sma" / f"checkpoint-{CHECKPOINT_STEP}" / online_state_name(1)
+    shutil.copyfile(source, checkpoint / online_state_name(0))
+    sink = ShardedOnlineAverageSink(tmp_path / "pma", online="sma", rank=0, world_size=2)
+    with pytest.raises(ValueError, match="holds rank '1'.s part of the online average, not rank 0's"):
+        sink.open(ResumePoint(CHECKPOINT_STEP * 64, CHECKPOINT_STEP, checkpoint))
