@@ -39,6 +39,7 @@ import torch
 from sybil import Sybil
 from sybil.parsers.markdown import CodeBlockParser
 
+from hf_pma import cli
 from hf_pma.core.manifest import PMA_SUBDIR, SnapshotRecord, write_manifest
 from tests.testing_utils import (
     REPO_ROOT,
@@ -49,6 +50,8 @@ from tests.testing_utils import (
     write_small_tasks,
 )
 
+# How the pages spell the command: the parser's program name, or ``-m`` and the CLI's module.
+PROG, CLI_MODULE = cli.build_parser().prog, cli.__name__
 NOT_RUN = re.compile(r"<!--\s*not run:\s*(.*?)\s*-->", re.S)
 RUN_LANGUAGES = ("python", "bash")
 
@@ -191,19 +194,17 @@ def _extras() -> set[str]:
 
 def _parse_check(words: list[str], where: str) -> None:
     """A command that is not run: its options parsed by the real parser where there is one."""
-    from hf_pma.cli import build_parser
-
     env = 0
     while env < len(words) and re.fullmatch(r"\w+=\S*", words[env]):
         env += 1
     words = words[env:]
     if not words:
         return
-    if words[0] == "hf-pma" or "hf_pma.cli" in words:
-        args = words[1:] if words[0] == "hf-pma" else words[words.index("hf_pma.cli") + 1 :]
+    if words[0] == PROG or CLI_MODULE in words:
+        args = words[1:] if words[0] == PROG else words[words.index(CLI_MODULE) + 1 :]
         with contextlib.redirect_stderr(io.StringIO()) as err:
             try:
-                build_parser().parse_args(args)
+                cli.build_parser().parse_args(args)
             except SystemExit as exit:
                 assert exit.code == 0, f"{where}: `hf-pma {shlex.join(args)}`: {err.getvalue().strip()}"
     elif "scripts/pretrain.py" in words:
@@ -230,7 +231,7 @@ def _run_shell(words: list[str], where: str) -> str:
     while words and re.fullmatch(r"\w+=\S*", words[0]):
         name, value = words.pop(0).split("=", 1)
         env[name] = value
-    assert words[0] == "hf-pma", (
+    assert words[0] == PROG, (
         f"{where}: `{shlex.join(words)}` cannot run in the suite: mark the block `<!-- not run: why -->`"
     )
     args = [a for w in words[1:] for a in (sorted(glob.glob(w)) or [w] if "*" in w else [w])]
