@@ -348,12 +348,22 @@ def anneal_from_checkpoint(
 
 
 def read_anneal_record(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The ``pma_anneal.json`` of an annealed folder, or ``None`` when it has none."""
+    """The ``pma_anneal.json`` of an annealed folder, or ``None`` when it has none; a record whose
+    counts are not counts, or whose decay is not one of :data:`DECAY_TYPES`, is a one-line
+    ``ValueError`` naming the file (it may come from anywhere)."""
     path = Path(folder) / ANNEAL_RECORD_NAME
     if not path.is_file():
         return None
     record = read_json(path, folder, kind="record")
-    return record if isinstance(record, dict) else None
+    if not isinstance(record, dict):
+        raise ValueError(f"{escape(path)}: expected an object")
+    for key in ("start_step", "start_tokens", "end_step", "end_tokens", "steps", "tokens"):
+        value = record.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"{escape(path)}: {key} should be a count, got {shown(value)}")
+    if record.get("decay_type") is not None and record["decay_type"] not in DECAY_TYPES:
+        raise ValueError(f"{escape(path)}: decay_type should be one of {', '.join(DECAY_TYPES)}")
+    return record
 
 
 def annealing_check(
@@ -375,7 +385,8 @@ def annealing_check(
     a run with a decaying schedule contributes its final live model (saved to
     ``<output_dir>/final``) as the annealed model. When the last snapshot is not at the end of
     the run and there is a fork, the live model at the end (``<output_dir>/final``) stands in for
-    it. Returns ``evaluate_models``' report with ``comparison`` added.
+    it. Returns ``evaluate_models``' report with ``comparison`` added (``None`` without ``texts``:
+    the paired comparison is of held-out documents).
     """
     from hf_pma.evaluation.evaluator import evaluate_models, write_eval_record
 
@@ -399,6 +410,7 @@ def annealing_check(
         models["annealed"] = annealed
     elif schedule_name(trainer.args) not in CONSTANT_SCHEDULES:
         models["annealed"] = out / "final"  # with WSD the final live model is the annealed one
+    fork = read_anneal_record(annealed) if annealed is not None else None  # checked before evaluating
     results = evaluate_models(
         [str(p) for p in models.values()],
         labels=list(models),
@@ -411,10 +423,12 @@ def annealing_check(
     )
     write_eval_record(trainer.pma_merged_dir, results["results"], eval_dataset=results.get("eval_dataset"))
 
-    def compare() -> dict[str, Any]:  # on the main process; the others receive the record
+    def compare() -> dict[str, Any] | None:  # on the main process; the others receive the record
         from hf_pma.publishing.card import write_model_card
 
-        fork = read_anneal_record(annealed) if annealed is not None else None
+        if not results["lm"]:  # tasks only: nothing to pair
+            write_model_card(trainer.pma_merged_dir, repo_id=trainer.args.hub_model_id)
+            return None
         anneal = {k: fork.get(k) for k in ("steps", "tokens", "decay_type")} if fork is not None else None
         comparison = paired_comparison(
             results["lm"],

@@ -12,7 +12,12 @@ from safetensors.torch import load_file
 from transformers import Trainer, TrainingArguments
 
 from hf_pma import PMATrainer, PMATrainingArguments
-from hf_pma.training.annealing import SaveCheckpointAt, anneal_from_checkpoint, checkpoint_state
+from hf_pma.training.annealing import (
+    SaveCheckpointAt,
+    anneal_from_checkpoint,
+    checkpoint_state,
+    read_anneal_record,
+)
 from tests.testing_utils import lm_setup, quiet_args
 
 STEPS, FORK_AT, WARMUP = 10, 6, 2
@@ -95,6 +100,11 @@ def test_pma_trainer_forks_at_the_end_and_the_check_lands_in_the_record_and_card
     assert comparison["tokens"] == comparison["models"]["annealed"]["tokens"] == STEPS * per_step
     card = (out / "pma" / "merged" / "README.md").read_text()
     assert f"(all at {STEPS * per_step:,} tokens)" in card and "1-sqrt decay to 0 over the last" in card
+    # the fork's record may come from anywhere: a count that is not one is a one-line error, before evaluating
+    record["end_tokens"] = {"a": 1}
+    (out / "annealed" / "pma_anneal.json").write_text(json.dumps(record))
+    with pytest.raises(ValueError, match=r"pma_anneal.json: end_tokens should be a count, got \{'a': 1\}"):
+        read_anneal_record(out / "annealed")
 
 
 def test_the_options_are_checked_when_parsed(tmp_path):
