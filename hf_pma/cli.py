@@ -78,7 +78,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError, ConnectionError) as err:  # OSError: FileNotFound, FileExists, Permission, NoSpace, ELOOP ...
         # Bad input: one clear line, no traceback (use -v for the traceback).
         if getattr(args, "verbose", False):
-            raise
+            return write_traceback()
         write_error_line(args.command, f"error: {hub_error_line(err) or err}")
         return 2
     except KeyboardInterrupt:
@@ -89,7 +89,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return INTERRUPTED
     except Exception as err:
         line = hub_error_line(err)
-        if line is None or getattr(args, "verbose", False):
+        if getattr(args, "verbose", False):
+            return write_traceback()
+        if line is None:
             raise
         write_error_line(args.command, f"error: {line}")
         return 2
@@ -109,6 +111,22 @@ def write_error_line(command: str, text: str) -> None:
 
     sys.stderr.write(escape(redact(f"hf-pma {command}: {text}")) + "\n")
     sys.stderr.flush()
+
+
+def write_traceback() -> int:
+    """Write the traceback of the exception being handled (``-v``) to stderr, each line as
+    :func:`write_error_line` writes one: secrets redacted (a password in ``HF_ENDPOINT`` is in the
+    URLs of a Hub error), control characters escaped (a name from a folder or a Hub answer).
+    Returns 1, the exit code of an uncaught exception."""
+    import traceback
+
+    from hf_pma.utils.secrets import redact
+    from hf_pma.utils.text import escape
+
+    for line in traceback.format_exc().rstrip("\n").split("\n"):
+        sys.stderr.write(escape(redact(line)) + "\n")
+    sys.stderr.flush()
+    return 1
 
 
 def hub_error_line(err: BaseException) -> str | None:

@@ -174,3 +174,21 @@ def test_a_push_of_more_files_than_the_process_may_open_is_one_line_and_creates_
         )
         assert hub.requests == [] and hub.repos == {}
     assert not (many_files / "README.md").exists()
+
+
+def test_verbose_tracebacks_are_redacted_and_escaped(monkeypatch, tmp_path):
+    # -v printed Python's own traceback: a password in HF_ENDPOINT (in the URLs of Hub errors) and a
+    # name's escape sequences reached the terminal as they were.
+    missing = tmp_path / "run\x1b[2J\u202e" / "missing"
+    done = run_cli("merge", "-v", missing, "-o", tmp_path / "m")
+    assert done.returncode == 1 and "Traceback" in done.stderr
+    assert [line for line in done.stderr.splitlines() if not line.isprintable()] == []
+    assert "run\\x1b[2J\\u202e" in done.stderr
+    with online_hub(monkeypatch, tmp_path, (PUSH_TOKEN,)) as hub:
+        env = online_cli_env(hub, PUSH_TOKEN, str(tmp_path / "home"))
+        env["HF_ENDPOINT"] = hub.url.replace("http://", "http://alice:Pa55wordSECRET@")
+        done = run_cli(
+            "-v", "merge", "org/nothere@main", "org/nothere@v2", "-o", tmp_path / "m", env=env, process=True
+        )
+    assert done.returncode == 1 and "Traceback" in done.stderr
+    assert "Pa55word" not in done.stderr and "http://***@127.0.0.1" in done.stderr
