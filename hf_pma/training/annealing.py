@@ -272,6 +272,11 @@ def anneal_from_checkpoint(
         )
     checkpoint = Path(checkpoint)
     state = checkpoint_state(checkpoint)
+    if not any(p.name.startswith(("optimizer", "global_step")) for p in checkpoint.iterdir()):
+        raise ValueError(
+            f"{escape(checkpoint)} holds no optimizer state (saved with save_only_model?): the fork would "
+            "restart Adam's moments; fork from a full Trainer checkpoint"
+        )
     if tokens is not None:
         if not state["tokens"] or not state["step"]:
             raise ValueError(

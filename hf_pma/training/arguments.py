@@ -253,5 +253,7 @@ class PMATrainingArguments(TrainingArguments):
                 f"{name} needs a constant-LR run to fork from (lr_scheduler_type constant_with_warmup), got "
                 f"lr_scheduler_type {schedule_name(self)}; or set it to 0"
             )
+        if self.save_only_model:
+            raise ValueError(f"{name} resumes the optimizer from a checkpoint: it needs save_only_model=False")
         if steps and self.max_steps > 0:
             fork_step(self.max_steps, steps, self)

@@ -74,6 +74,10 @@ def test_the_fork_is_the_wsd_run_from_the_start_bit_for_bit(tmp_path, setup):
         anneal_from_checkpoint(run, checkpoint, steps=2, output_dir=tmp_path / "run" / f"checkpoint-{FORK_AT}")
     with pytest.raises(ValueError, match="needs a constant-LR run"):
         anneal_from_checkpoint(wsd, checkpoint, steps=2)
+    for path in checkpoint.glob("optimizer*"):  # a checkpoint saved with save_only_model
+        path.unlink()
+    with pytest.raises(ValueError, match="holds no optimizer state"):
+        anneal_from_checkpoint(run, checkpoint, steps=2)
 
 
 def test_pma_trainer_forks_at_the_end_and_the_check_lands_in_the_record_and_card(tmp_path, setup):
@@ -121,4 +125,6 @@ def test_the_options_are_checked_when_parsed(tmp_path):
         args(pma_anneal_decay="step")
     with pytest.raises(ValueError, match="pma_anneal_steps must be 0 or a positive integer"):
         args(pma_anneal_steps=-1)
+    with pytest.raises(ValueError, match="needs save_only_model=False"):
+        args(pma_anneal_steps=4, save_only_model=True)
     assert args(pma_anneal_steps=4).pma_anneal_steps == 4
