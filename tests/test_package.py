@@ -38,6 +38,7 @@ def _minimal_args(command: str) -> list[str]:
         "sweep": ["run"],
         "inspect": ["run"],
         "consolidate": ["snapshot", "-o", "out"],
+        "compare": ["run1", "run2", "--eval-file", "heldout.txt"],
     }[command]
 
 
