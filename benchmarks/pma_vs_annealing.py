@@ -397,10 +397,11 @@ def _fmt(x: Any, spec: str = ".4f") -> str:
 
 
 def final_table(point: dict[str, Any]) -> str:
+    from hf_pma.analysis.comparison import annealing_gain_recovered
+
     rows = point["rows"]
     base = rows["constant LR (last weights)"]["lm/loss"]
     best_anneal = _best(rows, "annealed")
-    gain = base - best_anneal[1]["lm/loss"] if best_anneal else None
     has_tasks = any("pma_cloze/acc" in r for r in rows.values())
     head = "| model | held-out loss | bits/byte | Δ loss vs constant | share of annealing gain |"
     head += " next-line acc | cloze acc |" if has_tasks else ""
@@ -411,7 +412,8 @@ def final_table(point: dict[str, Any]) -> str:
         if r["kind"] == "spike":
             continue
         delta = r["lm/loss"] - base
-        share = "" if gain is None or gain <= 0 or r["kind"] == "constant" else f"{-delta / gain:.0%}"
+        recovered = annealing_gain_recovered(base, r["lm/loss"], best_anneal[1]["lm/loss"]) if best_anneal else None
+        share = "" if recovered is None or r["kind"] == "constant" else f"{recovered:.0%}"
         line = f"| {label} | {r['lm/loss']:.4f} | {r['lm/bits_per_byte']:.4f} | {delta:+.4f} | {share} |"
         if has_tasks:
             line += "".join(
