@@ -64,6 +64,8 @@ def test_the_fork_is_the_wsd_run_from_the_start_bit_for_bit(tmp_path, setup):
 
     # Bad input: one line, before any training.
     checkpoint = tmp_path / "run" / f"checkpoint-{FORK_AT}"
+    with pytest.raises(ValueError, match="counted no input tokens"):  # a plain Trainer counts none: give steps
+        anneal_from_checkpoint(run, checkpoint, tokens=1000)
     with pytest.raises(ValueError, match="as steps or as tokens"):
         anneal_from_checkpoint(run, checkpoint, steps=2, tokens=100)
     with pytest.raises(ValueError, match="decay_type must be linear, cosine or 1-sqrt, got 'exp'"):
