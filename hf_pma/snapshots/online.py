@@ -112,7 +112,7 @@ class OnlineAverage:
         """What defines the average (compared when a saved one is restored)."""
         return {
             "kind": self.kind,
-            "alpha": self.alpha,
+            "alpha": self.alpha if self.kind == "ema" and self.half_life_tokens is None else None,
             "half_life_tokens": self.half_life_tokens,
             "window_tokens": self.window_tokens,
         }

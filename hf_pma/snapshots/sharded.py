@@ -36,7 +36,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import json
+import math
 import os
 import shutil
 import time
@@ -55,12 +57,24 @@ from hf_pma.io.sharded import (
     DCP_VERSION_KEY,
     GLOBAL_SHAPES_KEY,
     SAVED_OFFSETS_KEY,
+    ShardedCheckpointTensors,
     rank_file_name,
 )
-from hf_pma.io.torch_adapters import SAFETENSORS_FROM_DTYPE, safetensors_dtype, tensor_bytes
+from hf_pma.io.torch_adapters import (
+    DTYPE_FROM_SAFETENSORS,
+    SAFETENSORS_FROM_DTYPE,
+    safetensors_dtype,
+    tensor_bytes,
+)
 from hf_pma.snapshots.gather import LocalSlice, local_slices
 from hf_pma.snapshots.online import OnlineAverage
-from hf_pma.snapshots.sinks import DiskSnapshotSink, OnlineAverageSink, ResumePoint, online_state_name
+from hf_pma.snapshots.sinks import (
+    ONLINE_STATE_NAME,
+    DiskSnapshotSink,
+    OnlineAverageSink,
+    ResumePoint,
+    online_state_name,
+)
 from hf_pma.snapshots.writer import (
     check_replaceable,
     model_metadata,
@@ -390,6 +404,42 @@ class ShardedSnapshotSink(DiskSnapshotSink):
 # ---------------------------------------------------------------------------------------------
 
 
+def _flat_ranges(s: LocalSlice) -> list[tuple[int, int]]:
+    """The runs ``[start, stop)`` of the flattened full tensor that slice ``s`` covers, in order."""
+    if s.numel == 0:
+        return []
+    if s.flat:
+        return [(s.offsets[0], s.offsets[0] + s.sizes[0])]
+    shape = s.global_shape
+    strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
+    partial = [i for i in range(len(shape)) if s.offsets[i] != 0 or s.sizes[i] != shape[i]]
+    if not partial:
+        return [(0, math.prod(shape))]
+    k = partial[-1]  # dims after k are whole: one run per index of the dims before it
+    length = s.sizes[k] * strides[k]
+    runs = []
+    for index in itertools.product(*(range(o, o + z) for o, z in zip(s.offsets[:k], s.sizes[:k]))):
+        start = sum(i * st for i, st in zip(index, strides)) + s.offsets[k] * strides[k]
+        runs.append((start, start + length))
+    return runs
+
+
+def read_slice(tensors: ShardedCheckpointTensors, s: LocalSlice) -> torch.Tensor:
+    """The elements slice ``s`` covers, read from rank files of any world size (``tensors``), in
+    the stored dtype and the slice's own shape (flat for a flat slice)."""
+    info = tensors.infos.get(s.name)
+    if info is None or tuple(info.shape) != tuple(s.global_shape):
+        found = list(info.shape) if info is not None else "nothing"
+        raise ValueError(f"the saved online average holds {found} for tensor {shown(s.name)}, not {list(s.global_shape)}")
+    dtype = DTYPE_FROM_SAFETENSORS[info.dtype]
+    out = torch.empty(s.numel, dtype=dtype)
+    position = 0
+    for start, stop in _flat_ranges(s):
+        out[position : position + stop - start] = torch.from_numpy(tensors.read(s.name, start, stop)).view(dtype)
+        position += stop - start
+    return out if s.flat else out.reshape(s.sizes)
+
+
 def _slice_layout(s: LocalSlice) -> list[Any]:
     """What identifies where a slice sits (stored with a rank's saved average, compared on resume)."""
     return [list(s.offsets), list(s.sizes), list(s.global_shape), bool(s.flat)]
@@ -432,6 +482,8 @@ class ShardedOnlineAverageSink(OnlineAverageSink):
         kwargs["async_write"] = False  # the update runs in the training thread: nothing to overlap
         super().__init__(pma_dir, online=online, alpha=alpha, **kwargs)
         self._slices: dict[str, LocalSlice] = {}  # where each averaged tensor sits (no data)
+        # A resume at another world size: the saved files, read by global offsets at warm_up.
+        self._reshard_from: tuple[list[Path], Path] | None = None
 
     # -- resume ---------------------------------------------------------------------------------
 
@@ -468,23 +520,43 @@ class ShardedOnlineAverageSink(OnlineAverageSink):
     def _restore(self, resume: ResumePoint | None) -> int | None:
         if resume is None:
             return 0
-        path = resume.checkpoint_dir / online_state_name(self.rank)
-        if not path.is_file():
+        folder = resume.checkpoint_dir
+        path = folder / online_state_name(self.rank)
+        first = folder / online_state_name(0)
+        single = folder / ONLINE_STATE_NAME  # saved by an unsharded run
+        if not first.is_file() and not single.is_file():
             return None
-        average = OnlineAverage.load_state(path)
-        saved_world = average.metadata.get("world_size")
-        if saved_world != str(self.world_size):
-            raise ValueError(
-                f"hf-pma: {escape(path)} is one rank's part of an online average taken by {shown(saved_world)} ranks; "
-                f"this run has {self.world_size}: resume with {shown(saved_world)} processes (the online average "
-                "is not resharded)"
-            )
+        average = OnlineAverage.load_state(path if path.is_file() else first if first.is_file() else single)
+        self.average.check_same_options(average, escape(path))
+        saved_world = average.metadata.get("world_size", "1" if not first.is_file() else None)
+        if saved_world == str(self.world_size) and first.is_file():
+            if not path.is_file():
+                return None
+            self._restore_own(path, average)
+            return average.count
+        # Another world size (or an unsharded run's average): every saved file, read by global offsets.
+        if not (isinstance(saved_world, str) and saved_world.isdigit() and 0 < int(saved_world) <= 2**20):
+            raise ValueError(f"hf-pma: {escape(path)} is not an hf-pma sharded online average: bad 'world_size'")
+        files = [folder / online_state_name(r) for r in range(int(saved_world))] if first.is_file() else [single]
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise ValueError(f"hf-pma: {escape(folder)} lacks {', '.join(missing[:3])} of the saved online average")
+        average._average = {}  # read by this run's slices at warm_up
+        self.average = average
+        self._reshard_from = (files, folder)
+        logger.info(
+            f"hf-pma: the online average was saved by {saved_world} rank(s); rank {self.rank} reads its slices of it "
+            "by global offsets"
+        )
+        return average.count
+
+    def _restore_own(self, path: Path, average: OnlineAverage) -> None:
+        """This rank's own file, saved at the same world size: its slices as they were."""
         if average.metadata.get("rank") != str(self.rank):
             raise ValueError(
                 f"hf-pma: {escape(path)} holds rank {shown(average.metadata.get('rank'))}'s part of the online average, "
                 f"not rank {self.rank}'s: the checkpoint's files were renamed or mixed"
             )
-        self.average.check_same_options(average, escape(path))
         layout = parse_json(average.metadata.get("slices", "null"), f"{escape(path)}: metadata 'slices'")
         if not isinstance(layout, dict) or set(layout) != set(average.state_dict()):
             raise ValueError(f"hf-pma: {escape(path)} is not an hf-pma sharded online average: bad 'slices' metadata")
@@ -500,14 +572,30 @@ class ShardedOnlineAverageSink(OnlineAverageSink):
                 raise ValueError(f"hf-pma: {escape(path)}: the slice of {shown(name)} does not match its tensor")
             self._slices[name] = s
         self.average = average
-        return average.count
 
     def warm_up(self, model: torch.nn.Module) -> None:
         """Every rank: a restored average must sit on this run's shards (checked before training)."""
         from hf_pma.utils.distributed import all_ranks_checked
 
-        if self._slices:
+        if self._reshard_from is not None:
+            all_ranks_checked(lambda: self._reshard(model), "reading the online average by global offsets")
+        elif self._slices:
             all_ranks_checked(lambda: self._check_layout(local_slices(model, self.rank)), "checking the online average's shards")
+
+    def _reshard(self, model: torch.nn.Module) -> None:
+        """This rank's slices of an average saved at another world size (any layout), in float32."""
+        files, folder = self._reshard_from
+        slices = local_slices(model, self.rank)
+        with ShardedCheckpointTensors(files, folder) as tensors:
+            names = {s.name for s in slices}
+            if not names <= set(tensors.infos):
+                raise ValueError(
+                    f"hf-pma: the online average in {escape(folder)} lacks tensor(s) this model has: "
+                    f"{', '.join(sorted(names - set(tensors.infos))[:5])}"
+                )
+            self.average._average = {s.name: read_slice(tensors, s) for s in slices}
+        self._slices = {s.name: dataclasses.replace(s, tensor=torch.empty(0)) for s in slices}
+        self._reshard_from = None
 
     def _check_layout(self, slices: Sequence[LocalSlice]) -> None:
         live = {s.name: _slice_layout(s) for s in slices}
@@ -594,7 +682,15 @@ class ShardedOnlineAverageSink(OnlineAverageSink):
         layout = {name: _slice_layout(self._slices[name]) for name in self.average._average}
         self.average.save_state(
             checkpoint_dir / online_state_name(self.rank),
-            extra_metadata={"world_size": str(self.world_size), "rank": str(self.rank), "slices": json.dumps(layout)},
+            extra_metadata={
+                "world_size": str(self.world_size),
+                "rank": str(self.rank),
+                "slices": json.dumps(layout),
+                # The layout of a sharded snapshot's rank file: readable by global offsets at any world size.
+                DCP_SHARDING_INFO_KEY: json.dumps({n: {SAVED_OFFSETS_KEY: entry[0]} for n, entry in layout.items()}),
+                GLOBAL_SHAPES_KEY: json.dumps({n: entry[2] for n, entry in layout.items()}),
+                DCP_VERSION_KEY: _DCP_VERSION,
+            },
         )
 
     # -- the end --------------------------------------------------------------------------------

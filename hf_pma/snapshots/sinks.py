@@ -345,6 +345,30 @@ class DiskSnapshotSink(SnapshotSink):
         return self.writer.exclude(tokens, reason)
 
 
+def _read_sharded_average(folder: Path, expected: OnlineAverage) -> OnlineAverage:
+    """The full average saved by a sharded run as ``pma_online-rank<r>.safetensors`` files (any
+    world size): the bookkeeping from rank 0's file, the tensors assembled by global offsets."""
+    from hf_pma.io.sharded import ShardedCheckpointTensors
+    from hf_pma.io.torch_adapters import DTYPE_FROM_SAFETENSORS
+
+    first = folder / online_state_name(0)
+    average = OnlineAverage.load_state(first)
+    expected.check_same_options(average, escape(first))
+    world = average.metadata.get("world_size", "")
+    if not (world.isdigit() and 0 < int(world) <= 2**20):
+        raise ValueError(f"hf-pma: {escape(first)} is not an hf-pma sharded online average: bad 'world_size'")
+    files = [folder / online_state_name(r) for r in range(int(world))]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise ValueError(f"hf-pma: {escape(folder)} lacks {', '.join(missing[:3])} of the saved online average")
+    average._average = {}
+    with ShardedCheckpointTensors(files, folder) as tensors:
+        for name, info in tensors.infos.items():
+            dtype = DTYPE_FROM_SAFETENSORS[info.dtype]
+            average._average[name] = torch.from_numpy(tensors.read(name)).view(dtype).reshape(info.shape)
+    return average
+
+
 class OnlineAverageSink(SnapshotSink):
     """A running float32 average of the snapshots in CPU memory (``sma`` or ``ema``), no folders.
 
@@ -375,7 +399,11 @@ class OnlineAverageSink(SnapshotSink):
             return {}
         if resume is not None:
             path = resume.checkpoint_dir / ONLINE_STATE_NAME
-            if path.is_file():
+            ranks = resume.checkpoint_dir / online_state_name(0)
+            if not path.is_file() and ranks.is_file():  # saved by a sharded run: read by global offsets
+                self.average = _read_sharded_average(resume.checkpoint_dir, self.average)
+                logger.info(f"hf-pma: restored the online {self.average.kind} average of {self.average.count} snapshots")
+            elif path.is_file():
                 restored = OnlineAverage.load_state(path)
                 self.average.check_same_options(restored, escape(path))
                 self.average = restored

@@ -5,7 +5,7 @@ gather raises there, so a finished launch is itself the proof that no rank gathe
 Here: the average equals the offline merge of the same weights' sharded snapshots (SMA, EMA,
 WSM's 1-sqrt decay emulation);
 a run resumed from a checkpoint ends with a bit-identical average; a resume at another world
-size stops with one line; the output folder is read by merge and consolidate.
+size reads the saved average by global offsets; the output folder is read by merge and consolidate.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from hf_pma.core.strategies import decay_emulation_weights, ema_weights
 from hf_pma.merging.consolidate import consolidate_snapshot
 from hf_pma.merging.engine import merge_state_dict
 from hf_pma.snapshots.sharded import ShardedOnlineAverageSink
-from hf_pma.snapshots.sinks import ResumePoint, online_state_name
+from hf_pma.snapshots.sinks import OnlineAverageSink, ResumePoint, online_state_name
 from tests.dist.online_sharded import ALPHA, CHECKPOINT_STEP, STEPS, eval_batch
 from tests.testing_utils import rank_reports
 
@@ -95,13 +95,34 @@ def test_resumed_average_is_bit_identical_to_the_uninterrupted_one(run, kind):
     ]
 
 
-def test_resume_at_another_world_size_stops_with_one_line(run, tmp_path):
+def test_resume_at_another_world_size_reads_the_average_by_global_offsets(run, tmp_path):
+    from tests.testing_utils import make_tiny_model
+
     checkpoint = run / "run-sma" / f"checkpoint-{CHECKPOINT_STEP}"
-    sink = ShardedOnlineAverageSink(tmp_path / "pma", online="sma", rank=0, world_size=1)
-    with pytest.raises(
-        ValueError, match=r"taken by '2' ranks; this run has 1: resume with '2' processes"
-    ) as err:
-        sink.open(ResumePoint(CHECKPOINT_STEP * 64, CHECKPOINT_STEP, checkpoint))
+    resume = ResumePoint(CHECKPOINT_STEP * 64, CHECKPOINT_STEP, checkpoint)
+    # What the 2 ranks' files hold together: the SMA of the first snapshots.
+    snapshots = [run / "sharded" / r.path for r in manifest_snapshots(run / "sharded")][:CHECKPOINT_STEP]
+    expected = merge_state_dict(snapshots)
+
+    def assert_equal(average: dict) -> None:
+        assert average.keys() == expected.keys()
+        for name, tensor in expected.items():
+            assert torch.allclose(average[name].reshape(tensor.shape), tensor, rtol=1e-6, atol=1e-7), name
+
+    # One process, sharded=True (what a resume on fewer ranks does): its slices read from both files.
+    sink = ShardedOnlineAverageSink(tmp_path / "a", online="sma", rank=0, world_size=1)
+    sink.open(resume)
+    sink.warm_up(make_tiny_model(seed=0, vocab_size=515))
+    assert sink.count == CHECKPOINT_STEP
+    assert_equal({s.name: tensor for s, tensor in sink.local_average()})
+    # One process without sharding: the full average assembled the same way.
+    plain = OnlineAverageSink(tmp_path / "b", online="sma")
+    plain.open(resume)
+    assert plain.count == CHECKPOINT_STEP
+    assert_equal(plain.state_dict())
+    # Other online options: one line.
+    with pytest.raises(ValueError, match="resume with the same online options") as err:
+        ShardedOnlineAverageSink(tmp_path / "c", online="ema", rank=0, world_size=1).open(resume)
     assert "\n" not in str(err.value)
 
 

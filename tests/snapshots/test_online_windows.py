@@ -126,3 +126,25 @@ def test_bad_window_options_are_refused_in_one_line(kwargs, message):
     kind = kwargs.pop("kind")
     with pytest.raises(ValueError, match=message):
         OnlineAverage(kind, **kwargs)
+
+
+def test_an_unsharded_runs_average_resumes_in_a_sharded_run(tmp_path):
+    """The single file of one process is read by global offsets like a rank file."""
+    from hf_pma.snapshots.sharded import ShardedOnlineAverageSink
+    from hf_pma.snapshots.sinks import OnlineAverageSink, ResumePoint
+    from tests.testing_utils import make_tiny_model
+
+    model = make_tiny_model(seed=0)
+    sink = OnlineAverageSink(tmp_path / "a", online="sma", async_write=False)
+    sink.open(None)
+    sink.take(model, SnapshotRecord(path="snapshot-64", tokens=64, step=1))
+    sink.commit()
+    (tmp_path / "checkpoint-1").mkdir()
+    sink.save_checkpoint(tmp_path / "checkpoint-1")
+    sharded = ShardedOnlineAverageSink(tmp_path / "b", online="sma", rank=0, world_size=1)
+    sharded.open(ResumePoint(64, 1, tmp_path / "checkpoint-1"))
+    sharded.warm_up(model)
+    assert sharded.count == 1
+    live = model.state_dict()
+    restored = {s.name: tensor for s, tensor in sharded.local_average()}
+    assert restored and all(torch.equal(restored[name], live[name]) for name in restored)
