@@ -192,3 +192,25 @@ def test_verbose_tracebacks_are_redacted_and_escaped(monkeypatch, tmp_path):
         )
     assert done.returncode == 1 and "Traceback" in done.stderr
     assert "Pa55word" not in done.stderr and "http://***@127.0.0.1" in done.stderr
+
+
+@pytest.mark.parametrize("name", ["vocab.txt", "source.spm", "preprocessor_config.json"])
+def test_eval_refuses_any_tokenizer_file_linking_out_whatever_its_name(tmp_path, tiny_tokenizer, name):
+    # A file list named the tokenizer files it checked: a BertTokenizer's vocab.txt linking to a
+    # file outside was read by transformers.
+    merged = write_merged_folder(tmp_path, tiny_tokenizer, careless=False)
+    secret = tmp_path / "secret.txt"
+    secret.write_text("[PAD]\n[UNK]\nTOPSECRET\n")
+    (merged / name).symlink_to(secret)
+    fifo = tmp_path / "fifo-model"
+    shutil.copytree(merged, fifo, symlinks=True)
+    (fifo / name).unlink()
+    os.mkfifo(fifo / name)
+    text = tmp_path / "heldout.txt"
+    text.write_text("hello world " * 50)
+    for folder, why in ((merged, f"is a symbolic link to outside the folder {merged}"), (fifo, "(a FIFO)")):
+        done = run_cli("eval", folder, "--eval-file", text, "--device", "cpu", "--limit", "1")
+        assert done.returncode == 2 and "TOPSECRET" not in done.stdout + done.stderr
+        assert _error(done) == f"hf-pma eval: error: {folder / name} " + (
+            why if why.startswith("is") else f"is not a regular file {why}"
+        )

@@ -132,11 +132,21 @@ def check_loadable_folder(folder: str | os.PathLike[str]) -> None:
     """Check a local model or tokenizer folder before transformers loads it: no custom code
     (:func:`check_no_custom_code`), and every file a load opens (config, weights and the shards
     an index names, tokenizer files) is a regular file inside the folder, not a link out of it
-    nor a FIFO (:func:`hf_pma.io.guarded.check_file`), and every safetensors header is valid
+    nor a FIFO (:func:`hf_pma.io.guarded.check_file`), as is every other link or special file at
+    its top (whatever a tokenizer class reads), and every safetensors header is valid
     (:class:`hf_pma.io.safetensors.SafetensorsReader`). One-line ``ValueError`` naming the file."""
     folder = Path(folder)
     check_no_custom_code(folder)
     names = [n for n in (*_LOADED_FILES, *_TOKENIZER_FILES) if _present(folder, n)]
+    # Whatever its name (a tokenizer class reads vocab.txt, source.spm, ...: no list holds them
+    # all), a link or a special file at the folder's top is checked too: a link leading out of
+    # the folder or a FIFO is refused before transformers opens it.
+    with os.scandir(folder) as entries:
+        names += sorted(
+            e.name
+            for e in entries
+            if (e.is_symlink() and not e.is_dir()) or not (e.is_symlink() or e.is_file() or e.is_dir())
+        )
     for index_name in _WEIGHT_INDEXES:
         if index_name in names:
             index = read_json(folder / index_name, folder, kind="index")
