@@ -34,22 +34,35 @@ def _trainer(setup, out, cls=Trainer, args_cls=TrainingArguments, callbacks=None
     fresh = type(model)(model.config)
     fresh.load_state_dict(model.state_dict())
     return cls(
-        fresh, args, train_dataset=train, data_collator=collator, processing_class=tokenizer, callbacks=callbacks
+        fresh,
+        args,
+        train_dataset=train,
+        data_collator=collator,
+        processing_class=tokenizer,
+        callbacks=callbacks,
     )
 
 
 def test_the_fork_is_the_wsd_run_from_the_start_bit_for_bit(tmp_path, setup):
     # A constant-LR run that saves a checkpoint at step 6, forked there with a cosine decay over 4 steps...
-    run = _trainer(setup, tmp_path / "run", lr_scheduler_type="constant_with_warmup",
-                   callbacks=[SaveCheckpointAt(step=FORK_AT)])
+    run = _trainer(
+        setup,
+        tmp_path / "run",
+        lr_scheduler_type="constant_with_warmup",
+        callbacks=[SaveCheckpointAt(step=FORK_AT)],
+    )
     run.train()
-    annealed = anneal_from_checkpoint(run, tmp_path / "run" / f"checkpoint-{FORK_AT}", steps=STEPS - FORK_AT,
-                                      decay_type="cosine")
+    annealed = anneal_from_checkpoint(
+        run, tmp_path / "run" / f"checkpoint-{FORK_AT}", steps=STEPS - FORK_AT, decay_type="cosine"
+    )
     assert annealed == tmp_path / "run" / "annealed"
     # ...is the run trained with that WSD schedule from the start: same data, same weights, bit for bit.
-    wsd = _trainer(setup, tmp_path / "wsd", lr_scheduler_type="warmup_stable_decay",
-                   lr_scheduler_kwargs={"num_decay_steps": STEPS - FORK_AT,
-                                        "decay_type": "cosine", "min_lr_ratio": 0.0})
+    wsd = _trainer(
+        setup,
+        tmp_path / "wsd",
+        lr_scheduler_type="warmup_stable_decay",
+        lr_scheduler_kwargs={"num_decay_steps": STEPS - FORK_AT, "decay_type": "cosine", "min_lr_ratio": 0.0},
+    )
     wsd.train()
     forked = load_file(annealed / "model.safetensors")
     reference = {k: v for k, v in wsd.model.state_dict().items() if k in forked}
@@ -64,7 +77,8 @@ def test_the_fork_is_the_wsd_run_from_the_start_bit_for_bit(tmp_path, setup):
 
     # Bad input: one line, before any training.
     checkpoint = tmp_path / "run" / f"checkpoint-{FORK_AT}"
-    with pytest.raises(ValueError, match="counted no input tokens"):  # a plain Trainer counts none: give steps
+    # a plain Trainer counts no tokens: give steps
+    with pytest.raises(ValueError, match="counted no input tokens"):
         anneal_from_checkpoint(run, checkpoint, tokens=1000)
     with pytest.raises(ValueError, match="as steps or as tokens"):
         anneal_from_checkpoint(run, checkpoint, steps=2, tokens=100)
@@ -73,7 +87,9 @@ def test_the_fork_is_the_wsd_run_from_the_start_bit_for_bit(tmp_path, setup):
     with pytest.raises(FileNotFoundError, match="checkpoint-99 is not a folder"):
         anneal_from_checkpoint(run, tmp_path / "run" / "checkpoint-99", steps=2)
     with pytest.raises(FileExistsError, match="holds no pma_anneal.json"):
-        anneal_from_checkpoint(run, checkpoint, steps=2, output_dir=tmp_path / "run" / f"checkpoint-{FORK_AT}")
+        anneal_from_checkpoint(
+            run, checkpoint, steps=2, output_dir=tmp_path / "run" / f"checkpoint-{FORK_AT}"
+        )
     with pytest.raises(ValueError, match="needs a constant-LR run"):
         anneal_from_checkpoint(wsd, checkpoint, steps=2)
     for path in checkpoint.glob("optimizer*"):  # a checkpoint saved with save_only_model
@@ -86,13 +102,22 @@ def test_pma_trainer_forks_at_the_end_and_the_check_lands_in_the_record_and_card
     model, tokenizer, train, evaluation, collator = setup
     per_step = 4 * len(train[0]["input_ids"])
     trainer = _trainer(
-        setup, tmp_path / "run", cls=PMATrainer, args_cls=PMATrainingArguments, lr_scheduler_type="constant_with_warmup",
-        pma_interval_tokens=2 * per_step, pma_window=3, pma_eval=False, pma_async_write=False,
-        pma_anneal_tokens=4 * per_step, pma_anneal_decay="1-sqrt",
+        setup,
+        tmp_path / "run",
+        cls=PMATrainer,
+        args_cls=PMATrainingArguments,
+        lr_scheduler_type="constant_with_warmup",
+        pma_interval_tokens=2 * per_step,
+        pma_window=3,
+        pma_eval=False,
+        pma_async_write=False,
+        pma_anneal_tokens=4 * per_step,
+        pma_anneal_decay="1-sqrt",
     )
     trainer.train()
     out = tmp_path / "run"
-    assert trainer.pma_annealed_dir == out / "annealed" and not (out / "checkpoint-6").exists()  # ours: deleted
+    # the fork's checkpoint was ours: deleted
+    assert trainer.pma_annealed_dir == out / "annealed" and not (out / "checkpoint-6").exists()
     assert trainer.optimizer is None  # the finished run's moments were freed for the fork
     record = json.loads((out / "annealed" / "pma_anneal.json").read_text())
     assert (record["start_step"], record["steps"], record["decay_type"]) == (6, 4, "1-sqrt")
@@ -115,7 +140,9 @@ def test_pma_trainer_forks_at_the_end_and_the_check_lands_in_the_record_and_card
 
 def test_the_options_are_checked_when_parsed(tmp_path):
     def args(**kw):
-        return PMATrainingArguments(output_dir=str(tmp_path), **quiet_args(max_steps=STEPS, warmup_steps=WARMUP, **kw))
+        return PMATrainingArguments(
+            output_dir=str(tmp_path), **quiet_args(max_steps=STEPS, warmup_steps=WARMUP, **kw)
+        )
 
     with pytest.raises(ValueError, match="pma_anneal_steps needs a constant-LR run"):
         args(pma_anneal_steps=4, lr_scheduler_type="cosine")
