@@ -2,8 +2,11 @@
 
 The callback decides *when* (:class:`hf_pma.core.schedule.SnapshotSchedule`); a sink decides
 *what happens*: :class:`DiskSnapshotSink` writes full HF model folders listed in a manifest,
-:class:`OnlineAverageSink` folds the weights into a running average in memory. A new kind of
-snapshot is a new subclass of :class:`SnapshotSink`, not a branch in the callback.
+:class:`OnlineAverageSink` folds the weights into a running average in memory (and, in
+:mod:`hf_pma.snapshots.sharded`, :class:`~hf_pma.snapshots.sharded.ShardedSnapshotSink` writes
+per-rank files and :class:`~hf_pma.snapshots.sharded.ShardedOnlineAverageSink` keeps each rank's
+own slices of the average). A new kind of snapshot is a new subclass of :class:`SnapshotSink`,
+not a branch in the callback.
 
 Every method is called on every process, in the same order, so a sink may use collectives
 (gathering a sharded model is one). Life cycle, as the callback drives it::
