@@ -40,6 +40,7 @@ __all__ = [
     "document_losses",
     "paired_comparison",
     "paired_difference",
+    "read_anneal_record",
     "token_loss",
     "write_comparison",
 ]
@@ -187,6 +188,32 @@ def paired_comparison(
         )
     if anneal is not None:
         record["anneal"] = dict(anneal)
+    return record
+
+
+def read_anneal_record(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The ``pma_anneal.json`` of an annealed folder (``<run>/annealed``: where the fork started and
+    ended, ``start_step``, ``start_tokens``, ``end_step``, ``end_tokens``, the decay's ``steps``,
+    ``tokens`` and ``decay_type``, the peak ``learning_rate``, the ``checkpoint`` it forked from and
+    the run's ``snapshot`` at its end), or ``None`` when it has none; a record whose
+    counts are not counts, or whose decay is not one of linear, cosine or 1-sqrt, is a one-line
+    ``ValueError`` naming the file (it may come from anywhere)."""
+    from hf_pma.core.manifest import ANNEAL_RECORD_NAME
+    from hf_pma.core.strategies import DECAY_SHAPES
+    from hf_pma.io.guarded import read_json
+
+    path = Path(folder) / ANNEAL_RECORD_NAME
+    if not (path.is_file() or path.is_symlink()):  # a link is read (and refused) by the one way in
+        return None
+    record = read_json(path, folder, kind="record")
+    if not isinstance(record, dict):
+        raise ValueError(f"{escape(path)}: expected an object")
+    for key in ("start_step", "start_tokens", "end_step", "end_tokens", "steps", "tokens"):
+        value = record.get(key)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise ValueError(f"{escape(path)}: {key} should be a count, got {shown(value)}")
+    if record.get("decay_type") is not None and record["decay_type"] not in DECAY_SHAPES:
+        raise ValueError(f"{escape(path)}: decay_type should be one of {', '.join(DECAY_SHAPES)}")
     return record
 
 

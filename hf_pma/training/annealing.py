@@ -37,8 +37,9 @@ from typing import Any
 from transformers import Trainer, TrainerCallback
 from transformers.utils import logging
 
-from hf_pma.analysis.comparison import paired_comparison, write_comparison
+from hf_pma.analysis.comparison import paired_comparison, read_anneal_record, write_comparison
 from hf_pma.core.manifest import ANNEAL_RECORD_NAME, ANNEALED_DIR, PMA_SUBDIR
+from hf_pma.core.strategies import DECAY_SHAPES
 from hf_pma.io.guarded import read_json
 from hf_pma.training.saving import save_full_model
 from hf_pma.utils.distributed import run_on_main_process
@@ -59,7 +60,7 @@ __all__ = [
 
 logger = logging.get_logger(__name__)
 
-DECAY_TYPES = ("linear", "cosine", "1-sqrt")
+DECAY_TYPES = tuple(DECAY_SHAPES)  # linear, cosine, 1-sqrt: the shapes transformers' WSD schedule knows
 CONSTANT_SCHEDULES = ("constant", "constant_with_warmup")
 _CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
 
@@ -350,25 +351,6 @@ def anneal_from_checkpoint(
 
     run_on_main_process(write)
     return out
-
-
-def read_anneal_record(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The ``pma_anneal.json`` of an annealed folder, or ``None`` when it has none; a record whose
-    counts are not counts, or whose decay is not one of :data:`DECAY_TYPES`, is a one-line
-    ``ValueError`` naming the file (it may come from anywhere)."""
-    path = Path(folder) / ANNEAL_RECORD_NAME
-    if not path.is_file():
-        return None
-    record = read_json(path, folder, kind="record")
-    if not isinstance(record, dict):
-        raise ValueError(f"{escape(path)}: expected an object")
-    for key in ("start_step", "start_tokens", "end_step", "end_tokens", "steps", "tokens"):
-        value = record.get(key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
-            raise ValueError(f"{escape(path)}: {key} should be a count, got {shown(value)}")
-    if record.get("decay_type") is not None and record["decay_type"] not in DECAY_TYPES:
-        raise ValueError(f"{escape(path)}: decay_type should be one of {', '.join(DECAY_TYPES)}")
-    return record
 
 
 def annealing_check(

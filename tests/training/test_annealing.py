@@ -12,11 +12,11 @@ from safetensors.torch import load_file
 from transformers import Trainer, TrainingArguments
 
 from hf_pma import PMATrainer, PMATrainingArguments
+from hf_pma.analysis.comparison import read_anneal_record
 from hf_pma.training.annealing import (
     SaveCheckpointAt,
     anneal_from_checkpoint,
     checkpoint_state,
-    read_anneal_record,
 )
 from tests.testing_utils import lm_setup, quiet_args
 
