@@ -54,7 +54,9 @@ __all__ = [
     "SaveCheckpointAt",
     "anneal_from_checkpoint",
     "annealing_check",
+    "check_decay_type",
     "checkpoint_state",
+    "fork_step",
     "schedule_name",
 ]
 
@@ -62,7 +64,6 @@ logger = logging.get_logger(__name__)
 
 DECAY_TYPES = tuple(DECAY_SHAPES)  # linear, cosine, 1-sqrt: the shapes transformers' WSD schedule knows
 CONSTANT_SCHEDULES = ("constant", "constant_with_warmup")
-_CHECKPOINT_NAME = re.compile(r"checkpoint-(\d+)")
 
 
 def schedule_name(args: Any) -> str:
