@@ -4,6 +4,7 @@ a FIFO, file outputs (``-o``, ``--plot``, ``--record``) at a link or inside a li
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import shutil
@@ -214,3 +215,22 @@ def test_eval_refuses_any_tokenizer_file_linking_out_whatever_its_name(tmp_path,
         assert _error(done) == f"hf-pma eval: error: {folder / name} " + (
             why if why.startswith("is") else f"is not a regular file {why}"
         )
+
+
+def test_record_values_cannot_make_links_or_html_in_the_card(tmp_path, tiny_tokenizer):
+    # Escaping control characters and '|' left markdown itself: a dataset name or a snapshot's phase
+    # "[Download the weights](https://evil.example)" was a link in the card the user publishes.
+    merged = write_merged_folder(tmp_path, tiny_tokenizer, careless=False)
+    link, html = "[Download the weights](https://evil.example/x)", "<img src=x onerror=alert(1)>"
+    training = json.loads((merged / "pma_training.json").read_text())
+    training["datasets"] = [link, html, "a\\|b", "c\\](https://evil.example/y)"]
+    (merged / "pma_training.json").write_text(json.dumps(training))
+    merge = json.loads((merged / "pma_merge.json").read_text())
+    merge["sources"][0]["phase"] = link
+    (merged / "pma_merge.json").write_text(json.dumps(merge))
+    done = run_cli("card", merged, "--no-plot")
+    assert done.returncode == 0, done.stderr
+    text = (merged / "README.md").read_text()
+    assert "](https://evil" not in text.replace("\\](https://evil", "") and "<img" not in text
+    assert "[Download the weights\\](https://evil.example/x)" in text
+    assert "&lt;img src=x onerror=alert(1)>" in text and "a\\\\\\|b" in text and "c\\\\\\](https" in text

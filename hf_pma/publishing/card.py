@@ -37,7 +37,7 @@ from hf_pma.core.manifest import CARD_NAME, PLOT_NAME, PMA_SUBDIR
 from hf_pma.publishing.records import FolderRecords, label_rank, load_records, sanitize_text
 from hf_pma.utils.formatting import format_metric, format_number, metric_label
 from hf_pma.utils.fs import atomic_write_text, hold_claim
-from hf_pma.utils.text import escape
+from hf_pma.utils.text import escape, markdown_text
 
 if TYPE_CHECKING:
     from huggingface_hub import EvalResult, ModelCard
@@ -96,9 +96,10 @@ def template_path(name: str = TEMPLATE_NAME) -> Path:
 
 
 def _md(value: Any) -> str:
-    """A value from a record or a name as the card's markdown shows it: escaped (no control, bidi or
-    line-breaking character) and ``|`` written ``\\|`` (it would split a table cell)."""
-    return escape(value).replace("|", "\\|")
+    """A value from a record or a name as the card's markdown shows it
+    (:func:`hf_pma.utils.text.markdown_text`): escaped (no control, bidi or line-breaking
+    character), no link, HTML or table cell of its own."""
+    return markdown_text(value)
 
 
 def _md_values(obj: Any) -> Any:

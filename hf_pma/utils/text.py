@@ -14,18 +14,29 @@ What a command writes to stdout goes through :func:`write_line` (one line, escap
 :func:`write_lines` (a table whose cells are escaped already: each line escaped again).
 :func:`command_line` builds a command line for a person to paste (``hf-pma merge RUN ...``):
 each argument shell-quoted, on one line. :func:`plot_text` is a label for matplotlib, which
-reads ``$...$`` as math. Torch-free.
+reads ``$...$`` as math; :func:`markdown_text` a value in a model card's markdown, which would
+otherwise read ``[text](url)`` as a link and ``<a ...>`` as HTML. Torch-free.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import sys
 from collections.abc import Iterable
 from typing import Any, TextIO
 
-__all__ = ["command_line", "escape", "is_printable", "plot_text", "shown", "write_line", "write_lines"]
+__all__ = [
+    "command_line",
+    "escape",
+    "is_printable",
+    "markdown_text",
+    "plot_text",
+    "shown",
+    "write_line",
+    "write_lines",
+]
 
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
@@ -135,3 +146,18 @@ def plot_text(text: Any) -> str:
     ``$`` written ``\\$``, since matplotlib reads ``$...$`` as mathtext (a hostile name could
     make it fail or draw something else)."""
     return escape(text).replace("$", "\\$")
+
+
+# A backslash before ASCII punctuation escapes it in markdown: such a backslash of the value is
+# doubled first, so that the value cannot undo the escapes added after it.
+_MD_BACKSLASH = re.compile(r"\\(?=[!-/:-@\[-`{-~])")
+
+
+def markdown_text(text: Any) -> str:
+    """A name or a record value as a model card's markdown shows it: escaped (:func:`escape`), and
+    with what markdown acts on written as text: ``]`` as ``\\]`` (no ``[text](url)`` link whose
+    text hides where it leads, no link reference), ``<`` as ``&lt;`` (no HTML, no autolink with a
+    disguised target), ``|`` as ``\\|`` (it would split a table cell); a backslash of the value
+    before punctuation is doubled, so that it cannot undo these."""
+    text = _MD_BACKSLASH.sub(r"\\\\", escape(text))
+    return text.replace("]", "\\]").replace("<", "&lt;").replace("|", "\\|")
