@@ -35,9 +35,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from hf_pma.analysis.comparison import read_anneal_record
+from hf_pma.core.manifest import ANNEALED_DIR
 from hf_pma.core.selection import window_by_progress
 from hf_pma.core.strategies import merge_weights
-from hf_pma.io.guarded import JSON_LIMITS, read_bytes, read_json
+from hf_pma.io.guarded import JSON_LIMITS, read_bytes
 from hf_pma.merging.sources import (
     CheckpointSource,
     check_same_model,
@@ -53,8 +55,6 @@ from hf_pma.utils.text import escape, plot_text, shown
 logger = get_logger(__name__)
 
 __all__ = [
-    "ANNEALED_DIR",
-    "ANNEAL_RECORD_NAME",
     "DEFAULT_WINDOW",
     "FIT_AXES",
     "KINDS",
@@ -71,9 +71,6 @@ __all__ = [
     "plot_fit",
 ]
 
-# Where a run keeps its annealed fork, and the record of where it starts and ends.
-ANNEALED_DIR = "annealed"
-ANNEAL_RECORD_NAME = "pma_anneal.json"
 # The merge window of a run that records none: PMATrainingArguments.pma_window's default.
 DEFAULT_WINDOW = 10
 # What --fit may put on the x axis.
@@ -285,18 +282,9 @@ def _vocabulary(folder: Path | None) -> str | None:
 
 def _anneal_tokens(folder: Path, source: CheckpointSource) -> int | None:
     """Where the annealed fork ends: its record (``pma_anneal.json``: ``end_tokens``), else its snapshot record or trainer state (as the sources read them), else ``None``."""
-    record_path = folder / ANNEAL_RECORD_NAME
-    if record_path.is_file() or record_path.is_symlink():
-        record = read_json(record_path, folder)
-        if not isinstance(record, dict):
-            raise ValueError(f"{escape(record_path)} should hold a JSON object, got {type(record).__name__}")
-        value = record.get("end_tokens")  # ("tokens" there is the decay's length, not where it ends)
-        if value is not None:
-            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-                raise ValueError(
-                    f"{escape(record_path)}: 'end_tokens' must be a token count, got {shown(value, 60)}"
-                )
-            return value
+    record = read_anneal_record(folder)
+    if record is not None and record.get("end_tokens") is not None:  # ("tokens" is the decay's length)
+        return record["end_tokens"]
     return source.tokens
 
 

@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from hf_pma.analysis.compare_runs import (
-    ANNEAL_RECORD_NAME,
     fit_power_law,
     kendall_tau,
     matched_tokens,
@@ -21,6 +20,7 @@ from hf_pma.analysis.compare_runs import (
     plan_comparison,
     rank_runs,
 )
+from hf_pma.core.manifest import ANNEAL_RECORD_NAME
 from hf_pma.evaluation.evaluator import evaluate_models
 from hf_pma.merging.engine import merge_checkpoints
 from tests.snapshot_runs import float_params, noise_deviation, write_run
