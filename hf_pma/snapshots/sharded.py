@@ -440,6 +440,45 @@ def read_slice(tensors: ShardedCheckpointTensors, s: LocalSlice) -> torch.Tensor
     return out if s.flat else out.reshape(s.sizes)
 
 
+def _refresh_zero3_available(model: torch.nn.Module) -> None:
+    """ZeRO-3 keeps small parameters (``ds_persist``) and those still gathered in full on every rank,
+    and a forward pass uses that copy: after their partitions were written, rebuild it from the
+    partitions (DeepSpeed's own partition and all-gather of those parameters, as a forward pass
+    does for the others). Nothing without ZeRO-3."""
+    from hf_pma.snapshots.gather import unwrap_model
+
+    params = [p for p in unwrap_model(model).parameters() if hasattr(p, "ds_tensor")]
+    if not params:
+        return
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
+
+    available = [p for p in params if p.ds_status == ZeroParamStatus.AVAILABLE]
+    if available:  # the same parameters on every rank
+        available[0].partition(param_list=available, has_been_updated=False)
+        available[0].all_gather(param_list=available)
+
+
+def _check_live(model: torch.nn.Module, slices: Sequence[LocalSlice]) -> None:
+    """``ValueError`` unless every slice's tensor is the live storage of a parameter or buffer
+    (a copy would take the average and leave the model as it was)."""
+    from hf_pma.snapshots.gather import unwrap_model
+
+    storages = set()
+    for tensor in itertools.chain(model.parameters(), model.buffers(), unwrap_model(model).parameters()):
+        for part in (tensor, getattr(tensor, "ds_tensor", None)):
+            if part is None:
+                continue
+            local = part.to_local() if hasattr(part, "to_local") else part
+            with contextlib.suppress(RuntimeError):
+                storages.add(local.untyped_storage().data_ptr())
+    for s in slices:
+        if s.numel and s.tensor.untyped_storage().data_ptr() not in storages:
+            raise ValueError(
+                f"tensor {shown(s.name)}: this rank's slice is a copy, not the live shard, under this sharding: "
+                "the online average can be evaluated in place under FSDP2 and ZeRO-3 (or write snapshots)"
+            )
+
+
 def _slice_layout(s: LocalSlice) -> list[Any]:
     """What identifies where a slice sits (stored with a rank's saved average, compared on resume)."""
     return [list(s.offsets), list(s.sizes), list(s.global_shape), bool(s.flat)]
@@ -646,15 +685,23 @@ class ShardedOnlineAverageSink(OnlineAverageSink):
         unsharded tensors, which rank 0 averages, are broadcast from it); returns the function
         that puts the live weights back (every rank calls it), or ``None`` while the average is
         empty. Call it with the model resharded (:func:`hf_pma.merging.slices.reshard`)."""
+        from hf_pma.utils.distributed import all_ranks_checked
+
         self.commit()
         if self.average.count == 0:
             return None
-        mine = local_slices(model, self.rank)
-        self._check_layout(mine)
+        mine: list[LocalSlice] = []
         unsharded: list[LocalSlice] = []
-        if self.world_size > 1:
-            sharded_names = {s.name for s in local_slices(model, 1)}
-            unsharded = [s for s in local_slices(model, 0) if s.name not in sharded_names]
+
+        def find() -> None:
+            mine[:] = local_slices(model, self.rank)
+            self._check_layout(mine)
+            if self.world_size > 1:
+                sharded_names = {s.name for s in local_slices(model, 1)}
+                unsharded[:] = [s for s in local_slices(model, 0) if s.name not in sharded_names]
+            _check_live(model, [*mine, *unsharded])
+
+        all_ranks_checked(find, "finding this rank's live shards for the online average")
         backup: list[tuple[torch.Tensor, torch.Tensor]] = []
         for s in mine:
             backup.append((s.tensor, s.tensor.to("cpu", copy=True)))
@@ -663,11 +710,13 @@ class ShardedOnlineAverageSink(OnlineAverageSink):
             if self.rank != 0:
                 backup.append((s.tensor, s.tensor.to("cpu", copy=True)))
             torch.distributed.broadcast(s.tensor, src=0)
+        _refresh_zero3_available(model)
 
         @torch.no_grad()
         def restore() -> None:
             for live, saved in backup:
                 live.copy_(saved)
+            _refresh_zero3_available(model)
 
         return restore
 

@@ -64,6 +64,29 @@ def forbid_gathers() -> Iterator[None]:
             setattr(owner, name, value)
 
 
+def fsdp1_swap(out: Path) -> str:
+    """FSDP1: the average is taken (its sharded state dict's local shards), but they are copies of
+    the flat parameter, so swapping the average in for an evaluation is refused on every rank."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    from hf_pma.core.manifest import SnapshotRecord
+    from hf_pma.snapshots.sharded import ShardedOnlineAverageSink
+    from tests.testing_utils import make_tiny_model
+
+    model = FullyShardedDataParallel(
+        make_tiny_model(seed=3, vocab_size=515), device_id=torch.device("cpu"), use_orig_params=True
+    )
+    sink = ShardedOnlineAverageSink(out / "fsdp1", online="sma")
+    sink.open(None)
+    sink.take(model, SnapshotRecord(path="snapshot-7", tokens=7, step=1))
+    sink.commit()
+    try:
+        sink.swap_in(model)
+    except ValueError as err:
+        return str(err)
+    return "swapped"
+
+
 def eval_batch() -> torch.Tensor:
     """The batch the merged-evaluation check computes its loss on."""
     return torch.randint(3, 515, (2, 16), generator=torch.Generator().manual_seed(1234))
@@ -166,6 +189,7 @@ def _run(out: Path) -> dict:
     resumed = {kind: online(kind, f"resumed-{kind}") for kind in KINDS}
     drive(out, rank, world, resumed, model, optimizer, CHECKPOINT_STEP)
     report["resumed_counts"] = {kind: cb.sink.count for kind, cb in resumed.items()}
+    report["fsdp1_swap"] = fsdp1_swap(out)
     dist.barrier()
     (out / f"result-rank{rank}.json").write_text(json.dumps(report, indent=2))
     return report

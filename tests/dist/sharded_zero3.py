@@ -108,15 +108,30 @@ def online_zero3(engine, ids, out: Path, rank: int) -> dict:
         deepspeed.zero.GatheredParameters = gathered
     import torch.distributed as dist
 
+    # Merged evaluation by local slice: the average swapped into the live partitions, then back.
+    losses = {}
+    with torch.no_grad():
+        losses["live"] = float(engine(input_ids=ids, labels=ids).loss)
+        restore = online.swap_in(engine)
+        losses["swapped"] = float(engine(input_ids=ids, labels=ids).loss)
+        restore()
+        losses["restored"] = float(engine(input_ids=ids, labels=ids).loss)
     dist.barrier()
     if rank != 0:
         return {}
     reference = merge_state_dict([out / "online-reference" / f"snapshot-{t}" for t in (32, 48)])
     average = merge_state_dict([out / "online" / "online-sma"])
+    from tests.testing_utils import make_tiny_model
+
+    plain = make_tiny_model(seed=0, vocab_size=515)
+    plain.load_state_dict(average, strict=False)  # a tied output embedding is stored once
+    with torch.no_grad():
+        losses["reference"] = float(plain(input_ids=ids, labels=ids).loss)
     return {
         "sink": type(online).__name__,
         "same_names": sorted(reference) == sorted(average),
         "max_diff": max(float((average[k] - reference[k]).abs().max()) for k in reference),
+        "losses": losses,
     }
 
 

@@ -149,6 +149,10 @@ def test_merged_eval_swaps_the_average_into_the_live_shards_and_back(run, tmp_pa
     assert rank0["swapped_loss"] == pytest.approx(expected, rel=1e-5)
     assert rank0["swapped_loss"] != rank0["live_loss"]
     assert rank0["restored_loss"] == rank0["live_loss"]
+    # FSDP1's sharded state dict holds copies of the flat parameter: refused on every rank, in one line.
+    for report in rank_reports(run, 2):
+        assert "this rank's slice is a copy, not the live shard" in report["fsdp1_swap"]
+        assert "\n" not in report["fsdp1_swap"]
 
 
 def test_a_rank_file_under_another_ranks_name_is_refused(run, tmp_path):

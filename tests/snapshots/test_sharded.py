@@ -194,6 +194,9 @@ def test_zero3_sharded_snapshot_equals_gathered(shared_launch):
     online = rank0["online"]
     assert online["sink"] == "ShardedOnlineAverageSink" and online["same_names"], online
     assert online["max_diff"] < 1e-6, online
+    losses = online["losses"]  # swapped into the live partitions for a merged evaluation, and back
+    assert losses["swapped"] != losses["live"] and losses["restored"] == losses["live"], losses
+    assert losses["swapped"] == pytest.approx(losses["reference"], rel=1e-5), losses  # the average's own loss
 
 
 def test_trainer_with_forced_sharded_snapshots_and_keep_last(tmp_path):
