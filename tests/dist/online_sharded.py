@@ -133,7 +133,35 @@ def drive(out: Path, rank: int, world: int, callbacks: dict, model, optimizer, s
 
 def run(out: Path) -> dict:
     with forbid_gathers():
-        return _run(out)
+        report = _run(out)
+    ddp_swap(out)
+    return report
+
+
+def ddp_swap(out: Path) -> None:
+    """Unsharded (DDP-like: every rank holds the whole model): the main process keeps the average,
+    and swapping it in broadcasts it to every rank; each rank reports its losses."""
+    from hf_pma.core.manifest import SnapshotRecord
+    from hf_pma.snapshots.sinks import OnlineAverageSink
+    from tests.testing_utils import make_tiny_model
+
+    rank = dist.get_rank()
+    model = make_tiny_model(seed=0, vocab_size=515)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    sink = OnlineAverageSink(out / "ddp", online="sma", is_main=rank == 0, async_write=False)
+    sink.open(None)
+    for step in (1, 2):
+        train_step(model, optimizer, step)
+        sink.take(model, SnapshotRecord(path=f"snapshot-{step}", tokens=step, step=step))
+        sink.commit()
+    ids = eval_batch()
+    with torch.no_grad():
+        losses = {"live": float(model(input_ids=ids, labels=ids).loss)}
+        restore = sink.swap_in(model)
+        losses["swapped"] = float(model(input_ids=ids, labels=ids).loss)
+        restore()
+        losses["restored"] = float(model(input_ids=ids, labels=ids).loss)
+    (out / f"ddp-rank{rank}.json").write_text(json.dumps(losses))
 
 
 def _run(out: Path) -> dict:

@@ -165,3 +165,10 @@ def test_a_rank_file_under_another_ranks_name_is_refused(run, tmp_path):
     sink = ShardedOnlineAverageSink(tmp_path / "pma", online="sma", rank=0, world_size=2)
     with pytest.raises(ValueError, match="holds rank '1'.s part of the online average, not rank 0's"):
         sink.open(ResumePoint(CHECKPOINT_STEP * 64, CHECKPOINT_STEP, checkpoint))
+
+
+def test_unsharded_average_is_broadcast_for_merged_eval(run):
+    """DDP-like ranks: the main process's average, swapped in everywhere, then put back."""
+    losses = rank_reports(run, 2, "ddp-rank{rank}.json")
+    assert losses[0] == losses[1]  # every rank evaluates the same (broadcast) average
+    assert losses[0]["swapped"] != losses[0]["live"] and losses[0]["restored"] == losses[0]["live"]
