@@ -119,6 +119,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--anneal-steps", type=int, help="steps of each run's annealed fork (its last ones)")
     p.add_argument("--snapshot-every", type=int, help="steps between snapshots (V = batch x block x this)")
     p.add_argument("--window", type=int, help="snapshots merged (each run's pma_window)")
+    p.add_argument(
+        "--also-last",
+        type=lambda text: [int(n) for n in text.split(",") if n],
+        default=[],
+        help="also compare the runs with the merge of the last N snapshots, for each N of this list (e.g. 2,4): "
+        "the same runs, only the merge window differs",
+    )
     p.add_argument("--batch", type=int, help="sequences per step")
     p.add_argument("--block", type=int, help="tokens per sequence")
     p.add_argument("--vocab", type=int, help="BPE vocabulary trained once on the train split")
@@ -363,6 +370,25 @@ def main(argv: list[str] | None = None) -> int:
     ladder_out = compare(
         args, [runs / n for n in ladder], data[1], args.output_dir / "ladder.json", ["--fit", "params"]
     )
+    also = {
+        n: (
+            compare(
+                args,
+                [runs / r for r in sweep],
+                data[1],
+                args.output_dir / f"sweep-last{n}.json",
+                ["--last", str(n)],
+            ),
+            compare(
+                args,
+                [runs / r for r in ladder],
+                data[1],
+                args.output_dir / f"ladder-last{n}.json",
+                ["--last", str(n)],
+            ),
+        )
+        for n in args.also_last
+    }
     sweep_report = json.loads((args.output_dir / "sweep.json").read_text())
     plot_sweep(
         sweep_report, {n: spec[0] for n, spec in sweep.items()}, args.output_dir / "sweep_prediction.png"
@@ -393,6 +419,22 @@ def main(argv: list[str] | None = None) -> int:
         "",
         "![ladder fit](ladder.png)",
         "",
+        *(
+            line
+            for n, (sweep_n, ladder_n) in also.items()
+            for line in (
+                f"## The same runs, merging the last {n} snapshots",
+                "",
+                "LR sweep:",
+                "",
+                sweep_n.strip(),
+                "",
+                "Ladder:",
+                "",
+                ladder_n.strip(),
+                "",
+            )
+        ),
         "## Runs",
         "",
         "| run | seconds |",

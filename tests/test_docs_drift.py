@@ -256,3 +256,24 @@ def test_the_quoted_comparison_table_has_the_format_the_code_prints():
     quoted = quoted[quoted.index(next(q for q in quoted if q.startswith("| model (all at"))) :][:4]
     assert quoted[0] == printed[0]
     assert [q.split(" | ")[0] for q in quoted[1:]] == [p.split(" | ")[0] for p in printed[2:]]
+
+
+def test_the_sweep_prediction_summary_quotes_the_benchmarks_results():
+    """Each tau / MAE pair of docs/benchmarks.md's summary is the one the benchmark printed for that
+    window, ranking (sweep or ladder) and model (merge or last)."""
+    results = (REPO_ROOT / "benchmarks" / "results" / "sweep_prediction" / "tables.md").read_text()
+    against = re.compile(
+        r"Against annealed \(\d+ runs\): merge Kendall's tau ([+-][\d.]+), mean absolute error ([\d.]+); "
+        r"last Kendall's tau ([+-][\d.]+), mean absolute error ([\d.]+)"
+    )
+    printed = [m.groups() for m in against.finditer(results)]
+    # In the order the benchmark prints them: sweep and ladder with the runs' own window, then per --also-last N.
+    windows = ["8"] + re.findall(r"^## The same runs, merging the last (\d+) snapshots", results, re.M)
+    assert len(printed) == 2 * len(windows)
+    by_window = {w: (printed[2 * i], printed[2 * i + 1]) for i, w in enumerate(windows)}
+    page = (REPO_ROOT / "docs" / "benchmarks.md").read_text()
+    rows = re.findall(r"^\| last (\d+) [^|]*\|" + r" ([+-][\d.]+) / ([\d.]+) \|" * 4, page, re.M)
+    assert {r[0] for r in rows} == set(by_window), rows
+    for window, *cells in rows:
+        sweep, ladder = by_window[window]
+        assert tuple(cells) == (*sweep[:2], *sweep[2:], *ladder[:2], *ladder[2:]), window
