@@ -234,3 +234,18 @@ def test_record_values_cannot_make_links_or_html_in_the_card(tmp_path, tiny_toke
     assert "](https://evil" not in text.replace("\\](https://evil", "") and "<img" not in text
     assert "[Download the weights\\](https://evil.example/x)" in text
     assert "&lt;img src=x onerror=alert(1)>" in text and "a\\\\\\|b" in text and "c\\\\\\](https" in text
+
+
+def test_consolidate_overwrite_replaces_its_own_output_of_a_folder_without_a_record(tmp_path):
+    # A DCP folder without pma.json was consolidated into a folder with no record: hf-pma's own
+    # output was then "not written by hf-pma" to --overwrite.
+    from tests.merging.test_sharded_merge import LAYOUTS, write_sharded
+
+    model = make_tiny_model(seed=0)
+    model.save_pretrained(tmp_path / "full")
+    state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    folder = write_sharded(tmp_path / "dcp", state, LAYOUTS["rows-2"], config_from=tmp_path / "full")
+    for _ in range(2):
+        done = run_cli("consolidate", folder, "-o", tmp_path / "out", "--overwrite")
+        assert done.returncode == 0, done.stderr
+    assert (tmp_path / "out" / "pma.json").is_file()

@@ -118,15 +118,16 @@ def _consolidate_into(
         bar.close()
         write_shard_index(tmp, "model", shards)
         _copy_support_files(source, tmp, out_dtype)
+        # Always a record, even for a folder that had none (a DCP checkpoint): it is what marks
+        # the output as hf-pma's, which a later --overwrite of it needs.
         record = dict(source.record)
-        if record:
-            extra = dict(record.get("extra") or {})
-            layout = {k: extra.pop(k) for k in ("sharded", "world_size", "layout") if k in extra}
-            extra["consolidated_from"] = {**layout, "num_rank_files": len(source.files)}
-            record["extra"] = extra
-            if out_dtype is not None:
-                record["dtype"] = out_dtype
-            atomic_write_json(tmp / SNAPSHOT_RECORD_NAME, record)
+        extra = dict(record.get("extra") or {})
+        layout = {k: extra.pop(k) for k in ("sharded", "world_size", "layout") if k in extra}
+        extra["consolidated_from"] = {**layout, "num_rank_files": len(source.files)}
+        record["extra"] = extra
+        if out_dtype is not None:
+            record["dtype"] = out_dtype
+        atomic_write_json(tmp / SNAPSHOT_RECORD_NAME, record)
         publish_folder(tmp, output_dir, replace=overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
