@@ -249,3 +249,13 @@ def test_consolidate_overwrite_replaces_its_own_output_of_a_folder_without_a_rec
         done = run_cli("consolidate", folder, "-o", tmp_path / "out", "--overwrite")
         assert done.returncode == 0, done.stderr
     assert (tmp_path / "out" / "pma.json").is_file()
+
+
+def test_eval_leaves_a_link_a_load_never_reads_alone(tmp_path, tiny_tokenizer):
+    merged = write_merged_folder(tmp_path, tiny_tokenizer, careless=False)
+    (tmp_path / "scratch.log").write_text("log")
+    (merged / "train.log").symlink_to(tmp_path / "scratch.log")  # a log kept on a scratch disk
+    text = tmp_path / "heldout.txt"
+    text.write_text("hello world " * 50)
+    done = run_cli("eval", merged, "--eval-file", text, "--device", "cpu", "--limit", "1")
+    assert done.returncode == 0, done.stderr

@@ -53,6 +53,25 @@ _LOADED_FILES = (
     "chat_template.jinja",
 )
 _WEIGHT_INDEXES = ("model.safetensors.index.json", "pytorch_model.bin.index.json")
+# The suffixes of the files a model, config or tokenizer load may read, whatever their names
+# (vocab.txt, source.spm, sentencepiece.bpe.model, tokenizer.tiktoken, bpe.codes, ...).
+_LOADABLE_SUFFIXES = (
+    ".json",
+    ".txt",
+    ".model",
+    ".spm",
+    ".jinja",
+    ".tiktoken",
+    ".bpe",
+    ".codes",
+    ".vocab",
+    ".safetensors",
+    ".bin",
+    ".pt",
+    ".pth",
+    ".msgpack",
+    ".h5",
+)
 
 _TOKENIZER_FILES = (
     "tokenizer.json",
@@ -139,13 +158,15 @@ def check_loadable_folder(folder: str | os.PathLike[str]) -> None:
     check_no_custom_code(folder)
     names = [n for n in (*_LOADED_FILES, *_TOKENIZER_FILES) if _present(folder, n)]
     # Whatever its name (a tokenizer class reads vocab.txt, source.spm, ...: no list holds them
-    # all), a link or a special file at the folder's top is checked too: a link leading out of
-    # the folder or a FIFO is refused before transformers opens it.
+    # all), a link or a special file at the folder's top with the suffix of a file a load may
+    # read is checked too: a link leading out of the folder or a FIFO is refused before
+    # transformers opens it (a run folder's train.log linked to a scratch disk is no concern).
     with os.scandir(folder) as entries:
         names += sorted(
             e.name
             for e in entries
-            if (e.is_symlink() and not e.is_dir()) or not (e.is_symlink() or e.is_file() or e.is_dir())
+            if e.name.lower().endswith(_LOADABLE_SUFFIXES)
+            and ((e.is_symlink() and not e.is_dir()) or not (e.is_symlink() or e.is_file() or e.is_dir()))
         )
     for index_name in _WEIGHT_INDEXES:
         if index_name in names:
