@@ -210,7 +210,7 @@ def test_eval_refuses_any_tokenizer_file_linking_out_whatever_its_name(tmp_path,
     text = tmp_path / "heldout.txt"
     text.write_text("hello world " * 50)
     for folder, why in ((merged, f"is a symbolic link to outside the folder {merged}"), (fifo, "(a FIFO)")):
-        done = run_cli("eval", folder, "--eval-file", text, "--device", "cpu", "--limit", "1")
+        done = run_cli("eval", folder, "--eval-file", text, "--device", "cpu", "--limit", "1", cwd=tmp_path)
         assert done.returncode == 2 and "TOPSECRET" not in done.stdout + done.stderr
         assert _error(done) == f"hf-pma eval: error: {folder / name} " + (
             why if why.startswith("is") else f"is not a regular file {why}"
@@ -257,5 +257,5 @@ def test_eval_leaves_a_link_a_load_never_reads_alone(tmp_path, tiny_tokenizer):
     (merged / "train.log").symlink_to(tmp_path / "scratch.log")  # a log kept on a scratch disk
     text = tmp_path / "heldout.txt"
     text.write_text("hello world " * 50)
-    done = run_cli("eval", merged, "--eval-file", text, "--device", "cpu", "--limit", "1")
+    done = run_cli("eval", merged, "--eval-file", text, "--device", "cpu", "--limit", "1", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
