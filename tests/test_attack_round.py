@@ -259,3 +259,33 @@ def test_eval_leaves_a_link_a_load_never_reads_alone(tmp_path, tiny_tokenizer):
     text.write_text("hello world " * 50)
     done = run_cli("eval", merged, "--eval-file", text, "--device", "cpu", "--limit", "1", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
+
+
+def test_a_training_whose_pma_folder_is_a_link_out_writes_nothing_there(tmp_path):
+    from hf_pma.snapshots.callback import PMACallback
+    from tests.test_way_out import TPS, train
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "pma").symlink_to(victim)
+    with pytest.raises(
+        ValueError, match="is a symbolic link; hf-pma writes snapshots only into a real folder"
+    ):
+        train(out, [PMACallback(interval_tokens=2 * TPS)], max_steps=4)
+    assert list(victim.iterdir()) == []
+
+
+def test_eval_of_a_config_whose_shapes_disagree_with_the_weights_is_one_line(tmp_path, tiny_tokenizer):
+    merged = write_merged_folder(tmp_path, tiny_tokenizer, careless=False)
+    config = json.loads((merged / "config.json").read_text())
+    (merged / "config.json").write_text(
+        json.dumps({**config, "intermediate_size": config["intermediate_size"] + 8})
+    )
+    text = tmp_path / "heldout.txt"
+    text.write_text("hello world " * 50)
+    done = run_cli(
+        "eval", merged, "--eval-file", text, "--device", "cpu", "-o", tmp_path / "e.json", cwd=tmp_path
+    )
+    assert "does not load" in _error(done) and "Traceback" not in done.stderr

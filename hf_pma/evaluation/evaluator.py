@@ -405,6 +405,9 @@ def load_model_for_eval(
         raise custom_code_error(name, err) or FileNotFoundError(
             f"model {name} is not readable: {err}"
         ) from None
+    except RuntimeError as err:  # a config.json whose shapes disagree with the weights (size mismatch)
+        first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        raise ValueError(f"model {escape(name)} does not load: {escape(first.strip())}") from None
     check_tokenizer(loaded.get_input_embeddings().weight.shape[0], tok, name, tok_name)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     loaded.to(device).eval()

@@ -52,6 +52,7 @@ from hf_pma.utils.distributed import check_folder_shared, is_peft_model, run_on_
 from hf_pma.utils.fs import FolderClaim
 from hf_pma.utils.logs import notice
 from hf_pma.utils.parsing import parse_dtype, parse_size
+from hf_pma.utils.text import escape
 
 logger = logging.get_logger(__name__)
 
@@ -426,6 +427,11 @@ class PMACallback(TrainerCallback, ExportableState):
         again (the claim is re-entrant within one process)."""
         if self._run_claim is not None and self._run_claim.folder != self._pma_dir:
             self._release_folder()
+        if self._pma_dir.is_symlink():  # snapshots, manifest and deletions would land wherever it points
+            raise ValueError(
+                f"snapshot folder {escape(self._pma_dir)} is a symbolic link; hf-pma writes snapshots only into a "
+                "real folder inside output_dir (remove the link, or set output_dir to where it points)"
+            )
         if self._run_claim is None:
             self._run_claim = FolderClaim(self._pma_dir, what="snapshot folder", busy="is in use by another training")
         with contextlib.suppress(OSError):  # the claim file lies beside the folder (a file there: the sink says so)
