@@ -45,6 +45,7 @@ from hf_pma.utils.fs import (
 from hf_pma.utils.text import escape, shown
 
 __all__ = [
+    "TOKENIZER_FILES",
     "check_eval_results",
     "MANIFEST_NAME",
     "SNAPSHOT_RECORD_NAME",
@@ -103,12 +104,8 @@ ANNEALED_DIR = "annealed"
 ANNEAL_RECORD_NAME = "pma_anneal.json"
 PLOT_NAME = "pma_training.png"
 CARD_NAME = "README.md"
-# The files of a model folder besides its weights (config, tokenizer, processor): what a merge
-# copies from its newest source, and what is downloaded with a Hub revision's weights.
-MODEL_SUPPORT_FILES = (
-    "config.json",
-    "generation_config.json",
-    "adapter_config.json",
+# The files of a tokenizer: a merge copies them from one folder, named in its record.
+TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -120,6 +117,14 @@ MODEL_SUPPORT_FILES = (
     "added_tokens.json",
     "chat_template.jinja",
     "chat_template.json",
+)
+# The files of a model folder besides its weights (config, tokenizer, processor): what a merge
+# copies from its newest source, and what is downloaded with a Hub revision's weights.
+MODEL_SUPPORT_FILES = (
+    "config.json",
+    "generation_config.json",
+    "adapter_config.json",
+    *TOKENIZER_FILES,
     "preprocessor_config.json",
     "processor_config.json",
 )

@@ -25,6 +25,7 @@ from hf_pma.core.manifest import (
     MANIFEST_NAME,
     MAX_RECORD_INT,
     PMA_SUBDIR,
+    TOKENIZER_FILES,
     find_manifest,
     manifest_snapshots,
     missing_snapshot_error,
@@ -116,20 +117,6 @@ MEANING_FIELDS = (
 _ADAPTER_FIELDS = ("peft_type", "lora_alpha", "use_rslora", "use_dora", "target_modules")
 # Sub-configurations of composite models, compared field by field the same way.
 _NESTED_CONFIGS = ("text_config", "vision_config", "audio_config", "encoder", "decoder")
-# The files of a tokenizer: the merge copies them from one folder, named in its record.
-TOKENIZER_FILES = (
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "special_tokens_map.json",
-    "vocab.json",
-    "vocab.txt",
-    "merges.txt",
-    "tokenizer.model",
-    "spiece.model",
-    "added_tokens.json",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 
 
 def _is_file_name(name: object) -> bool:

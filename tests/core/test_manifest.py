@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import re
-import sys
 import tempfile
 import traceback
 from pathlib import Path
@@ -34,6 +32,7 @@ from hf_pma.core.manifest import (
     write_manifest,
 )
 from hf_pma.merging.sources import open_all, resolve_sources
+from tests.audit import AuditWatch
 
 
 def snapshot_folder(folder: Path, record: SnapshotRecord) -> None:
@@ -455,48 +454,6 @@ def _apply(data: dict, changes: list) -> dict:
     return data
 
 
-class _Watch:
-    """Records every file opened, listed, renamed or removed under a folder (Python audit events)."""
-
-    installed: list[_Watch] = []
-
-    def __init__(self, folder: Path) -> None:
-        self.folder = str(folder.resolve())
-        self.touched: list[tuple[str, str]] = []
-
-    def __enter__(self) -> _Watch:
-        if not _Watch.installed:
-            sys.addaudithook(_Watch._hook)
-            _Watch.installed.append(None)
-        _Watch.installed.append(self)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        _Watch.installed.remove(self)
-
-    @staticmethod
-    def _hook(event: str, args: tuple) -> None:
-        if event not in (
-            "open",
-            "os.listdir",
-            "os.scandir",
-            "os.rename",
-            "os.remove",
-            "os.rmdir",
-            "shutil.rmtree",
-        ):
-            return
-        for watch in _Watch.installed[1:]:
-            for arg in args[:2]:
-                if isinstance(arg, (str, bytes, os.PathLike)) and not isinstance(arg, int):
-                    try:
-                        resolved = os.path.realpath(os.fsdecode(arg))
-                    except (ValueError, TypeError):
-                        continue
-                    if resolved == watch.folder or resolved.startswith(watch.folder + os.sep):
-                        watch.touched.append((event, resolved))
-
-
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_fuzzed_manifests_give_one_line_errors_and_never_touch_outside(data):
@@ -515,7 +472,7 @@ def test_fuzzed_manifests_give_one_line_errors_and_never_touch_outside(data):
         except ValueError:  # not representable as JSON text (a lone surrogate): not a file anyone wrote
             return
         before = tree(victim)
-        with _Watch(victim) as watch:
+        with AuditWatch(victim) as watch:
             for call in (
                 lambda: manifest_snapshots(pma),
                 lambda: read_manifest(pma),
