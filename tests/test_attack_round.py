@@ -289,3 +289,70 @@ def test_eval_of_a_config_whose_shapes_disagree_with_the_weights_is_one_line(tmp
         "eval", merged, "--eval-file", text, "--device", "cpu", "-o", tmp_path / "e.json", cwd=tmp_path
     )
     assert "does not load" in _error(done) and "Traceback" not in done.stderr
+
+
+def test_compare_refuses_an_annealed_folder_linking_out_of_its_run(run, tmp_path, tiny_tokenizer):
+    # run/annealed/ linked to another folder's model and record: compare evaluated that model as the run's.
+    other = tmp_path / "other"
+    shutil.copytree(run, other, symlinks=True)
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(run / "pma" / "snapshot-3000", elsewhere)
+    (elsewhere / "pma_anneal.json").write_text(json.dumps({"end_tokens": 3000}))
+    (run / "annealed").symlink_to(elsewhere)
+    tiny_tokenizer.save_pretrained(tmp_path / "tok")
+    text = tmp_path / "heldout.txt"
+    text.write_text("hello world " * 50)
+    done = run_cli("compare", run, other, "--eval-file", text, "--tokenizer", tmp_path / "tok", "-q")
+    assert _error(done).endswith(
+        f"{run / 'annealed'} is a symbolic link to outside the folder {run.resolve()}"
+    )
+
+
+def test_an_anneal_record_that_is_a_fifo_or_counts_past_any_run_is_refused(tmp_path):
+    from hf_pma.analysis.comparison import read_anneal_record
+
+    folder = tmp_path / "annealed"
+    folder.mkdir()
+    os.mkfifo(folder / "pma_anneal.json")  # was taken for no record (the run's own tokens used)
+    with pytest.raises(ValueError, match="is not a regular file"):
+        read_anneal_record(folder)
+    (folder / "pma_anneal.json").unlink()
+    (folder / "pma_anneal.json").write_text('{"end_tokens": ' + "9" * 400 + "}")
+    with pytest.raises(ValueError, match="end_tokens should be a count, got 9999"):
+        read_anneal_record(folder)
+
+
+def test_the_card_refuses_a_comparison_of_the_wrong_shape_in_one_line(tmp_path, tiny_tokenizer):
+    merged = write_merged_folder(tmp_path, tiny_tokenizer, careless=False)
+    record = json.loads((merged / "pma_eval.json").read_text())
+    models = {"last snapshot": {"loss": 3.0}}
+    for comparison, what in (  # the first two were a TypeError's traceback
+        ({"reference": ["last"], "models": models}, "['comparison']['reference'] should be a model label"),
+        ({"annealed": {"a": 1}, "models": models}, "['comparison']['annealed'] should be a model label"),
+        ({"models": {"x": [1]}}, "['comparison']['models']['x'] should be an object"),
+        ([1, 2], "'comparison' should be an object"),
+    ):
+        (merged / "pma_eval.json").write_text(json.dumps({**record, "comparison": comparison}))
+        line = _error(run_cli("card", merged, "--no-plot"))
+        assert what in line, line
+
+
+def test_the_annealed_fork_refuses_an_output_folder_that_is_a_link(tmp_path):
+    from transformers import Trainer, TrainingArguments
+
+    from hf_pma.training.annealing import anneal_from_checkpoint
+
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    # An earlier fork's record: the fork trained into the folder the link points to.
+    (victim / "pma_anneal.json").write_text("{}")
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "annealed").symlink_to(victim)
+    args = TrainingArguments(output_dir=str(out), lr_scheduler_type="constant", report_to=[])
+    trainer = Trainer(make_tiny_model(), args)
+    with pytest.raises(
+        ValueError, match="annealed is a symbolic link; the annealed fork writes only into a real"
+    ):
+        anneal_from_checkpoint(trainer, out / "checkpoint-6", steps=2)
+    assert sorted(p.name for p in victim.iterdir()) == ["pma_anneal.json"]

@@ -39,7 +39,7 @@ from hf_pma.analysis.comparison import read_anneal_record
 from hf_pma.core.manifest import ANNEALED_DIR
 from hf_pma.core.selection import window_by_progress
 from hf_pma.core.strategies import merge_weights
-from hf_pma.io.guarded import JSON_LIMITS, read_bytes
+from hf_pma.io.guarded import JSON_LIMITS, check_folder, read_bytes
 from hf_pma.merging.sources import (
     CheckpointSource,
     check_same_model,
@@ -292,8 +292,9 @@ def _plan_annealed(
     run: Path, name: str, last: CheckpointSource, at_tokens: int, is_end: bool
 ) -> tuple[CheckpointSource | None, str | None]:
     folder = run / ANNEALED_DIR
-    if not folder.is_dir():
+    if not (folder.is_dir() or folder.is_symlink()):
         return None, None
+    check_folder(folder, run)  # a link out of the run: another folder's model and record
     source = model_source(folder)
     check_same_model([source, last])  # another architecture: one line now, not a failed load later
     tokens = _anneal_tokens(folder, source)

@@ -48,6 +48,7 @@ __all__ = [
 logger = get_logger(__name__)
 
 COMPARISON_KEY = "comparison"  # its key in pma_eval.json
+_MAX_COUNT = 2**63  # a count of steps or tokens past this cannot come from a run
 
 
 @dataclass(frozen=True)
@@ -203,14 +204,16 @@ def read_anneal_record(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
     from hf_pma.io.guarded import read_json
 
     path = Path(folder) / ANNEAL_RECORD_NAME
-    if not (path.is_file() or path.is_symlink()):  # a link is read (and refused) by the one way in
+    if not os.path.lexists(path):  # a link, a FIFO or a folder there is read (and refused) by the one way in
         return None
     record = read_json(path, folder, kind="record")
     if not isinstance(record, dict):
         raise ValueError(f"{escape(path)}: expected an object")
     for key in ("start_step", "start_tokens", "end_step", "end_tokens", "steps", "tokens"):
         value = record.get(key)
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < _MAX_COUNT
+        ):
             raise ValueError(f"{escape(path)}: {key} should be a count, got {shown(value)}")
     if record.get("decay_type") is not None and record["decay_type"] not in DECAY_SHAPES:
         raise ValueError(f"{escape(path)}: decay_type should be one of {', '.join(DECAY_SHAPES)}")

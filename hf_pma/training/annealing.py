@@ -272,6 +272,12 @@ def anneal_from_checkpoint(
             f"the annealed fork needs a constant-LR run to fork from (lr_scheduler_type constant or "
             f"constant_with_warmup), got lr_scheduler_type {schedule_name(args)}"
         )
+    out = Path(output_dir) if output_dir is not None else Path(args.output_dir) / ANNEALED_DIR
+    if out.is_symlink():  # the model and its record would land wherever it points
+        raise ValueError(
+            f"{escape(out)} is a symbolic link; the annealed fork writes only into a real folder (remove the "
+            "link, or give output_dir)"
+        )
     checkpoint = Path(checkpoint)
     state = checkpoint_state(checkpoint)
     if not any(p.name.startswith(("optimizer", "global_step")) for p in checkpoint.iterdir()):
@@ -294,7 +300,6 @@ def anneal_from_checkpoint(
         raise ValueError(
             f"{escape(checkpoint)} is in the warmup (step {start}): fork from the constant-LR part"
         )
-    out = Path(output_dir) if output_dir is not None else Path(args.output_dir) / ANNEALED_DIR
     if out.exists() and any(out.iterdir()) and not (out / ANNEAL_RECORD_NAME).is_file():
         raise FileExistsError(
             f"{escape(out)} exists and holds no {ANNEAL_RECORD_NAME}: choose another output_dir"
