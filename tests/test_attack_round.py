@@ -356,3 +356,44 @@ def test_the_annealed_fork_refuses_an_output_folder_that_is_a_link(tmp_path):
     ):
         anneal_from_checkpoint(trainer, out / "checkpoint-6", steps=2)
     assert sorted(p.name for p in victim.iterdir()) == ["pma_anneal.json"]
+
+
+def test_an_online_average_resume_file_that_is_a_fifo_is_refused_not_restarted_empty(tmp_path):
+    from hf_pma.core.manifest import SnapshotRecord
+    from hf_pma.snapshots.sharded import ShardedOnlineAverageSink
+    from hf_pma.snapshots.sinks import ONLINE_STATE_NAME, OnlineAverageSink, ResumePoint, online_state_name
+
+    model = make_tiny_model(seed=0)
+    sink = ShardedOnlineAverageSink(tmp_path / "pma", online="sma", rank=0, world_size=1)
+    sink.open(None)
+    sink.take(model, SnapshotRecord(path="snapshot-100", tokens=100, step=1))
+    checkpoint = tmp_path / "checkpoint-1"
+    checkpoint.mkdir()
+    sink.save_checkpoint(checkpoint)
+    resume = ResumePoint(100, 1, checkpoint)
+    saved = checkpoint / online_state_name(0)
+    good = saved.read_bytes()
+    # The average's bookkeeping says a window started past any run's tokens: refused (was taken).
+    header_length = int.from_bytes(good[:8], "little")
+    header = json.loads(good[8 : 8 + header_length])
+    state = json.loads(header["__metadata__"]["online_state"])
+    header["__metadata__"]["online_state"] = json.dumps({**state, "window_start": 10**30})
+    text = json.dumps(header).encode()
+    saved.write_bytes(len(text).to_bytes(8, "little") + text + good[8 + header_length :])
+    with pytest.raises(ValueError, match="'window_start' is not a token count"):
+        ShardedOnlineAverageSink(tmp_path / "a", online="sma", rank=0, world_size=1).open(resume)
+    # A FIFO in place of the rank file or of an unsharded run's file: each sink restarted the average empty.
+    saved.unlink()
+    os.mkfifo(saved)
+    with pytest.raises(ValueError, match="pma_online-rank0.safetensors is not a regular file \\(a FIFO\\)"):
+        ShardedOnlineAverageSink(tmp_path / "b", online="sma", rank=0, world_size=1).open(resume)
+    with pytest.raises(ValueError, match="pma_online-rank0.safetensors is not a regular file \\(a FIFO\\)"):
+        OnlineAverageSink(tmp_path / "c", online="sma").open(resume)
+    saved.unlink()
+    os.mkfifo(checkpoint / ONLINE_STATE_NAME)
+    for sink in (
+        OnlineAverageSink(tmp_path / "d", online="sma"),
+        ShardedOnlineAverageSink(tmp_path / "e", online="sma", rank=0, world_size=1),
+    ):
+        with pytest.raises(ValueError, match="pma_online.safetensors is not a regular file \\(a FIFO\\)"):
+            sink.open(resume)

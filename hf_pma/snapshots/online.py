@@ -302,7 +302,7 @@ class OnlineAverage:
         self.update_weights = [float(w) for w in weights]
         for key in ("window_start", "last_tokens"):
             value = state.get(key)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63):
                 raise ValueError(f"{key!r} is not a token count")
             setattr(self, key, value)
         coef_sum = state.get("coef_sum", 0.0)

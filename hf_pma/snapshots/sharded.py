@@ -563,21 +563,25 @@ class ShardedOnlineAverageSink(OnlineAverageSink):
         path = folder / online_state_name(self.rank)
         first = folder / online_state_name(0)
         single = folder / ONLINE_STATE_NAME  # saved by an unsharded run
-        if not first.is_file() and not single.is_file():
+        # Present: anything there, even a FIFO or a link, which the one way in then refuses (never
+        # taken for "no average", which would restart it empty).
+        if not os.path.lexists(first) and not os.path.lexists(single):
             return None
-        average = OnlineAverage.load_state(path if path.is_file() else first if first.is_file() else single)
+        average = OnlineAverage.load_state(
+            path if os.path.lexists(path) else first if os.path.lexists(first) else single
+        )
         self.average.check_same_options(average, escape(path))
-        saved_world = average.metadata.get("world_size", "1" if not first.is_file() else None)
-        if saved_world == str(self.world_size) and first.is_file():
-            if not path.is_file():
+        saved_world = average.metadata.get("world_size", "1" if not os.path.lexists(first) else None)
+        if saved_world == str(self.world_size) and os.path.lexists(first):
+            if not os.path.lexists(path):
                 return None
             self._restore_own(path, average)
             return average.count
         # Another world size (or an unsharded run's average): every saved file, read by global offsets.
         if not (isinstance(saved_world, str) and saved_world.isdigit() and 0 < int(saved_world) <= 2**20):
             raise ValueError(f"hf-pma: {escape(path)} is not an hf-pma sharded online average: bad 'world_size'")
-        files = [folder / online_state_name(r) for r in range(int(saved_world))] if first.is_file() else [single]
-        missing = [f.name for f in files if not f.is_file()]
+        files = [folder / online_state_name(r) for r in range(int(saved_world))] if os.path.lexists(first) else [single]
+        missing = [f.name for f in files if not os.path.lexists(f)]
         if missing:
             raise ValueError(f"hf-pma: {escape(folder)} lacks {', '.join(missing[:3])} of the saved online average")
         average._average = {}  # read by this run's slices at warm_up

@@ -361,7 +361,7 @@ def _read_sharded_average(folder: Path, expected: OnlineAverage) -> OnlineAverag
     if not (world.isdigit() and 0 < int(world) <= 2**20):
         raise ValueError(f"hf-pma: {escape(first)} is not an hf-pma sharded online average: bad 'world_size'")
     files = [folder / online_state_name(r) for r in range(int(world))]
-    missing = [f.name for f in files if not f.is_file()]
+    missing = [f.name for f in files if not os.path.lexists(f)]
     if missing:
         raise ValueError(f"hf-pma: {escape(folder)} lacks {', '.join(missing[:3])} of the saved online average")
     average._average = {}
@@ -403,10 +403,12 @@ class OnlineAverageSink(SnapshotSink):
         if resume is not None:
             path = resume.checkpoint_dir / ONLINE_STATE_NAME
             ranks = resume.checkpoint_dir / online_state_name(0)
-            if not path.is_file() and ranks.is_file():  # saved by a sharded run: read by global offsets
+            # Present: anything there (a FIFO, a link), which the one way in then refuses. Only rank
+            # files: saved by a sharded run, read by global offsets.
+            if not os.path.lexists(path) and os.path.lexists(ranks):
                 self.average = _read_sharded_average(resume.checkpoint_dir, self.average)
                 logger.info(f"hf-pma: restored the online {self.average.kind} average of {self.average.count} snapshots")
-            elif path.is_file():
+            elif os.path.lexists(path):
                 restored = OnlineAverage.load_state(path)
                 self.average.check_same_options(restored, escape(path))
                 self.average = restored
