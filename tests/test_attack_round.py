@@ -327,10 +327,10 @@ def test_the_card_refuses_a_comparison_of_the_wrong_shape_in_one_line(tmp_path, 
     record = json.loads((merged / "pma_eval.json").read_text())
     models = {"last snapshot": {"loss": 3.0}}
     for comparison, what in (  # the first two were a TypeError's traceback
-        ({"reference": ["last"], "models": models}, "['comparison']['reference'] should be a model label"),
-        ({"annealed": {"a": 1}, "models": models}, "['comparison']['annealed'] should be a model label"),
-        ({"models": {"x": [1]}}, "['comparison']['models']['x'] should be an object"),
-        ([1, 2], "'comparison' should be an object"),
+        ({"reference": ["last"], "models": models}, "comparison['reference'] should be a model label"),
+        ({"annealed": {"a": 1}, "models": models}, "comparison['annealed'] should be a model label"),
+        ({"models": {"x": [1]}}, "comparison['models']['x'] should be an object"),
+        ([1, 2], "pma_eval.json: comparison should be an object"),
     ):
         (merged / "pma_eval.json").write_text(json.dumps({**record, "comparison": comparison}))
         line = _error(run_cli("card", merged, "--no-plot"))
@@ -397,3 +397,17 @@ def test_an_online_average_resume_file_that_is_a_fifo_is_refused_not_restarted_e
     ):
         with pytest.raises(ValueError, match="pma_online.safetensors is not a regular file \\(a FIFO\\)"):
             sink.open(resume)
+
+
+def test_eval_record_into_a_record_whose_comparison_the_card_refuses_fails_before_evaluating(
+    tmp_path, tiny_tokenizer
+):
+    merged = write_merged_folder(tmp_path, tiny_tokenizer, careless=False)
+    record = json.loads((merged / "pma_eval.json").read_text())
+    (merged / "pma_eval.json").write_text(json.dumps({**record, "comparison": {"reference": [1]}}))
+    text = tmp_path / "heldout.txt"
+    text.write_text("hello world " * 50)
+    # It evaluated and kept the comparison, which every card of the folder then refused.
+    done = run_cli("eval", merged, "--eval-file", text, "--device", "cpu", "--record", merged, cwd=tmp_path)
+    assert "pma_eval.json: comparison['reference'] should be a model label, found [1]" in _error(done)
+    assert json.loads((merged / "pma_eval.json").read_text())["results"] == record["results"]

@@ -46,6 +46,7 @@ from hf_pma.utils.text import escape, shown
 
 __all__ = [
     "TOKENIZER_FILES",
+    "check_eval_comparison",
     "check_eval_results",
     "MANIFEST_NAME",
     "SNAPSHOT_RECORD_NAME",
@@ -794,3 +795,31 @@ def check_eval_results(results: Any, what: str = "results") -> None:
                         f"{what}[{shown(label, 60)}][{shown(task, 60)}][{shown(metric, 60)}] is {shown(value, 60)}, "
                         "not a number or null"
                     )
+
+
+def check_eval_comparison(comparison: Any, what: str = "comparison") -> None:
+    """``ValueError`` unless ``comparison`` (the ``comparison`` of ``pma_eval.json``, written by
+    ``hf_pma.analysis.comparison.paired_comparison``) is absent (``None``) or an object whose
+    labels are strings (they key the card's rows), counts and shares numbers, ``models`` an object
+    of objects of numbers and ``anneal`` an object; ``what`` names it in the one-line error."""
+    if comparison is None:
+        return
+    if not isinstance(comparison, Mapping):
+        raise ValueError(f"{what} should be an object, found {shown(comparison, 60)}")
+    checks = [
+        (key, lambda v: isinstance(v, str), "a model label") for key in ("reference", "merge", "annealed")
+    ]
+    checks += [(key, _is_number, "a number") for key in ("documents", "tokens", "annealing_gain_recovered")]
+    checks += [(key, lambda v: isinstance(v, Mapping), "an object") for key in ("models", "anneal")]
+    for key, ok, expected in checks:
+        value = comparison.get(key)
+        if value is not None and not ok(value):
+            raise ValueError(f"{what}[{shown(key, 60)}] should be {expected}, found {shown(value, 60)}")
+    for label, row in (comparison.get("models") or {}).items():
+        where = f"{what}['models'][{shown(label, 60)}]"
+        if not isinstance(row, Mapping):
+            raise ValueError(f"{where} should be an object, found {shown(row, 60)}")
+        for key in ("loss", "per_token_loss", "loss_diff", "paired_stderr", "tokens"):
+            value = row.get(key)
+            if value is not None and not _is_number(value):
+                raise ValueError(f"{where}[{shown(key, 60)}] should be a number, found {shown(value, 60)}")

@@ -26,7 +26,7 @@ import torch
 from tqdm.auto import tqdm
 from transformers.utils import logging
 
-from hf_pma.core.manifest import EVAL_RECORD_NAME, check_eval_results
+from hf_pma.core.manifest import EVAL_RECORD_NAME, check_eval_comparison, check_eval_results
 from hf_pma.evaluation.harness import flatten_lm_eval_results, jsonable, load_task_manager, run_lm_eval
 from hf_pma.evaluation.model_checks import (
     LOAD_KWARGS,
@@ -575,6 +575,7 @@ def read_eval_record(folder: str | os.PathLike[str]) -> dict[str, Any]:
             f"{escape(path)} should hold an object with a 'results' object (label -> task -> metric)"
         )
     check_eval_results(data["results"], f"{escape(path)}: results")
+    check_eval_comparison(data.get("comparison"), f"{escape(path)}: comparison")  # the card reads it
     return data
 
 

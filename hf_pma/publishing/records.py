@@ -26,6 +26,7 @@ from hf_pma.core.manifest import (
     MERGE_RECORD_NAME,
     PMA_SUBDIR,
     TRAINING_RECORD_NAME,
+    check_eval_comparison,
     check_eval_results,
     read_manifest,
 )
@@ -225,27 +226,6 @@ def _check_merge_record(path: Path, data: dict[str, Any]) -> None:
             _check_field(path, source, key, lambda v: isinstance(v, str), "a string", f"sources[{i}]")
 
 
-def _check_comparison(path: Path, comparison: Any) -> None:
-    # The paired comparison of pma_eval.json (analysis.comparison.paired_comparison): its labels
-    # are names (they key the table's rows), its values numbers, its parts objects.
-    if comparison is None:
-        return
-    if not isinstance(comparison, dict):
-        raise ValueError(f"{escape(path)}: 'comparison' should be an object, found {shown(comparison, 80)}")
-    for key in ("reference", "merge", "annealed"):
-        _check_field(path, comparison, key, lambda v: isinstance(v, str), "a model label", "['comparison']")
-    for key in ("documents", "tokens", "annealing_gain_recovered"):
-        _check_field(path, comparison, key, _is_number, "a number", "['comparison']")
-    for key in ("models", "anneal"):
-        _check_field(path, comparison, key, lambda v: isinstance(v, dict), "an object", "['comparison']")
-    for label, row in (comparison.get("models") or {}).items():
-        where = f"['comparison']['models'][{shown(label, 40)}]"
-        if not isinstance(row, dict):
-            raise ValueError(f"{escape(path)}: {where} should be an object, found {shown(row, 80)}")
-        for key in ("loss", "per_token_loss", "loss_diff", "paired_stderr", "tokens"):
-            _check_field(path, row, key, _is_number, "a number", where)
-
-
 def _find_run_manifest(folder: Path) -> Path | None:
     # A merged folder made by a run sits at <output_dir>/pma/merged, beside the manifest.
     for candidate in (folder.parent / MANIFEST_NAME, folder.parent / PMA_SUBDIR / MANIFEST_NAME):
@@ -275,7 +255,9 @@ def load_records(folder: str | os.PathLike[str], require_merge: bool = True) -> 
     evaluation = _read_optional(folder / EVAL_RECORD_NAME, dict, ("results",))
     if evaluation is not None:
         check_eval_results(evaluation["results"], f"{escape(folder / EVAL_RECORD_NAME)}: results")
-        _check_comparison(folder / EVAL_RECORD_NAME, evaluation.get("comparison"))
+        check_eval_comparison(
+            evaluation.get("comparison"), f"{escape(folder / EVAL_RECORD_NAME)}: comparison"
+        )
     training = _read_optional(folder / TRAINING_RECORD_NAME, dict)
     if training is not None:
         history = training.get("log_history", [])
