@@ -142,3 +142,31 @@ def test_swapped_puts_the_merge_in_and_the_live_weights_back(tmp_path):
     assert all(torch.equal(inside[k], merged[k]) for k in merged)
     assert not torch.equal(inside["model.norm.weight"], before["model.norm.weight"])
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_swapped_online_average_and_gradient_accumulation(tmp_path):
+    """With ``online='sma'`` the swap puts the running average in; with gradient accumulation
+    every micro-batch's tokens count, and only the steps that end an optimizer step advance."""
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = make_tiny_model(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    pma = PMASnapshots(
+        model, accelerator, optimizer=optimizer, output_dir=tmp_path, interval_tokens=INTERVAL, online="sma"
+    )
+    for batch in batches():
+        with accelerator.accumulate(model):
+            accelerator.backward(model(**batch).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        pma.step(batch=batch)
+    assert (pma.global_step, pma.tokens) == (STEPS // 2, STEPS * BATCH * SEQ)
+    average = pma.callback.online_state_dict()
+    assert pma.callback.online_count == STEPS // 2 and "model.norm.weight" in average
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pma.swapped(model):
+        inside = {k: v.clone() for k, v in model.state_dict().items()}
+    assert all(torch.equal(inside[k], average[k].to(inside[k].dtype)) for k in average)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    pma.end()
+    assert (tmp_path / "pma" / "online-sma" / "config.json").is_file()
