@@ -12,7 +12,7 @@ from hf_pma.merging.engine import merge_state_dict
 from hf_pma.snapshots.callback import PMACallback
 from hf_pma.snapshots.loop import PMASnapshots
 from tests.dist.pma_common import TokenDataset, pad_collate
-from tests.testing_utils import make_tiny_model, quiet_args, run_cli
+from tests.testing_utils import launch, make_tiny_model, quiet_args, rank_reports, run_cli
 
 STEPS = 6
 BATCH = 4
@@ -170,3 +170,13 @@ def test_swapped_online_average_and_gradient_accumulation(tmp_path):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     pma.end()
     assert (tmp_path / "pma" / "online-sma" / "config.json").is_file()
+
+
+def test_two_processes_under_accelerate_launch(tmp_path):
+    """DDP over 2 CPU processes: tokens summed over both, the same snapshots, a mergeable folder."""
+    launch("loop_snapshots.py", "--out", tmp_path, launcher="accelerate")
+    for report in rank_reports(tmp_path, 2):
+        assert report["tokens"] == STEPS * BATCH * SEQ and report["steps"] == STEPS and report["restored"]
+    assert tokens(tmp_path / "pma") == [INTERVAL, 2 * INTERVAL, 3 * INTERVAL]
+    result = run_cli("merge", tmp_path / "pma", "--last", "2", "-o", tmp_path / "merged")
+    assert result.returncode == 0, result.stderr
