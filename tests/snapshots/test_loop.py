@@ -3,6 +3,7 @@ bit-identical training, resume through ``save_state`` / ``load_state``, the swap
 
 from __future__ import annotations
 
+import pytest
 import torch
 from accelerate import Accelerator
 from transformers import Trainer, TrainingArguments
@@ -180,3 +181,31 @@ def test_two_processes_under_accelerate_launch(tmp_path):
     assert tokens(tmp_path / "pma") == [INTERVAL, 2 * INTERVAL, 3 * INTERVAL]
     result = run_cli("merge", tmp_path / "pma", "--last", "2", "-o", tmp_path / "merged")
     assert result.returncode == 0, result.stderr
+
+
+def test_plain_loop_without_accelerate_and_bad_calls(tmp_path):
+    """No Accelerator: ``tokens=`` given by hand, the automatic interval from ``max_steps``;
+    misuse is one ValueError line before anything is written."""
+    model = make_tiny_model(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    with pytest.raises(ValueError, match="interval_tokens, or max_steps"):
+        PMASnapshots(model, optimizer=optimizer, output_dir=tmp_path)
+    with pytest.raises(ValueError, match="output_dir"):
+        PMASnapshots(model, optimizer=optimizer, interval_tokens=INTERVAL)
+    pma = PMASnapshots(model, optimizer=optimizer, output_dir=tmp_path, max_steps=STEPS, phases=("stable",))
+    with pytest.raises(ValueError, match="exactly one of batch"):
+        pma.step()
+    assert not (tmp_path / "pma").exists()
+    for batch in batches():
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        pma.step(tokens=batch["input_ids"].numel())
+    with pytest.raises(ValueError, match="before the first step"):
+        pma.load_state_dict(pma.state_dict())
+    pma.end()
+    manifest = read_manifest(tmp_path / "pma")
+    assert manifest["interval_choice"] and manifest["interval_tokens"] == pma.callback.interval_tokens
+    assert tokens(tmp_path / "pma") and all(
+        t % manifest["interval_tokens"] == 0 for t in tokens(tmp_path / "pma")
+    )
