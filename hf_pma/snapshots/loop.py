@@ -271,12 +271,7 @@ class PMASnapshots:
             return
         if self.accelerator is not None:
             self.accelerator.wait_for_everyone()  # every process sees the main process's manifest
-        listed = [folder for _, folder in cb.sink.snapshots()] if cb.sink is not None else []
-        from hf_pma.core.manifest import included_snapshots, snapshot_path
-
-        listed = (
-            [snapshot_path(cb.pma_dir, r) for r in included_snapshots(cb.pma_dir)] if not listed else listed
-        )
+        listed = [folder for _, folder in cb.snapshots()]  # every process reads the manifest
         if last is not None:
             last = positive_int_or_none(last, "last")
             listed = listed[-last:]

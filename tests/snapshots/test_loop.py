@@ -209,3 +209,15 @@ def test_plain_loop_without_accelerate_and_bad_calls(tmp_path):
     assert tokens(tmp_path / "pma") and all(
         t % manifest["interval_tokens"] == 0 for t in tokens(tmp_path / "pma")
     )
+
+
+def test_online_average_resumes_through_accelerate_state(tmp_path):
+    """The online average is saved into the ``save_state`` folder and restored by ``load_state``."""
+    kwargs = {"interval_tokens": INTERVAL, "phases": ("warmup", "stable", "decay"), "online": "sma"}
+    train(tmp_path / "full", kwargs)
+    train(tmp_path / "cut", kwargs, steps=range(5), save_at=3)
+    _, pma, _ = train(tmp_path / "cut", kwargs, steps=range(3, STEPS), resume_from=tmp_path / "cut" / "ckpt")
+    assert pma.callback.online_count == 3
+    a = merge_state_dict([tmp_path / "cut" / "pma" / "online-sma"])
+    b = merge_state_dict([tmp_path / "full" / "pma" / "online-sma"])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
