@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 from accelerate import Accelerator
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainingArguments, get_scheduler
 
 from hf_pma.core.manifest import manifest_snapshots, read_manifest
 from hf_pma.merging.engine import merge_state_dict
@@ -87,29 +87,63 @@ def test_loop_snapshots_merge_and_bit_identical_training(tmp_path):
 
 
 def test_loop_takes_the_trainers_snapshots(tmp_path):
-    """The same batches through a Trainer with PMACallback: snapshots at the same tokens and steps."""
-    data = batches()
+    """The same batches through a Trainer with the zero-argument PMACallback and through a loop
+    with PMASnapshots, on a warmup-stable-decay schedule: the same automatic interval, and
+    snapshots at the same tokens, steps, LRs and phases."""
+    steps, schedule = 2 * STEPS, {"num_warmup_steps": 2, "scheduler_specific_kwargs": {"num_decay_steps": 4}}
+    data = batches() * 2
     rows = [{"input_ids": row} for b in data for row in b["input_ids"]]
     args = TrainingArguments(
         output_dir=str(tmp_path / "trainer"),
-        max_steps=STEPS,
-        **{**quiet_args(), "per_device_train_batch_size": BATCH, "learning_rate": LR},
+        max_steps=steps,
+        **quiet_args(
+            per_device_train_batch_size=BATCH,
+            learning_rate=LR,
+            lr_scheduler_type="warmup_stable_decay",
+            warmup_steps=schedule["num_warmup_steps"],
+            lr_scheduler_kwargs=schedule["scheduler_specific_kwargs"],
+        ),
     )
     trainer = Trainer(
         model=make_tiny_model(seed=0),
         args=args,
         train_dataset=rows,
         data_collator=pad_collate,
-        callbacks=[PMACallback(interval_tokens=INTERVAL, phases=("warmup", "stable", "decay"))],
+        callbacks=[PMACallback()],
     )
     trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(rows)
     trainer.train()
-    train(tmp_path / "loop", {"interval_tokens": INTERVAL, "phases": ("warmup", "stable", "decay")})
+
+    accelerator = Accelerator(cpu=True)
+    model = make_tiny_model(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    lr_scheduler = get_scheduler("warmup_stable_decay", optimizer, num_training_steps=steps, **schedule)
+    model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
+    pma = PMASnapshots(
+        model,
+        accelerator,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        max_steps=steps,
+        output_dir=tmp_path / "loop",
+    )
+    for batch in data:
+        accelerator.backward(model(**batch).loss)
+        optimizer.step()
+        lr_scheduler.step()
+        optimizer.zero_grad()
+        pma.step(batch=batch)
+    pma.end()
+    ours, theirs = read_manifest(tmp_path / "loop" / "pma"), read_manifest(tmp_path / "trainer" / "pma")
+    assert ours["interval_choice"] and ours["interval_tokens"] == theirs["interval_tokens"]
     ours, theirs = (
         manifest_snapshots(tmp_path / "loop" / "pma"),
         manifest_snapshots(tmp_path / "trainer" / "pma"),
     )
-    assert [(r.tokens, r.step) for r in ours] == [(r.tokens, r.step) for r in theirs]
+    assert {r.phase for r in ours} == {"stable", "decay"}
+    assert [(r.tokens, r.step, r.lr, r.phase) for r in ours] == [
+        (r.tokens, r.step, r.lr, r.phase) for r in theirs
+    ]
 
 
 def test_loop_resume_through_accelerate_state(tmp_path):
