@@ -333,8 +333,7 @@ class PMACallback(TrainerCallback, ExportableState):
         self._raise_together(args, error)
         resume = None
         if resumed:
-            checkpoint_dir = Path(args.output_dir) / f"checkpoint-{state.global_step}"
-            resume = ResumePoint(int(state.num_input_tokens_seen), int(state.global_step), checkpoint_dir)
+            resume = ResumePoint(int(state.num_input_tokens_seen), int(state.global_step), self._checkpoint_dir(args, state))
         recorded = self._sink.open(resume)
         if recorded.get("interval_tokens"):
             adopted = self.schedule.adopt_interval(int(recorded["interval_tokens"]), recorded.get("interval_choice"))
@@ -399,7 +398,7 @@ class PMACallback(TrainerCallback, ExportableState):
 
     def on_save(self, args, state, control, **kwargs):
         self._commit(should_save=True)
-        self._sink.save_checkpoint(Path(args.output_dir) / f"checkpoint-{state.global_step}")
+        self._sink.save_checkpoint(self._checkpoint_dir(args, state))
 
     def on_train_end(self, args, state, control, model=None, **kwargs):
         try:
@@ -416,6 +415,10 @@ class PMACallback(TrainerCallback, ExportableState):
             self._release_folder()
 
     # ------------------------------------------------------------------ internals
+
+    def _checkpoint_dir(self, args: Any, state: Any) -> Path:
+        """The Trainer checkpoint folder of this optimizer step (saved to, or resumed from)."""
+        return Path(args.output_dir) / f"checkpoint-{state.global_step}"
 
     def _claim_folder(self) -> None:
         """Main process (the one that writes the manifest): hold the snapshot folder's claim from

@@ -1,0 +1,257 @@
+"""PMASnapshots in a plain ``accelerate`` loop (no Trainer): the same snapshots as PMACallback,
+bit-identical training, resume through ``save_state`` / ``load_state``, the swap context manager."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from accelerate import Accelerator
+from transformers import Trainer, TrainingArguments, get_scheduler
+
+from hf_pma.core.manifest import manifest_snapshots, read_manifest
+from hf_pma.merging.engine import merge_state_dict
+from hf_pma.snapshots.callback import PMACallback
+from hf_pma.snapshots.loop import PMASnapshots
+from tests.dist.pma_common import TokenDataset, pad_collate
+from tests.testing_utils import launch, make_tiny_model, quiet_args, rank_reports, run_cli
+
+STEPS = 6
+BATCH = 4
+SEQ = 16
+INTERVAL = 2 * BATCH * SEQ  # a snapshot every 2 steps
+LR = 3e-3
+
+
+def batches() -> list[dict]:
+    data = TokenDataset(n=STEPS * BATCH, seed=1)
+    return [pad_collate([data[i * BATCH + j] for j in range(BATCH)]) for i in range(STEPS)]
+
+
+def train(
+    out, pma_kwargs: dict | None = None, steps=range(STEPS), resume_from=None, save_at=None, swap_at=None
+):
+    """The loop of run_clm_no_trainer.py, on a tiny Llama: with PMASnapshots when ``pma_kwargs``."""
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = make_tiny_model(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    pma = None
+    if pma_kwargs is not None:
+        pma = PMASnapshots(model, accelerator, optimizer=optimizer, output_dir=out, **pma_kwargs)
+        accelerator.register_for_checkpointing(pma)
+    if resume_from is not None:
+        accelerator.load_state(resume_from)
+    data = batches()
+    swaps = []
+    for step in steps:
+        batch = data[step]
+        model.train()
+        loss = model(**batch).loss
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        if pma is not None:
+            pma.step(batch=batch)
+        if save_at is not None and step + 1 == save_at:
+            accelerator.save_state(out / "ckpt")
+        if swap_at is not None and step + 1 == swap_at:
+            before = {k: v.clone() for k, v in model.state_dict().items()}
+            with pma.swapped(model, last=2):
+                swaps.append({k: v.clone() for k, v in model.state_dict().items()})
+            swaps.append((before, {k: v.clone() for k, v in model.state_dict().items()}))
+    if pma is not None:
+        pma.end()
+    return model, pma, swaps
+
+
+def tokens(folder) -> list[int]:
+    return [r.tokens for r in manifest_snapshots(folder)]
+
+
+def test_loop_snapshots_merge_and_bit_identical_training(tmp_path):
+    plain, _, _ = train(tmp_path / "plain")
+    model, pma, _ = train(
+        tmp_path / "run", {"interval_tokens": INTERVAL, "phases": ("warmup", "stable", "decay")}
+    )
+    assert all(torch.equal(a, b) for a, b in zip(plain.state_dict().values(), model.state_dict().values()))
+    pma_dir = tmp_path / "run" / "pma"
+    assert pma.pma_dir == pma_dir
+    assert tokens(pma_dir) == [INTERVAL, 2 * INTERVAL, 3 * INTERVAL]
+    assert read_manifest(pma_dir)["interval_tokens"] == INTERVAL
+    last = manifest_snapshots(pma_dir)[-1]
+    assert last.step == STEPS and last.loss is not None
+    result = run_cli("merge", pma_dir, "--last", "2", "-o", tmp_path / "merged")
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / "merged" / "config.json").is_file()
+
+
+def test_loop_takes_the_trainers_snapshots(tmp_path):
+    """The same batches through a Trainer with the zero-argument PMACallback and through a loop
+    with PMASnapshots, on a warmup-stable-decay schedule: the same automatic interval, and
+    snapshots at the same tokens, steps, LRs and phases."""
+    steps, schedule = 2 * STEPS, {"num_warmup_steps": 2, "scheduler_specific_kwargs": {"num_decay_steps": 4}}
+    data = batches() * 2
+    rows = [{"input_ids": row} for b in data for row in b["input_ids"]]
+    args = TrainingArguments(
+        output_dir=str(tmp_path / "trainer"),
+        max_steps=steps,
+        **quiet_args(
+            per_device_train_batch_size=BATCH,
+            learning_rate=LR,
+            lr_scheduler_type="warmup_stable_decay",
+            warmup_steps=schedule["num_warmup_steps"],
+            lr_scheduler_kwargs=schedule["scheduler_specific_kwargs"],
+        ),
+    )
+    trainer = Trainer(
+        model=make_tiny_model(seed=0),
+        args=args,
+        train_dataset=rows,
+        data_collator=pad_collate,
+        callbacks=[PMACallback()],
+    )
+    trainer._get_train_sampler = lambda *a, **k: torch.utils.data.SequentialSampler(rows)
+    trainer.train()
+
+    accelerator = Accelerator(cpu=True)
+    model = make_tiny_model(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    lr_scheduler = get_scheduler("warmup_stable_decay", optimizer, num_training_steps=steps, **schedule)
+    model, optimizer, lr_scheduler = accelerator.prepare(model, optimizer, lr_scheduler)
+    pma = PMASnapshots(
+        model,
+        accelerator,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        max_steps=steps,
+        output_dir=tmp_path / "loop",
+    )
+    for batch in data:
+        accelerator.backward(model(**batch).loss)
+        optimizer.step()
+        lr_scheduler.step()
+        optimizer.zero_grad()
+        pma.step(batch=batch)
+    pma.end()
+    ours, theirs = read_manifest(tmp_path / "loop" / "pma"), read_manifest(tmp_path / "trainer" / "pma")
+    assert ours["interval_choice"] and ours["interval_tokens"] == theirs["interval_tokens"]
+    ours, theirs = (
+        manifest_snapshots(tmp_path / "loop" / "pma"),
+        manifest_snapshots(tmp_path / "trainer" / "pma"),
+    )
+    assert {r.phase for r in ours} == {"stable", "decay"}
+    assert [(r.tokens, r.step, r.lr, r.phase) for r in ours] == [
+        (r.tokens, r.step, r.lr, r.phase) for r in theirs
+    ]
+
+
+def test_loop_resume_through_accelerate_state(tmp_path):
+    kwargs = {"interval_tokens": INTERVAL, "phases": ("warmup", "stable", "decay")}
+    full, _, _ = train(tmp_path / "full", kwargs)
+    # A run that saves its state at step 3 and goes on to step 5 before it dies (its snapshot at
+    # step 4 lies past the saved state), then resumes from the state of step 3.
+    train(tmp_path / "cut", kwargs, steps=range(5), save_at=3)
+    assert tokens(tmp_path / "cut" / "pma") == [INTERVAL, 2 * INTERVAL]
+    resumed, pma, _ = train(
+        tmp_path / "cut", kwargs, steps=range(3, STEPS), resume_from=tmp_path / "cut" / "ckpt"
+    )
+    assert pma.tokens == STEPS * BATCH * SEQ and pma.global_step == STEPS
+    assert tokens(tmp_path / "cut" / "pma") == tokens(tmp_path / "full" / "pma")
+    assert all(torch.equal(a, b) for a, b in zip(full.state_dict().values(), resumed.state_dict().values()))
+    for ours, theirs in zip(
+        manifest_snapshots(tmp_path / "cut" / "pma"), manifest_snapshots(tmp_path / "full" / "pma")
+    ):
+        assert ours.step == theirs.step
+    a = merge_state_dict([tmp_path / "cut" / "pma"], last=2)
+    b = merge_state_dict([tmp_path / "full" / "pma"], last=2)
+    assert all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_swapped_puts_the_merge_in_and_the_live_weights_back(tmp_path):
+    kwargs = {"interval_tokens": INTERVAL, "phases": ("warmup", "stable", "decay")}
+    _, _, swaps = train(tmp_path / "run", kwargs, swap_at=5)
+    inside, (before, after) = swaps
+    taken = [tmp_path / "run" / "pma" / r.path for r in manifest_snapshots(tmp_path / "run" / "pma")]
+    merged = merge_state_dict(taken[:2])  # the two taken by step 5 (steps 2 and 4)
+    assert all(torch.equal(inside[k], merged[k]) for k in merged)
+    assert not torch.equal(inside["model.norm.weight"], before["model.norm.weight"])
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_swapped_online_average_and_gradient_accumulation(tmp_path):
+    """With ``online='sma'`` the swap puts the running average in; with gradient accumulation
+    every micro-batch's tokens count, and only the steps that end an optimizer step advance."""
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = make_tiny_model(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    pma = PMASnapshots(
+        model, accelerator, optimizer=optimizer, output_dir=tmp_path, interval_tokens=INTERVAL, online="sma"
+    )
+    for batch in batches():
+        with accelerator.accumulate(model):
+            accelerator.backward(model(**batch).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        pma.step(batch=batch)
+    assert (pma.global_step, pma.tokens) == (STEPS // 2, STEPS * BATCH * SEQ)
+    average = pma.callback.online_state_dict()
+    assert pma.callback.online_count == STEPS // 2 and "model.norm.weight" in average
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pma.swapped(model):
+        inside = {k: v.clone() for k, v in model.state_dict().items()}
+    assert all(torch.equal(inside[k], average[k].to(inside[k].dtype)) for k in average)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    pma.end()
+    assert (tmp_path / "pma" / "online-sma" / "config.json").is_file()
+
+
+def test_two_processes_under_accelerate_launch(tmp_path):
+    """DDP over 2 CPU processes: tokens summed over both, the same snapshots, a mergeable folder."""
+    launch("loop_snapshots.py", "--out", tmp_path, launcher="accelerate")
+    for report in rank_reports(tmp_path, 2):
+        assert report["tokens"] == STEPS * BATCH * SEQ and report["steps"] == STEPS and report["restored"]
+    assert tokens(tmp_path / "pma") == [INTERVAL, 2 * INTERVAL, 3 * INTERVAL]
+    result = run_cli("merge", tmp_path / "pma", "--last", "2", "-o", tmp_path / "merged")
+    assert result.returncode == 0, result.stderr
+
+
+def test_plain_loop_without_accelerate_and_bad_calls(tmp_path):
+    """No Accelerator: ``tokens=`` given by hand, the automatic interval from ``max_steps``;
+    misuse is one ValueError line before anything is written."""
+    model = make_tiny_model(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    with pytest.raises(ValueError, match="interval_tokens, or max_steps"):
+        PMASnapshots(model, optimizer=optimizer, output_dir=tmp_path)
+    with pytest.raises(ValueError, match="output_dir"):
+        PMASnapshots(model, optimizer=optimizer, interval_tokens=INTERVAL)
+    pma = PMASnapshots(model, optimizer=optimizer, output_dir=tmp_path, max_steps=STEPS, phases=("stable",))
+    with pytest.raises(ValueError, match="exactly one of batch"):
+        pma.step()
+    assert not (tmp_path / "pma").exists()
+    for batch in batches():
+        model(**batch).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        pma.step(tokens=batch["input_ids"].numel())
+    with pytest.raises(ValueError, match="before the first step"):
+        pma.load_state_dict(pma.state_dict())
+    pma.end()
+    manifest = read_manifest(tmp_path / "pma")
+    assert manifest["interval_choice"] and manifest["interval_tokens"] == pma.callback.interval_tokens
+    assert tokens(tmp_path / "pma") and all(
+        t % manifest["interval_tokens"] == 0 for t in tokens(tmp_path / "pma")
+    )
+
+
+def test_online_average_resumes_through_accelerate_state(tmp_path):
+    """The online average is saved into the ``save_state`` folder and restored by ``load_state``."""
+    kwargs = {"interval_tokens": INTERVAL, "phases": ("warmup", "stable", "decay"), "online": "sma"}
+    train(tmp_path / "full", kwargs)
+    train(tmp_path / "cut", kwargs, steps=range(5), save_at=3)
+    _, pma, _ = train(tmp_path / "cut", kwargs, steps=range(3, STEPS), resume_from=tmp_path / "cut" / "ckpt")
+    assert pma.callback.online_count == 3
+    a = merge_state_dict([tmp_path / "cut" / "pma" / "online-sma"])
+    b = merge_state_dict([tmp_path / "full" / "pma" / "online-sma"])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
