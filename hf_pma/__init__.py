@@ -21,7 +21,7 @@ _LAZY = {
     "read_manifest": "hf_pma.core.manifest",
     "SnapshotRecord": "hf_pma.core.manifest",
     "PMACallback": "hf_pma.snapshots.callback",
-    "PMASnapshots": "hf_pma.snapshots.loop",
+    "PMASnapshots": "hf_pma.training.loop",
     "SnapshotWriter": "hf_pma.snapshots.writer",
     "SnapshotSchedule": "hf_pma.core.schedule",
     "SnapshotSink": "hf_pma.snapshots.sinks",

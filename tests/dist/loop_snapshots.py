@@ -1,7 +1,7 @@
-"""Launched by tests/snapshots/test_loop.py under ``accelerate launch`` with 2 CPU processes.
+"""Launched by tests/training/test_loop.py under ``accelerate launch`` with 2 CPU processes.
 
-The loop of tests/snapshots/test_loop.py with DDP: every process trains on its half of each
-batch, :class:`hf_pma.snapshots.loop.PMASnapshots` sums the tokens over both. At step 5 the
+The loop of tests/training/test_loop.py with DDP: every process trains on its half of each
+batch, :class:`hf_pma.training.loop.PMASnapshots` sums the tokens over both. At step 5 the
 merge of the last 2 snapshots is swapped in on every process and the live weights put back.
 """
 
@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
-from hf_pma.snapshots.loop import PMASnapshots
-from tests.snapshots.test_loop import INTERVAL, LR, batches
+from hf_pma.training.loop import PMASnapshots
+from tests.training.test_loop import INTERVAL, LR, batches
 from tests.testing_utils import make_tiny_model
 
 

@@ -11,7 +11,7 @@ from transformers import Trainer, TrainingArguments, get_scheduler
 from hf_pma.core.manifest import manifest_snapshots, read_manifest
 from hf_pma.merging.engine import merge_state_dict
 from hf_pma.snapshots.callback import PMACallback
-from hf_pma.snapshots.loop import PMASnapshots
+from hf_pma.training.loop import PMASnapshots
 from tests.dist.pma_common import TokenDataset, pad_collate
 from tests.testing_utils import launch, make_tiny_model, quiet_args, rank_reports, run_cli
 
