@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -29,39 +28,20 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def run(args: argparse.Namespace) -> int:
     """Write the card; print its path."""
-    from hf_pma.core.manifest import CARD_NAME, PLOT_NAME
-    from hf_pma.publishing.card import build_model_card, write_model_card
+    from hf_pma.publishing.card import write_model_card
     from hf_pma.publishing.hub import check_repo_id
-    from hf_pma.utils.fs import check_output_file, hold_claim
 
     if args.repo_id is not None:
         check_repo_id(args.repo_id)
-    # Under the merged folder's claim, from the first read of a record to the card written: a
-    # merge --overwrite replacing the folder (it holds the claim until it is published) is waited
-    # for, and the card then describes the merge it stands beside.
-    with hold_claim(args.folder, what="merged folder"):
-        # Every check before the first byte: the records (read and checked), the card rendered
-        # from them, and the files it writes.
-        build_model_card(
-            args.folder,
-            repo_id=args.repo_id,
-            model_name=args.model_name,
-            license=args.license,
-            language=args.language,
-            template=args.template,
-        )
-        check_output_file(Path(args.folder) / CARD_NAME, "the model card")
-        if not args.no_plot:
-            check_output_file(Path(args.folder) / PLOT_NAME, "the training plot")
-        path = write_model_card(
-            args.folder,
-            repo_id=args.repo_id,
-            plot=not args.no_plot,
-            model_name=args.model_name,
-            license=args.license,
-            language=args.language,
-            template=args.template,
-        )
+    path = write_model_card(
+        args.folder,
+        repo_id=args.repo_id,
+        plot=not args.no_plot,
+        model_name=args.model_name,
+        license=args.license,
+        language=args.language,
+        template=args.template,
+    )
     from hf_pma.utils.text import write_line
 
     write_line(path)

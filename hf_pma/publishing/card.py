@@ -36,7 +36,7 @@ from hf_pma import __version__
 from hf_pma.core.manifest import CARD_NAME, PLOT_NAME, PMA_SUBDIR
 from hf_pma.publishing.records import FolderRecords, label_rank, load_records, sanitize_text
 from hf_pma.utils.formatting import format_metric, format_number, metric_label
-from hf_pma.utils.fs import atomic_write_text, hold_claim
+from hf_pma.utils.fs import atomic_write_text, check_output_file, hold_claim
 from hf_pma.utils.text import escape, markdown_text
 
 if TYPE_CHECKING:
@@ -644,12 +644,21 @@ def write_model_card(
 ) -> Path:
     """(Re)write ``README.md`` (the model card) in the merged ``folder``, and the plot first
     when ``plot`` and matplotlib is installed; returns the card's path. ``kwargs`` go to
-    :func:`build_model_card`."""
+    :func:`build_model_card`.
+
+    Under the folder's claim, from the first record read to the card written (a ``merge
+    --overwrite`` replacing the folder is waited for, and the card describes the merge it stands
+    beside). Every check comes before the first byte: the records, the card rendered from them,
+    and the places of the card and the plot (:func:`hf_pma.utils.fs.check_output_file`)."""
     folder = Path(folder)
-    with hold_claim(folder, what="merged folder"):  # the records read are those the card stands beside
+    with hold_claim(folder, what="merged folder"):
         records = load_records(folder)
+        build_model_card(folder, repo_id, records=records, **kwargs)  # raises on what it cannot render
+        check_output_file(folder / CARD_NAME, "the model card")
         if plot:
+            check_output_file(folder / PLOT_NAME, "the training plot")
             _try_plot(folder, records)
+        # Rendered again: the card shows the plot only when one was drawn.
         card = build_model_card(folder, repo_id, records=records, **kwargs)
         path = folder / CARD_NAME
         atomic_write_text(path, str(card))  # a crash never leaves half a card
