@@ -126,11 +126,6 @@ def custom_code_error(name: str, err: BaseException) -> CustomCodeError | None:
     return CustomCodeError(_custom_code_line(f"model {escape(name)}"))
 
 
-def _present(folder: Path, name: str) -> bool:
-    path = folder / name
-    return path.exists() or path.is_symlink()
-
-
 def check_no_custom_code(folder: str | os.PathLike[str]) -> None:
     """Refuse, in one line (:class:`CustomCodeError`), a model or tokenizer folder whose
     ``config.json`` or ``tokenizer_config.json`` declares custom code (``auto_map``). Both are
@@ -138,7 +133,7 @@ def check_no_custom_code(folder: str | os.PathLike[str]) -> None:
     folder is a one-line ``ValueError`` naming it."""
     folder = Path(folder)
     for name in _CODE_DECLARING_FILES:
-        if not _present(folder, name):
+        if not os.path.lexists(folder / name):
             continue
         data = read_json(folder / name, folder, kind="config")
         if not isinstance(data, dict):
@@ -156,7 +151,7 @@ def check_loadable_folder(folder: str | os.PathLike[str]) -> None:
     (:class:`hf_pma.io.safetensors.SafetensorsReader`). One-line ``ValueError`` naming the file."""
     folder = Path(folder)
     check_no_custom_code(folder)
-    names = [n for n in (*_LOADED_FILES, *_TOKENIZER_FILES) if _present(folder, n)]
+    names = [n for n in (*_LOADED_FILES, *_TOKENIZER_FILES) if os.path.lexists(folder / n)]
     # Whatever its name (a tokenizer class reads vocab.txt, source.spm, ...: no list holds them
     # all), a link or a special file at the folder's top with the suffix of a file a load may
     # read is checked too: a link leading out of the folder or a FIFO is refused before
@@ -174,7 +169,7 @@ def check_loadable_folder(folder: str | os.PathLike[str]) -> None:
             weight_map = index.get("weight_map") if isinstance(index, dict) else None
             if isinstance(weight_map, dict):
                 names += sorted(
-                    {v for v in weight_map.values() if isinstance(v, str) and _present(folder, v)}
+                    {v for v in weight_map.values() if isinstance(v, str) and os.path.lexists(folder / v)}
                 )
     for name in dict.fromkeys(names):
         check_file(folder / name, folder)
@@ -193,7 +188,7 @@ def _check_model_folder(path: Path) -> None:
     weights = find_weight_files(path)
     if weights is None and sharded_weight_files(path) is not None:  # a sharded snapshot
         weights = ("model", sharded_weight_files(path))
-    if _present(path, "config.json") and weights is not None and weights[0] == "model":
+    if os.path.lexists(path / "config.json") and weights is not None and weights[0] == "model":
         check_loadable_folder(path)  # a config.json that is a FIFO or a link out is named there
         return
     if (path / MANIFEST_NAME).is_file() or (path / PMA_SUBDIR / MANIFEST_NAME).is_file():

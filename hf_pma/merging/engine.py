@@ -339,18 +339,14 @@ def _support_files(newest: CheckpointSource, tokenizer: Path | None = _OWN_FOLDE
     files = [
         (newest.path / n, newest.confined_to)
         for n in SUPPORT_FILES
-        if n not in TOKENIZER_FILES and _present(newest.path / n)
+        if n not in TOKENIZER_FILES and os.path.lexists(newest.path / n)
     ]
     files += [(p, newest.confined_to) for p in sorted(newest.path.glob("*.py"))]
     folder = newest.path if tokenizer is _OWN_FOLDER else tokenizer
     if folder is not None:
         inside = newest.confined_to if folder in (newest.path, newest.root) else folder
-        files += [(folder / n, inside) for n in TOKENIZER_FILES if _present(folder / n)]
+        files += [(folder / n, inside) for n in TOKENIZER_FILES if os.path.lexists(folder / n)]
     return files
-
-
-def _present(path: Path) -> bool:
-    return path.exists() or path.is_symlink()
 
 
 def check_config_file(newest: CheckpointSource, tokenizer: Path | None = _OWN_FOLDER) -> list[str]:

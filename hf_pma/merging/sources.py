@@ -129,7 +129,7 @@ def _is_file_name(name: object) -> bool:
 def _present(path: Path) -> bool:
     """Whether something is at ``path`` (a file, a link, a FIFO, ...): what is there is then
     opened through :mod:`hf_pma.io.guarded`, which refuses anything but a regular file."""
-    return not path.is_dir() and (path.exists() or path.is_symlink())
+    return not path.is_dir() and os.path.lexists(path)
 
 
 def find_weight_files(folder: Path, root: Path | None = None) -> tuple[str, list[Path]] | None:

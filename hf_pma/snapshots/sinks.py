@@ -426,7 +426,7 @@ class OnlineAverageSink(SnapshotSink):
     def _check_target(self) -> None:
         """Main process: the final folder is absent or hf-pma's, and the snapshot folder writable."""
         target = self.target
-        if (target.exists() or target.is_symlink()) and not is_library_folder(target, MERGE_RECORD_NAME):
+        if os.path.lexists(target) and not is_library_folder(target, MERGE_RECORD_NAME):
             raise FileExistsError(
                 f"hf-pma: {escape(target)} exists and hf-pma did not write it (no {MERGE_RECORD_NAME} inside, or a "
                 "link); the online average saved at the end would replace it: move it or choose another output_dir"
