@@ -8,7 +8,6 @@ import json
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -41,7 +40,6 @@ from hf_pma.utils.fs import (
 )
 from tests.dist.pma_common import StopAt, TokenDataset, make_args, make_tiny_model, pad_collate
 from tests.snapshot_runs import noise_deviation, write_run
-from tests.testing_utils import REPO_ROOT, save_model_folder
 
 SEQ, BATCH = 16, 4
 TPS = SEQ * BATCH
@@ -122,36 +120,6 @@ def test_names_at_the_file_name_limit(small_run, tmp_path):
     assert main(["merge", str(small_run), "-o", str(out), "-q"]) == 0
     assert (out / "pma_merge.json").is_file()
     assert sorted(p.name for p in tmp_path.iterdir()) == [long_name]
-
-
-def test_ctrl_c_during_a_merge_leaves_no_temporary(tmp_path):
-    sources = [save_model_folder(tmp_path / f"s{i}", make_tiny_model(seed=i)) for i in range(2)]
-    out = tmp_path / "out" / "merged"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            str(REPO_ROOT / "tests" / "dist" / "merge_stall.py"),
-            *map(str, sources),
-            "-o",
-            str(out),
-            "-q",
-            "--workers",
-            "1",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        line = proc.stdout.readline()
-        assert line.startswith("STALLED "), line + proc.stderr.read()
-        proc.send_signal(signal.SIGINT)
-        proc.wait(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode != 0
-    assert list(out.parent.iterdir()) == []  # neither the half-written folder nor the claim
 
 
 # ---------------------------------------------------------------- places checked before any work
