@@ -38,7 +38,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from hf_pma.utils.text import escape
+from hf_pma.utils.text import escape, is_printable
 
 __all__ = [
     "JSON_LIMITS",
@@ -321,10 +321,6 @@ def copy_file(
         os.close(fd)
 
 
-def _bad_name(name: str) -> bool:
-    return not name.isprintable()
-
-
 def regular_files(folder: str | os.PathLike[str]) -> list[Path]:
     """Every regular file under ``folder``, as paths relative to it, sorted; for copying or uploading.
 
@@ -349,7 +345,7 @@ def regular_files(folder: str | os.PathLike[str]) -> list[Path]:
         for entry in listing:
             rel = rel_here / entry.name
             shown_path = escape(top / rel)
-            if _bad_name(entry.name):
+            if not is_printable(entry.name):
                 raise UnsafeFileError(f"{shown_path} has a control character in its name")
             mode = entry.stat(follow_symlinks=False).st_mode
             if stat.S_ISLNK(mode):

@@ -7,6 +7,8 @@ import os
 import re
 from pathlib import Path
 
+from hf_pma.utils.text import is_printable
+
 __all__ = ["check_revision_name", "looks_local"]
 
 # git's rules for a ref name (``git check-ref-format``), which the Hub follows for branches and tags.
@@ -28,7 +30,7 @@ def check_revision_name(revision: str, name: str = "revision") -> str:
         problem = "it is empty"
     elif _BAD_REF_CHARS.search(revision):
         problem = "it holds a space, a control character or one of ~ ^ : ? * [ \\"
-    elif not revision.isprintable():
+    elif not is_printable(revision):
         problem = "it holds a bidi override or another character that does not show as it is"
     elif ".." in revision or "@{" in revision or revision == "@":
         problem = "it holds '..' or '@{' (or is '@')"
