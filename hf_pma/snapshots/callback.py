@@ -96,6 +96,10 @@ class PMACallback(TrainerCallback, ExportableState):
             rank gathers the model; every hf-pma reader takes such folders, and
             ``hf-pma consolidate`` turns one into a plain model folder); otherwise (and for PEFT
             models, whose snapshots are their adapters) full folders. ``True``/``False`` force it.
+        online_device: where the online average lives: ``"cpu"`` (host memory; from CUDA the
+            weights are copied on a side stream and folded in off the training thread) or
+            ``"device"`` (a float32 copy on the weights' device, no host copy); see
+            :class:`hf_pma.snapshots.sinks.OnlineAverageSink`.
 
     The tokens come from the Trainer's ``state.num_input_tokens_seen``; counting is turned on
     (``"all"``) when ``include_num_input_tokens_seen`` is ``"no"``, and ``"non_padding"`` is
@@ -123,6 +127,7 @@ class PMACallback(TrainerCallback, ExportableState):
         online_window_tokens: int | None = None,
         max_disk_bytes: int | str | None = None,
         sharded: bool | str = "auto",
+        online_device: str = "cpu",
     ) -> None:
         if sharded not in (True, False, "auto"):
             raise ValueError(f"sharded must be True, False or 'auto', got {sharded!r}")
@@ -148,7 +153,9 @@ class PMACallback(TrainerCallback, ExportableState):
             online_alpha,
             half_life_tokens=online_half_life_tokens,
             window_tokens=online_window_tokens,
+            device=online_device,
         )
+        self.online_device = online_device
         self.online_alpha = float(online_alpha)
         self.online_half_life_tokens = online_half_life_tokens
         self.online_window_tokens = online_window_tokens
@@ -284,6 +291,7 @@ class PMACallback(TrainerCallback, ExportableState):
                 "online_window_tokens": self.online_window_tokens,
                 "max_disk_bytes": self.max_disk_bytes,
                 "sharded": self.sharded,
+                "online_device": self.online_device,
             },
             "attributes": {"resume_state": self.schedule.state()},
         }
@@ -473,6 +481,7 @@ class PMACallback(TrainerCallback, ExportableState):
                 alpha=self.online_alpha,
                 half_life_tokens=self.online_half_life_tokens,
                 window_tokens=self.online_window_tokens,
+                online_device=self.online_device,
                 **common,
             )
         if sharded:
