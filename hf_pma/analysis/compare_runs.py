@@ -38,7 +38,7 @@ from typing import Any
 from hf_pma.analysis.comparison import read_anneal_record
 from hf_pma.core.manifest import ANNEALED_DIR
 from hf_pma.core.selection import window_by_progress
-from hf_pma.core.strategies import merge_weights
+from hf_pma.core.strategies import merge_coefficients
 from hf_pma.io.guarded import JSON_LIMITS, check_folder, read_bytes
 from hf_pma.merging.sources import (
     CheckpointSource,
@@ -347,7 +347,7 @@ def _plan_window(
         if n > len(sources):
             origin += f"; only {len(sources)} snapshot(s) up to {sources[-1].tokens:,} tokens"
         indices = list(range(max(0, len(sources) - n), len(sources)))
-    weights = merge_weights(len(indices), strategy if len(indices) > 1 else "sma", alpha)
+    weights = merge_coefficients(len(indices), strategy if len(indices) > 1 else "sma", alpha)
     return indices, list(weights), origin
 
 
@@ -390,7 +390,7 @@ def plan_comparison(
     twice = next((r for i, r in enumerate(runs) if resolved[i] in resolved[:i]), None)
     if twice is not None:
         raise ValueError(f"run {escape(twice)} is given twice")
-    merge_weights(2, strategy, alpha)  # a bad strategy or alpha: one line now
+    merge_coefficients(2, strategy, alpha)  # a bad strategy or alpha: one line now
     try:
         import scipy  # noqa: F401  (Kendall's tau, the fit)
     except ImportError:

@@ -1,7 +1,7 @@
 """The paired comparison of a merge with the last snapshot and an annealed model.
 
 Every model is evaluated on the same held-out documents (the ``per_text`` details of
-:func:`hf_pma.evaluation.evaluator.evaluate_language_modeling`), so each document gives one
+:func:`hf_pma.evaluation.language_modeling.evaluate_language_modeling`), so each document gives one
 paired difference per model: the mean of those differences and its standard error say whether
 a model beats the reference (the last constant-LR snapshot) by more than the noise of the
 evaluation text. With an annealed model at the same tokens, the share of the annealing gain the
@@ -223,7 +223,7 @@ def read_anneal_record(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
 def write_comparison(merged_dir: str | os.PathLike[str], comparison: Mapping[str, Any]) -> Path:
     """Add ``comparison`` (a :func:`paired_comparison` record) to the evaluation record
     ``pma_eval.json`` of ``merged_dir`` (key ``comparison``, replacing an earlier one), where the
-    model card reads it; the record must exist (``hf_pma.evaluation.evaluator.write_eval_record``).
+    model card reads it; the record must exist (``hf_pma.evaluation.records.write_eval_record``).
     Read, update and replace under the folder's claim. Returns the record's path. Under several
     processes only the main process writes."""
     from hf_pma.core.manifest import EVAL_RECORD_NAME

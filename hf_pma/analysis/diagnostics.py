@@ -49,7 +49,7 @@ from tqdm.auto import tqdm
 from transformers.utils import logging
 
 from hf_pma.core.manifest import is_excluded, manifest_snapshots
-from hf_pma.core.strategies import merge_weights
+from hf_pma.core.strategies import merge_coefficients
 from hf_pma.io.sharded import sharded_weight_files
 from hf_pma.merging.sources import (
     CheckpointSource,
@@ -617,6 +617,6 @@ def plot_diagnostics(
 
 
 def strategy_weights(strategy: str, alpha: float = 0.2) -> Callable[[int], list[float]]:
-    """``n -> weights`` for a strategy name (a thin wrapper over :func:`hf_pma.core.strategies.merge_weights`)."""
-    merge_weights(2, strategy, alpha)  # fails now for a bad name or alpha
-    return lambda n: merge_weights(n, strategy if n > 1 else "sma", alpha)
+    """``n -> weights`` for a strategy name (a thin wrapper over :func:`hf_pma.core.strategies.merge_coefficients`)."""
+    merge_coefficients(2, strategy, alpha)  # fails now for a bad name or alpha
+    return lambda n: merge_coefficients(n, strategy if n > 1 else "sma", alpha)

@@ -32,7 +32,7 @@ import torch
 from transformers.utils import logging
 
 from hf_pma.core.selection import window_by_progress
-from hf_pma.core.strategies import merge_weights
+from hf_pma.core.strategies import merge_coefficients
 from hf_pma.evaluation.options import EvalOptions
 from hf_pma.merging.sources import CheckpointSource, resolve_sources, vanished_source_error
 from hf_pma.utils.formatting import format_number, markdown_table
@@ -133,7 +133,7 @@ def plan_sweep(
     if not strategies:
         raise ValueError("give at least one strategy")
     for strategy in strategies:
-        merge_weights(2, strategy, alpha)  # ValueError naming a bad strategy or alpha
+        merge_coefficients(2, strategy, alpha)  # ValueError naming a bad strategy or alpha
     if count < 1:
         raise ValueError("the run has no snapshot")
     combos, skipped = [], []
@@ -148,13 +148,13 @@ def plan_sweep(
                     )
                     continue
                 indices = tuple(range(first, count, k))
-                weights = tuple(merge_weights(n, strategy if n > 1 else "sma", alpha))
+                weights = tuple(merge_coefficients(n, strategy if n > 1 else "sma", alpha))
                 combos.append(Combination(n, k, strategy, indices, weights))
             strided = list(range(count - 1, -1, -k))[::-1]
             for span in window_tokens:
                 chosen = window_by_progress([tokens[i] for i in strided], span, "tokens")
                 indices = tuple(strided[i] for i in chosen)
-                weights = tuple(merge_weights(len(indices), strategy if len(indices) > 1 else "sma", alpha))
+                weights = tuple(merge_coefficients(len(indices), strategy if len(indices) > 1 else "sma", alpha))
                 combos.append(Combination(len(indices), k, strategy, indices, weights, window_tokens=span))
     return combos, skipped
 
@@ -202,7 +202,7 @@ class SweepEvaluator:
         texts: held-out texts (loss, perplexity, bits per byte).
         options: what else to run and how (:class:`~hf_pma.evaluation.options.EvalOptions`, or
             its fields as keywords: ``tasks=``, ``include_path=``, ``block_size=``...).
-        tokenizer: as :func:`hf_pma.evaluation.evaluator.load_model_for_eval` (default: the
+        tokenizer: as :func:`hf_pma.evaluation.loading.load_model_for_eval` (default: the
             skeleton's own, or its run folder's).
         device: where the model runs (default: cuda if available, else cpu).
         progress: show progress bars while evaluating.
@@ -219,7 +219,7 @@ class SweepEvaluator:
         progress: bool = False,
         **option_fields: Any,
     ) -> None:
-        from hf_pma.evaluation.evaluator import load_model_for_eval
+        from hf_pma.evaluation.loading import load_model_for_eval
 
         options = EvalOptions.build(options, **option_fields)
         if not texts and not options.tasks:
@@ -523,7 +523,7 @@ def write_best(
     ``pma_merge.json`` (plus the sweep's choice) and ``pma_eval.json`` (its results next to the
     last snapshot's)."""
     from hf_pma.core.manifest import MERGE_RECORD_NAME
-    from hf_pma.evaluation.evaluator import write_eval_record
+    from hf_pma.evaluation.records import write_eval_record
     from hf_pma.io.guarded import read_json
     from hf_pma.merging.engine import merge_checkpoints
     from hf_pma.utils.fs import atomic_write_json, hold_claim

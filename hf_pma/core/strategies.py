@@ -27,6 +27,7 @@ __all__ = [
     "ema_weights",
     "decay_emulation_weights",
     "normalize_weights",
+    "merge_coefficients",
     "merge_weights",
     "gradient_weights",
 ]
@@ -122,13 +123,14 @@ def normalize_weights(weights: Sequence[float]) -> list[float]:
 STRATEGIES = ("sma", "wma", "ema", "linear-decay", "cosine-decay", "1-sqrt-decay")
 
 
-def merge_weights(
+def merge_coefficients(
     n: int,
     strategy: str = "sma",
     alpha: float = 0.2,
     weights: Sequence[float] | None = None,
 ) -> list[float]:
-    """Weights of ``n`` snapshots (oldest first) for a strategy name, or explicit ``weights``.
+    """The coefficients ``w_1 .. w_n`` of a merge of ``n`` snapshots (oldest first) for a strategy
+    name, or explicit ``weights`` normalized: not merged model weights, the numbers that weigh them.
 
     Explicit ``weights`` win over ``strategy`` (pass ``strategy="custom"`` or any name) and must
     have one entry per snapshot.
@@ -155,4 +157,23 @@ def validate_strategy(strategy: str, alpha: float = 0.2, weights: Sequence[float
     if weights is not None:
         normalize_weights(weights)
     else:
-        merge_weights(2, strategy, alpha)
+        merge_coefficients(2, strategy, alpha)
+
+
+def merge_weights(
+    n: int,
+    strategy: str = "sma",
+    alpha: float = 0.2,
+    weights: Sequence[float] | None = None,
+) -> list[float]:
+    """Deprecated name of :func:`merge_coefficients` (it returns the merge's coefficients, not
+    merged weights); a ``FutureWarning``, then the same result."""
+    import warnings
+
+    warnings.warn(
+        "hf_pma.merge_weights is renamed merge_coefficients (it returns the merge's coefficients); "
+        "the old name will be removed in a later release",
+        FutureWarning,
+        stacklevel=2,
+    )
+    return merge_coefficients(n, strategy, alpha, weights)

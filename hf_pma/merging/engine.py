@@ -32,7 +32,7 @@ from hf_pma import __version__
 from hf_pma.core.manifest import MERGE_RECORD_NAME, MODEL_SUPPORT_FILES
 from hf_pma.core.outputs import check_overwrite_target
 from hf_pma.core.selection import check_window, snapshot_intervals
-from hf_pma.core.strategies import merge_weights, validate_strategy
+from hf_pma.core.strategies import merge_coefficients, validate_strategy
 from hf_pma.io.guarded import check_file, copy_file, read_json
 from hf_pma.io.safetensors import (
     DTYPE_ITEMSIZE,
@@ -256,7 +256,7 @@ def merge_state_dict(
     out_dtype = parse_dtype(dtype)
     validate_strategy(strategy, alpha, weights)  # before a Hub source is downloaded
     srcs = _as_sources(sources, last, window_tokens, window_steps, include_final)
-    coefs = merge_weights(len(srcs), strategy, alpha, weights)
+    coefs = merge_coefficients(len(srcs), strategy, alpha, weights)
     check_same_model(srcs, allow_different_configs)
     check_intervals(srcs)
     opened = open_all(srcs, raw=True)
@@ -671,7 +671,7 @@ def merge_checkpoints(
     output_dir = Path(output_dir)
     validate_strategy(strategy, alpha, weights)  # before a Hub source is downloaded
     srcs = _as_sources(sources, last, window_tokens, window_steps, include_final)
-    coefs = merge_weights(len(srcs), strategy, alpha, weights)
+    coefs = merge_coefficients(len(srcs), strategy, alpha, weights)
     window = _window_record(srcs, window_tokens, window_steps)
     tok_folder = tokenizer_folder(srcs, tokenizer)
     check_config_file(srcs[-1], tok_folder)

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from hf_pma.core.strategies import merge_weights
+from hf_pma.core.strategies import merge_coefficients
 from hf_pma.io.torch_adapters import DTYPE_FROM_SAFETENSORS
 from hf_pma.merging.chunks import DEFAULT_CHUNK_BYTES, TensorPlan, chunk_elements, chunk_tasks, run_chunks
 from hf_pma.merging.engine import validate_sources
@@ -260,7 +260,7 @@ class SliceSwap:
             if all(isinstance(s, CheckpointSource) for s in sources)
             else resolve_sources(list(sources))
         )
-        coefs = merge_weights(len(srcs), strategy, alpha, weights)
+        coefs = merge_coefficients(len(srcs), strategy, alpha, weights)
         check_same_model(srcs)  # one model: configurations compared before the first tensor
         self._slots: list[LocalSlot] = []
         self._backup: list[torch.Tensor] = []

@@ -381,7 +381,8 @@ def annealing_check(
     it. Returns ``evaluate_models``' report with ``comparison`` added (``None`` without ``texts``:
     the paired comparison is of held-out documents).
     """
-    from hf_pma.evaluation.evaluator import evaluate_models, write_eval_record
+    from hf_pma.evaluation.evaluator import evaluate_models
+    from hf_pma.evaluation.records import write_eval_record
 
     if trainer.pma_merged_dir is None:
         raise ValueError("no merged model: train with pma_merge_at_end (and at least one snapshot) first")

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from hf_pma.core.manifest import SnapshotRecord, write_manifest
-from hf_pma.core.strategies import STRATEGIES, merge_weights
+from hf_pma.core.strategies import STRATEGIES, merge_coefficients
 from hf_pma.io.safetensors import CheckpointFormatError
 from hf_pma.merging.engine import MergeError, merge_checkpoints, merge_state_dict
 from hf_pma.utils.parsing import parse_size
@@ -53,7 +53,7 @@ def _merged_state(folder: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_every_strategy_equals_direct_computation_fp32_sharded(fp32_sharded_run, tmp_path, strategy):
     out = merge_checkpoints(fp32_sharded_run, tmp_path / "merged", strategy=strategy, alpha=0.3, progress=False)
-    weights = merge_weights(4, strategy, alpha=0.3)
+    weights = merge_coefficients(4, strategy, alpha=0.3)
     reference = _reference(_model_states(4), weights)
     merged = _merged_state(out)
     assert set(merged) == set(reference) - {"lm_head.weight"}  # tied: stored once, as in the sources
@@ -81,7 +81,7 @@ def test_explicit_weights_and_float64_accumulation(fp32_sharded_run, tmp_path):
 def test_bf16_inputs_stay_bf16_and_round_correctly(tmp_path):
     folders = [save_model_folder(tmp_path / f"b{i}", make_tiny_model(seed=i, dtype=torch.bfloat16)) for i in range(3)]
     out = merge_checkpoints(folders, tmp_path / "m", strategy="ema", progress=False)
-    states, weights = _model_states(3, torch.bfloat16), merge_weights(3, "ema")
+    states, weights = _model_states(3, torch.bfloat16), merge_coefficients(3, "ema")
     reference = _reference(states, weights)
     for name, tensor in _merged_state(out).items():
         assert tensor.dtype == torch.bfloat16
@@ -146,7 +146,7 @@ def test_sources_are_ordered_by_tokens_and_last_n(fp32_sharded_run, tmp_path):
     out = merge_checkpoints(shuffled, tmp_path / "m", strategy="wma", last=3, progress=False)
     record = json.loads((out / "pma_merge.json").read_text())
     assert [s["name"] for s in record["sources"]] == ["snap1", "snap2", "snap3"]
-    reference = _reference(_model_states(4)[1:], merge_weights(3, "wma"))
+    reference = _reference(_model_states(4)[1:], merge_coefficients(3, "wma"))
     for name, tensor in _merged_state(out).items():
         torch.testing.assert_close(tensor.double(), reference[name], rtol=0, atol=2e-7)
     assert all(not os.path.isabs(s["path"]) for s in record["sources"])
