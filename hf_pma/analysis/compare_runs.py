@@ -37,7 +37,7 @@ from typing import Any
 
 from hf_pma.analysis.comparison import read_anneal_record
 from hf_pma.core.manifest import ANNEALED_DIR
-from hf_pma.core.selection import window_by_progress
+from hf_pma.core.selection import DEFAULT_WINDOW, window_by_progress
 from hf_pma.core.strategies import merge_coefficients
 from hf_pma.io.guarded import JSON_LIMITS, check_folder, read_bytes
 from hf_pma.merging.sources import (
@@ -71,8 +71,6 @@ __all__ = [
     "plot_fit",
 ]
 
-# The merge window of a run that records none: PMATrainingArguments.pma_window's default.
-DEFAULT_WINDOW = 10
 # What --fit may put on the x axis.
 FIT_AXES = ("params", "tokens", "compute")
 # The models compared per run, in table order, and their labels in the paired comparison record

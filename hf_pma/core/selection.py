@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
+    "DEFAULT_WINDOW",
     "WINDOW_UNITS",
     "WindowSpan",
     "window_by_progress",
@@ -27,6 +28,9 @@ __all__ = [
 ]
 
 WINDOW_UNITS = ("tokens", "steps")
+# The merge window, in snapshots, of a run that records none (PMATrainingArguments.pma_window's
+# default): what ``hf-pma inspect`` and ``hf-pma compare`` take then.
+DEFAULT_WINDOW = 10
 
 
 def check_window(
