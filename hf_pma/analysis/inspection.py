@@ -35,6 +35,7 @@ from hf_pma.io.guarded import read_json
 from hf_pma.merging.hub_revisions import parse_hub_spec
 from hf_pma.merging.sources import CheckpointSource, model_source, resolve_sources, run_layout
 from hf_pma.utils.logs import get_logger
+from hf_pma.utils.parsing import is_int
 
 logger = get_logger(__name__)
 
@@ -77,8 +78,8 @@ def run_window(run: str | os.PathLike[str]) -> tuple[int | None, int | None, str
             )
         else:
             tokens, count = record.get("pma_window_tokens"), record.get("pma_window")
-        tokens = tokens if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens > 0 else None
-        count = count if isinstance(count, int) and not isinstance(count, bool) and count > 0 else None
+        tokens = tokens if is_int(tokens, 1) else None
+        count = count if is_int(count, 1) else None
         if tokens or count:
             return count, tokens, where
     return None, None, None

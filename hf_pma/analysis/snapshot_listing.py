@@ -9,7 +9,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from hf_pma.core.manifest import is_excluded, manifest_snapshots
+from hf_pma.core.manifest import is_excluded, manifest_snapshots, snapshot_row
 from hf_pma.io.sharded import sharded_weight_files
 from hf_pma.merging.sources import CheckpointSource, find_weight_files, resolve_sources, run_layout
 from hf_pma.utils.formatting import format_bytes, format_number, text_table
@@ -51,18 +51,18 @@ def snapshot_rows(run: str | os.PathLike[str], include_final: bool = False) -> l
     for record in manifest_snapshots(manifest.parent):
         folder = manifest.parent / record.path
         rows.append(
-            {
-                "name": Path(record.path).name,
-                "tokens": record.tokens,
-                "step": record.step,
-                "lr": record.lr,
-                "phase": record.phase,
-                "loss": record.loss,
-                "bytes": _folder_bytes(folder) if folder.is_dir() else None,
-                "excluded": is_excluded(record),
-                "excluded_reason": record.extra.get("excluded_reason"),
-                "missing": not folder.is_dir(),
-            }
+            snapshot_row(
+                Path(record.path).name,
+                record.tokens,
+                record.step,
+                lr=record.lr,
+                phase=record.phase,
+                loss=record.loss,
+                num_bytes=_folder_bytes(folder) if folder.is_dir() else None,
+                excluded=is_excluded(record),
+                excluded_reason=record.extra.get("excluded_reason"),
+                missing=not folder.is_dir(),
+            )
         )
     if not rows:
         raise ValueError(f"the manifest {manifest} lists no snapshots yet")
@@ -74,18 +74,16 @@ def snapshot_rows(run: str | os.PathLike[str], include_final: bool = False) -> l
 def source_row(s: CheckpointSource) -> dict[str, Any]:
     """The row of one resolved source (a Trainer checkpoint, a final model, a Hub revision), as
     :func:`snapshot_rows` gives it: its record's learning rate, phase and loss when it has one."""
-    return {
-        "name": s.name,
-        "tokens": s.tokens,
-        "step": s.step,
-        "lr": s.record.get("lr"),
-        "phase": s.record.get("phase"),
-        "loss": s.record.get("loss"),
-        "bytes": s.num_bytes(),
-        "excluded": False,
-        "excluded_reason": None,
-        "missing": False,
-    }
+    record = s.record
+    return snapshot_row(
+        s.name,
+        s.tokens,
+        s.step,
+        lr=record.get("lr"),
+        phase=record.get("phase"),
+        loss=record.get("loss"),
+        num_bytes=s.num_bytes(),
+    )
 
 
 def snapshot_table(rows: Sequence[dict[str, Any]]) -> str:

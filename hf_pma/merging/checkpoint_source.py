@@ -27,6 +27,7 @@ from hf_pma.io.guarded import UnsafeFileError, read_json
 from hf_pma.io.safetensors import CheckpointFormatError
 from hf_pma.io.sharded import sharded_weight_files
 from hf_pma.merging.weight_files import CheckpointTensors, file_present, find_weight_files, open_weight_files
+from hf_pma.utils.parsing import is_int
 from hf_pma.utils.text import escape, shown
 
 __all__ = [
@@ -106,9 +107,7 @@ def _progress_of(folder: Path, root: Path | None = None) -> tuple[int | None, in
         step = state.get("global_step")
         tokens = state.get("num_input_tokens_seen") or None  # 0 means "not counted"
         for key, value in (("global_step", step), ("num_input_tokens_seen", tokens)):
-            if value is not None and (
-                not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_RECORD_INT
-            ):
+            if value is not None and not is_int(value, 0, MAX_RECORD_INT):
                 raise CheckpointFormatError(
                     f"{escape(state_path)}: '{key}' must be an integer from 0 to 2**63 - 1, got {shown(value, 60)}"
                 )
@@ -221,7 +220,7 @@ def recorded_interval(source: Any) -> int | None:
     record = getattr(source, "record", None) or {}
     extra = record.get("extra") if isinstance(record.get("extra"), dict) else {}
     for value in (extra.get("interval_tokens"), record.get("interval_tokens")):
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        if is_int(value, 1):
             return value
     return None
 

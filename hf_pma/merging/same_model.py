@@ -21,6 +21,7 @@ from hf_pma.merging.run_layouts import run_layout
 from hf_pma.merging.weight_files import file_present
 from hf_pma.utils.logs import get_logger
 from hf_pma.utils.names import looks_local
+from hf_pma.utils.parsing import is_int
 from hf_pma.utils.text import escape, shown
 
 logger = get_logger(__name__)
@@ -63,10 +64,6 @@ _ADAPTER_FIELDS = ("peft_type", "lora_alpha", "use_rslora", "use_dora", "target_
 _NESTED_CONFIGS = ("text_config", "vision_config", "audio_config", "encoder", "decoder")
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _rope(config: dict[str, Any]) -> tuple[Any, Any]:
     """``(rope_theta, the other RoPE settings)`` whichever way the configuration writes them
     (``rope_theta`` and ``rope_scaling`` at the top, as transformers 4 writes them, or
@@ -99,7 +96,7 @@ def _meaning(config: dict[str, Any], adapter: bool = False) -> dict[str, Any]:
     heads = config.get("num_attention_heads", config.get("n_head"))
     hidden = config.get("hidden_size", config.get("n_embd"))
     head_dim = config.get("head_dim")
-    if head_dim is None and _is_int(heads) and _is_int(hidden) and heads > 0:
+    if head_dim is None and is_int(heads, 1) and is_int(hidden):
         head_dim = hidden // heads
     if head_dim is not None:
         out["head size (head_dim or hidden_size/num_attention_heads)"] = head_dim

@@ -55,6 +55,7 @@ from hf_pma.merging.windows import (
     sources_span,
 )
 from hf_pma.utils.names import check_revision_name, looks_local
+from hf_pma.utils.parsing import check_int
 
 __all__ = [
     "resolve_sources",
@@ -118,9 +119,8 @@ def resolve_sources(
         inputs = [inputs]
     if not inputs:
         raise ValueError("no sources given")
-    for flag, value in (("--last", last), ("--every", every)):
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-            raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+    check_int(last, "last", allow_none=True)
+    check_int(every, "every", allow_none=True)
     check_window(window_tokens, window_steps, last)
     check_one_run(inputs, revisions)
     if revisions is not None and not any(

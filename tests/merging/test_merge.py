@@ -355,3 +355,18 @@ def test_peft_adapter_folders_merge_to_an_adapter(tmp_path):
     out = merge_checkpoints(folders, tmp_path / "m", progress=False)
     assert (out / "adapter_config.json").is_file() and not (out / "config.json").exists()
     assert torch.equal(load_file(out / "adapter_model.safetensors")["base_model.model.lora_A.weight"], torch.full((2, 4), 0.5))
+
+
+def test_merge_options_are_keywords(tmp_path):
+    """After the sources (and the output folder), every option of the merge functions is named:
+    ``merge_checkpoints(srcs, out, "wma")`` would silently read as another option."""
+    import inspect
+
+    from hf_pma.merging.engine import merge_state_dict
+
+    for fn, positional in ((merge_checkpoints, ["sources", "output_dir"]), (merge_state_dict, ["sources"])):
+        params = inspect.signature(fn).parameters.values()
+        assert [p.name for p in params if p.kind is not p.KEYWORD_ONLY] == positional
+    with pytest.raises(TypeError, match="positional"):
+        merge_checkpoints([tmp_path / "a", tmp_path / "b"], tmp_path / "m", "wma")
+    assert not (tmp_path / "m").exists()
