@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_pma.utils.logs import get_logger
+from hf_pma.utils.parsing import is_int
 from hf_pma.utils.text import escape, shown
 
 __all__ = [
@@ -211,9 +212,7 @@ def read_anneal_record(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
         raise ValueError(f"{escape(path)}: expected an object")
     for key in ("start_step", "start_tokens", "end_step", "end_tokens", "steps", "tokens"):
         value = record.get(key)
-        if value is not None and (
-            not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < _MAX_COUNT
-        ):
+        if value is not None and not is_int(value, 0, _MAX_COUNT - 1):
             raise ValueError(f"{escape(path)}: {key} should be a count, got {shown(value)}")
     if record.get("decay_type") is not None and record["decay_type"] not in DECAY_SHAPES:
         raise ValueError(f"{escape(path)}: decay_type should be one of {', '.join(DECAY_SHAPES)}")

@@ -37,6 +37,7 @@ from hf_pma.evaluation.options import EvalOptions
 from hf_pma.merging.sources import CheckpointSource, resolve_sources, vanished_source_error
 from hf_pma.utils.formatting import format_number, markdown_table
 from hf_pma.utils.fs import atomic_write_file
+from hf_pma.utils.parsing import check_int, is_number
 from hf_pma.utils.text import escape, plot_text
 
 logger = logging.get_logger(__name__)
@@ -94,11 +95,7 @@ class Combination:
 
 
 def _positive_ints(values: Sequence[int], what: str) -> list[int]:
-    out = []
-    for v in values:
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{what} must be positive integers, got {v!r}")
-        out.append(v)
+    out = [check_int(v, what) for v in values]
     if not out:
         raise ValueError(f"give at least one {what} value")
     return list(dict.fromkeys(out))
@@ -176,7 +173,7 @@ def lower_is_better(metric: str) -> bool:
 def _metric_value(results: Mapping[str, Mapping[str, Any]], metric: str) -> float | None:
     task, name = parse_metric(metric)
     value = (results.get(task) or {}).get(name)
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    return float(value) if is_number(value) else None
 
 
 def _default_metric(results: Mapping[str, Mapping[str, Any]]) -> str:

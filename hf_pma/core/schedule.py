@@ -20,6 +20,8 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from hf_pma.utils.parsing import check_int
+
 __all__ = [
     "PHASES",
     "DEFAULT_RTOL",
@@ -284,11 +286,9 @@ def choose_interval(
     ``max_interval_tokens`` (the ceiling, the paper's largest V). ``stable_steps`` is only
     recorded.
     """
-    for name, value in (("tokens_per_step", tokens_per_step), ("planned_steps", planned_steps)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if not isinstance(snapshot_steps, int) or isinstance(snapshot_steps, bool) or snapshot_steps < 0:
-        raise ValueError(f"snapshot_steps must be a non-negative integer, got {snapshot_steps!r}")
+    check_int(tokens_per_step, "tokens_per_step")
+    check_int(planned_steps, "planned_steps")
+    check_int(snapshot_steps, "snapshot_steps", 0)
     span = snapshot_steps if snapshot_steps > 0 else planned_steps
     target = snapshots_per_window * windows
     steps_between = span / target
@@ -316,12 +316,9 @@ def choose_interval(
 
 
 def positive_int_or_none(value: Any, name: str) -> int | None:
-    """``value`` when it is a positive integer or ``None``; a ``ValueError`` naming ``name`` otherwise."""
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-    return value
+    """``value`` when it is a positive integer or ``None``; a ``ValueError`` naming ``name`` otherwise
+    (:func:`hf_pma.utils.parsing.check_int`)."""
+    return check_int(value, name, allow_none=True)
 
 
 @dataclasses.dataclass(frozen=True)

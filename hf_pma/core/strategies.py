@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+from hf_pma.utils.parsing import check_int
+
 __all__ = [
     "STRATEGIES",
     "DECAY_SHAPES",
@@ -34,8 +36,7 @@ __all__ = [
 
 
 def _check_count(n: int) -> None:
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"the number of snapshots must be a positive integer, got {n!r}")
+    check_int(n, "the number of snapshots")
 
 
 def sma_weights(n: int) -> list[float]:

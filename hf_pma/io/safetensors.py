@@ -39,6 +39,7 @@ from typing import Any
 import numpy as np
 
 from hf_pma.io.guarded import open_file
+from hf_pma.utils.parsing import is_int
 from hf_pma.utils.text import escape, shown
 
 __all__ = [
@@ -139,7 +140,7 @@ class TensorInfo:
 
 
 def _is_count(value: Any, limit: int = _U64) -> bool:
-    return type(value) is int and 0 <= value <= limit
+    return is_int(value, 0, limit)
 
 
 class _TooManyTensors(Exception):

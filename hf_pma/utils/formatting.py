@@ -16,6 +16,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from hf_pma.utils.parsing import is_number
 from hf_pma.utils.text import escape
 
 __all__ = ["MISSING", "format_bytes", "format_number", "format_metric", "markdown_table", "metric_label", "text_table"]
@@ -37,7 +38,7 @@ def format_number(value: Any, spec: str | None = None, missing: str = MISSING) -
     """
     if value is None:
         return missing
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_number(value):
         return str(value)
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)

@@ -38,7 +38,7 @@ def test_plan_sweep_selects_every_kth_snapshot_from_the_newest():
     assert len({c.key() for c in combos}) == len(combos) - 5
     with pytest.raises(ValueError, match="unknown merge strategy 'median'"):
         plan_sweep(7, strategies=["median"])
-    with pytest.raises(ValueError, match="window must be positive"):
+    with pytest.raises(ValueError, match="window must be a positive integer, got 0"):
         plan_sweep(7, windows=[0, 3])
     assert (
         lower_is_better("lm/loss")
