@@ -236,7 +236,7 @@ def write_comparison(merged_dir: str | os.PathLike[str], comparison: Mapping[str
         raise ValueError("comparison: expected a paired_comparison record (with 'models')")
 
     def write() -> Path:
-        with hold_claim(folder, what="--record folder"):
+        with hold_claim(folder, what="record folder"):
             record = read_json(path, folder, kind="record")
             if not isinstance(record, dict):
                 raise ValueError(f"{escape(path)}: expected an object")

@@ -140,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
         )
     check_output_file(output, "--output")
     if args.record:
-        check_record_folder(args.record)
+        check_record_folder(args.record, "--record")
     texts = load_heldout(args)
 
     models, hub_labels = _hub_models(args)

@@ -291,7 +291,7 @@ class TaskDataUnreachableError(ConnectionError):
         needs = f"needs the dataset {dataset!r}" if dataset else "needs a dataset"
         super().__init__(
             f"lm-eval task {', '.join(self.tasks)} {needs} from the Hugging Face Hub, which is not reachable ({reason}); "
-            "to evaluate offline, use local YAML tasks (--include-path DIR, e.g. from `hf-pma make-tasks`), or a "
+            "to evaluate offline, use local YAML tasks (include_path=, --include-path DIR; e.g. from `hf-pma make-tasks`), or a "
             "local copy of the data: a task YAML whose dataset_path points to local files, or the datasets cache "
             "filled once while online"
         )

@@ -54,7 +54,7 @@ from hf_pma.utils.hub_client import (
 )
 from hf_pma.utils.logs import get_logger
 from hf_pma.utils.names import parse_hub_id
-from hf_pma.utils.parsing import is_int
+from hf_pma.utils.parsing import is_int, parameter_error
 from hf_pma.utils.text import escape, shown
 
 logger = get_logger(__name__)
@@ -177,14 +177,14 @@ def revision_matcher(pattern: str) -> tuple[re.Pattern[str], bool]:
     ``stage1-*``, ``step1[34]*``).
     """
     if not isinstance(pattern, str) or not pattern:
-        raise HubRevisionError(f"--revisions needs a non-empty pattern, got {pattern!r}")
+        raise parameter_error("revisions", f"needs a non-empty pattern, got {shown(pattern, 60)}", HubRevisionError)
     if pattern.startswith("re:") or (len(pattern) > 2 and pattern.startswith("/") and pattern.endswith("/")):
         source = pattern[3:] if pattern.startswith("re:") else pattern[1:-1]
         try:
             return re.compile(source), True
         except re.error as err:
-            raise HubRevisionError(
-                f"--revisions {pattern!r} is not a valid regular expression: {err}"
+            raise parameter_error(
+                "revisions", f"{shown(pattern, 120)} is not a valid regular expression: {err}", HubRevisionError
             ) from err
     return re.compile(fnmatch.translate(pattern)), False
 
@@ -407,7 +407,7 @@ def order_revisions(
         logger.warning(
             f"The names of {len(unknown)} revision(s) ({_examples(unknown)}) carry no step or token count: "
             f"ordering the {len(revisions)} revisions by commit date instead (name a step/tokens group in a "
-            f"--revisions regular expression to order them by their names)"
+            f"revisions regular expression (--revisions) to order them by their names)"
         )
         epoch = datetime.datetime.min.replace(tzinfo=datetime.timezone.utc)
         return sorted(revisions, key=lambda r: r.date or epoch)
@@ -432,9 +432,11 @@ def list_revisions(
     refs = _list_refs(api, repo_id)
     matched = [(n, k, c) for n, k, c in refs if (regex.search(n) if is_regex else regex.fullmatch(n))]
     if not matched:
-        raise HubRevisionError(
-            f"--revisions {pattern!r} matches none of the {len(refs)} branches and tags of {repo_id} "
-            f"({_examples(sorted(n for n, _, _ in refs)) or 'none'})"
+        raise parameter_error(
+            "revisions",
+            f"{shown(pattern, 120)} matches none of the {len(refs)} branches and tags of {repo_id} "
+            f"({_examples(sorted(n for n, _, _ in refs)) or 'none'})",
+            HubRevisionError,
         )
     by_commit: dict[str, HubRevision] = {}
     for name, _kind, commit in matched:
@@ -513,7 +515,7 @@ def check_disk_space(revisions: Sequence[HubRevision], cache_dir: str | Path | N
         raise NotEnoughDiskSpaceError(
             f"downloading {len(revisions)} revision(s) of {', '.join(repos)} needs {format_bytes(need)} ({need} bytes, "
             f"{count} files) in {folder} but only {format_bytes(free)} ({free} bytes) is free: free some space, pick fewer "
-            f"revisions (--last) or use another --cache-dir"
+            f"revisions (last=, --last) or use another cache folder (cache_dir=, --cache-dir)"
         )
     return need
 

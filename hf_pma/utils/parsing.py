@@ -1,6 +1,11 @@
 """Parse and check what users give: dtypes and sizes (``"bf16"``, ``"5GB"``), and the one check of
 "an integer, not a bool, in range" (:func:`is_int`, :func:`check_int`) and of "a number, not a
-bool" (:func:`is_number`), with errors naming the argument. Torch-free."""
+bool" (:func:`is_number`), with errors naming the argument. Torch-free.
+
+Errors in library words: a function names its own parameter (``last must be a positive
+integer, got 0``), through :func:`parameter_error`, which remembers the name; the ``hf-pma``
+command shows that name as its flag (``--last must be ...``: :func:`hf_pma.cli.flag_words`).
+"""
 
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ __all__ = [
     "FLOAT_DTYPE_NAMES",
     "check_int",
     "is_int",
+    "parameter_error",
     "is_number",
     "parse_dtype",
     "parse_dtype_name",
@@ -84,6 +90,16 @@ def parse_size(size: int | str, name: str = "size") -> int:
     return value
 
 
+def parameter_error(parameter: str, rest: str, kind: type[Exception] = ValueError) -> Exception:
+    """The error for a bad value of the parameter ``parameter``: ``kind(f"{parameter} {rest}")``
+    (``last must be a positive integer, got 0``), which remembers the name as its ``parameter``
+    attribute (kept when the error is pickled to the other ranks), so that the ``hf-pma``
+    command can show the name as its flag (``--last must be ...``)."""
+    err = kind(f"{parameter} {rest}")
+    err.parameter = parameter  # type: ignore[attr-defined]
+    return err
+
+
 def is_int(value: Any, minimum: int | None = None, maximum: int | None = None) -> bool:
     """Whether ``value`` is an ``int`` (``True`` and ``False`` are not: JSON and Python both let a
     bool pass as one) within ``minimum`` and ``maximum`` (each included; ``None``: no bound)."""
@@ -121,4 +137,4 @@ def check_int(
     if (value is None and allow_none) or is_int(value, minimum, maximum):
         return value
     either = " or None" if allow_none else ""
-    raise ValueError(f"{name} must be {_range_words(minimum, maximum)}{either}, got {shown(value, 60)}")
+    raise parameter_error(name, f"must be {_range_words(minimum, maximum)}{either}, got {shown(value, 60)}")

@@ -301,7 +301,7 @@ def test_non_empty_output_needs_overwrite_and_overwrite_replaces(tmp_path):
         merge_checkpoints(srcs, out, progress=False)
     assert (out / "keep.txt").read_text() == "user data"
     # overwrite replaces only a folder hf-pma wrote: not this one
-    with pytest.raises(FileExistsError, match="hf-pma did not write it"):
+    with pytest.raises(FileExistsError, match=r"^overwrite refuses to replace .*: hf-pma did not write it"):
         merge_checkpoints(srcs, out, overwrite=True, progress=False)
     assert (out / "keep.txt").read_text() == "user data"
     out = tmp_path / "merged"
