@@ -226,11 +226,11 @@ def check_one_run(inputs: Sequence[str | os.PathLike[str]], revisions: str | Non
             what = (
                 "a run folder"
                 if Path(item).is_dir()
-                else f"a Hub repo read through --revisions {shown(revisions)}"
+                else f"a Hub repo read through revisions {shown(revisions)} (--revisions)"
             )
             raise ValueError(
                 f"{escape(item)} is {what}, and it stands for all its snapshots: given with {escape(other)}, "
-                "the sources of two runs would be ordered together by tokens (and --last or --window-tokens "
-                "drawn across both); merge one run at a time, or name each snapshot folder to merge sources of "
+                "the sources of two runs would be ordered together by tokens (and a window, last or window_tokens, "
+                "--last or --window-tokens, drawn across both); merge one run at a time, or name each snapshot folder to merge sources of "
                 "several runs"
             )

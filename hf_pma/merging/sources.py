@@ -55,7 +55,8 @@ from hf_pma.merging.windows import (
     sources_span,
 )
 from hf_pma.utils.names import check_revision_name, looks_local
-from hf_pma.utils.parsing import check_int
+from hf_pma.utils.parsing import check_int, parameter_error
+from hf_pma.utils.text import shown
 
 __all__ = [
     "resolve_sources",
@@ -126,8 +127,8 @@ def resolve_sources(
     if revisions is not None and not any(
         not Path(i).exists() and (spec := parse_hub_spec(i)) is not None and spec[1] is None for i in inputs
     ):
-        raise ValueError(
-            f"--revisions {revisions!r} applies to a Hub repo given as org/model, and no source is one"
+        raise parameter_error(
+            "revisions", f"{shown(revisions)} applies to a Hub repo given as org/model, and no source is one"
         )
     items = [x for item in inputs for x in _expand(item, revisions, endpoint, include_final)]
     seen: dict[Any, Any] = {}

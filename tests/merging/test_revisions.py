@@ -277,7 +277,7 @@ def test_missing_revision_and_empty_pattern_are_clear_errors(hub, tmp_path):
         resolve_sources([PYTHIA], revisions="final-*", cache_dir=tmp_path, endpoint=hub.url)
     with pytest.raises(HubRevisionError, match="Hub repo org/nothing not found"):
         resolve_sources(["org/nothing"], revisions="*", cache_dir=tmp_path, endpoint=hub.url)
-    with pytest.raises(ValueError, match="--revisions 'step\\*' applies to a Hub repo given as org/model"):
+    with pytest.raises(ValueError, match="^revisions 'step\\*' applies to a Hub repo given as org/model"):
         resolve_sources([f"{PYTHIA}@step1000"], revisions="step*", cache_dir=tmp_path, endpoint=hub.url)
     assert hub.downloads() == [] and not any(tmp_path.rglob("*.safetensors"))
 
