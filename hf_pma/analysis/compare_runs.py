@@ -50,7 +50,7 @@ from hf_pma.merging.sources import (
 )
 from hf_pma.utils.formatting import format_number, markdown_table
 from hf_pma.utils.logs import get_logger
-from hf_pma.utils.parsing import parameter_error
+from hf_pma.utils.parsing import is_number, parameter_error
 from hf_pma.utils.text import escape, plot_text, shown
 
 logger = get_logger(__name__)
@@ -491,7 +491,7 @@ def _why_worse(plan: RunPlan, at_tokens: int) -> str:
         f"{share:.0%} of the run's {at_tokens:,}"
     )
     first, newest = merged[0].record.get("loss"), merged[-1].record.get("loss")
-    if isinstance(first, (int, float)) and isinstance(newest, (int, float)) and first > newest:
+    if is_number(first) and is_number(newest) and first > newest:
         text += (
             f"; the training loss was {first:.3f} at its oldest snapshot ({merged[0].tokens:,} tokens) and "
             f"{newest:.3f} at its newest: it averages in weights from before the loss had settled"

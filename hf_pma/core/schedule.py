@@ -21,7 +21,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from hf_pma.utils.parsing import check_int
+from hf_pma.utils.parsing import check_int, is_number
 
 __all__ = [
     "PHASES",
@@ -142,7 +142,7 @@ class PhaseTracker:
     """
 
     def __init__(self, peak_lr: float, rtol: float = DEFAULT_RTOL) -> None:
-        if not (isinstance(peak_lr, (int, float)) and math.isfinite(peak_lr) and peak_lr > 0):
+        if not (is_number(peak_lr, finite=True) and peak_lr > 0):
             raise ValueError(f"peak_lr must be a positive finite number, got {peak_lr!r}")
         self.peak_lr = float(peak_lr)
         self.rtol = rtol

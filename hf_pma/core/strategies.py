@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
-from hf_pma.utils.parsing import check_int
+from hf_pma.utils.parsing import check_int, is_number
 
 __all__ = [
     "STRATEGIES",
@@ -59,7 +59,7 @@ def ema_weights(n: int, alpha: float = 0.2) -> list[float]:
     the paper's closed form ``a(1-a)^(n-i)`` for every ``i``.
     """
     _check_count(n)
-    if not (isinstance(alpha, (int, float)) and 0.0 < alpha <= 1.0):
+    if not (is_number(alpha) and 0.0 < alpha <= 1.0):
         raise ValueError(f"EMA alpha must be in (0, 1], got {alpha!r}")
     weights = [alpha * (1.0 - alpha) ** (n - i) for i in range(1, n + 1)]
     weights[0] = (1.0 - alpha) ** (n - 1)

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from transformers.utils import logging
 
 from hf_pma.evaluation.options import DEFAULT_BOOTSTRAP_ITERS
+from hf_pma.utils.parsing import is_number
 from hf_pma.utils.text import escape
 
 if TYPE_CHECKING:
@@ -336,7 +337,7 @@ def flatten_lm_eval_results(results: dict[str, Any]) -> dict[str, dict[str, floa
                 continue
             metric, _, filt = str(key).partition(",")
             name = metric if filt == "none" else str(key)
-            if isinstance(value, (int, float)):
+            if is_number(value):
                 row[name] = float(value)
             elif metric.endswith("_stderr"):
                 row[name] = None
