@@ -3,6 +3,9 @@
 Each module in :mod:`hf_pma.commands` exposes ``add_parser(subparsers)`` (which registers the
 sub-command and sets ``func``) and does its heavy imports inside the function it runs, so
 ``hf-pma --help`` stays fast.
+
+Errors are in library words (``last must be a positive integer, got 0``); the command shows the
+parameter an error names as its flag (``--last must be ...``), in one place: :func:`flag_words`.
 """
 
 from __future__ import annotations
@@ -79,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Bad input: one clear line, no traceback (use -v for the traceback).
         if getattr(args, "verbose", False):
             return write_traceback()
-        write_error_line(args.command, f"error: {hub_error_line(err) or err}")
+        write_error_line(args.command, f"error: {hub_error_line(err) or flag_words(err, parser, args.command)}")
         return 2
     except KeyboardInterrupt:
         # Ctrl-C: the ``finally`` blocks on the way up have removed what was half written.
@@ -95,6 +98,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         write_error_line(args.command, f"error: {line}")
         return 2
+
+
+# Library parameters named otherwise than the option that sets them (the rest have the same
+# name: ``window_tokens`` is set by ``--window-tokens``, whose ``dest`` is ``window_tokens``).
+PARAMETER_DESTS = {"x_values": "x"}
+
+
+def flag_words(err: BaseException, parser: argparse.ArgumentParser, command: str) -> str:
+    """The error's text with the library parameter it names (the ``parameter`` of
+    :func:`hf_pma.utils.parsing.parameter_error`: ``last must be a positive integer, got 0``)
+    shown as the flag of ``command`` that sets it (``--last must be ...``); the text as it is
+    when the error names no parameter, or one that the command has no flag for."""
+    text, name = str(err), getattr(err, "parameter", None)
+    if not isinstance(name, str) or not text.startswith(name):
+        return text
+    dest = PARAMETER_DESTS.get(name, name)
+    subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    sub = subparsers[0].choices.get(command) if subparsers else None
+    flags = [max(a.option_strings, key=len) for a in (sub._actions if sub else []) if a.dest == dest and a.option_strings]
+    return flags[0] + text[len(name) :] if flags else text
 
 
 # The exit code of a command stopped by Ctrl-C (SIGINT): 128 + 2, as a shell reports it.

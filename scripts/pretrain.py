@@ -41,19 +41,33 @@ from transformers import (
 )
 from transformers.utils import logging
 
-from hf_pma import PMATrainer, PMATrainingArguments
-from hf_pma.evaluation.corpus import load_documents, split_documents
-from hf_pma.evaluation.evaluator import EVAL_RECORD_NAME, results_table
-from hf_pma.evaluation.generated_tasks import TaskOptions, fits_context, make_tasks_from_split
-from hf_pma.publishing.card import comparison_table
-from hf_pma.training.annealing import check_decay_type
-from hf_pma.training.arguments import parse_with_config
-from hf_pma.training.pretrain_data import full_batches, pack_dataset, stdlib_documents, train_bpe_tokenizer
-from hf_pma.training.saving import save_full_model
-from hf_pma.utils.distributed import is_main_process, run_on_main_process, warn_if_fewer_processes
-from hf_pma.utils.logs import enable_logging
-from hf_pma.utils.secrets import redact
-from hf_pma.utils.text import command_line
+from hf_pma import (
+    EVAL_RECORD_NAME,
+    PMATrainer,
+    PMATrainingArguments,
+    TaskOptions,
+    check_decay_type,
+    check_repo_id,
+    command_line,
+    comparison_table,
+    enable_logging,
+    fits_context,
+    full_batches,
+    is_main_process,
+    load_documents,
+    make_tasks_from_split,
+    pack_dataset,
+    parse_with_config,
+    redact,
+    resolve_token,
+    results_table,
+    run_on_main_process,
+    save_full_model,
+    split_documents,
+    stdlib_documents,
+    train_bpe_tokenizer,
+    warn_if_fewer_processes,
+)
 
 logger = logging.get_logger("hf_pma.pretrain")
 
@@ -224,8 +238,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.hub_token:  # to huggingface_hub by HF_TOKEN: the Trainer pickles its arguments into checkpoints
         os.environ["HF_TOKEN"], args.hub_token = args.hub_token, None
     if args.push_to_hub:  # a missing token or a bad repo id fails now, not after training
-        from hf_pma.publishing.hub import check_repo_id, resolve_token
-
         check_repo_id(args.hub_model_id or Path(args.output_dir).resolve().name)
         resolve_token()
     out = Path(args.output_dir)

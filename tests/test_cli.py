@@ -106,3 +106,34 @@ def test_run_cli_in_process_puts_back_what_the_command_changes(tmp_path, monkeyp
     assert [(lg.level, list(lg.handlers), [h.formatter for h in lg.handlers]) for lg in loggers] == before
     assert dict(os.environ) == env and os.getcwd() == cwd and torch.get_num_threads() == threads
     assert hf_logging.is_progress_bar_enabled() == bars
+
+
+def test_library_errors_name_parameters_and_the_command_shows_their_flags():
+    """A library function says ``window_tokens must ...``; the command says ``--window-tokens
+    must ...`` (hf_pma.cli.flag_words, the one place that maps parameters to flags)."""
+    from hf_pma.cli import build_parser, flag_words
+    from hf_pma.utils.parsing import check_int, parameter_error
+
+    parser = build_parser()
+    with pytest.raises(ValueError) as info:
+        check_int(0, "window_tokens")
+    assert str(info.value) == "window_tokens must be a positive integer, got 0"
+    assert flag_words(info.value, parser, "merge") == "--window-tokens must be a positive integer, got 0"
+    assert flag_words(info.value, parser, "push") == str(info.value)  # push has no such flag: as it is
+    named_otherwise = parameter_error("x_values", "names zz, which is not one of the runs")
+    assert flag_words(named_otherwise, parser, "compare") == "--x names zz, which is not one of the runs"
+    refused = parameter_error("overwrite", "refuses to replace out: it is a Trainer checkpoint", FileExistsError)
+    assert isinstance(refused, FileExistsError)
+    assert flag_words(refused, parser, "merge").startswith("--overwrite refuses to replace out")
+    # An error that names no parameter is shown as it is, even when it starts like one.
+    assert flag_words(ValueError("last snapshot missing"), parser, "merge") == "last snapshot missing"
+
+
+def test_a_bad_hub_timeout_is_named_by_its_flag_on_the_command_line(tmp_path):
+    from hf_pma.utils.hub_client import set_hub_timeout
+    from tests.testing_utils import run_cli
+
+    with pytest.raises(ValueError, match="^hub timeout '0' is not a timeout"):
+        set_hub_timeout("0")
+    done = run_cli("merge", tmp_path / "a", tmp_path / "b", "-o", tmp_path / "m", "--hub-timeout", "0")
+    assert done.returncode == 2 and "--hub-timeout '0' is not a timeout" in done.stderr, done.stderr

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import ast
 import importlib
+import warnings
 
 import pytest
 
@@ -13,6 +15,72 @@ from hf_pma.cli import COMMANDS, build_parser
 @pytest.mark.parametrize("name", hf_pma.__all__)
 def test_every_lazy_export_resolves(name):
     assert getattr(hf_pma, name) is not None
+
+
+def _type_checking_imports() -> dict[str, str]:
+    """Name -> module of the ``if TYPE_CHECKING:`` imports of ``hf_pma/__init__.py``."""
+    tree = ast.parse(open(hf_pma.__file__).read())
+    blocks = [n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "TYPE_CHECKING"]
+    assert len(blocks) == 1, "hf_pma/__init__.py needs one `if TYPE_CHECKING:` block of imports"
+    found: dict[str, str] = {}
+    for node in blocks[0].body:
+        assert isinstance(node, ast.ImportFrom), ast.unparse(node)
+        for alias in node.names:
+            assert alias.name not in found, f"{alias.name} is imported twice"
+            found[alias.asname or alias.name] = node.module
+    return found
+
+
+def test_type_checkers_see_what_the_lazy_table_exports():
+    """The ``TYPE_CHECKING`` imports (what IDEs and type checkers read), the lazy table and
+    ``__all__`` name the same things, each from the same module, the module that defines it."""
+    seen = _type_checking_imports()
+    assert seen == hf_pma._LAZY
+    assert sorted(hf_pma.__all__) == sorted(["__version__", *hf_pma._LAZY])
+    for name, module in hf_pma._LAZY.items():
+        value = getattr(importlib.import_module(module), name)
+        defined_in = getattr(value, "__module__", module) if callable(value) else module
+        assert defined_in == module, f"hf_pma.{name} comes from {module} but is defined in {defined_in}"
+
+
+def test_dir_lists_every_export():
+    assert set(hf_pma.__all__) <= set(dir(hf_pma))
+
+
+def test_exports_a_user_needs():
+    for name in (
+        "EvalOptions",
+        "TaskOptions",
+        "make_tasks_from_split",
+        "save_full_model",
+        "merge_coefficients",
+    ):
+        assert name in hf_pma.__all__
+
+
+def test_merge_weights_is_the_deprecated_name_of_merge_coefficients():
+    assert hf_pma.merge_coefficients(3, "wma") == pytest.approx([1 / 6, 2 / 6, 3 / 6])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert hf_pma.merge_weights(3, "wma") == hf_pma.merge_coefficients(3, "wma")
+    assert [w.category for w in caught] == [FutureWarning]
+    assert "merge_coefficients" in str(caught[0].message)
+
+
+def test_scripts_import_the_public_names_only():
+    """scripts/pretrain.py is the example users copy: it imports from ``hf_pma`` itself, not from
+    the package's modules (which may move)."""
+    from tests.testing_utils import REPO_ROOT
+
+    tree = ast.parse((REPO_ROOT / "scripts" / "pretrain.py").read_text())
+    internal = sorted(
+        {
+            n.module
+            for n in ast.walk(tree)
+            if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("hf_pma.")
+        }
+    )
+    assert internal == [], f"scripts/pretrain.py imports from {internal}: export what it needs from hf_pma"
 
 
 def test_unknown_attribute_is_an_attribute_error():

@@ -37,8 +37,8 @@ from typing import Any
 
 from hf_pma.analysis.comparison import read_anneal_record
 from hf_pma.core.manifest import ANNEALED_DIR
-from hf_pma.core.selection import window_by_progress
-from hf_pma.core.strategies import merge_weights
+from hf_pma.core.selection import DEFAULT_WINDOW, check_window, window_by_progress
+from hf_pma.core.strategies import merge_coefficients
 from hf_pma.io.guarded import JSON_LIMITS, check_folder, read_bytes
 from hf_pma.merging.sources import (
     CheckpointSource,
@@ -50,6 +50,7 @@ from hf_pma.merging.sources import (
 )
 from hf_pma.utils.formatting import format_number, markdown_table
 from hf_pma.utils.logs import get_logger
+from hf_pma.utils.parsing import is_number, parameter_error
 from hf_pma.utils.text import escape, plot_text, shown
 
 logger = get_logger(__name__)
@@ -71,8 +72,6 @@ __all__ = [
     "plot_fit",
 ]
 
-# The merge window of a run that records none: PMATrainingArguments.pma_window's default.
-DEFAULT_WINDOW = 10
 # What --fit may put on the x axis.
 FIT_AXES = ("params", "tokens", "compute")
 # The models compared per run, in table order, and their labels in the paired comparison record
@@ -104,7 +103,7 @@ def matched_tokens(token_counts: Mapping[str, Sequence[int]], at_tokens: int | N
                 f"{escape(name)}: nearest {min(token_counts[name], key=lambda t: abs(t - at_tokens)):,}"
                 for name in lacking[:5]
             )
-            raise ValueError(f"--at-tokens {at_tokens:,}: no snapshot at that token count in {near}")
+            raise parameter_error("at_tokens", f"{at_tokens:,}: no snapshot at that token count in {near}")
         return at_tokens
     common = set.intersection(*(set(c) for c in token_counts.values())) if token_counts else set()
     if not common:
@@ -114,7 +113,7 @@ def matched_tokens(token_counts: Mapping[str, Sequence[int]], at_tokens: int | N
         )
         raise ValueError(
             f"no token count at which every run has a snapshot ({ranges}): snapshots must be taken at the same "
-            "token counts (same pma_interval_tokens and tokens per step), or give --at-tokens"
+            "token counts (same pma_interval_tokens and tokens per step), or give at_tokens (--at-tokens)"
         )
     return max(common)
 
@@ -202,10 +201,10 @@ def parse_x_values(text: str) -> dict[str, float]:
         except ValueError:
             number = float("nan")
         if not sep or not name or not math.isfinite(number) or number <= 0:
-            raise ValueError(f"--x {shown(item)}: expected RUN=VALUE with a positive number, e.g. run1=1e6")
+            raise parameter_error("x_values", f"{shown(item)}: expected RUN=VALUE with a positive number, e.g. run1=1e6")
         out[name] = number
     if not out:
-        raise ValueError("--x holds no RUN=VALUE item")
+        raise parameter_error("x_values", "holds no RUN=VALUE item")
     return out
 
 
@@ -325,8 +324,8 @@ def _plan_window(
     count, tokens, where = recorded or (None, None, None)
     if last is not None:
         if last > len(sources):
-            raise ValueError(
-                f"--last {last}: run {escape(name)} has only {len(sources)} snapshot(s) up to {sources[-1].tokens:,} tokens"
+            raise parameter_error(
+                "last", f"{last}: run {escape(name)} has only {len(sources)} snapshot(s) up to {sources[-1].tokens:,} tokens"
             )
         indices, origin = list(range(len(sources) - last, len(sources))), f"--last {last}"
     elif window_tokens is not None or tokens:
@@ -347,7 +346,7 @@ def _plan_window(
         if n > len(sources):
             origin += f"; only {len(sources)} snapshot(s) up to {sources[-1].tokens:,} tokens"
         indices = list(range(max(0, len(sources) - n), len(sources)))
-    weights = merge_weights(len(indices), strategy if len(indices) > 1 else "sma", alpha)
+    weights = merge_coefficients(len(indices), strategy if len(indices) > 1 else "sma", alpha)
     return indices, list(weights), origin
 
 
@@ -390,15 +389,14 @@ def plan_comparison(
     twice = next((r for i, r in enumerate(runs) if resolved[i] in resolved[:i]), None)
     if twice is not None:
         raise ValueError(f"run {escape(twice)} is given twice")
-    merge_weights(2, strategy, alpha)  # a bad strategy or alpha: one line now
+    merge_coefficients(2, strategy, alpha)  # a bad strategy or alpha: one line now
     try:
         import scipy  # noqa: F401  (Kendall's tau, the fit)
     except ImportError:
         raise ValueError("hf-pma compare needs scipy: pip install 'hf-pma[eval]'") from None
-    if last is not None and window_tokens is not None:
-        raise ValueError("give one of --last and --window-tokens: each chooses the merge window on its own")
+    check_window(window_tokens=window_tokens, last=last)
     if fit is not None and fit not in FIT_AXES:
-        raise ValueError(f"--fit {shown(fit)}: choose one of {', '.join(FIT_AXES)}")
+        raise parameter_error("fit", f"{shown(fit)}: choose one of {', '.join(FIT_AXES)}")
     names = _run_names(runs)
     snapshots = {name: _snapshots(Path(run), name) for name, run in zip(names, runs)}
     tokens = matched_tokens({n: [s.tokens for s in ss] for n, ss in snapshots.items()}, at_tokens)
@@ -426,7 +424,7 @@ def plan_comparison(
         missing = [n for n, f in fingerprints.items() if f is None]
         if missing:
             raise ValueError(
-                f"run {escape(missing[0])} holds no tokenizer (in its snapshot or run folder): give --tokenizer"
+                f"run {escape(missing[0])} holds no tokenizer (in its snapshot or run folder): give one (tokenizer=, --tokenizer)"
             )
         groups: dict[str, list[str]] = {}
         for n, f in fingerprints.items():
@@ -452,19 +450,17 @@ def plan_comparison(
                 }[fit]
             )
         if x_values:
-            raise ValueError(
-                f"--x names {escape(', '.join(x_values))}, which is not one of the runs ({escape(', '.join(names))})"
+            raise parameter_error(
+                "x_values", f"names {escape(', '.join(x_values))}, which is not one of the runs ({escape(', '.join(names))})"
             )
         distinct = len({p.x for p in plans})
         if distinct < 3:
             hint = (
-                " (at matched tokens every run has the same tokens: fit params or compute, or give --x)"
+                " (at matched tokens every run has the same tokens: fit params or compute, or give x_values, --x)"
                 if fit == "tokens"
                 else ""
             )
-            raise ValueError(
-                f"--fit {fit} needs at least 3 runs with distinct x values, got {distinct}{hint}"
-            )
+            raise parameter_error("fit", f"{fit} needs at least 3 runs with distinct x values, got {distinct}{hint}")
     return tokens, plans
 
 
@@ -495,7 +491,7 @@ def _why_worse(plan: RunPlan, at_tokens: int) -> str:
         f"{share:.0%} of the run's {at_tokens:,}"
     )
     first, newest = merged[0].record.get("loss"), merged[-1].record.get("loss")
-    if isinstance(first, (int, float)) and isinstance(newest, (int, float)) and first > newest:
+    if is_number(first) and is_number(newest) and first > newest:
         text += (
             f"; the training loss was {first:.3f} at its oldest snapshot ({merged[0].tokens:,} tokens) and "
             f"{newest:.3f} at its newest: it averages in weights from before the loss had settled"

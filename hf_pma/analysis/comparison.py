@@ -1,7 +1,7 @@
 """The paired comparison of a merge with the last snapshot and an annealed model.
 
 Every model is evaluated on the same held-out documents (the ``per_text`` details of
-:func:`hf_pma.evaluation.evaluator.evaluate_language_modeling`), so each document gives one
+:func:`hf_pma.evaluation.language_modeling.evaluate_language_modeling`), so each document gives one
 paired difference per model: the mean of those differences and its standard error say whether
 a model beats the reference (the last constant-LR snapshot) by more than the noise of the
 evaluation text. With an annealed model at the same tokens, the share of the annealing gain the
@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_pma.utils.logs import get_logger
+from hf_pma.utils.parsing import is_int
 from hf_pma.utils.text import escape, shown
 
 __all__ = [
@@ -211,9 +212,7 @@ def read_anneal_record(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
         raise ValueError(f"{escape(path)}: expected an object")
     for key in ("start_step", "start_tokens", "end_step", "end_tokens", "steps", "tokens"):
         value = record.get(key)
-        if value is not None and (
-            not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < _MAX_COUNT
-        ):
+        if value is not None and not is_int(value, 0, _MAX_COUNT - 1):
             raise ValueError(f"{escape(path)}: {key} should be a count, got {shown(value)}")
     if record.get("decay_type") is not None and record["decay_type"] not in DECAY_SHAPES:
         raise ValueError(f"{escape(path)}: decay_type should be one of {', '.join(DECAY_SHAPES)}")
@@ -223,7 +222,7 @@ def read_anneal_record(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
 def write_comparison(merged_dir: str | os.PathLike[str], comparison: Mapping[str, Any]) -> Path:
     """Add ``comparison`` (a :func:`paired_comparison` record) to the evaluation record
     ``pma_eval.json`` of ``merged_dir`` (key ``comparison``, replacing an earlier one), where the
-    model card reads it; the record must exist (``hf_pma.evaluation.evaluator.write_eval_record``).
+    model card reads it; the record must exist (``hf_pma.evaluation.records.write_eval_record``).
     Read, update and replace under the folder's claim. Returns the record's path. Under several
     processes only the main process writes."""
     from hf_pma.core.manifest import EVAL_RECORD_NAME
@@ -237,7 +236,7 @@ def write_comparison(merged_dir: str | os.PathLike[str], comparison: Mapping[str
         raise ValueError("comparison: expected a paired_comparison record (with 'models')")
 
     def write() -> Path:
-        with hold_claim(folder, what="--record folder"):
+        with hold_claim(folder, what="record folder"):
             record = read_json(path, folder, kind="record")
             if not isinstance(record, dict):
                 raise ValueError(f"{escape(path)}: expected an object")

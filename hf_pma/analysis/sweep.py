@@ -32,11 +32,12 @@ import torch
 from transformers.utils import logging
 
 from hf_pma.core.selection import window_by_progress
-from hf_pma.core.strategies import merge_weights
+from hf_pma.core.strategies import merge_coefficients
 from hf_pma.evaluation.options import EvalOptions
 from hf_pma.merging.sources import CheckpointSource, resolve_sources, vanished_source_error
 from hf_pma.utils.formatting import format_number, markdown_table
 from hf_pma.utils.fs import atomic_write_file
+from hf_pma.utils.parsing import check_int, is_number
 from hf_pma.utils.text import escape, plot_text
 
 logger = logging.get_logger(__name__)
@@ -94,11 +95,7 @@ class Combination:
 
 
 def _positive_ints(values: Sequence[int], what: str) -> list[int]:
-    out = []
-    for v in values:
-        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-            raise ValueError(f"{what} must be positive integers, got {v!r}")
-        out.append(v)
+    out = [check_int(v, what) for v in values]
     if not out:
         raise ValueError(f"give at least one {what} value")
     return list(dict.fromkeys(out))
@@ -133,7 +130,7 @@ def plan_sweep(
     if not strategies:
         raise ValueError("give at least one strategy")
     for strategy in strategies:
-        merge_weights(2, strategy, alpha)  # ValueError naming a bad strategy or alpha
+        merge_coefficients(2, strategy, alpha)  # ValueError naming a bad strategy or alpha
     if count < 1:
         raise ValueError("the run has no snapshot")
     combos, skipped = [], []
@@ -148,13 +145,13 @@ def plan_sweep(
                     )
                     continue
                 indices = tuple(range(first, count, k))
-                weights = tuple(merge_weights(n, strategy if n > 1 else "sma", alpha))
+                weights = tuple(merge_coefficients(n, strategy if n > 1 else "sma", alpha))
                 combos.append(Combination(n, k, strategy, indices, weights))
             strided = list(range(count - 1, -1, -k))[::-1]
             for span in window_tokens:
                 chosen = window_by_progress([tokens[i] for i in strided], span, "tokens")
                 indices = tuple(strided[i] for i in chosen)
-                weights = tuple(merge_weights(len(indices), strategy if len(indices) > 1 else "sma", alpha))
+                weights = tuple(merge_coefficients(len(indices), strategy if len(indices) > 1 else "sma", alpha))
                 combos.append(Combination(len(indices), k, strategy, indices, weights, window_tokens=span))
     return combos, skipped
 
@@ -176,7 +173,7 @@ def lower_is_better(metric: str) -> bool:
 def _metric_value(results: Mapping[str, Mapping[str, Any]], metric: str) -> float | None:
     task, name = parse_metric(metric)
     value = (results.get(task) or {}).get(name)
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+    return float(value) if is_number(value) else None
 
 
 def _default_metric(results: Mapping[str, Mapping[str, Any]]) -> str:
@@ -202,7 +199,7 @@ class SweepEvaluator:
         texts: held-out texts (loss, perplexity, bits per byte).
         options: what else to run and how (:class:`~hf_pma.evaluation.options.EvalOptions`, or
             its fields as keywords: ``tasks=``, ``include_path=``, ``block_size=``...).
-        tokenizer: as :func:`hf_pma.evaluation.evaluator.load_model_for_eval` (default: the
+        tokenizer: as :func:`hf_pma.evaluation.loading.load_model_for_eval` (default: the
             skeleton's own, or its run folder's).
         device: where the model runs (default: cuda if available, else cpu).
         progress: show progress bars while evaluating.
@@ -219,7 +216,7 @@ class SweepEvaluator:
         progress: bool = False,
         **option_fields: Any,
     ) -> None:
-        from hf_pma.evaluation.evaluator import load_model_for_eval
+        from hf_pma.evaluation.loading import load_model_for_eval
 
         options = EvalOptions.build(options, **option_fields)
         if not texts and not options.tasks:
@@ -340,7 +337,7 @@ def run_sweep(
         logger.info(f"skipping {s['strategy']} N={s['window']} k={s['every']}: {s['reason']}")
     if not combos:
         raise ValueError(
-            f"no combination fits the run's {len(sources)} snapshot(s): use smaller --window or --every values"
+            f"no combination fits the run's {len(sources)} snapshot(s): use smaller windows or every values (--window, --every)"
         )
     evaluator = _while_present(
         [sources[-1]],
@@ -523,7 +520,7 @@ def write_best(
     ``pma_merge.json`` (plus the sweep's choice) and ``pma_eval.json`` (its results next to the
     last snapshot's)."""
     from hf_pma.core.manifest import MERGE_RECORD_NAME
-    from hf_pma.evaluation.evaluator import write_eval_record
+    from hf_pma.evaluation.records import write_eval_record
     from hf_pma.io.guarded import read_json
     from hf_pma.merging.engine import merge_checkpoints
     from hf_pma.utils.fs import atomic_write_json, hold_claim

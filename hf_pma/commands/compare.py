@@ -88,8 +88,8 @@ def run(args: argparse.Namespace) -> int:
         plan_comparison,
         plot_fit,
     )
+    from hf_pma.analysis.inspection import run_window
     from hf_pma.analysis.sweep import parse_metric
-    from hf_pma.commands.inspect import run_window
     from hf_pma.utils.fs import atomic_write_json, check_output_file
 
     set_verbosity(args)

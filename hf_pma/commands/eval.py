@@ -140,18 +140,14 @@ def run(args: argparse.Namespace) -> int:
         )
     check_output_file(output, "--output")
     if args.record:
-        check_record_folder(args.record)
+        check_record_folder(args.record, "--record")
     texts = load_heldout(args)
 
     models, hub_labels = _hub_models(args)
     for model in models:  # a missing folder or an unknown Hub name: one line before torch is imported
         resolve_model(model, args.tokenizer)
-    from hf_pma.evaluation.evaluator import (
-        evaluate_models,
-        read_eval_record,
-        results_table,
-        write_eval_record,
-    )
+    from hf_pma.evaluation.evaluator import evaluate_models
+    from hf_pma.evaluation.records import read_eval_record, results_table, write_eval_record
     from hf_pma.utils.distributed import is_main_process
 
     if args.record and (Path(args.record) / EVAL_RECORD_NAME).is_file():

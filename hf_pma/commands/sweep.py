@@ -99,7 +99,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run ``hf-pma sweep``."""
     from hf_pma.analysis.sweep import parse_metric, plot_sweep, run_sweep, sweep_table, write_best
-    from hf_pma.core.strategies import merge_weights
+    from hf_pma.core.strategies import merge_coefficients
     from hf_pma.merging.hub_revisions import parse_hub_spec
     from hf_pma.merging.sources import describe_sources, resolve_sources
     from hf_pma.utils.fs import atomic_write_json, check_output_file, check_output_folder
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     # Everything that can be checked is checked before the first model is loaded.
     if not args.tasks and not args.eval_file:
         raise ValueError("nothing to evaluate: give --eval-file and/or --tasks")
-    merge_weights(2, "ema", args.alpha)
+    merge_coefficients(2, "ema", args.alpha)
     if args.metric:
         parse_metric(args.metric)
     if args.output is None and (len(args.run) > 1 or not Path(args.run[0]).is_dir()):

@@ -42,6 +42,7 @@ from hf_pma.utils.fs import (
     remove_stale_temporaries,
     remove_tree,
 )
+from hf_pma.utils.parsing import is_int
 from hf_pma.utils.text import escape, shown
 
 __all__ = [
@@ -74,6 +75,7 @@ __all__ = [
     "find_manifest",
     "EXCLUDED_KEY",
     "is_excluded",
+    "snapshot_row",
     "snapshot_path",
     "included_snapshots",
     "add_snapshot",
@@ -225,19 +227,18 @@ MAX_RECORD_TIME = 253402300799.0
 
 
 def _is_int(value: Any, minimum: int) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and minimum <= value <= MAX_RECORD_INT
+    return is_int(value, minimum, MAX_RECORD_INT)
 
 
 def _is_number(value: Any) -> bool:
     """An int within int64, or any float (a diverged loss is recorded as NaN or Infinity)."""
-    if isinstance(value, bool):
-        return False
-    return isinstance(value, float) or (isinstance(value, int) and abs(value) <= MAX_RECORD_INT)
+    return isinstance(value, float) or _is_int(value, -MAX_RECORD_INT)
 
 
 def _value_shown(value: Any) -> str:
-    """A refused value as an error shows it; an integer too large for a record by its size."""
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_RECORD_INT:
+    """A refused value as an error shows it (:func:`hf_pma.utils.text.shown`); an integer too
+    large for a record by its size."""
+    if is_int(value) and abs(value) > MAX_RECORD_INT:
         return f"an integer of {len(str(abs(value)))} digits (at most 2**63 - 1)"
     return shown(value, 60)
 
@@ -470,6 +471,38 @@ def write_manifest(
 def is_excluded(record: SnapshotRecord) -> bool:
     """Whether a record was marked as excluded from merges (see :func:`exclude_snapshots`)."""
     return bool(record.extra.get(EXCLUDED_KEY, False))
+
+
+def snapshot_row(
+    name: str,
+    tokens: int | None,
+    step: int | None,
+    *,
+    lr: float | None = None,
+    phase: str | None = None,
+    loss: float | None = None,
+    num_bytes: int | None = None,
+    excluded: bool = False,
+    excluded_reason: str | None = None,
+    missing: bool = False,
+) -> dict[str, Any]:
+    """One snapshot as ``hf-pma inspect`` lists it (a row of its table, an entry of the
+    ``snapshots`` of its JSON report): ``name``, ``tokens``, ``step``, ``lr``, ``phase``,
+    ``loss``, ``bytes`` (its files' size; ``None``: unknown), whether it is ``excluded`` from
+    merges (and the ``excluded_reason``), and whether its folder is ``missing``. What is not known
+    (a Hub revision has no learning rate) stays ``None``."""
+    return {
+        "name": name,
+        "tokens": tokens,
+        "step": step,
+        "lr": lr,
+        "phase": phase,
+        "loss": loss,
+        "bytes": num_bytes,
+        "excluded": excluded,
+        "excluded_reason": excluded_reason,
+        "missing": missing,
+    }
 
 
 def snapshot_path(pma_dir: str | os.PathLike[str], record: SnapshotRecord) -> Path:

@@ -17,6 +17,7 @@ from pathlib import Path
 from hf_pma.core.manifest import MANIFEST_NAME, PMA_SUBDIR, SNAPSHOT_RECORD_NAME
 from hf_pma.io.guarded import read_json
 from hf_pma.utils.fs import is_library_folder
+from hf_pma.utils.parsing import parameter_error
 
 __all__ = ["TRAINER_CHECKPOINT_PATTERN", "check_overwrite_target", "listing_manifest"]
 
@@ -73,23 +74,16 @@ def check_overwrite_target(
         return
     if output_dir.is_dir() and not output_dir.is_symlink() and not any(output_dir.iterdir()):
         return
-    refuse = f"--overwrite refuses to replace {output_dir}"
-    if (
-        re.fullmatch(TRAINER_CHECKPOINT_PATTERN, output_dir.name)
-        or (output_dir / "trainer_state.json").is_file()
-    ):
-        raise FileExistsError(f"{refuse}: it is a Trainer checkpoint; choose another {what} folder")
-    manifest = listing_manifest(output_dir)
-    if manifest is not None:
-        raise FileExistsError(
-            f"{refuse}: it is a snapshot listed in {manifest}; choose another {what} folder"
-        )
-    if (output_dir / SNAPSHOT_RECORD_NAME).is_file() and (output_dir.parent / MANIFEST_NAME).is_file():
-        raise FileExistsError(
-            f"{refuse}: it is a snapshot of the run in {output_dir.parent}; choose another {what} folder"
-        )
-    if not is_library_folder(output_dir, tuple(markers)):
-        raise FileExistsError(
-            f"{refuse}: hf-pma did not write it (no {' or '.join(markers)} inside, or it is a link); remove it "
-            f"yourself or choose another {what} folder"
-        )
+    choose = f"choose another {what} folder"
+    if re.fullmatch(TRAINER_CHECKPOINT_PATTERN, output_dir.name) or (output_dir / "trainer_state.json").is_file():
+        why = f"it is a Trainer checkpoint; {choose}"
+    elif (manifest := listing_manifest(output_dir)) is not None:
+        why = f"it is a snapshot listed in {manifest}; {choose}"
+    elif (output_dir / SNAPSHOT_RECORD_NAME).is_file() and (output_dir.parent / MANIFEST_NAME).is_file():
+        why = f"it is a snapshot of the run in {output_dir.parent}; {choose}"
+    elif not is_library_folder(output_dir, tuple(markers)):
+        why = f"hf-pma did not write it (no {' or '.join(markers)} inside, or it is a link); remove it yourself or {choose}"
+    else:
+        return
+    # In library words ("overwrite refuses ..."); the command shows the parameter as --overwrite.
+    raise parameter_error("overwrite", f"refuses to replace {output_dir}: {why}", FileExistsError)

@@ -8,7 +8,8 @@ automatic choice of the interval. Pure Python: no torch, no files, no Trainer.
   a scheduler's class, so any schedule works (:class:`PhaseTracker`).
 * With no interval given, :func:`choose_interval` picks V so that the steps that snapshot (the
   phases selected, from the planned schedule: :class:`RunPlan`) hold 4 windows of N snapshots
-  (N = 10, the paper's compromise).
+  (N = 10, the paper's compromise), in a whole number of steps so that the snapshots are
+  equally spaced; :func:`snapshot_spacing` says in one line how a V spaces them.
 * :class:`SnapshotSchedule` puts these together for a run: fed the token count and the LR of
   every optimizer step, it says when a snapshot is due, and resumes where a run stopped.
 """
@@ -20,6 +21,8 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from hf_pma.utils.parsing import check_int, is_number
+
 __all__ = [
     "PHASES",
     "DEFAULT_RTOL",
@@ -27,6 +30,7 @@ __all__ = [
     "WINDOWS_PER_STABLE_PHASE",
     "MAX_AUTO_INTERVAL_TOKENS",
     "WHOLE_STEPS_FROM",
+    "snapshot_spacing",
     "MIN_CONSTANT_STEPS",
     "MIN_CONSTANT_SHARE",
     "crossed_boundary",
@@ -56,8 +60,9 @@ SNAPSHOTS_PER_WINDOW = 10
 WINDOWS_PER_STABLE_PHASE = 4
 # The largest V in the paper (MoE 10B/100B) is about 80B tokens; never go above it.
 MAX_AUTO_INTERVAL_TOKENS = 80 * 10**9
-# The automatic V is a whole number of steps when snapshots are at least this many steps apart.
-WHOLE_STEPS_FROM = 5
+# The automatic V is a whole number of steps whenever the snapshots are at least this many steps
+# apart, which is always (it was 5 before: closer snapshots then came unequally spaced).
+WHOLE_STEPS_FROM = 1
 # A schedule "has a constant-LR phase" when it holds the peak LR for at least this many steps
 # and this share of the run (a long cosine stays within float noise of its peak for a few steps).
 MIN_CONSTANT_STEPS = 2
@@ -137,7 +142,7 @@ class PhaseTracker:
     """
 
     def __init__(self, peak_lr: float, rtol: float = DEFAULT_RTOL) -> None:
-        if not (isinstance(peak_lr, (int, float)) and math.isfinite(peak_lr) and peak_lr > 0):
+        if not (is_number(peak_lr, finite=True) and peak_lr > 0):
             raise ValueError(f"peak_lr must be a positive finite number, got {peak_lr!r}")
         self.peak_lr = float(peak_lr)
         self.rtol = rtol
@@ -277,30 +282,27 @@ def choose_interval(
     ``snapshot_steps`` is the planned number of optimizer steps in the phases where snapshots
     are taken (``0``: unknown, then all ``planned_steps``). V is the tokens of those steps
     divided by the target count (40 by default), so the run gets about that many snapshots
-    whatever its schedule. It is a whole number of steps' worth of tokens when snapshots are
-    at least :data:`WHOLE_STEPS_FROM` steps apart (snapshots land on the same steps of a run
-    with a fixed batch; rounding moves the count by at most 10%), exact tokens below that;
-    at least one step (the floor: at most one snapshot per step) and at most
-    ``max_interval_tokens`` (the ceiling, the paper's largest V). ``stable_steps`` is only
-    recorded.
+    whatever its schedule, rounded to the nearest whole number of steps (halves up): with a
+    fixed number of tokens per step every snapshot is then the same number of steps after the
+    one before (the paper's "equally spaced checkpoints"; a V of 2.75 steps would put them 3,
+    3, 3 and 2 steps apart). The rounding moves the count by at most 10% from 5 steps apart on;
+    a short run (1.5 steps apart) gets between 30 and 60. V is at least one step (the floor: at
+    most one snapshot per step) and at most ``max_interval_tokens`` (the ceiling, the paper's
+    largest V), in whole steps too. ``stable_steps`` is only recorded.
     """
-    for name, value in (("tokens_per_step", tokens_per_step), ("planned_steps", planned_steps)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if not isinstance(snapshot_steps, int) or isinstance(snapshot_steps, bool) or snapshot_steps < 0:
-        raise ValueError(f"snapshot_steps must be a non-negative integer, got {snapshot_steps!r}")
+    check_int(tokens_per_step, "tokens_per_step")
+    check_int(planned_steps, "planned_steps")
+    check_int(snapshot_steps, "snapshot_steps", 0)
     span = snapshot_steps if snapshot_steps > 0 else planned_steps
     target = snapshots_per_window * windows
     steps_between = span / target
     if span <= target:
         interval = tokens_per_step
         reason = f"floor: one snapshot per step ({span} steps snapshot, fewer than {target} snapshots)"
-    elif steps_between >= WHOLE_STEPS_FROM:
-        interval = round(steps_between) * tokens_per_step
-        reason = f"{span} steps snapshot / {target} snapshots = every {round(steps_between)} steps"
     else:
-        interval = max(tokens_per_step, round(span * tokens_per_step / target))
-        reason = f"{span} steps snapshot / {target} snapshots = every {steps_between:.2f} steps"
+        whole = max(1, math.floor(steps_between + 0.5))
+        interval = whole * tokens_per_step
+        reason = f"{span} steps snapshot / {target} snapshots = every {steps_between:.2f} steps: every {whole}"
     if interval > max_interval_tokens:
         interval = max(tokens_per_step, (max_interval_tokens // tokens_per_step) * tokens_per_step)
         reason = f"ceiling: {max_interval_tokens:,} tokens"
@@ -315,13 +317,45 @@ def choose_interval(
     )
 
 
+def _steps_text(steps: float) -> str:
+    text = f"{steps:,.2f}".rstrip("0").rstrip(".")
+    return f"{steps:,.4f}" if float(text.replace(",", "")) == int(steps) != steps else text
+
+
+def snapshot_spacing(interval_tokens: int, tokens_per_step: int) -> str:
+    """How snapshots every ``interval_tokens`` tokens are spaced when each optimizer step adds
+    ``tokens_per_step`` tokens, in one line (pure: the callback logs it). A snapshot is due at
+    the end of the first step that reaches the next multiple of V (:func:`crossed_boundary`),
+    so a V that is not a whole number of steps spaces them unequally::
+
+        interval_tokens=2,816 is 2.75 steps of 1,024 tokens: snapshots will be 2,048 or 3,072
+        tokens apart; give a multiple of 1,024 for evenly spaced snapshots
+
+    A whole number of steps, or less than one step (then one snapshot every step), spaces them
+    evenly and the line says so. A V chosen automatically is always a whole number of steps
+    (:func:`choose_interval`); one given by the user is kept as it is.
+    """
+    check_int(interval_tokens, "interval_tokens")
+    check_int(tokens_per_step, "tokens_per_step")
+    steps = interval_tokens / tokens_per_step
+    unit = "step" if steps == 1 else "steps"
+    head = f"interval_tokens={interval_tokens:,} is {_steps_text(steps)} {unit} of {tokens_per_step:,} tokens"
+    if interval_tokens <= tokens_per_step:
+        return f"{head}: snapshots will be {tokens_per_step:,} tokens apart (one every step)"
+    if interval_tokens % tokens_per_step == 0:
+        return f"{head}: snapshots will be {interval_tokens:,} tokens apart"
+    fewer = (interval_tokens // tokens_per_step) * tokens_per_step
+    more = fewer + tokens_per_step
+    return (
+        f"{head}: snapshots will be {fewer:,} or {more:,} tokens apart; "
+        f"give a multiple of {tokens_per_step:,} for evenly spaced snapshots"
+    )
+
+
 def positive_int_or_none(value: Any, name: str) -> int | None:
-    """``value`` when it is a positive integer or ``None``; a ``ValueError`` naming ``name`` otherwise."""
-    if value is None:
-        return None
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer or None, got {value!r}")
-    return value
+    """``value`` when it is a positive integer or ``None``; a ``ValueError`` naming ``name`` otherwise
+    (:func:`hf_pma.utils.parsing.check_int`)."""
+    return check_int(value, name, allow_none=True)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,7 +17,11 @@ import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from hf_pma.utils.parsing import check_int, is_int
+from hf_pma.utils.text import shown
+
 __all__ = [
+    "DEFAULT_WINDOW",
     "WINDOW_UNITS",
     "WindowSpan",
     "window_by_progress",
@@ -27,6 +31,9 @@ __all__ = [
 ]
 
 WINDOW_UNITS = ("tokens", "steps")
+# The merge window, in snapshots, of a run that records none (PMATrainingArguments.pma_window's
+# default): what ``hf-pma inspect`` and ``hf-pma compare`` take then.
+DEFAULT_WINDOW = 10
 
 
 def check_window(
@@ -40,8 +47,7 @@ def check_window(
         if v is not None
     ]
     for name, value in given:
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        check_int(value, name)
     if len(given) > 1:
         raise ValueError(
             f"give one of {' and '.join(n for n, _ in given)}: each chooses the merge window on its own"
@@ -59,8 +65,8 @@ def window_by_progress(positions: Sequence[int | None], span: int, unit: str = "
     """
     if unit not in WINDOW_UNITS:
         raise ValueError(f"unknown window unit {unit!r}; choose one of {', '.join(WINDOW_UNITS)}")
-    if not isinstance(span, int) or isinstance(span, bool) or span < 1:
-        raise ValueError(f"the window must be a positive number of {unit}, got {span!r}")
+    if not is_int(span, 1):
+        raise ValueError(f"the window must be a positive number of {unit}, got {shown(span, 60)}")
     if not positions:
         return []
     if positions[-1] is None:
@@ -120,7 +126,7 @@ def window_span(
     for name, values in (("tokens", tokens), ("steps", steps)):
         if unit not in (None, name):
             continue
-        if values and all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        if values and all(is_int(v) for v in values):
             return WindowSpan(name, min(values), max(values), requested)
     return None
 
@@ -140,9 +146,9 @@ def snapshot_intervals(
     None)``. More than one interval means that V changed within the merge (a run resumed with
     another ``interval_tokens``), or that the members are unevenly spaced.
     """
-    if recorded and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in recorded):
+    if recorded and all(is_int(v, 1) for v in recorded):
         return _runs(list(recorded)), "recorded"  # type: ignore[arg-type]
-    if len(tokens) >= 2 and all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+    if len(tokens) >= 2 and all(is_int(t) for t in tokens):
         gaps = [b - a for a, b in zip(tokens, tokens[1:])]  # type: ignore[operator]
         if all(g > 0 for g in gaps):
             return _runs(gaps), "gaps"

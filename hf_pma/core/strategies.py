@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 
+from hf_pma.utils.parsing import check_int, is_number
+
 __all__ = [
     "STRATEGIES",
     "DECAY_SHAPES",
@@ -27,14 +29,14 @@ __all__ = [
     "ema_weights",
     "decay_emulation_weights",
     "normalize_weights",
+    "merge_coefficients",
     "merge_weights",
     "gradient_weights",
 ]
 
 
 def _check_count(n: int) -> None:
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise ValueError(f"the number of snapshots must be a positive integer, got {n!r}")
+    check_int(n, "the number of snapshots")
 
 
 def sma_weights(n: int) -> list[float]:
@@ -57,7 +59,7 @@ def ema_weights(n: int, alpha: float = 0.2) -> list[float]:
     the paper's closed form ``a(1-a)^(n-i)`` for every ``i``.
     """
     _check_count(n)
-    if not (isinstance(alpha, (int, float)) and 0.0 < alpha <= 1.0):
+    if not (is_number(alpha) and 0.0 < alpha <= 1.0):
         raise ValueError(f"EMA alpha must be in (0, 1], got {alpha!r}")
     weights = [alpha * (1.0 - alpha) ** (n - i) for i in range(1, n + 1)]
     weights[0] = (1.0 - alpha) ** (n - 1)
@@ -122,13 +124,14 @@ def normalize_weights(weights: Sequence[float]) -> list[float]:
 STRATEGIES = ("sma", "wma", "ema", "linear-decay", "cosine-decay", "1-sqrt-decay")
 
 
-def merge_weights(
+def merge_coefficients(
     n: int,
     strategy: str = "sma",
     alpha: float = 0.2,
     weights: Sequence[float] | None = None,
 ) -> list[float]:
-    """Weights of ``n`` snapshots (oldest first) for a strategy name, or explicit ``weights``.
+    """The coefficients ``w_1 .. w_n`` of a merge of ``n`` snapshots (oldest first) for a strategy
+    name, or explicit ``weights`` normalized: not merged model weights, the numbers that weigh them.
 
     Explicit ``weights`` win over ``strategy`` (pass ``strategy="custom"`` or any name) and must
     have one entry per snapshot.
@@ -155,4 +158,23 @@ def validate_strategy(strategy: str, alpha: float = 0.2, weights: Sequence[float
     if weights is not None:
         normalize_weights(weights)
     else:
-        merge_weights(2, strategy, alpha)
+        merge_coefficients(2, strategy, alpha)
+
+
+def merge_weights(
+    n: int,
+    strategy: str = "sma",
+    alpha: float = 0.2,
+    weights: Sequence[float] | None = None,
+) -> list[float]:
+    """Deprecated name of :func:`merge_coefficients` (it returns the merge's coefficients, not
+    merged weights); a ``FutureWarning``, then the same result."""
+    import warnings
+
+    warnings.warn(
+        "hf_pma.merge_weights is renamed merge_coefficients (it returns the merge's coefficients); "
+        "the old name will be removed in a later release",
+        FutureWarning,
+        stacklevel=2,
+    )
+    return merge_coefficients(n, strategy, alpha, weights)

@@ -17,6 +17,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 from hf_pma.utils.logs import get_logger
+from hf_pma.utils.names import is_hub_id
 
 logger = get_logger(__name__)
 
@@ -134,16 +135,13 @@ def _read_dataset(name: str, text_column: str, split: str) -> list[str]:
     return [_text_or_error(v, f"dataset {name} column {text_column!r}") for v in data[text_column]]
 
 
-_DATASET_NAME_RE = re.compile(r"[\w.-]+(/[\w.-]+)?(:[\w.-]+)?")
-_FILE_SUFFIXES = {*TABLE_SUFFIXES, ".txt", ".text", ".md", ".rst", ".py", ".gz", ".zst"}
+_CONFIG_NAME_RE = re.compile(r"[\w.-]+")
 
 
 def _looks_like_dataset_name(text: str) -> bool:
     # "wikitext:wikitext-2-raw-v1" or "org/name"; "data/train.txt" is a missing file, not a dataset.
-    return (
-        bool(_DATASET_NAME_RE.fullmatch(text))
-        and Path(text.partition(":")[0]).suffix.lower() not in _FILE_SUFFIXES
-    )
+    name, colon, config = text.partition(":")
+    return is_hub_id(name, bare=True) and (not colon or bool(_CONFIG_NAME_RE.fullmatch(config)))
 
 
 def _read_hub_dataset(name: str, text_column: str, split: str) -> list[str]:

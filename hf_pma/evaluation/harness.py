@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from transformers.utils import logging
 
 from hf_pma.evaluation.options import DEFAULT_BOOTSTRAP_ITERS
+from hf_pma.utils.parsing import is_number
 from hf_pma.utils.text import escape
 
 if TYPE_CHECKING:
@@ -291,7 +292,7 @@ class TaskDataUnreachableError(ConnectionError):
         needs = f"needs the dataset {dataset!r}" if dataset else "needs a dataset"
         super().__init__(
             f"lm-eval task {', '.join(self.tasks)} {needs} from the Hugging Face Hub, which is not reachable ({reason}); "
-            "to evaluate offline, use local YAML tasks (--include-path DIR, e.g. from `hf-pma make-tasks`), or a "
+            "to evaluate offline, use local YAML tasks (include_path=, --include-path DIR; e.g. from `hf-pma make-tasks`), or a "
             "local copy of the data: a task YAML whose dataset_path points to local files, or the datasets cache "
             "filled once while online"
         )
@@ -336,7 +337,7 @@ def flatten_lm_eval_results(results: dict[str, Any]) -> dict[str, dict[str, floa
                 continue
             metric, _, filt = str(key).partition(",")
             name = metric if filt == "none" else str(key)
-            if isinstance(value, (int, float)):
+            if is_number(value):
                 row[name] = float(value)
             elif metric.endswith("_stderr"):
                 row[name] = None

@@ -220,7 +220,7 @@ def resolve_model(
             if found is None:
                 raise FileNotFoundError(
                     f"no tokenizer in model folder {escape(path)} (nor in the run folder that holds it): "
-                    "pass one with --tokenizer"
+                    "pass one (tokenizer=, --tokenizer)"
                 )
             tokenizer = found
         if tokenizer is not None and Path(tokenizer).is_dir():
@@ -306,14 +306,15 @@ def _first_line(err: BaseException) -> str:
     return text.splitlines()[0] if text else type(err).__name__
 
 
-def check_record_folder(folder: str | os.PathLike[str]) -> Path:
+def check_record_folder(folder: str | os.PathLike[str], what: str = "record") -> Path:
     """The ``pma_eval.json`` that evaluation results will be recorded in, inside ``folder``,
     checked before anything is evaluated: ``FileNotFoundError`` when ``folder`` is not a folder,
     ``FileExistsError`` / ``PermissionError`` when the record cannot be written there (a link, a
-    folder, a read-only folder; see :func:`hf_pma.utils.fs.check_output_file`)."""
+    folder, a read-only folder; see :func:`hf_pma.utils.fs.check_output_file`). ``what`` names
+    it in the errors (the command passes its flag, ``--record``, as for every path it checks)."""
     folder = Path(folder)
     if not folder.is_dir():
-        raise FileNotFoundError(f"--record folder {folder} does not exist")
+        raise FileNotFoundError(f"{what} folder {escape(folder)} does not exist")
     path = folder / EVAL_RECORD_NAME
-    check_output_file(path, "--record")
+    check_output_file(path, what)
     return path

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from hf_pma.utils.argtypes import non_negative_int, positive_int
+from hf_pma.utils.parsing import check_int
 
 __all__ = ["DEFAULT_BOOTSTRAP_ITERS", "EvalOptions"]
 
@@ -63,10 +64,7 @@ class EvalOptions:
             value, kind = getattr(self, f.name), f.metadata.get("kind")
             if kind is None or value is None:
                 continue
-            low = 1 if kind == "positive" else 0
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                what = "a positive integer" if kind == "positive" else "a non-negative integer"
-                raise ValueError(f"{f.name} must be {what}{'' if f.default is not None else ' or None'}, got {value!r}")
+            check_int(value, f.name, 1 if kind == "positive" else 0, allow_none=f.default is None)
 
     def replace(self, **fields: Any) -> EvalOptions:
         """A copy with ``fields`` changed (``ValueError`` naming an unknown or bad field)."""

@@ -38,6 +38,7 @@ from hf_pma.io.safetensors import (
     SafetensorsReader,
     TensorInfo,
 )
+from hf_pma.utils.parsing import is_int
 from hf_pma.utils.text import escape, shown
 
 __all__ = [
@@ -161,7 +162,7 @@ def _int_list(value: object, path: Path, name: str, what: str, max_len: int = MA
     if (
         not isinstance(value, list)
         or len(value) > max_len
-        or not all(type(v) is int and 0 <= v <= _MAX_INDEX for v in value)
+        or not all(is_int(v, 0, _MAX_INDEX) for v in value)
     ):
         raise CheckpointFormatError(
             f"{escape(path)}: tensor {shown(name)} has {what} {shown(value)} "

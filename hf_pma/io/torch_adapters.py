@@ -5,8 +5,9 @@ tensors. :class:`TorchTensors` gives any raw reader (a
 :class:`~hf_pma.io.safetensors.SafetensorsReader`, a
 :class:`~hf_pma.io.sharded.ShardedCheckpointTensors`) a ``read`` that returns typed torch
 tensors sharing the reader's buffer, and :func:`tensor_bytes` turns a tensor into the bytes a
-:class:`~hf_pma.io.safetensors.SafetensorsWriter` takes. The torch-free merge never imports
-this module.
+:class:`~hf_pma.io.safetensors.SafetensorsWriter` takes. :func:`local_tensor` is this process's
+part of a (possibly sharded) tensor, for the snapshot writers and the weight swap alike. The
+torch-free merge never imports this module.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ __all__ = [
     "DTYPE_FROM_SAFETENSORS",
     "SAFETENSORS_FROM_DTYPE",
     "TorchTensors",
+    "is_dtensor",
+    "local_tensor",
     "safetensors_dtype",
     "tensor_bytes",
 ]
@@ -52,6 +55,18 @@ def safetensors_dtype(dtype: torch.dtype, name: str = "tensor") -> str:
         return SAFETENSORS_FROM_DTYPE[dtype]
     except KeyError:
         raise ValueError(f"tensor {name!r} has dtype {dtype}, which safetensors cannot store") from None
+
+
+def is_dtensor(tensor: Any) -> bool:
+    """Whether ``tensor`` is sharded across processes the way a ``torch.distributed`` DTensor is
+    (FSDP2's parameters): it has a callable ``to_local``."""
+    return callable(getattr(tensor, "to_local", None))
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """This process's part of ``tensor``: a DTensor's local shard (``to_local()``), any other
+    tensor itself."""
+    return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
 def tensor_bytes(tensor: torch.Tensor) -> np.ndarray:

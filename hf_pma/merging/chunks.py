@@ -278,7 +278,7 @@ class _Worker:
             raise MergeError(
                 f"tensor {shown(task.plan.name)} reaches {peak:.6g} in magnitude after merging, beyond the range of "
                 f"{out} (largest finite value {limit:.6g}; its cast would {cast} it): write a wider dtype "
-                "(--dtype float32 or bfloat16), or pass --clip-to-dtype (clip_to_dtype=True) to clip such values "
+                "(dtype='float32' or 'bfloat16', --dtype), or pass clip_to_dtype=True (--clip-to-dtype) to clip such values "
                 "to the range"
             )
         count = int(np.count_nonzero(np.abs(acc) > limit))

@@ -20,19 +20,20 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from hf_pma import __version__
-from hf_pma.core.manifest import MERGE_RECORD_NAME, MODEL_SUPPORT_FILES
+from hf_pma.core.manifest import MERGE_RECORD_NAME, MODEL_SUPPORT_FILES, TOKENIZER_FILES
 from hf_pma.core.outputs import check_overwrite_target
 from hf_pma.core.selection import check_window, snapshot_intervals
-from hf_pma.core.strategies import merge_weights, validate_strategy
+from hf_pma.core.strategies import merge_coefficients, validate_strategy
 from hf_pma.io.guarded import check_file, copy_file, read_json
 from hf_pma.io.safetensors import (
     DTYPE_ITEMSIZE,
@@ -40,6 +41,12 @@ from hf_pma.io.safetensors import (
     TORCH_NAMES,
     SafetensorsWriter,
     TensorInfo,
+)
+from hf_pma.merging.checkpoint_source import (
+    CheckpointSource,
+    open_all,
+    recorded_interval,
+    tokenizer_folder,
 )
 from hf_pma.merging.chunks import (
     DEFAULT_CHUNK_BYTES,
@@ -51,19 +58,10 @@ from hf_pma.merging.chunks import (
     default_workers,
     run_chunks,
 )
-from hf_pma.merging.sources import (
-    TOKENIZER_FILES,
-    CheckpointSource,
-    CheckpointTensors,
-    check_same_model,
-    describe_sources,
-    open_all,
-    recorded_interval,
-    resolve_sources,
-    select_window,
-    sources_span,
-    tokenizer_folder,
-)
+from hf_pma.merging.same_model import check_same_model
+from hf_pma.merging.sources import resolve_sources
+from hf_pma.merging.weight_files import CheckpointTensors
+from hf_pma.merging.windows import describe_sources, select_window, sources_span
 from hf_pma.utils.fs import (
     atomic_write_json,
     check_output_folder,
@@ -82,6 +80,8 @@ if TYPE_CHECKING:
     import torch
 
 logger = get_logger(__name__)
+
+T = TypeVar("T")
 
 __all__ = [
     "MergeError",
@@ -228,6 +228,7 @@ def _announce(sources: Sequence[CheckpointSource], what: str, window: dict[str, 
 
 def merge_state_dict(
     sources: Sequence[str | os.PathLike[str] | CheckpointSource],
+    *,
     strategy: str = "sma",
     alpha: float = 0.2,
     weights: Sequence[float] | None = None,
@@ -236,7 +237,6 @@ def merge_state_dict(
     accumulate_dtype: torch.dtype | str = "float32",
     progress: bool = False,
     workers: int | None = None,
-    *,
     window_tokens: int | None = None,
     window_steps: int | None = None,
     include_final: bool = False,
@@ -246,7 +246,8 @@ def merge_state_dict(
     """Merge checkpoints into an in-memory state dict (one model's worth of memory).
 
     Same inputs, checks and arithmetic as :func:`merge_checkpoints` (bit-identical tensors), for
-    callers that load the result straight into a model (PMA-init, loss-spike recovery).
+    callers that load the result straight into a model (PMA-init, loss-spike recovery). Every
+    option after ``sources`` is given by keyword.
     """
     import torch
 
@@ -256,7 +257,7 @@ def merge_state_dict(
     out_dtype = parse_dtype(dtype)
     validate_strategy(strategy, alpha, weights)  # before a Hub source is downloaded
     srcs = _as_sources(sources, last, window_tokens, window_steps, include_final)
-    coefs = merge_weights(len(srcs), strategy, alpha, weights)
+    coefs = merge_coefficients(len(srcs), strategy, alpha, weights)
     check_same_model(srcs, allow_different_configs)
     check_intervals(srcs)
     opened = open_all(srcs, raw=True)
@@ -458,6 +459,7 @@ def _portable_path(path: Path, output_dir: Path) -> str:
 def _merge_record(
     sources: Sequence[CheckpointSource],
     coefs: Sequence[float],
+    *,
     strategy: str,
     alpha: float,
     explicit: bool,
@@ -529,7 +531,7 @@ def write_output_shards(
 ) -> dict[str, int]:
     """Merge the tensors of ``shards`` and write each shard file into ``folder`` (fsynced).
 
-    ``opened``: the sources opened with :func:`~hf_pma.merging.sources.open_all` ``(raw=True)``.
+    ``opened``: the sources opened with :func:`~hf_pma.merging.checkpoint_source.open_all` ``(raw=True)``.
     ``clip``: clip values beyond the output dtype's range (else refused, see
     :func:`~hf_pma.merging.chunks.run_chunks`). Returns the values clipped per tensor."""
     writers = [
@@ -588,6 +590,7 @@ def write_shard_index(folder: Path, prefix: str, shards: Sequence[OutputShard]) 
 def merge_checkpoints(
     sources: Sequence[str | os.PathLike[str] | CheckpointSource] | str | os.PathLike[str],
     output_dir: str | os.PathLike[str],
+    *,
     strategy: str = "sma",
     alpha: float = 0.2,
     weights: Sequence[float] | None = None,
@@ -600,7 +603,6 @@ def merge_checkpoints(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     workers: int | None = None,
     distributed: bool = False,
-    *,
     window_tokens: int | None = None,
     window_steps: int | None = None,
     include_final: bool = False,
@@ -609,6 +611,8 @@ def merge_checkpoints(
     tokenizer: str | os.PathLike[str] | None = None,
 ) -> Path:
     """Merge checkpoints into a new Hugging Face model folder and return its path.
+
+    Every option after ``output_dir`` is given by keyword.
 
     Args:
         sources: model folders, snapshot folders, Trainer ``checkpoint-*`` folders, run folders
@@ -643,7 +647,7 @@ def merge_checkpoints(
             newest source).
         allow_different_configs: merge sources whose ``config.json`` differ in what changes the
             meaning of the weights (heads, head size, RoPE, vocabulary, ...: see
-            :func:`~hf_pma.merging.sources.check_same_model`), a deliberate soup, with a warning
+            :func:`~hf_pma.merging.same_model.check_same_model`), a deliberate soup, with a warning
             and the differences in the record; refused by default, naming both sources.
         clip_to_dtype: clip merged values beyond the output dtype's finite range (float16's
             65504, ...) to the range, with a warning and their count in the record; by default
@@ -655,7 +659,7 @@ def merge_checkpoints(
 
     Sources are one model and one run: their ``config.json`` are compared before the first
     tensor is read, and a run folder given with other sources is refused
-    (:func:`~hf_pma.merging.sources.check_one_run`; explicit snapshot folders of several runs
+    (:func:`~hf_pma.merging.same_model.check_one_run`; explicit snapshot folders of several runs
     are merged). The sources taken (count, first and last, the tokens or steps they span) are
     logged, and recorded with the window's span (``window``) in ``pma_merge.json``, with the
     snapshot intervals they were taken at (``intervals_tokens``: a warning when V changed within
@@ -671,7 +675,7 @@ def merge_checkpoints(
     output_dir = Path(output_dir)
     validate_strategy(strategy, alpha, weights)  # before a Hub source is downloaded
     srcs = _as_sources(sources, last, window_tokens, window_steps, include_final)
-    coefs = merge_weights(len(srcs), strategy, alpha, weights)
+    coefs = merge_coefficients(len(srcs), strategy, alpha, weights)
     window = _window_record(srcs, window_tokens, window_steps)
     tok_folder = tokenizer_folder(srcs, tokenizer)
     check_config_file(srcs[-1], tok_folder)
@@ -685,106 +689,180 @@ def merge_checkpoints(
             f"no tokenizer in {escape(srcs[-1].path)} nor in the run folder that holds it: the merged folder has "
             "none (name one with --tokenizer, tokenizer=)"
         )
-    if distributed:
-        from hf_pma.utils.distributed import all_ranks_checked, distributed_rank_and_size, local_world_size
-
-        rank, world_size = distributed_rank_and_size()
-    else:
-        rank, world_size = 0, 1
+    rank, world_size = _process_place(distributed)
     if workers is None:
-        workers = max(1, default_workers() // (local_world_size() if world_size > 1 else 1))
-    checked = all_ranks_checked if world_size > 1 else (lambda fn, what: [fn()])
-
-    claim = contextlib.ExitStack()
-
-    def begin() -> Path | None:
-        if rank != 0:
-            return None
-        _check_output(output_dir, srcs, overwrite)
-        # Exclusive until published: a second merge into the same folder stops here, naming this one.
-        claim.enter_context(claim_output(output_dir, overwrite))
-        remove_stale_temporaries(output_dir.parent, output_dir.name)  # of a killed earlier merge
-        tmp = temporary_path(output_dir)
-        tmp.mkdir()
-        return tmp
-
+        workers = max(1, default_workers() // (_local_world_size() if world_size > 1 else 1))
+    job = _MergeJob(
+        sources=srcs,
+        coefs=coefs,
+        output_dir=output_dir,
+        overwrite=overwrite,
+        rank=rank,
+        world_size=world_size,
+        what=f"Merging with {'explicit weights' if weights is not None else strategy} into {output_dir}",
+        record=functools.partial(
+            _merge_record,
+            strategy=strategy,
+            alpha=alpha,
+            explicit=weights is not None,
+            accumulate_dtype=accumulate_dtype,
+            window=window,
+            notes=notes,
+        ),
+        out_dtype=out_dtype,
+        accumulate_dtype=accumulate_dtype,
+        max_bytes=max_bytes,
+        chunk_bytes=chunk_bytes,
+        workers=workers,
+        progress=progress and rank == 0,
+        clip=clip_to_dtype,
+        tokenizer=tok_folder,
+        window=window,
+    )
     try:
-        tmp = checked(begin, f"preparing the merge into {output_dir}")[0]
+        job.tmp = _on_every_rank(job.begin, f"preparing the merge into {output_dir}", world_size)[0]
     except BaseException:
-        claim.close()
+        job.claim.close()
         raise
-    opened: list[Any] = []
-    planned: dict[str, Any] = {}
-
-    def write_mine() -> None:
-        opened.extend(open_all(srcs, raw=True))
-        plans = plan_tensors(validate_sources(srcs, opened), out_dtype)
-        shards = plan_output_shards(plans, max_bytes, srcs[-1].prefix)
-        planned.update(plans=plans, shards=shards)
-        if rank == 0:
-            raise_if_no_space(output_dir, sum(p.out_bytes for p in plans))
-        if rank == 0:
-            _announce(
-                srcs,
-                f"Merging with {'explicit weights' if weights is not None else strategy} into {output_dir}"
-                + (f" ({world_size} processes)" if world_size > 1 else ""),
-                window,
-            )
-        mine = [shard for shard, owner in zip(shards, _owners(shards, world_size)) if owner == rank]
-        return write_output_shards(
-            tmp,
-            mine,
-            srcs,
-            opened,
-            coefs,
-            accumulate_dtype,
-            chunk_bytes,
-            workers,
-            progress and rank == 0,
-            clip=clip_to_dtype,
-        )
-
-    def finish() -> None:
-        if rank != 0:
-            return
-        write_shard_index(tmp, srcs[-1].prefix, planned["shards"])
-        _copy_support_files(srcs[-1], tmp, out_dtype, tok_folder)
-        out_dtypes = sorted({TORCH_NAMES[p.out_dtype] for p in planned["plans"] if p.averaged})
-        record = _merge_record(
-            srcs,
-            coefs,
-            strategy,
-            alpha,
-            weights is not None,
-            ",".join(out_dtypes),
-            accumulate_dtype,
-            output_dir,
-            window,
-            notes,
-        )
-        atomic_write_json(tmp / MERGE_RECORD_NAME, record)
-        publish_folder(tmp, output_dir, replace=overwrite)
-
     try:
         with no_space_errors(output_dir, None):
             clipped: dict[str, int] = {}
-            for counts in checked(write_mine, f"writing the merged shards into {tmp}"):
+            for counts in _on_every_rank(
+                job.write_mine, f"writing the merged shards into {job.tmp}", world_size
+            ):
                 for name, count in (counts or {}).items():
                     clipped[name] = clipped.get(name, 0) + count
             if rank == 0:
-                notes["clipped"] = _report_clipped(clipped, planned["plans"])
-            checked(finish, f"finishing the merge into {output_dir}")
+                notes["clipped"] = _report_clipped(clipped, job.plans)
+            _on_every_rank(job.finish, f"finishing the merge into {output_dir}", world_size)
     except BaseException:
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
+            shutil.rmtree(job.tmp, ignore_errors=True)
         raise
     finally:
-        for tensors in opened:
-            tensors.close()
-        claim.close()
+        job.close()
     if rank == 0:
         logger.info(f"Merged model written to {output_dir}")
     return output_dir
+
+
+def _process_place(distributed: bool) -> tuple[int, int]:
+    """``(rank, world size)`` of this process in a distributed merge; ``(0, 1)`` otherwise (without
+    importing ``torch.distributed``)."""
+    if not distributed:
+        return 0, 1
+    from hf_pma.utils.distributed import distributed_rank_and_size
+
+    return distributed_rank_and_size()
+
+
+def _local_world_size() -> int:
+    from hf_pma.utils.distributed import local_world_size
+
+    return local_world_size()
+
+
+def _on_every_rank(fn: Callable[[], T], what: str, world_size: int) -> list[T]:
+    """``fn()`` on every rank of the merge, every rank's result (see
+    :func:`hf_pma.utils.distributed.all_ranks_checked`: a failure on one rank is raised on all);
+    in a single process, ``[fn()]`` without importing ``torch.distributed``."""
+    if world_size == 1:
+        return [fn()]
+    from hf_pma.utils.distributed import all_ranks_checked
+
+    return all_ranks_checked(fn, what)
+
+
+@dataclasses.dataclass
+class _MergeJob:
+    """One merge into ``output_dir`` by this process (rank ``rank`` of ``world_size``), in three
+    steps that every rank runs together (:func:`_on_every_rank`): :meth:`begin` (rank 0 checks and
+    claims the output and makes the temporary folder), :meth:`write_mine` (each rank writes its
+    share of the shards), :meth:`finish` (rank 0 writes the index, support files and record, and
+    publishes the folder)."""
+
+    sources: list[CheckpointSource]
+    coefs: list[float]
+    output_dir: Path
+    overwrite: bool
+    rank: int
+    world_size: int
+    what: str  # the announcement of the merge, logged by rank 0
+    # The merge record from the sources and the output dtype (see _merge_record).
+    record: Callable[..., dict[str, Any]]
+    out_dtype: str | None
+    accumulate_dtype: str
+    max_bytes: int
+    chunk_bytes: int
+    workers: int
+    progress: bool
+    clip: bool
+    tokenizer: Path | None
+    window: dict[str, Any] | None
+    tmp: Path | None = None
+    claim: contextlib.ExitStack = dataclasses.field(default_factory=contextlib.ExitStack)
+    opened: list[Any] = dataclasses.field(default_factory=list)
+    plans: list[TensorPlan] = dataclasses.field(default_factory=list)
+    shards: list[OutputShard] = dataclasses.field(default_factory=list)
+
+    def begin(self) -> Path | None:
+        """On rank 0: check the output folder, claim it (a second merge into it stops here, naming
+        this one), remove a killed merge's temporaries, make the temporary folder; its path."""
+        if self.rank != 0:
+            return None
+        _check_output(self.output_dir, self.sources, self.overwrite)
+        self.claim.enter_context(claim_output(self.output_dir, self.overwrite))
+        remove_stale_temporaries(self.output_dir.parent, self.output_dir.name)  # of a killed earlier merge
+        tmp = temporary_path(self.output_dir)
+        tmp.mkdir()
+        return tmp
+
+    def write_mine(self) -> dict[str, int]:
+        """Open the sources, plan the tensors and shards, and write this rank's shards into the
+        temporary folder; the values clipped per tensor."""
+        srcs = self.sources
+        self.opened.extend(open_all(srcs, raw=True))
+        self.plans = plan_tensors(validate_sources(srcs, self.opened), self.out_dtype)
+        self.shards = plan_output_shards(self.plans, self.max_bytes, srcs[-1].prefix)
+        if self.rank == 0:
+            raise_if_no_space(self.output_dir, sum(p.out_bytes for p in self.plans))
+            processes = f" ({self.world_size} processes)" if self.world_size > 1 else ""
+            _announce(srcs, self.what + processes, self.window)
+        owners = _owners(self.shards, self.world_size)
+        mine = [shard for shard, owner in zip(self.shards, owners) if owner == self.rank]
+        return write_output_shards(
+            self.tmp,
+            mine,
+            srcs,
+            self.opened,
+            self.coefs,
+            self.accumulate_dtype,
+            self.chunk_bytes,
+            self.workers,
+            self.progress,
+            clip=self.clip,
+        )
+
+    def finish(self) -> None:
+        """On rank 0: the shard index, the support files, the merge record, and the folder moved
+        into place."""
+        if self.rank != 0:
+            return
+        newest = self.sources[-1]
+        write_shard_index(self.tmp, newest.prefix, self.shards)
+        _copy_support_files(newest, self.tmp, self.out_dtype, self.tokenizer)
+        out_dtypes = sorted({TORCH_NAMES[p.out_dtype] for p in self.plans if p.averaged})
+        record = self.record(
+            self.sources, self.coefs, out_dtype=",".join(out_dtypes), output_dir=self.output_dir
+        )
+        atomic_write_json(self.tmp / MERGE_RECORD_NAME, record)
+        publish_folder(self.tmp, self.output_dir, replace=self.overwrite)
+
+    def close(self) -> None:
+        """Close the sources and release the output's claim."""
+        for tensors in self.opened:
+            tensors.close()
+        self.claim.close()
 
 
 def _owners(shards: Sequence[OutputShard], world_size: int) -> list[int]:

@@ -53,6 +53,8 @@ from hf_pma.utils.hub_client import (
     install_hub_client,
 )
 from hf_pma.utils.logs import get_logger
+from hf_pma.utils.names import parse_hub_id
+from hf_pma.utils.parsing import is_int, parameter_error
 from hf_pma.utils.text import escape, shown
 
 logger = get_logger(__name__)
@@ -73,7 +75,6 @@ __all__ = [
     "DOWNLOAD_PATTERNS",
 ]
 
-_HUB_SPEC = re.compile(r"(?P<repo>[A-Za-z0-9][\w.-]*/[\w.-]+)(?:@(?P<rev>[^\s@]+))?")
 _SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 # A field is delimited by the start or end of the name, or by - _ . / (so "restep3" is no step).
 _FIELD = r"(?:\A|(?<=[-_./])){key}[-_]?(?P<value>\d+(?:\.\d+)?)(?P<suffix>[KMBGTkmbgt])?(?=\Z|[-_./])"
@@ -159,18 +160,13 @@ class HubRevision:
 
 def parse_hub_spec(text: Any) -> tuple[str, str | None] | None:
     """``"org/model@REV"`` -> ``("org/model", "REV")``, ``"org/model"`` -> ``("org/model", None)``;
-    ``None`` for anything else (a local path, a bare name)."""
-    if not isinstance(text, str) or text.startswith((".", "/", "~")):
-        return None
-    match = _HUB_SPEC.fullmatch(text)
-    if match is None:
-        return None
-    return match.group("repo"), match.group("rev")
+    ``None`` for anything else (a local path, a bare name): :func:`hf_pma.utils.names.parse_hub_id`."""
+    return parse_hub_id(text)
 
 
 def is_hub_spec(text: Any) -> bool:
     """Whether ``text`` reads as ``org/model`` or ``org/model@REV``."""
-    return parse_hub_spec(text) is not None
+    return parse_hub_id(text) is not None
 
 
 def revision_matcher(pattern: str) -> tuple[re.Pattern[str], bool]:
@@ -181,14 +177,14 @@ def revision_matcher(pattern: str) -> tuple[re.Pattern[str], bool]:
     ``stage1-*``, ``step1[34]*``).
     """
     if not isinstance(pattern, str) or not pattern:
-        raise HubRevisionError(f"--revisions needs a non-empty pattern, got {pattern!r}")
+        raise parameter_error("revisions", f"needs a non-empty pattern, got {shown(pattern, 60)}", HubRevisionError)
     if pattern.startswith("re:") or (len(pattern) > 2 and pattern.startswith("/") and pattern.endswith("/")):
         source = pattern[3:] if pattern.startswith("re:") else pattern[1:-1]
         try:
             return re.compile(source), True
         except re.error as err:
-            raise HubRevisionError(
-                f"--revisions {pattern!r} is not a valid regular expression: {err}"
+            raise parameter_error(
+                "revisions", f"{shown(pattern, 120)} is not a valid regular expression: {err}", HubRevisionError
             ) from err
     return re.compile(fnmatch.translate(pattern)), False
 
@@ -330,7 +326,7 @@ def _hub_file(repo_id: str, name: str, sibling: Any) -> HubFile:
             raise HubRevisionError(
                 f"{where}/{path}: the Hub answered an LFS sha256 of {len(content)} characters"
             )
-    if size is not None and (isinstance(size, bool) or not isinstance(size, int) or size < 0):
+    if size is not None and not is_int(size, 0):
         raise HubRevisionError(
             f"{where}/{path}: the Hub answered the size {shown(size, 40)}, which is no byte count"
         )
@@ -411,7 +407,7 @@ def order_revisions(
         logger.warning(
             f"The names of {len(unknown)} revision(s) ({_examples(unknown)}) carry no step or token count: "
             f"ordering the {len(revisions)} revisions by commit date instead (name a step/tokens group in a "
-            f"--revisions regular expression to order them by their names)"
+            f"revisions regular expression (--revisions) to order them by their names)"
         )
         epoch = datetime.datetime.min.replace(tzinfo=datetime.timezone.utc)
         return sorted(revisions, key=lambda r: r.date or epoch)
@@ -436,9 +432,11 @@ def list_revisions(
     refs = _list_refs(api, repo_id)
     matched = [(n, k, c) for n, k, c in refs if (regex.search(n) if is_regex else regex.fullmatch(n))]
     if not matched:
-        raise HubRevisionError(
-            f"--revisions {pattern!r} matches none of the {len(refs)} branches and tags of {repo_id} "
-            f"({_examples(sorted(n for n, _, _ in refs)) or 'none'})"
+        raise parameter_error(
+            "revisions",
+            f"{shown(pattern, 120)} matches none of the {len(refs)} branches and tags of {repo_id} "
+            f"({_examples(sorted(n for n, _, _ in refs)) or 'none'})",
+            HubRevisionError,
         )
     by_commit: dict[str, HubRevision] = {}
     for name, _kind, commit in matched:
@@ -511,13 +509,13 @@ def check_disk_space(revisions: Sequence[HubRevision], cache_dir: str | Path | N
         logger.warning(
             f"The Hub gives no size for {_examples(unknown)}: the disk-space check leaves them out"
         )
-    free = free_bytes(folder) or 0
-    if need > free:
+    free = free_bytes(folder)
+    if free is not None and need > free:
         repos = sorted({r.repo_id for r in revisions})
         raise NotEnoughDiskSpaceError(
             f"downloading {len(revisions)} revision(s) of {', '.join(repos)} needs {format_bytes(need)} ({need} bytes, "
             f"{count} files) in {folder} but only {format_bytes(free)} ({free} bytes) is free: free some space, pick fewer "
-            f"revisions (--last) or use another --cache-dir"
+            f"revisions (last=, --last) or use another cache folder (cache_dir=, --cache-dir)"
         )
     return need
 

@@ -29,8 +29,8 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from hf_pma.core.strategies import merge_weights
-from hf_pma.io.torch_adapters import DTYPE_FROM_SAFETENSORS
+from hf_pma.core.strategies import merge_coefficients
+from hf_pma.io.torch_adapters import DTYPE_FROM_SAFETENSORS, is_dtensor, local_tensor
 from hf_pma.merging.chunks import DEFAULT_CHUNK_BYTES, TensorPlan, chunk_elements, chunk_tasks, run_chunks
 from hf_pma.merging.engine import validate_sources
 from hf_pma.merging.sources import (
@@ -72,11 +72,6 @@ class LocalSlot:
     def numel(self) -> int:
         """Elements in this slot."""
         return self.stop - self.start
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
 
 
 def reshard(model: torch.nn.Module) -> None:
@@ -168,7 +163,7 @@ def _dtensor_slot(name: str, tensor: torch.Tensor) -> LocalSlot | None:
         )
     shape = tuple(tensor.shape)
     local_shape, offset = compute_local_shape_and_global_offset(shape, tensor.device_mesh, placements)
-    local = _local(tensor.detach())
+    local = local_tensor(tensor.detach())
     numel = math.prod(local_shape)
     if numel == 0:
         return None
@@ -209,11 +204,11 @@ def local_slots(
         seen.add(id(tensor))
         name = _checkpoint_name(aliases[full], infos, full)
         _check_shape(name, tuple(tensor.shape), infos)
-        if callable(getattr(tensor, "to_local", None)):
+        if is_dtensor(tensor):
             try:
                 slot = _dtensor_slot(name, tensor)
             except _Replicated:
-                replicated.append((name, _local(tensor.detach())))
+                replicated.append((name, local_tensor(tensor.detach())))
                 continue
             if slot is not None:
                 slots.append(slot)
@@ -260,7 +255,7 @@ class SliceSwap:
             if all(isinstance(s, CheckpointSource) for s in sources)
             else resolve_sources(list(sources))
         )
-        coefs = merge_weights(len(srcs), strategy, alpha, weights)
+        coefs = merge_coefficients(len(srcs), strategy, alpha, weights)
         check_same_model(srcs)  # one model: configurations compared before the first tensor
         self._slots: list[LocalSlot] = []
         self._backup: list[torch.Tensor] = []

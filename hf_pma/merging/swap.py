@@ -15,17 +15,12 @@ from collections.abc import Mapping
 import torch
 from transformers.utils import logging
 
+from hf_pma.io.torch_adapters import is_dtensor, local_tensor
 from hf_pma.utils.distributed import is_peft_model
 
 logger = logging.get_logger(__name__)
 
 __all__ = ["backup_weights", "restore_weights", "load_weights", "check_compatible"]
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """This process's part of a tensor (the shard of a DTensor, the tensor itself otherwise)."""
-    to_local = getattr(tensor, "to_local", None)
-    return to_local() if callable(to_local) else tensor
 
 
 def _named_tensors(model: torch.nn.Module, trainable_only: bool) -> dict[str, torch.Tensor]:
@@ -38,7 +33,7 @@ def _named_tensors(model: torch.nn.Module, trainable_only: bool) -> dict[str, to
 def backup_weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """CPU copies of this process's parameters and buffers (adapter parameters only for PEFT)."""
     tensors = _named_tensors(model, trainable_only=is_peft_model(model))
-    return {name: _local(t.detach()).to("cpu", copy=True) for name, t in tensors.items()}
+    return {name: local_tensor(t.detach()).to("cpu", copy=True) for name, t in tensors.items()}
 
 
 @torch.no_grad()
@@ -46,7 +41,7 @@ def restore_weights(model: torch.nn.Module, backup: Mapping[str, torch.Tensor]) 
     """Copy a :func:`backup_weights` backup back into the model, in place."""
     tensors = _named_tensors(model, trainable_only=is_peft_model(model))
     for name, saved in backup.items():
-        _local(tensors[name].data).copy_(saved)
+        local_tensor(tensors[name].data).copy_(saved)
 
 
 def _full_state_shapes(model: torch.nn.Module) -> dict[str, tuple[int, ...]]:
@@ -94,7 +89,7 @@ def load_weights(model: torch.nn.Module, state: Mapping[str, torch.Tensor], orig
         return
     check_compatible(model, state, origin)
     params = dict(model.named_parameters())
-    if any(callable(getattr(p, "to_local", None)) for p in params.values()):
+    if any(is_dtensor(p) for p in params.values()):
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
         set_model_state_dict(model, dict(state), options=StateDictOptions(full_state_dict=True, strict=False))

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import datetime
 import importlib.resources
-import math
 import os
 import posixpath
 import re
@@ -37,6 +36,8 @@ from hf_pma.core.manifest import CARD_NAME, PLOT_NAME, PMA_SUBDIR
 from hf_pma.publishing.records import FolderRecords, label_rank, load_records, sanitize_text
 from hf_pma.utils.formatting import format_metric, format_number, metric_label
 from hf_pma.utils.fs import atomic_write_text, check_output_file, hold_claim
+from hf_pma.utils.names import is_hub_id
+from hf_pma.utils.parsing import is_number
 from hf_pma.utils.text import escape, markdown_text
 
 if TYPE_CHECKING:
@@ -130,10 +131,6 @@ def _strategy_text(strategy: str, alpha: Any) -> str:
     return f"{text} {_fmt_float(alpha, 'g')}" if strategy == "ema" else text
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
 def _human(n: float) -> str:
     for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("k", 1e3)):
         if abs(n) >= scale:
@@ -142,21 +139,21 @@ def _human(n: float) -> str:
 
 
 def _fmt_tokens(n: Any) -> str:
-    if not _is_number(n):
+    if not is_number(n, finite=True):
         return _MISSING
     return f"{int(n):,} ({_human(n)})" if n >= 1000 else f"{int(n):,}"
 
 
 def _fmt_int(n: Any) -> str:
-    return f"{int(n):,}" if _is_number(n) else _MISSING
+    return f"{int(n):,}" if is_number(n, finite=True) else _MISSING
 
 
 def _fmt_float(x: Any, spec: str) -> str:
-    return format(x, spec) if _is_number(x) else _MISSING
+    return format(x, spec) if is_number(x, finite=True) else _MISSING
 
 
 def _fmt_duration(seconds: Any) -> str:
-    if not _is_number(seconds):
+    if not is_number(seconds, finite=True):
         return _MISSING
     seconds = int(round(seconds))
     hours, rest = divmod(seconds, 3600)
@@ -166,21 +163,6 @@ def _fmt_duration(seconds: Any) -> str:
     if minutes:
         return f"{minutes} min {secs:02d} s"
     return f"{secs} s"
-
-
-def _is_hub_id(value: Any) -> bool:
-    """True for a plausible Hub repo id ("org/name" or "name"), not a local file or path."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    if not isinstance(value, str) or not value or value.startswith((".", "~")) or "\\" in value:
-        return False
-    if re.search(r"\.(jsonl?|txt|csv|parquet|arrow|gz|zst)\Z", value):
-        return False
-    try:
-        validate_repo_id(value)
-    except HFValidationError:
-        return False
-    return True
 
 
 # ---------------------------------------------------------------- evaluation
@@ -212,11 +194,11 @@ def _task_metrics(results: dict[str, Any]) -> list[tuple[str, str, float, float 
             continue
         for key, value in metrics.items():
             base, filt = _split_metric(str(key))
-            if base.endswith("_stderr") or not _is_number(value):
+            if base.endswith("_stderr") or not is_number(value, finite=True):
                 continue
             suffix = f",{filt}" if filt else ""
             stderr = metrics.get(f"{base}_stderr{suffix}")
-            out.append((str(task), str(key), float(value), float(stderr) if _is_number(stderr) else None))
+            out.append((str(task), str(key), float(value), float(stderr) if is_number(stderr, finite=True) else None))
     return out
 
 
@@ -257,10 +239,10 @@ def eval_table(eval_record: dict[str, Any] | None) -> tuple[list[str], list[dict
 
 def _fmt_diff(row: dict[str, Any]) -> str:
     diff, stderr = row.get("loss_diff"), row.get("paired_stderr")
-    if not _is_number(diff):
+    if not is_number(diff, finite=True):
         return ""
     text = f"{diff:+.4f}"
-    if _is_number(stderr) and stderr > 0:
+    if is_number(stderr, finite=True) and stderr > 0:
         text += f" ± {stderr:.4f} ({abs(diff) / stderr:.1f} SE)"
     return text
 
@@ -276,7 +258,7 @@ def comparison_table(comparison: dict[str, Any] | None) -> str:
     annealed, merge = comparison.get("annealed"), comparison.get("merge")
     anneal = comparison.get("anneal") if isinstance(comparison.get("anneal"), dict) else {}
     share = comparison.get("annealing_gain_recovered")
-    tokens = _fmt_int(comparison.get("tokens")) if _is_number(comparison.get("tokens")) else None
+    tokens = _fmt_int(comparison.get("tokens")) if is_number(comparison.get("tokens"), finite=True) else None
     docs = comparison.get("documents")
     lines = [
         f"| model{f' (all at {tokens} tokens)' if tokens and anneal else ''} | held-out loss per document "
@@ -292,11 +274,11 @@ def comparison_table(comparison: dict[str, Any] | None) -> str:
     order = sorted(models, key=label_rank)
     for label in order:
         row = models[label] if isinstance(models[label], dict) else {}
-        if not _is_number(row.get("loss")):
+        if not is_number(row.get("loss"), finite=True):
             continue
-        if label == merge and _is_number(share):
+        if label == merge and is_number(share, finite=True):
             cell = f"{share:.0%}"
-        elif label == annealed and _is_number(share):
+        elif label == annealed and is_number(share, finite=True):
             cell = "100%"
         else:
             cell = ""
@@ -319,7 +301,7 @@ def eval_results_for(eval_record: dict[str, Any] | None, label: str | None = Non
         base, filt = _split_metric(key)
         if task == "lm":
             # The held-out language-modelling evaluation: named after its data when known.
-            dataset_type = dataset if _is_hub_id(dataset) else "held-out-text"
+            dataset_type = dataset if is_hub_id(dataset, bare=True) else "held-out-text"
             dataset_name = escape(dataset) if dataset else "held-out text"
         else:
             dataset_type, dataset_name = escape(task), escape(task)
@@ -346,14 +328,14 @@ def _interval_text(merge: dict[str, Any], sources: list[dict[str, Any]]) -> str:
         merge.get("intervals_from") == "recorded"
         and isinstance(intervals, list)
         and 1 < len(intervals) <= 50
-        and all(_is_number(v) and v > 0 for v in intervals)
+        and all(is_number(v, finite=True) and v > 0 for v in intervals)
     ):
         return "changed within the merge: " + ", then ".join(f"{_fmt_tokens(v)} tokens" for v in intervals)
     interval = merge.get("interval_tokens")
-    if _is_number(interval) and interval > 0:
+    if is_number(interval, finite=True) and interval > 0:
         return f"{_fmt_tokens(interval)} tokens"
     tokens = [s.get("tokens") for s in sources]
-    if len(tokens) < 2 or not all(_is_number(t) for t in tokens):
+    if len(tokens) < 2 or not all(is_number(t, finite=True) for t in tokens):
         return _MISSING
     gaps = [b - a for a, b in zip(tokens, tokens[1:])]
     if len(set(gaps)) == 1:
@@ -368,10 +350,10 @@ def _window_text(merge: dict[str, Any]) -> str | None:
         return None
     unit, requested = window["unit"], window.get("requested")
     first, last = window.get("first"), window.get("last")
-    if not (_is_number(first) and _is_number(last)):
+    if not (is_number(first, finite=True) and is_number(last, finite=True)):
         return None
     span = f"{_fmt_int(first)} to {_fmt_int(last)} {unit}, a span of {_fmt_int(last - first)}"
-    if _is_number(requested):
+    if is_number(requested, finite=True):
         return f"the snapshots within the last {_fmt_int(requested)} {unit} ({span})"
     return f"the newest {merge.get('num_sources') or len(merge.get('sources') or [])} snapshots ({span})"
 
@@ -403,7 +385,7 @@ def _snapshot_warnings(sources: list[dict[str, Any]], weights: list[Any]) -> lis
             f"{count} of the {len(sources)} snapshots were taken outside the constant-LR (stable) phase "
             f"({', '.join(outside)}); PMA assumes a constant learning rate."
         )
-    numbers = [w for w in weights if _is_number(w)]
+    numbers = [w for w in weights if is_number(w, finite=True)]
     if numbers and abs(sum(numbers) - 1.0) > 1e-4:
         warnings.append(f"the merge weights sum to {sum(numbers):.6f}, not 1: the merged weights are rescaled.")
     return warnings
@@ -460,10 +442,10 @@ def _merge_code(records: FolderRecords) -> str:
     strategy = str(merge.get("strategy") or "sma")
     if strategy in STRATEGIES:
         lines.append(f"    strategy={strategy!r},")
-        if strategy == "ema" and _is_number(merge.get("alpha")):
+        if strategy == "ema" and is_number(merge.get("alpha"), finite=True):
             lines.append(f"    alpha={merge['alpha']},")
     else:
-        weights = [w for w in merge.get("weights") or [] if _is_number(w)]
+        weights = [w for w in merge.get("weights") or [] if is_number(w, finite=True)]
         lines.append("    weights=[" + ", ".join(f"{w:.6g}" for w in weights) + "],")
     lines.append(")")
     return "\n".join(lines)
@@ -474,7 +456,7 @@ def _hub_revisions(sources: list[dict[str, Any]]) -> list[dict[str, str]]:
     return [
         {"repo_id": _md(s["repo_id"]), "revision": _md(s.get("revision") or _MISSING), "commit": _md(s.get("commit") or _MISSING)}
         for s in sources
-        if _is_hub_id(s.get("repo_id"))
+        if is_hub_id(s.get("repo_id"), bare=True)
     ]
 
 
@@ -522,7 +504,7 @@ def _plot_description(records: FolderRecords) -> str:
 
 def _small_run_note(training: dict[str, Any] | None) -> str | None:
     tokens = (training or {}).get("total_tokens")
-    if _is_number(tokens) and tokens < 1e9:
+    if is_number(tokens, finite=True) and tokens < 1e9:
         return (
             f"This model saw only {_human(tokens)} tokens: it demonstrates the method and is not a useful "
             "language model."
@@ -563,7 +545,7 @@ def build_model_card(
     datasets = training.get("datasets") or []
     datasets = [datasets] if isinstance(datasets, str) else list(datasets)
     base_model = training.get("base_model") or merge.get("base_model")
-    base_model = base_model if _is_hub_id(base_model) else None
+    base_model = base_model if is_hub_id(base_model, bare=True) else None
     strategy = str(merge.get("strategy") or "custom")
     eval_results = eval_results_for(records.eval)
 
@@ -573,14 +555,14 @@ def build_model_card(
         license=license,
         language=language,
         base_model=base_model,
-        datasets=[d for d in datasets if _is_hub_id(d)] or None,
+        datasets=[d for d in datasets if is_hub_id(d, bare=True)] or None,
         tags=["pma", "model-merging", "checkpoint-averaging", "hf-pma", f"pma-{strategy if strategy in _STRATEGY_TEXT else 'custom'}"],
         model_name=model_name,
         eval_results=eval_results or None,
     )
     columns, rows = eval_table(records.eval)
     created = merge.get("created")
-    tokens = [s.get("tokens") for s in sources if _is_number(s.get("tokens"))]
+    tokens = [s.get("tokens") for s in sources if is_number(s.get("tokens"), finite=True)]
     plot_file = PLOT_NAME if (folder / PLOT_NAME).is_file() else None
     load_id = repo_id or f"./{records.name or 'merged'}"
     # Every value from a record or a name is escaped for markdown (_md_values); the code blocks
@@ -591,7 +573,7 @@ def build_model_card(
         "hf_pma_version": __version__,
         "merge_version": merge.get("hf_pma_version") or _MISSING,
         "created_text": datetime.datetime.fromtimestamp(created, datetime.timezone.utc).strftime("%Y-%m-%d")
-        if _is_number(created)
+        if is_number(created, finite=True)
         else None,
         "base_model": base_model,
         "n_snapshots": len(sources),

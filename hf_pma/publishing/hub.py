@@ -32,8 +32,8 @@ from hf_pma.publishing.records import find_local_paths, find_tokens, load_record
 from hf_pma.utils.fs import check_output_file
 from hf_pma.utils.hub_client import install_hub_client
 from hf_pma.utils.logs import get_logger
-from hf_pma.utils.names import check_revision_name
-from hf_pma.utils.text import escape
+from hf_pma.utils.names import check_revision_name, is_hub_id
+from hf_pma.utils.text import escape, shown
 
 logger = get_logger(__name__)
 
@@ -86,20 +86,13 @@ def _first_line(err: BaseException) -> str:
 
 
 def check_repo_id(repo_id: str) -> str:
-    """``repo_id`` if it is a valid Hub repo id ("namespace/name" or "name"); a clear
-    ``ValueError`` otherwise."""
-    from huggingface_hub.utils import HFValidationError, validate_repo_id
-
-    if not isinstance(repo_id, str) or not repo_id:
+    """``repo_id`` if it is a valid Hub repo id ("namespace/name" or "name", as
+    :func:`hf_pma.utils.names.is_hub_id` reads it); a one-line ``ValueError`` otherwise."""
+    if not is_hub_id(repo_id, bare=True):
         raise ValueError(
-            f"invalid repo id {repo_id!r}: expected 'namespace/name', e.g. 'my-org/my-model-pma'"
+            f"invalid repo id {shown(repo_id, 120)}: expected 'namespace/name' (e.g. 'my-org/my-model-pma') "
+            "with letters, digits, '-', '_' and '.', no '--' or '..', at most 96 characters a part"
         )
-    try:
-        validate_repo_id(repo_id)
-    except HFValidationError as err:
-        raise ValueError(
-            f"invalid repo id {repo_id!r}: expected 'namespace/name' with letters, digits, '-', '_' and '.' ({err})"
-        ) from None
     return repo_id
 
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import io
-import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -30,6 +29,7 @@ from transformers.utils import logging
 from hf_pma.core.manifest import PLOT_NAME
 from hf_pma.publishing.records import FolderRecords, label_rank, load_records
 from hf_pma.utils.fs import atomic_write_file
+from hf_pma.utils.parsing import is_number
 from hf_pma.utils.text import plot_text
 
 logger = logging.get_logger(__name__)
@@ -46,9 +46,7 @@ _FINAL_SPREAD = 0.018
 
 
 def _num(value: Any) -> float | None:
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-        return float(value)
-    return None
+    return float(value) if is_number(value, finite=True) else None
 
 
 @dataclasses.dataclass

@@ -32,6 +32,7 @@ from hf_pma.core.manifest import (
 )
 from hf_pma.io.guarded import read_json
 from hf_pma.utils.logs import get_logger
+from hf_pma.utils.parsing import is_int, is_number
 from hf_pma.utils.secrets import find_named_secrets, find_token_shapes, redact, redact_obj
 from hf_pma.utils.text import escape, shown
 
@@ -156,10 +157,6 @@ _MAX_TIMESTAMP = 253_402_300_799  # 9999-12-31T23:59:59Z
 _NAME_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]{0,63}")
 
 
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _check_integers(path: Path, data: Any) -> None:
     # Iterative: the reader bounds the nesting already, and this must not recurse either.
     stack: list[tuple[Any, str]] = [(data, "")]
@@ -169,7 +166,7 @@ def _check_integers(path: Path, data: Any) -> None:
             stack.extend((v, f"{where}[{shown(k, 40)}]") for k, v in value.items())
         elif isinstance(value, list):
             stack.extend((v, f"{where}[{i}]") for i, v in enumerate(value))
-        elif isinstance(value, int) and not isinstance(value, bool) and abs(value) >= _MAX_INT:
+        elif is_int(value) and abs(value) >= _MAX_INT:
             raise ValueError(
                 f"{escape(path)}: {where or 'the value'} is an integer of {len(str(abs(value)))} digits"
             )
@@ -208,20 +205,20 @@ def _check_merge_record(path: Path, data: dict[str, Any]) -> None:
             f"{escape(path)}: 'strategy' should be a strategy name such as 'sma', found {shown(strategy, 80)}"
         )
     _check_field(
-        path, data, "created", lambda v: _is_number(v) and 0 <= v <= _MAX_TIMESTAMP, "a time in seconds"
+        path, data, "created", lambda v: is_number(v) and 0 <= v <= _MAX_TIMESTAMP, "a time in seconds"
     )
     for key in ("alpha", "interval_tokens", "num_sources"):
-        _check_field(path, data, key, _is_number, "a number")
+        _check_field(path, data, key, is_number, "a number")
     _check_field(
         path,
         data,
         "weights",
-        lambda v: isinstance(v, list) and all(_is_number(w) for w in v),
+        lambda v: isinstance(v, list) and all(is_number(w) for w in v),
         "a list of numbers",
     )
     for i, source in enumerate(sources):
         for key in ("tokens", "step"):
-            _check_field(path, source, key, _is_number, "a number", f"sources[{i}]")
+            _check_field(path, source, key, is_number, "a number", f"sources[{i}]")
         for key in ("name", "path", "phase", "repo_id", "revision", "commit"):
             _check_field(path, source, key, lambda v: isinstance(v, str), "a string", f"sources[{i}]")
 
@@ -266,7 +263,7 @@ def load_records(folder: str | os.PathLike[str], require_merge: bool = True) -> 
                 f"{escape(folder / TRAINING_RECORD_NAME)}: 'log_history' should be a list of objects"
             )
         for key in ("total_tokens", "max_steps"):
-            _check_field(folder / TRAINING_RECORD_NAME, training, key, _is_number, "a number")
+            _check_field(folder / TRAINING_RECORD_NAME, training, key, is_number, "a number")
     manifest_path = _find_run_manifest(folder.resolve())
     manifest = None
     if manifest_path is not None:

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import shutil
 import time
 from pathlib import Path
 
 from transformers.utils import logging
 
+from hf_pma.utils.formatting import format_bytes
+from hf_pma.utils.fs import free_bytes
 from hf_pma.utils.logs import notice
 
 logger = logging.get_logger(__name__)
@@ -51,21 +52,8 @@ class SnapshotBudgetError(ValueError):
     """The snapshots of a run would not fit on disk (raised before they are written)."""
 
 
-def human_bytes(num: float) -> str:
-    """``1536`` -> ``'1.5 KiB'``: binary units, one decimal."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(num) < 1024 or unit == "TiB":
-            return f"{num:.0f} {unit}" if unit == "B" else f"{num:.1f} {unit}"
-        num /= 1024
-    raise AssertionError("unreachable")
-
-
-def free_bytes(folder: str | Path) -> int:
-    """Free bytes (for this user) on the filesystem that holds ``folder`` (or would: its nearest existing parent)."""
-    path = Path(folder).absolute()
-    while not path.exists() and path != path.parent:
-        path = path.parent
-    return shutil.disk_usage(path).free
+# The old names of the byte formatter and the free-space probe, which live in hf_pma.utils.
+human_bytes = format_bytes
 
 
 @dataclasses.dataclass
@@ -81,8 +69,9 @@ class DiskBudget:
     max_disk_bytes: int | None = None
     _warned: bool = False
 
-    def available(self, used_bytes: int = 0) -> tuple[int, str]:
-        """The bytes the snapshots may still take (``used_bytes``: what theirs take now), and what that figure is."""
+    def available(self, used_bytes: int = 0) -> tuple[int | None, str]:
+        """The bytes the snapshots may still take (``used_bytes``: what theirs take now), and what
+        that figure is; ``None`` when the free space cannot be read (then nothing is checked)."""
         if self.max_disk_bytes is not None:
             return max(0, self.max_disk_bytes - used_bytes), "max_disk_bytes"
         return free_bytes(self.folder), f"free space of {self.folder}"
@@ -98,15 +87,19 @@ class DiskBudget:
         available, source = self.available(used_bytes)
         needed = projected if self.max_disk_bytes is not None else math.ceil(projected * (1 + _MARGIN))
         kept = f"{folders} on disk at once" if folders < snapshots else "all kept"
+        if available is None:
+            plan = f"{snapshots} snapshots of {format_bytes(snapshot_bytes)} ({kept}; {what}); {source}: unknown"
+            logger.debug(f"hf-pma: disk budget: {plan}")
+            return plan
         if needed > available:
             raise SnapshotBudgetError(
-                f"hf-pma: the snapshots of this run would take {human_bytes(projected)} ({snapshots} snapshots of "
-                f"{human_bytes(snapshot_bytes)}, {kept}; {what}) but the {source} is {human_bytes(available)}. "
+                f"hf-pma: the snapshots of this run would take {format_bytes(projected)} ({snapshots} snapshots of "
+                f"{format_bytes(snapshot_bytes)}, {kept}; {what}) but the {source} is {format_bytes(available)}. "
                 f"Change {_KNOBS}. Nothing was written."
             )
         plan = (
-            f"{snapshots} snapshots of {human_bytes(snapshot_bytes)} ({kept}; {what}) take "
-            f"{human_bytes(projected)} of {human_bytes(available)} ({source})"
+            f"{snapshots} snapshots of {format_bytes(snapshot_bytes)} ({kept}; {what}) take "
+            f"{format_bytes(projected)} of {format_bytes(available)} ({source})"
         )
         logger.debug(f"hf-pma: disk budget: {plan}")
         return plan
@@ -117,10 +110,13 @@ class DiskBudget:
         the run's snapshots take now."""
         free = free_bytes(self.folder)
         if self.max_disk_bytes is not None:
-            free = min(free, max(0, self.max_disk_bytes - used_bytes))
+            budget = max(0, self.max_disk_bytes - used_bytes)
+            free = budget if free is None else min(free, budget)
+        if free is None:  # the free space cannot be read: the write itself reports a full disk
+            return
         if snapshot_bytes > free:
             raise SnapshotBudgetError(
-                f"hf-pma: the next snapshot needs {human_bytes(snapshot_bytes)} but only {human_bytes(free)} is left "
+                f"hf-pma: the next snapshot needs {format_bytes(snapshot_bytes)} but only {format_bytes(free)} is left "
                 f"for snapshots in {self.folder} (checkpoints or other files share the disk). Free space, or change "
                 f"{_KNOBS}."
             )
@@ -128,8 +124,8 @@ class DiskBudget:
         if still > free and not self._warned:
             self._warned = True
             logger.warning(
-                f"hf-pma: the {remaining} snapshots still to come need about {human_bytes(still)} more but "
-                f"{human_bytes(free)} is left in {self.folder}; the run will stop when the next one does not fit. "
+                f"hf-pma: the {remaining} snapshots still to come need about {format_bytes(still)} more but "
+                f"{format_bytes(free)} is left in {self.folder}; the run will stop when the next one does not fit. "
                 f"Free space, or change {_KNOBS}."
             )
 
@@ -192,7 +188,7 @@ class TimeBudget:
             what = f"a snapshot costs {blocked} (the first {cost.first_blocked_s:.2f}s, with one-time set-up)"
         message = (
             f"hf-pma: {what}, {cost.write_s:.2f}s of "
-            f"{'background ' if async_write else ''}writing, {human_bytes(cost.num_bytes)}; snapshots come every "
+            f"{'background ' if async_write else ''}writing, {format_bytes(cost.num_bytes)}; snapshots come every "
             f"{steps_between:.1f} steps of {step_s:.3f}s ({interval_s:.1f}s): {100 * share:.1f}% of training time"
         )
         if share <= self.limit:

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from hf_pma.io.torch_adapters import SAFETENSORS_FROM_DTYPE
+from hf_pma.io.torch_adapters import SAFETENSORS_FROM_DTYPE, is_dtensor, local_tensor
 from hf_pma.utils.distributed import sharding_kind, unwrap_model
 from hf_pma.utils.parsing import parse_dtype
 
@@ -36,15 +36,10 @@ __all__ = [
 ]
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard, any other tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
 def _storage_ptr(tensor: torch.Tensor) -> int | None:
     """Address of a tensor's memory (a DTensor's local shard), ``None`` when it has none."""
     try:
-        return _local(tensor).untyped_storage().data_ptr()
+        return local_tensor(tensor).untyped_storage().data_ptr()
     except RuntimeError:
         return None
 
@@ -258,11 +253,11 @@ def _replica_owner(tensor: Any) -> bool:
 
 def _slices_of(name: str, value: Any, rank: int) -> list[LocalSlice]:
     shape = tuple(value.shape)
-    if hasattr(value, "to_local") and hasattr(value, "__create_chunk_list__"):  # DTensor
+    if is_dtensor(value) and hasattr(value, "__create_chunk_list__"):
         if not _replica_owner(value):
             return []
         chunks = value.__create_chunk_list__()
-        local = value.to_local()
+        local = local_tensor(value)
         if len(chunks) != 1:
             raise ValueError(f"tensor {name!r}: a DTensor with {len(chunks)} local chunks is not supported")
         chunk = chunks[0]

@@ -48,9 +48,10 @@ from hf_pma.core.manifest import (
     write_manifest,
 )
 from hf_pma.utils.distributed import is_peft_model, unwrap_model
+from hf_pma.utils.formatting import format_bytes
 from hf_pma.utils.fs import atomic_write_json, write_folder_atomically
 from hf_pma.utils.logs import quiet_info
-from hf_pma.utils.parsing import parse_size
+from hf_pma.utils.parsing import check_int, parse_size
 from hf_pma.utils.text import escape
 
 logger = logging.get_logger(__name__)
@@ -416,8 +417,7 @@ class SnapshotWriter:
         keep_last: int | None = None,
         max_shard_size: int | str = "5GB",
     ) -> None:
-        if keep_last is not None and (not isinstance(keep_last, int) or isinstance(keep_last, bool) or keep_last < 1):
-            raise ValueError(f"keep_last must be a positive integer or None, got {keep_last!r}")
+        check_int(keep_last, "keep_last", allow_none=True)
         parse_size(max_shard_size)
         self.pma_dir = Path(pma_dir)
         self.keep_last = keep_last
@@ -517,7 +517,7 @@ class SnapshotWriter:
         for old in deleted:
             logger.debug(f"hf-pma: deleted {old.path} (keep_last={self.keep_last})")
         self.written.append(record)
-        logger.debug(f"hf-pma: snapshot {record.path} written ({(record.num_bytes or 0) / 2**20:.1f} MiB)")
+        logger.debug(f"hf-pma: snapshot {record.path} written ({format_bytes(record.num_bytes or 0)})")
         return record
 
     def submit(self, job: SnapshotJob) -> None:

@@ -44,6 +44,8 @@ from hf_pma.io.guarded import read_json
 from hf_pma.training.saving import save_full_model
 from hf_pma.utils.distributed import run_on_main_process
 from hf_pma.utils.fs import atomic_write_json
+from hf_pma.utils.names import scheduler_name
+from hf_pma.utils.parsing import check_int, is_int
 from hf_pma.utils.text import escape, shown
 
 __all__ = [
@@ -66,9 +68,8 @@ DECAY_TYPES = tuple(DECAY_SHAPES)  # linear, cosine, 1-sqrt: the shapes transfor
 CONSTANT_SCHEDULES = ("constant", "constant_with_warmup")
 
 
-def schedule_name(args: Any) -> str:
-    """The ``lr_scheduler_type`` of training arguments as a plain string."""
-    return str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type))
+# The old name of hf_pma.utils.names.scheduler_name.
+schedule_name = scheduler_name
 
 
 def check_decay_type(decay_type: str, name: str = "decay_type") -> None:
@@ -91,7 +92,7 @@ def checkpoint_state(checkpoint: str | os.PathLike[str]) -> dict[str, int]:
         ("max_steps", "max_steps"),
     ):
         value = state.get(field, 0) if isinstance(state, dict) else None
-        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        if not is_int(value, 0):
             raise ValueError(
                 f"{escape(folder / 'trainer_state.json')}: {field} should be a count, got {shown(value)}"
             )
@@ -267,10 +268,10 @@ def anneal_from_checkpoint(
     check_decay_type(decay_type)
     if (steps is None) == (tokens is None):
         raise ValueError("give the length of the decay as steps or as tokens (one of them)")
-    if schedule_name(args) not in CONSTANT_SCHEDULES:
+    if scheduler_name(args) not in CONSTANT_SCHEDULES:
         raise ValueError(
             f"the annealed fork needs a constant-LR run to fork from (lr_scheduler_type constant or "
-            f"constant_with_warmup), got lr_scheduler_type {schedule_name(args)}"
+            f"constant_with_warmup), got lr_scheduler_type {scheduler_name(args)}"
         )
     out = Path(output_dir) if output_dir is not None else Path(args.output_dir) / ANNEALED_DIR
     if out.is_symlink():  # the model and its record would land wherever it points
@@ -292,8 +293,7 @@ def anneal_from_checkpoint(
             )
         steps = max(1, round(tokens * state["step"] / state["tokens"]))
     assert steps is not None
-    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
-        raise ValueError(f"steps must be a positive integer, got {shown(steps)}")
+    check_int(steps, "steps")
     start = state["step"]
     main_max_steps = args.max_steps if args.max_steps > 0 else state["max_steps"]
     if start < args.get_warmup_steps(main_max_steps):
@@ -381,7 +381,8 @@ def annealing_check(
     it. Returns ``evaluate_models``' report with ``comparison`` added (``None`` without ``texts``:
     the paired comparison is of held-out documents).
     """
-    from hf_pma.evaluation.evaluator import evaluate_models, write_eval_record
+    from hf_pma.evaluation.evaluator import evaluate_models
+    from hf_pma.evaluation.records import write_eval_record
 
     if trainer.pma_merged_dir is None:
         raise ValueError("no merged model: train with pma_merge_at_end (and at least one snapshot) first")
@@ -401,7 +402,7 @@ def annealing_check(
         models = {"live model at the end": out / "final", "PMA merge": trainer.pma_merged_dir}
     if annealed is not None:
         models["annealed"] = annealed
-    elif schedule_name(trainer.args) not in CONSTANT_SCHEDULES:
+    elif scheduler_name(trainer.args) not in CONSTANT_SCHEDULES:
         models["annealed"] = out / "final"  # with WSD the final live model is the annealed one
     fork = read_anneal_record(annealed) if annealed is not None else None  # checked before evaluating
     results = evaluate_models(

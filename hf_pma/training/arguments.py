@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 from pathlib import Path
 from typing import Any
 
@@ -19,13 +18,12 @@ from transformers.utils import logging
 
 from hf_pma.core.schedule import check_phases
 from hf_pma.core.strategies import validate_strategy
-from hf_pma.utils.parsing import parse_size
+from hf_pma.utils.names import parse_hub_id, scheduler_name
+from hf_pma.utils.parsing import check_int, parse_size
 
 __all__ = ["PMATrainingArguments", "deepspeed_zero_stage", "parse_with_config"]
 
 logger = logging.get_logger(__name__)
-
-_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(?:@[^\s@]+)?")  # org/model or org/model@REV
 
 
 def deepspeed_zero_stage(deepspeed: str | dict | None) -> int | None:
@@ -222,21 +220,11 @@ class PMATrainingArguments(TrainingArguments):
         self._check_pma_arguments()
 
     def _check_pma_arguments(self) -> None:
-        def positive_int(name: str, allow_none: bool = False) -> None:
-            value = getattr(self, name)
-            if value is None and allow_none:
-                return
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
-
-        positive_int("pma_interval_tokens", allow_none=True)
-        positive_int("pma_window")
-        positive_int("pma_window_tokens", allow_none=True)
-        positive_int("pma_keep_last", allow_none=True)
-        positive_int("pma_spike_window")
-        positive_int("pma_recovery_snapshots")
-        if not isinstance(self.pma_max_recoveries, int) or self.pma_max_recoveries < 0:
-            raise ValueError(f"pma_max_recoveries must be a non-negative integer, got {self.pma_max_recoveries!r}")
+        for name in ("pma_interval_tokens", "pma_window_tokens", "pma_keep_last"):
+            check_int(getattr(self, name), name, allow_none=True)
+        for name in ("pma_window", "pma_spike_window", "pma_recovery_snapshots"):
+            check_int(getattr(self, name), name)
+        check_int(self.pma_max_recoveries, "pma_max_recoveries", 0)
         validate_strategy(self.pma_strategy, self.pma_ema_alpha)
         self._check_online()
         self.pma_phases = list(check_phases(self.pma_phases))
@@ -263,7 +251,7 @@ class PMATrainingArguments(TrainingArguments):
         self.check_annealing()
         for item in self.pma_init_from or []:
             # Local paths must exist now; a Hub id ("org/name[@REV]") is fetched when the trainer starts.
-            if not Path(item).exists() and not _HUB_ID.fullmatch(item):
+            if not Path(item).exists() and parse_hub_id(item) is None:
                 raise ValueError(f"pma_init_from: {item} does not exist")
 
     def _check_online(self) -> None:
@@ -297,23 +285,20 @@ class PMATrainingArguments(TrainingArguments):
     def check_annealing(self) -> None:
         """``ValueError`` naming the option when the annealed fork (``pma_anneal_steps`` /
         ``pma_anneal_tokens``) cannot be made; call it again after changing them or ``max_steps``."""
-        from hf_pma.training.annealing import CONSTANT_SCHEDULES, check_decay_type, fork_step, schedule_name
+        from hf_pma.training.annealing import CONSTANT_SCHEDULES, check_decay_type, fork_step
 
-        steps, tokens = self.pma_anneal_steps, self.pma_anneal_tokens
-        if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
-            raise ValueError(f"pma_anneal_steps must be 0 or a positive integer, got {steps!r}")
-        if tokens is not None and (not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 1):
-            raise ValueError(f"pma_anneal_tokens must be a positive integer, got {tokens!r}")
+        steps = check_int(self.pma_anneal_steps, "pma_anneal_steps", 0)
+        tokens = check_int(self.pma_anneal_tokens, "pma_anneal_tokens", allow_none=True)
         if steps and tokens:
             raise ValueError("give pma_anneal_steps or pma_anneal_tokens, not both")
         check_decay_type(self.pma_anneal_decay, "pma_anneal_decay")
         if not (steps or tokens):
             return
         name = "pma_anneal_steps" if steps else "pma_anneal_tokens"
-        if schedule_name(self) not in CONSTANT_SCHEDULES:
+        if scheduler_name(self) not in CONSTANT_SCHEDULES:
             raise ValueError(
                 f"{name} needs a constant-LR run to fork from (lr_scheduler_type constant_with_warmup), got "
-                f"lr_scheduler_type {schedule_name(self)}; or set it to 0"
+                f"lr_scheduler_type {scheduler_name(self)}; or set it to 0"
             )
         if self.save_only_model:
             raise ValueError(f"{name} resumes the optimizer from a checkpoint: it needs save_only_model=False")

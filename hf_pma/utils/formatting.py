@@ -1,7 +1,8 @@
-"""How hf-pma shows numbers and tables: one number formatter, one markdown table.
+"""How hf-pma shows numbers, sizes and tables: one number formatter, one byte formatter, one markdown table.
 
 Every command (``eval``, ``sweep``, ``inspect``) and the model card show a metric the same way
-(:func:`format_number`: ``0.3120``, ``1,234.5``), a metric with its standard error as
+(:func:`format_number`: ``0.3120``, ``1,234.5``), a size in bytes in binary units
+(:func:`format_bytes`: ``1.5 KiB``, ``2.0 GiB``), a metric with its standard error as
 ``0.3120 ± 0.0140`` (:func:`format_metric`), and tables as GitHub markdown with padded columns
 (:func:`markdown_table`), which paste into an issue, a model card or the docs as they are.
 What is only read in a terminal (``inspect``'s tables) is a plain-text table
@@ -15,6 +16,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from hf_pma.utils.parsing import is_number
 from hf_pma.utils.text import escape
 
 __all__ = ["MISSING", "format_bytes", "format_number", "format_metric", "markdown_table", "metric_label", "text_table"]
@@ -36,7 +38,7 @@ def format_number(value: Any, spec: str | None = None, missing: str = MISSING) -
     """
     if value is None:
         return missing
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if not is_number(value):
         return str(value)
     if isinstance(value, float) and not math.isfinite(value):
         return str(value)
@@ -54,15 +56,17 @@ def format_metric(value: Any, stderr: Any = None, missing: str = MISSING) -> str
 
 
 def format_bytes(num_bytes: Any, missing: str = MISSING) -> str:
-    """A size in decimal units: ``512 B``, ``1.5 KB``, ``2.0 GB`` (``None`` is ``missing``)."""
+    """A size in binary units, as ``df -h`` and ``du -h`` count: ``512 B``, ``1.5 KiB``,
+    ``2.0 GiB`` (one decimal; ``None`` is ``missing``). The one byte formatter: every message
+    about memory, disk space or file sizes uses it."""
     if num_bytes is None:
         return missing
     n = float(num_bytes)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1000 or unit == "TB":
-            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{num_bytes} B"  # pragma: no cover
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def _cell(value: Any) -> str:

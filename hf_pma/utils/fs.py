@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, TypeVar
 
+from hf_pma.utils.parsing import is_int
 from hf_pma.utils.text import escape, shown
 
 __all__ = [
@@ -862,7 +863,7 @@ def _recorded_holder(fd: int, path: Path) -> str | None:
         return None
     if info["host"] == _host():
         pid = info["pid"]
-        if isinstance(pid, int) and not isinstance(pid, bool) and not _pid_alive(pid):
+        if is_int(pid) and not _pid_alive(pid):
             return None
         return f"host {escape(info['host'])}, pid {escape(pid)}"
     return (

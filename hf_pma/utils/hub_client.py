@@ -71,9 +71,10 @@ class HubAnswerError(ValueError):
 # ---------------------------------------------------------------- timeouts
 
 
-def parse_hub_timeout(text: Any, what: str = "--hub-timeout") -> tuple[float, float]:
+def parse_hub_timeout(text: Any, what: str = "hub timeout") -> tuple[float, float]:
     """``"30"`` -> ``(30.0, 30.0)``, ``"5,120"`` -> ``(5.0, 120.0)`` (connect, read), in seconds;
-    a one-line ``ValueError`` for anything else (zero, negative, not a number)."""
+    a one-line ``ValueError`` naming ``what`` (``--hub-timeout`` on the command line,
+    ``HF_PMA_HUB_TIMEOUT`` for the environment) for anything else (zero, negative, not a number)."""
     parts = str(text).split(",") if text is not None else []
     try:
         values = [float(p) for p in parts]
@@ -175,7 +176,7 @@ class _HubTimeoutAction(argparse.Action):
         option_string: Any = None,
     ) -> None:
         try:
-            timeouts = set_hub_timeout(values)
+            timeouts = set_hub_timeout(parse_hub_timeout(values, option_string or "--hub-timeout"))
         except ValueError as err:
             parser.error(str(err))
         setattr(namespace, self.dest, timeouts)
@@ -211,7 +212,7 @@ def hub_failure_line(err: BaseException, endpoint: str | None = None) -> str | N
                 what = f"did not accept a connection within {_seconds(connect)}"
             else:
                 what = f"did not answer within {_seconds(read)}"
-            return f"{where} {what} (--hub-timeout or {HUB_TIMEOUT_ENV} sets the limit)"
+            return f"{where} {what} (set_hub_timeout, --hub-timeout or {HUB_TIMEOUT_ENV} sets the limit)"
         current = current.__cause__ or current.__context__
     return None
 

@@ -1,14 +1,33 @@
-"""Parse what users write for dtypes and sizes (``"bf16"``, ``"5GB"``), with errors naming the argument."""
+"""Parse and check what users give: dtypes and sizes (``"bf16"``, ``"5GB"``), and the one check of
+"an integer, not a bool, in range" (:func:`is_int`, :func:`check_int`) and of "a number, not a
+bool" (:func:`is_number`), with errors naming the argument. Torch-free.
+
+Errors in library words: a function names its own parameter (``last must be a positive
+integer, got 0``), through :func:`parameter_error`, which remembers the name; the ``hf-pma``
+command shows that name as its flag (``--last must be ...``: :func:`hf_pma.cli.flag_words`).
+"""
 
 from __future__ import annotations
 
+import math
 import re
 from typing import TYPE_CHECKING, Any
+
+from hf_pma.utils.text import shown
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["FLOAT_DTYPE_NAMES", "parse_dtype", "parse_dtype_name", "parse_size"]
+__all__ = [
+    "FLOAT_DTYPE_NAMES",
+    "check_int",
+    "is_int",
+    "parameter_error",
+    "is_number",
+    "parse_dtype",
+    "parse_dtype_name",
+    "parse_size",
+]
 
 # What users write -> the dtype's name in torch (``torch.<name>``).
 FLOAT_DTYPE_NAMES: dict[str, str] = {
@@ -69,3 +88,53 @@ def parse_size(size: int | str, name: str = "size") -> int:
     if value <= 0:
         raise ValueError(f"{name} must be positive, got {size!r}")
     return value
+
+
+def parameter_error(parameter: str, rest: str, kind: type[Exception] = ValueError) -> Exception:
+    """The error for a bad value of the parameter ``parameter``: ``kind(f"{parameter} {rest}")``
+    (``last must be a positive integer, got 0``), which remembers the name as its ``parameter``
+    attribute (kept when the error is pickled to the other ranks), so that the ``hf-pma``
+    command can show the name as its flag (``--last must be ...``)."""
+    err = kind(f"{parameter} {rest}")
+    err.parameter = parameter  # type: ignore[attr-defined]
+    return err
+
+
+def is_int(value: Any, minimum: int | None = None, maximum: int | None = None) -> bool:
+    """Whether ``value`` is an ``int`` (``True`` and ``False`` are not: JSON and Python both let a
+    bool pass as one) within ``minimum`` and ``maximum`` (each included; ``None``: no bound)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        return False
+    return (minimum is None or value >= minimum) and (maximum is None or value <= maximum)
+
+
+def is_number(value: Any, finite: bool = False) -> bool:
+    """Whether ``value`` is an ``int`` or a ``float`` (not a bool); with ``finite``, not NaN or an
+    infinity either."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    return not finite or math.isfinite(value)
+
+
+def _range_words(minimum: int | None, maximum: int | None) -> str:
+    if maximum is None:
+        return {None: "an integer", 0: "a non-negative integer", 1: "a positive integer"}.get(
+            minimum, f"an integer >= {minimum}"
+        )
+    return f"an integer <= {maximum}" if minimum is None else f"an integer from {minimum} to {maximum}"
+
+
+def check_int(
+    value: Any,
+    name: str,
+    minimum: int | None = 1,
+    maximum: int | None = None,
+    allow_none: bool = False,
+) -> Any:
+    """``value`` when it is an integer (not a bool) from ``minimum`` to ``maximum`` (or ``None``
+    with ``allow_none``); else a one-line ``ValueError`` naming ``name``: ``"last must be a
+    positive integer, got 0"``. The default range is the positive integers."""
+    if (value is None and allow_none) or is_int(value, minimum, maximum):
+        return value
+    either = " or None" if allow_none else ""
+    raise parameter_error(name, f"must be {_range_words(minimum, maximum)}{either}, got {shown(value, 60)}")

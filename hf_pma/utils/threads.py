@@ -2,10 +2,9 @@
 
 torch starts one intra-op thread per core. When other processes keep some of those cores busy,
 every parallel region waits for its slowest thread and a CPU forward pass gets several times
-slower than with fewer threads (``hf-pma eval`` on 2 cores with another job running: 15-31 s
-with 2 threads, 8 s with 1; on the idle machine 7.4-8.3 s vs 7.7-8.7 s). The command therefore
-uses the cores that the 1-minute load average leaves free, at least one, unless the user set
-``OMP_NUM_THREADS``.
+slower than with fewer threads (measured in the "CPU threads" section of the evaluation page
+of the documentation). The command therefore uses the cores that the 1-minute load average
+leaves free, at least one, unless the user set ``OMP_NUM_THREADS``.
 """
 
 from __future__ import annotations

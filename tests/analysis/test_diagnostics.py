@@ -19,7 +19,7 @@ from hf_pma.analysis.diagnostics import (
     window_diagnostics,
     window_indices,
 )
-from hf_pma.core.strategies import merge_weights
+from hf_pma.core.strategies import merge_coefficients
 from hf_pma.merging.sources import resolve_sources
 from tests.snapshot_runs import INTERVAL, noise_deviation, write_run
 from tests.testing_utils import run_cli, text_rows
@@ -84,7 +84,7 @@ def test_anti_correlated_pairs_and_straight_drift():
     assert diag.straightness == pytest.approx(1.0, rel=1e-12)
     # SMA lags the newest by 1.5 v; WMA (1,2,3,4)/10 by 1.0 v.
     assert diag.merge_shift == pytest.approx(1.5 * float(v.norm()), rel=1e-12)
-    wma = window_diagnostics(_gram(drift), [0, 1, 2, 3], merge_weights(4, "wma"))
+    wma = window_diagnostics(_gram(drift), [0, 1, 2, 3], merge_coefficients(4, "wma"))
     assert wma.merge_shift == pytest.approx(1.0 * float(v.norm()), rel=1e-12)
 
 
@@ -92,7 +92,7 @@ def test_gram_math_is_reference_free_and_matches_direct_computation():
     torch.manual_seed(0)
     points = torch.randn(6, 50, dtype=torch.float64) + 7.0
     shifted = points - points[2]  # any common origin gives the same answers
-    w = merge_weights(4, "ema", 0.3)
+    w = merge_coefficients(4, "ema", 0.3)
     idx = [1, 3, 4, 5]
     merge = sum(wi * points[i] for wi, i in zip(w, idx))
     direct = [float((points[i] - merge).norm()) for i in idx]

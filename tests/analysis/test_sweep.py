@@ -8,7 +8,7 @@ import os
 import pytest
 
 from hf_pma.analysis.sweep import lower_is_better, plan_sweep, run_sweep, sweep_table
-from hf_pma.core.strategies import merge_weights
+from hf_pma.core.strategies import merge_coefficients
 from hf_pma.evaluation.evaluator import evaluate_models, read_eval_record
 from hf_pma.merging.engine import merge_checkpoints
 from hf_pma.merging.sources import resolve_sources
@@ -28,7 +28,7 @@ def test_plan_sweep_selects_every_kth_snapshot_from_the_newest():
     assert by[("sma", 3, 2)].indices == (2, 4, 6)
     assert by[("ema", 3, 3)].indices == (0, 3, 6)
     assert by[("ema", 4, 2)].indices == (0, 2, 4, 6)
-    assert by[("ema", 3, 3)].weights == tuple(merge_weights(3, "ema", 0.5))
+    assert by[("ema", 3, 3)].weights == tuple(merge_coefficients(3, "ema", 0.5))
     assert by[("sma", 1, 3)].indices == (6,) and by[("sma", 1, 3)].weights == (1.0,)
     # 4 snapshots every 3rd need 10: skipped, for both strategies, with the reason.
     assert {(s["strategy"], s["window"], s["every"]) for s in skipped} == {("sma", 4, 3), ("ema", 4, 3)}
@@ -38,7 +38,7 @@ def test_plan_sweep_selects_every_kth_snapshot_from_the_newest():
     assert len({c.key() for c in combos}) == len(combos) - 5
     with pytest.raises(ValueError, match="unknown merge strategy 'median'"):
         plan_sweep(7, strategies=["median"])
-    with pytest.raises(ValueError, match="window must be positive"):
+    with pytest.raises(ValueError, match="window must be a positive integer, got 0"):
         plan_sweep(7, windows=[0, 3])
     assert (
         lower_is_better("lm/loss")

@@ -488,3 +488,22 @@ def test_fuzzed_manifests_give_one_line_errors_and_never_touch_outside(data):
                     assert "/hf_pma/" in traceback.extract_tb(err.__traceback__)[-1].filename, repr(err)
         assert watch.touched == [], watch.touched
         assert tree(victim) == before
+
+
+def test_snapshot_row_is_what_inspect_lists_for_each_snapshot():
+    from hf_pma.core.manifest import snapshot_row
+
+    row = snapshot_row("snapshot-2048", 2048, 2, num_bytes=10)
+    assert row == {
+        "name": "snapshot-2048",
+        "tokens": 2048,
+        "step": 2,
+        "lr": None,
+        "phase": None,
+        "loss": None,
+        "bytes": 10,
+        "excluded": False,
+        "excluded_reason": None,
+        "missing": False,
+    }
+    assert json.loads(json.dumps(row)) == row  # the JSON report writes it as it is

@@ -7,6 +7,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
 from transformers import get_scheduler
 
 from hf_pma.core.schedule import (
@@ -20,6 +22,7 @@ from hf_pma.core.schedule import (
     next_boundary,
     plan_run,
     planned_phases,
+    snapshot_spacing,
 )
 
 
@@ -128,20 +131,72 @@ def test_choose_interval_spreads_the_target_over_the_steps_that_snapshot():
     assert choice.stable_steps == 7_000 and choice.to_dict()["expected_snapshots"] == 40
     # Unknown (0): all planned steps.
     assert choose_interval(1000, 400, 0).interval_tokens == 10 * 1000
-    # Rounded to whole steps from 5 steps apart: 230 / 40 = 5.75 -> 6 steps, 38 snapshots.
+    # Rounded to the nearest whole number of steps: 230 / 40 = 5.75 -> 6 steps, 38 snapshots.
     assert choose_interval(100, 300, 230).interval_tokens == 600
-    # Closer than that: exact tokens, so the count stays on target (87 steps: 2.175 steps apart).
+    # Closer snapshots too (87 steps: 2.175 apart -> 2 steps, 43 snapshots), and halves go up
+    # (180 steps: 4.5 apart -> 5 steps, 36 snapshots; run_clm's 2.75 steps -> 3).
     close = choose_interval(64, 90, 87)
-    assert close.interval_tokens == round(87 * 64 / 40) and close.expected_snapshots == 40
+    assert close.interval_tokens == 2 * 64 and close.expected_snapshots == 43
+    assert choose_interval(256, 200, 180).interval_tokens == 5 * 256
+    assert choose_interval(1024, 120, 110).interval_tokens == 3 * 1024
 
 
-@pytest.mark.parametrize("snapshot_steps", [41, 45, 59, 60, 61, 99, 100, 101, 199, 200, 201, 219, 230, 399, 1000, 12345])
-def test_choose_interval_count_is_within_ten_percent_of_the_target(snapshot_steps):
-    tokens_per_step = 4096
-    choice = choose_interval(tokens_per_step, snapshot_steps + 10, snapshot_steps)
-    # Snapshots actually taken: token multiples of V crossed over those steps, one per step at most.
-    crossed = {t // choice.interval_tokens for t in range(tokens_per_step, (snapshot_steps + 1) * tokens_per_step, tokens_per_step)}
-    assert abs(len(crossed) - 40) <= 4, (choice, len(crossed))
+def _snapshot_steps(interval: int, tokens_per_step: int, steps: int) -> list[int]:
+    """The steps that snapshot with a fixed ``tokens_per_step``, as crossed_boundary decides."""
+    return [
+        s
+        for s in range(1, steps + 1)
+        if crossed_boundary((s - 1) * tokens_per_step, s * tokens_per_step, interval) is not None
+    ]
+
+
+@given(st.integers(1, 5000), st.integers(41, 20_000))
+def test_the_automatic_interval_is_a_whole_number_of_steps_and_spaces_snapshots_evenly(tokens_per_step, span):
+    choice = choose_interval(tokens_per_step, span + 10, span)
+    steps, rest = divmod(choice.interval_tokens, tokens_per_step)
+    assert rest == 0 and steps == max(1, int(span / 40 + 0.5))  # the nearest whole number, halves up
+    taken = _snapshot_steps(choice.interval_tokens, tokens_per_step, span)
+    assert {b - a for a, b in zip(taken, taken[1:])} == {steps}  # equally spaced
+    assert len(taken) == choice.expected_snapshots == span // steps
+    # The count: within 10% of 40 from 5 steps apart on, 30 to 60 when closer.
+    assert abs(len(taken) - 40) <= (4 if span >= 5 * 40 else 20), (choice, len(taken))
+
+
+@given(st.integers(1, 4096), st.integers(1, 32))
+def test_snapshot_spacing_says_how_far_apart_the_snapshots_will_be(interval, tokens_per_step):
+    line = snapshot_spacing(interval, tokens_per_step)
+    # Enough steps for every gap to show: the pattern repeats after tokens_per_step boundaries.
+    taken = _snapshot_steps(
+        interval, tokens_per_step, (tokens_per_step + 2) * -(-interval // tokens_per_step)
+    )
+    gaps = {b - a for a, b in zip(taken, taken[1:])}
+    apart = sorted(g * tokens_per_step for g in gaps)
+    assert line.startswith(f"interval_tokens={interval:,} is ") and "\n" not in line
+    if len(apart) == 1:  # evenly spaced: a whole number of steps, or a step or less
+        assert line.endswith(
+            f"snapshots will be {apart[0]:,} tokens apart"
+            + (" (one every step)" if interval <= tokens_per_step else "")
+        )
+    elif len(apart) == 2:
+        assert f"snapshots will be {apart[0]:,} or {apart[1]:,} tokens apart; " in line
+        assert line.endswith(f"give a multiple of {tokens_per_step:,} for evenly spaced snapshots")
+
+
+def test_snapshot_spacing_of_run_clms_default_batch():
+    # transformers' run_clm.py with the zero-argument callback chose 2,816 tokens at 1,024 a step.
+    assert snapshot_spacing(2816, 1024) == (
+        "interval_tokens=2,816 is 2.75 steps of 1,024 tokens: snapshots will be 2,048 or 3,072 tokens apart; "
+        "give a multiple of 1,024 for evenly spaced snapshots"
+    )
+    assert (
+        snapshot_spacing(3072, 1024)
+        == "interval_tokens=3,072 is 3 steps of 1,024 tokens: snapshots will be 3,072 tokens apart"
+    )
+    assert snapshot_spacing(1024, 1024).endswith(
+        "is 1 step of 1,024 tokens: snapshots will be 1,024 tokens apart (one every step)"
+    )
+    with pytest.raises(ValueError, match="^tokens_per_step must be a positive integer, got 0"):
+        snapshot_spacing(2816, 0)
 
 
 def test_choose_interval_floor_and_ceiling():

@@ -13,7 +13,7 @@ from hf_pma.core.strategies import (
     decay_emulation_weights,
     ema_weights,
     gradient_weights,
-    merge_weights,
+    merge_coefficients,
     normalize_weights,
     sma_weights,
     wma_weights,
@@ -23,7 +23,7 @@ from hf_pma.core.strategies import (
 @pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("n", [1, 2, 3, 6, 10, 15])
 def test_weights_sum_to_one_and_are_non_negative(strategy, n):
-    w = merge_weights(n, strategy)
+    w = merge_coefficients(n, strategy)
     assert len(w) == n
     assert math.isclose(sum(w), 1.0, rel_tol=0, abs_tol=1e-12)
     assert all(x >= 0 for x in w)
@@ -60,8 +60,8 @@ def test_ema_refuses_bad_alpha(alpha):
 
 
 def test_explicit_weights_are_normalized():
-    assert merge_weights(3, weights=[1, 1, 2]) == pytest.approx([0.25, 0.25, 0.5])
-    assert merge_weights(2, weights=[0, 3]) == [0.0, 1.0]
+    assert merge_coefficients(3, weights=[1, 1, 2]) == pytest.approx([0.25, 0.25, 0.5])
+    assert merge_coefficients(2, weights=[0, 3]) == [0.0, 1.0]
 
 
 @pytest.mark.parametrize(
@@ -75,14 +75,14 @@ def test_explicit_weights_refused(weights, match):
 
 def test_explicit_weights_must_match_the_number_of_snapshots():
     with pytest.raises(ValueError, match="2 weights for 3 snapshots"):
-        merge_weights(3, weights=[1, 2])
+        merge_coefficients(3, weights=[1, 2])
 
 
 def test_unknown_strategy_and_bad_count():
     with pytest.raises(ValueError, match="unknown merge strategy 'median'"):
-        merge_weights(3, "median")
+        merge_coefficients(3, "median")
     with pytest.raises(ValueError, match="positive integer"):
-        merge_weights(0)
+        merge_coefficients(0)
 
 
 def test_linear_decay_is_sma():
@@ -111,7 +111,7 @@ def test_decay_emulation_equals_a_brute_force_decayed_run(shape, n):
     for k, d in enumerate(updates, start=1):
         lr_scale = f((k - 1) / n)
         decayed = [c + lr_scale * x for c, x in zip(decayed, d)]
-    w = merge_weights(n, f"{shape}-decay")
+    w = merge_coefficients(n, f"{shape}-decay")
     merged = [sum(wj * s[i] for wj, s in zip(w, snapshots)) for i in range(dim)]
     assert merged == pytest.approx(decayed, abs=1e-12)
     # and the implied per-update factors are the schedule itself

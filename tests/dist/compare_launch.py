@@ -53,7 +53,7 @@ def run(out: Path) -> None:
         write_inputs(inputs)
     dist.barrier()
     logs = CollectLogs()
-    evaluator_logger = logging.getLogger("hf_pma.evaluation.evaluator")
+    evaluator_logger = logging.getLogger("hf_pma.evaluation.language_modeling")
     evaluator_logger.addHandler(logs)
     stdout = io.StringIO()
     try:

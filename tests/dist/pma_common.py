@@ -13,8 +13,8 @@ import torch
 from transformers import TrainerCallback, TrainingArguments
 
 from tests.testing_utils import (
-    make_tiny_model,  # noqa: E402,F401  (re-exported for the scripts)
-    quiet_args,  # noqa: E402
+    make_tiny_model,  # noqa: F401  (re-exported for the scripts)
+    quiet_args,
 )
 
 
@@ -47,7 +47,7 @@ def pad_collate(features: list[dict]) -> dict:
 
 
 def make_args(output_dir: str | Path, **overrides) -> TrainingArguments:
-    """Small, quiet CPU training arguments (``trainer_utils.quiet_args``); ``overrides`` win."""
+    """Small, quiet CPU training arguments (``tests.testing_utils.quiet_args``); ``overrides`` win."""
     kwargs = quiet_args(max_steps=12, learning_rate=1e-3)
     kwargs.pop("per_device_eval_batch_size")
     kwargs.pop("data_seed")

@@ -12,10 +12,10 @@ import os
 from pathlib import Path
 
 import torch
-from transformers import Trainer  # noqa: E402
+from transformers import Trainer
 
-from hf_pma.snapshots.callback import PMACallback  # noqa: E402
-from tests.dist.pma_common import (  # noqa: E402
+from hf_pma.snapshots.callback import PMACallback
+from tests.dist.pma_common import (
     TokenDataset,
     WeightRecorder,
     load_weights,

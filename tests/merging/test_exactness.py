@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from hf_pma.core.strategies import merge_weights
+from hf_pma.core.strategies import merge_coefficients
 from hf_pma.merging.engine import merge_checkpoints
 
 DTYPES = {
@@ -76,7 +76,7 @@ def test_sma_of_four_is_bit_identical_to_torch(tmp_path, dtype):
 @pytest.mark.parametrize("dtype", sorted(DTYPES))
 def test_other_weights_are_within_one_ulp_plus_the_float32_accumulation_error(tmp_path, dtype):
     folders, states = _sources(tmp_path, DTYPES[dtype])
-    weights = merge_weights(4, "ema", alpha=0.3)
+    weights = merge_coefficients(4, "ema", alpha=0.3)
     ours = _merged(merge_checkpoints(folders, tmp_path / "m", strategy="ema", alpha=0.3, progress=False))[
         "w"
     ].double()

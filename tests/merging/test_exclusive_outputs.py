@@ -238,6 +238,8 @@ def test_overwrite_never_replaces_a_listed_snapshot_a_checkpoint_or_a_user_folde
     for folder, reason in cases.items():
         result = run_cli("merge", run, "--last", "2", "-o", folder, "--overwrite", "-q")
         assert result.returncode == 2 and reason in _error_line(result.stderr), (folder, result.stderr)
+        if folder in (checkpoint, user):  # the library says "overwrite refuses ..."; the command names its flag
+            assert _error_line(result.stderr).startswith(f"hf-pma merge: error: --overwrite refuses to replace {folder}: ")
         assert _files(folder) == before[folder], folder
     # a symlink to a merge hf-pma wrote is not replaced either (nor followed)
     merged = tmp_path / "merged"

@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from hf_pma.core.manifest import SnapshotRecord, write_manifest
-from hf_pma.core.strategies import STRATEGIES, merge_weights
+from hf_pma.core.strategies import STRATEGIES, merge_coefficients
 from hf_pma.io.safetensors import CheckpointFormatError
 from hf_pma.merging.engine import MergeError, merge_checkpoints, merge_state_dict
 from hf_pma.utils.parsing import parse_size
@@ -53,7 +53,7 @@ def _merged_state(folder: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_every_strategy_equals_direct_computation_fp32_sharded(fp32_sharded_run, tmp_path, strategy):
     out = merge_checkpoints(fp32_sharded_run, tmp_path / "merged", strategy=strategy, alpha=0.3, progress=False)
-    weights = merge_weights(4, strategy, alpha=0.3)
+    weights = merge_coefficients(4, strategy, alpha=0.3)
     reference = _reference(_model_states(4), weights)
     merged = _merged_state(out)
     assert set(merged) == set(reference) - {"lm_head.weight"}  # tied: stored once, as in the sources
@@ -81,7 +81,7 @@ def test_explicit_weights_and_float64_accumulation(fp32_sharded_run, tmp_path):
 def test_bf16_inputs_stay_bf16_and_round_correctly(tmp_path):
     folders = [save_model_folder(tmp_path / f"b{i}", make_tiny_model(seed=i, dtype=torch.bfloat16)) for i in range(3)]
     out = merge_checkpoints(folders, tmp_path / "m", strategy="ema", progress=False)
-    states, weights = _model_states(3, torch.bfloat16), merge_weights(3, "ema")
+    states, weights = _model_states(3, torch.bfloat16), merge_coefficients(3, "ema")
     reference = _reference(states, weights)
     for name, tensor in _merged_state(out).items():
         assert tensor.dtype == torch.bfloat16
@@ -146,7 +146,7 @@ def test_sources_are_ordered_by_tokens_and_last_n(fp32_sharded_run, tmp_path):
     out = merge_checkpoints(shuffled, tmp_path / "m", strategy="wma", last=3, progress=False)
     record = json.loads((out / "pma_merge.json").read_text())
     assert [s["name"] for s in record["sources"]] == ["snap1", "snap2", "snap3"]
-    reference = _reference(_model_states(4)[1:], merge_weights(3, "wma"))
+    reference = _reference(_model_states(4)[1:], merge_coefficients(3, "wma"))
     for name, tensor in _merged_state(out).items():
         torch.testing.assert_close(tensor.double(), reference[name], rtol=0, atol=2e-7)
     assert all(not os.path.isabs(s["path"]) for s in record["sources"])
@@ -301,7 +301,7 @@ def test_non_empty_output_needs_overwrite_and_overwrite_replaces(tmp_path):
         merge_checkpoints(srcs, out, progress=False)
     assert (out / "keep.txt").read_text() == "user data"
     # overwrite replaces only a folder hf-pma wrote: not this one
-    with pytest.raises(FileExistsError, match="hf-pma did not write it"):
+    with pytest.raises(FileExistsError, match=r"^overwrite refuses to replace .*: hf-pma did not write it"):
         merge_checkpoints(srcs, out, overwrite=True, progress=False)
     assert (out / "keep.txt").read_text() == "user data"
     out = tmp_path / "merged"
@@ -355,3 +355,18 @@ def test_peft_adapter_folders_merge_to_an_adapter(tmp_path):
     out = merge_checkpoints(folders, tmp_path / "m", progress=False)
     assert (out / "adapter_config.json").is_file() and not (out / "config.json").exists()
     assert torch.equal(load_file(out / "adapter_model.safetensors")["base_model.model.lora_A.weight"], torch.full((2, 4), 0.5))
+
+
+def test_merge_options_are_keywords(tmp_path):
+    """After the sources (and the output folder), every option of the merge functions is named:
+    ``merge_checkpoints(srcs, out, "wma")`` would silently read as another option."""
+    import inspect
+
+    from hf_pma.merging.engine import merge_state_dict
+
+    for fn, positional in ((merge_checkpoints, ["sources", "output_dir"]), (merge_state_dict, ["sources"])):
+        params = inspect.signature(fn).parameters.values()
+        assert [p.name for p in params if p.kind is not p.KEYWORD_ONLY] == positional
+    with pytest.raises(TypeError, match="positional"):
+        merge_checkpoints([tmp_path / "a", tmp_path / "b"], tmp_path / "m", "wma")
+    assert not (tmp_path / "m").exists()

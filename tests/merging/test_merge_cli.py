@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
-from hf_pma.core.strategies import merge_weights
+from hf_pma.core.strategies import merge_coefficients
 from tests.testing_utils import make_tiny_model, run_cli, save_model_folder
 
 
@@ -42,7 +42,7 @@ def test_cli_merge_end_to_end(tmp_path, tiny_tokenizer):
     model = AutoModelForCausalLM.from_pretrained(out)
     assert model.dtype == torch.bfloat16
     states = [make_tiny_model(seed=i).state_dict() for i in (1, 2, 3)]
-    weights = merge_weights(3, "ema", alpha=0.5)
+    weights = merge_coefficients(3, "ema", alpha=0.5)
     for name, tensor in model.state_dict().items():
         expected = sum(w * s[name].double() for w, s in zip(weights, states))
         torch.testing.assert_close(tensor.double(), expected, rtol=2**-7, atol=1e-6)

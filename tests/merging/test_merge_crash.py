@@ -68,6 +68,6 @@ def test_merge_onto_a_full_disk_is_one_line_and_leaves_nothing(tmp_path, small_f
     error = lines[0]
     assert error.startswith(f"hf-pma merge: error: no space left on the device to write {out}"), error
     weights = sum(t.numel() * t.element_size() for t in load_file(sources[0] / "model.safetensors").values())
-    assert f"it needs {weights / 1e3:.1f} KB ({weights:,} bytes)" in error
+    assert f"it needs {weights / 1024:.1f} KiB ({weights:,} bytes)" in error
     assert f"free in {small_filesystem}" in error
     assert list(small_filesystem.iterdir()) == []

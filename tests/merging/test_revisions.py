@@ -153,8 +153,9 @@ def test_revision_patterns():
     for text in (r"/^step\d{4}$/", r"re:^step\d{4}$"):
         regex, is_regex = revision_matcher(text)
         assert is_regex and regex.search("step2000") and not regex.search("step10000")
-    with pytest.raises(HubRevisionError, match=r"--revisions '/\(/' is not a valid regular expression"):
+    with pytest.raises(HubRevisionError, match=r"^revisions '/\(/' is not a valid regular expression") as info:
         revision_matcher("/(/")
+    assert info.value.parameter == "revisions"  # the command shows it as --revisions
 
 
 # ---------------------------------------------------------------- listing and order
@@ -271,12 +272,12 @@ def test_missing_revision_and_empty_pattern_are_clear_errors(hub, tmp_path):
         resolve_sources([f"{PYTHIA}@step99"], cache_dir=tmp_path, endpoint=hub.url)
     with pytest.raises(
         HubRevisionError,
-        match=r"--revisions 'final-\*' matches none of the 12 branches and tags of org/pythia-tiny",
+        match=r"^revisions 'final-\*' matches none of the 12 branches and tags of org/pythia-tiny",
     ):
         resolve_sources([PYTHIA], revisions="final-*", cache_dir=tmp_path, endpoint=hub.url)
     with pytest.raises(HubRevisionError, match="Hub repo org/nothing not found"):
         resolve_sources(["org/nothing"], revisions="*", cache_dir=tmp_path, endpoint=hub.url)
-    with pytest.raises(ValueError, match="--revisions 'step\\*' applies to a Hub repo given as org/model"):
+    with pytest.raises(ValueError, match="^revisions 'step\\*' applies to a Hub repo given as org/model"):
         resolve_sources([f"{PYTHIA}@step1000"], revisions="step*", cache_dir=tmp_path, endpoint=hub.url)
     assert hub.downloads() == [] and not any(tmp_path.rglob("*.safetensors"))
 

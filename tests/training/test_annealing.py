@@ -152,7 +152,7 @@ def test_the_options_are_checked_when_parsed(tmp_path):
         args(pma_anneal_steps=4, pma_anneal_tokens=100)
     with pytest.raises(ValueError, match="pma_anneal_decay must be"):
         args(pma_anneal_decay="step")
-    with pytest.raises(ValueError, match="pma_anneal_steps must be 0 or a positive integer"):
+    with pytest.raises(ValueError, match="pma_anneal_steps must be a non-negative integer, got -1"):
         args(pma_anneal_steps=-1)
     with pytest.raises(ValueError, match="needs save_only_model=False"):
         args(pma_anneal_steps=4, save_only_model=True)

@@ -74,7 +74,10 @@ def test_eval_and_sweep_print_a_metric_the_same_way():
     assert rows[2][0] == "* sma N=2 k=1" and rows[2][3] == "+0.0000"
 
 
-@pytest.mark.parametrize("num_bytes, expected", [(512, "512 B"), (1500, "1.5 KB"), (336_512, "336.5 KB"), (2 * 10**9, "2.0 GB"), (None, "-")])
+@pytest.mark.parametrize(
+    "num_bytes, expected",
+    [(512, "512 B"), (1536, "1.5 KiB"), (336_512, "328.6 KiB"), (2 * 2**30, "2.0 GiB"), (3 * 2**40, "3.0 TiB"), (None, "-")],
+)
 def test_format_bytes(num_bytes, expected):
     from hf_pma.utils.formatting import format_bytes
 

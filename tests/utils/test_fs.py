@@ -138,7 +138,7 @@ def test_no_space_left_names_the_target_and_leaves_nothing(small_filesystem):
     with pytest.raises(NoSpaceError) as info:
         write_folder_atomically(target, lambda tmp: pytest.fail("written despite the check"), needed=10**7)
     assert info.value.needed == 10**7 and info.value.free <= 256 * 1024 and info.value.path == target
-    assert str(info.value).startswith(f"no space left on the device to write {target}; it needs 10.0 MB (10,000,000 bytes); ")
+    assert str(info.value).startswith(f"no space left on the device to write {target}; it needs 9.5 MiB (10,000,000 bytes); ")
     assert isinstance(info.value, OSError) and list(small_filesystem.iterdir()) == []
     # It reaches the other ranks intact (run_on_main_process pickles it).
     assert str(pickle.loads(pickle.dumps(info.value))) == str(info.value)
@@ -155,7 +155,7 @@ def test_no_space_left_names_the_target_and_leaves_nothing(small_filesystem):
     manifest = small_filesystem / "manifest.json"
     atomic_write_text(manifest, "old")
     _fill(small_filesystem, 8 * 1024)
-    with pytest.raises(NoSpaceError, match=f"to write {manifest}; it needs 40.0 KB"):
+    with pytest.raises(NoSpaceError, match=f"to write {manifest}; it needs 39.1 KiB"):
         atomic_write_text(manifest, "y" * 40_000)
     assert manifest.read_text() == "old"
     assert sorted(p.name for p in small_filesystem.iterdir()) == ["filler", "manifest.json"]

@@ -1,0 +1,101 @@
+"""Which sources a merge takes: ordered by training progress, every k-th, the newest N, or those
+within a window of tokens or steps, and a one-line description of the choice.
+
+These work on local sources and on Hub revisions not yet downloaded alike (both have ``tokens``,
+``step`` and a name), so a window is drawn before anything is downloaded.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from hf_pma.core.selection import WindowSpan, check_window, window_by_progress, window_span
+from hf_pma.merging.checkpoint_source import CheckpointSource
+from hf_pma.merging.hub_revisions import HubRevision
+from hf_pma.utils.logs import get_logger
+
+logger = get_logger(__name__)
+
+__all__ = ["order_by_progress", "select_newest", "select_window", "sources_span", "describe_sources"]
+
+
+def order_by_progress(sources: list[CheckpointSource]) -> list[CheckpointSource]:
+    """Sort by tokens when every source knows them, else by step, else keep the given order
+    (training stages, like OLMo's, first: their token and step counts restart)."""
+    if all(s.tokens is not None for s in sources):
+        return sorted(sources, key=lambda s: (s.record.get("stage") or 0, s.tokens, s.step or 0))
+    if all(s.step is not None for s in sources):
+        return sorted(sources, key=lambda s: (s.record.get("stage") or 0, s.step))
+    if len(sources) > 1:
+        logger.info(
+            "Training progress is unknown for some sources: merging them in the order given (oldest first)."
+        )
+    return sources
+
+
+def select_newest(items: list[Any], last: int | None = None, every: int | None = None) -> list[Any]:
+    """Every ``every``-th item counting back from the newest, then the newest ``last`` of those."""
+    if every is not None and every > 1:
+        items = items[::-1][::every][::-1]
+    if last is not None:
+        if len(items) < last:
+            names = ", ".join(x.spec if isinstance(x, HubRevision) else str(x.path) for x in items)
+            raise ValueError(f"asked for the last {last} sources but found only {len(items)}: {names}")
+        items = items[-last:]
+    return items
+
+
+def _item_name(item: Any) -> str:
+    return item.spec if isinstance(item, HubRevision) else item.name
+
+
+def select_window(
+    items: list[Any], window_tokens: int | None = None, window_steps: int | None = None
+) -> list[Any]:
+    """The items (oldest first) whose progress lies within the last ``window_tokens`` tokens or
+    ``window_steps`` optimizer steps of the newest (see :func:`hf_pma.core.selection.window_by_progress`);
+    every item unchanged when neither is given. ``ValueError`` naming the items without a count
+    in that unit."""
+    if window_tokens is None and window_steps is None:
+        return items
+    check_window(window_tokens, window_steps)
+    unit, span = ("tokens", window_tokens) if window_tokens is not None else ("steps", window_steps)
+    positions = [x.tokens if unit == "tokens" else x.step for x in items]
+    try:
+        chosen = window_by_progress(positions, span, unit)
+    except ValueError:
+        missing = [_item_name(x) for x, pos in zip(items, positions) if pos is None]
+        hint = (
+            " (Trainer checkpoints record tokens only with include_num_input_tokens_seen=True): "
+            "give the window in steps (--window-steps, window_steps=)"
+            if unit == "tokens"
+            else ""
+        )
+        raise ValueError(
+            f"a window of {span:,} {unit} needs every source's {unit[:-1]} count; {len(missing)} have none: "
+            f"{', '.join(missing[:5])}{hint}"
+        ) from None
+    return [items[i] for i in chosen]
+
+
+def sources_span(
+    sources: Sequence[Any], requested: int | None = None, unit: str | None = None
+) -> WindowSpan | None:
+    """The progress the sources span (tokens when all know them, else steps), or ``None``."""
+    return window_span([s.tokens for s in sources], [s.step for s in sources], requested, unit)
+
+
+def describe_sources(sources: Sequence[Any], requested: int | None = None, unit: str | None = None) -> str:
+    """One line saying which sources a merge takes: count, first and last name, progress span
+    (in ``unit``, with the ``requested`` window when the window was asked in tokens or steps)."""
+    if not sources:
+        return "no sources"
+    names = (
+        _item_name(sources[0])
+        if len(sources) == 1
+        else f"{_item_name(sources[0])} ... {_item_name(sources[-1])}"
+    )
+    span = sources_span(sources, requested, unit)
+    where = f", {span.describe()}" if span is not None else ", training progress unknown"
+    return f"{len(sources)} source(s): {names}{where}"
