@@ -30,6 +30,8 @@ _LAZY = {
     # snapshots
     "PMACallback": "hf_pma.snapshots.callback",
     "PMASnapshots": "hf_pma.training.loop",
+    "SnapshotTaker": "hf_pma.snapshots.taker",
+    "TakenSnapshot": "hf_pma.snapshots.taker",
     "SnapshotWriter": "hf_pma.snapshots.writer",
     "SnapshotSchedule": "hf_pma.core.schedule",
     "SnapshotSink": "hf_pma.snapshots.sinks",
@@ -40,7 +42,11 @@ _LAZY = {
     "PMATrainer": "hf_pma.training.trainer",
     "PMATrainingArguments": "hf_pma.training.arguments",
     "parse_with_config": "hf_pma.training.arguments",
-    "LossSpikeError": "hf_pma.training.trainer",
+    "LossSpikeError": "hf_pma.training.recovery",
+    "SpikeDetector": "hf_pma.training.recovery",
+    "SpikeRecovery": "hf_pma.training.recovery",
+    "recover_from_spike": "hf_pma.training.recovery",
+    "pma_init": "hf_pma.training.recovery",
     "check_decay_type": "hf_pma.training.annealing",
     "save_full_model": "hf_pma.training.saving",
     "stdlib_documents": "hf_pma.training.pretrain_data",
@@ -98,6 +104,7 @@ if TYPE_CHECKING:  # what _LAZY says, for type checkers and IDEs (nothing is imp
     from hf_pma.snapshots.callback import PMACallback
     from hf_pma.snapshots.gather import gather_full_state_dict
     from hf_pma.snapshots.sinks import DiskSnapshotSink, OnlineAverageSink, SnapshotSink
+    from hf_pma.snapshots.taker import SnapshotTaker, TakenSnapshot
     from hf_pma.snapshots.writer import SnapshotWriter
     from hf_pma.training.annealing import check_decay_type
     from hf_pma.training.arguments import PMATrainingArguments, parse_with_config
@@ -108,8 +115,15 @@ if TYPE_CHECKING:  # what _LAZY says, for type checkers and IDEs (nothing is imp
         stdlib_documents,
         train_bpe_tokenizer,
     )
+    from hf_pma.training.recovery import (
+        LossSpikeError,
+        SpikeDetector,
+        SpikeRecovery,
+        pma_init,
+        recover_from_spike,
+    )
     from hf_pma.training.saving import save_full_model
-    from hf_pma.training.trainer import LossSpikeError, PMATrainer
+    from hf_pma.training.trainer import PMATrainer
     from hf_pma.utils.distributed import is_main_process, run_on_main_process, warn_if_fewer_processes
     from hf_pma.utils.logs import enable_logging
     from hf_pma.utils.secrets import redact
@@ -130,6 +144,8 @@ __all__ = [
     "EVAL_RECORD_NAME",
     "PMACallback",
     "PMASnapshots",
+    "SnapshotTaker",
+    "TakenSnapshot",
     "SnapshotWriter",
     "SnapshotSchedule",
     "SnapshotSink",
@@ -140,6 +156,10 @@ __all__ = [
     "PMATrainingArguments",
     "parse_with_config",
     "LossSpikeError",
+    "SpikeDetector",
+    "SpikeRecovery",
+    "recover_from_spike",
+    "pma_init",
     "check_decay_type",
     "save_full_model",
     "stdlib_documents",
