@@ -778,7 +778,7 @@ class SnapshotTaker:
             self._time.report(cost, self.interval_tokens / tokens_per_step, tokens_per_step, self.async_write)
 
     def _warn_small_interval(self, step_tokens: int) -> None:
-        if self._warned_small_interval or not self._is_main:
+        if self._warned_small_interval or not self._is_main or step_tokens <= self.interval_tokens:
             return
         warning = planning.small_interval_warning(self.interval_tokens, step_tokens)
         if warning is not None:
