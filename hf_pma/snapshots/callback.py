@@ -30,6 +30,7 @@ from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 from transformers.utils import logging
 
+from hf_pma.core.manifest import SnapshotRecord
 from hf_pma.snapshots.lr_probe import first_group_value
 from hf_pma.snapshots.sinks import ONLINE_STATE_NAME, SnapshotSink
 from hf_pma.snapshots.taker import SnapshotTaker, TakenSnapshot
@@ -208,7 +209,7 @@ class PMACallback(TrainerCallback, ExportableState):
         """How many snapshots the online average holds."""
         return self.taker.online_count
 
-    def snapshots(self, include_excluded: bool = False) -> list[tuple[Any, Path]]:
+    def snapshots(self, include_excluded: bool = False) -> list[tuple[SnapshotRecord, Path]]:
         """Completed snapshots (listed in the manifest), oldest first, with absolute folders.
 
         A write still in flight is not listed yet: call :meth:`wait` first to include it.
@@ -219,7 +220,7 @@ class PMACallback(TrainerCallback, ExportableState):
         """Block until the snapshot (or online update) in flight is done; raise if it failed."""
         self.taker.wait()
 
-    def exclude_snapshots(self, tokens: Iterable[int], reason: str = "excluded") -> list[Any]:
+    def exclude_snapshots(self, tokens: Iterable[int], reason: str = "excluded") -> list[SnapshotRecord]:
         """Mark the snapshots taken at ``tokens`` as excluded from merges (e.g. a loss spike).
 
         They stay on disk; their manifest record gets ``"extra": {"excluded": true,
