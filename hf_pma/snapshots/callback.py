@@ -35,6 +35,7 @@ from hf_pma.snapshots.lr_probe import first_group_value
 from hf_pma.snapshots.sinks import ONLINE_STATE_NAME, SnapshotSink
 from hf_pma.snapshots.taker import SnapshotTaker, TakenSnapshot
 from hf_pma.snapshots.writer import SnapshotWriter
+from hf_pma.utils.names import scheduler_name
 
 logger = logging.get_logger(__name__)
 
@@ -262,7 +263,6 @@ class PMACallback(TrainerCallback, ExportableState):
     def on_train_begin(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kwargs):
         self._enable_token_count(args)
         resumed = state.global_step > 0
-        scheduler = getattr(args, "lr_scheduler_type", None)
         self.taker.begin(
             model,
             output_dir=args.output_dir,
@@ -278,7 +278,7 @@ class PMACallback(TrainerCallback, ExportableState):
             saved_state=self._saved_state(state) if resumed else None,
             peak_lr=args.learning_rate,
             warmup_steps=args.get_warmup_steps(int(state.max_steps)),
-            scheduler_name=str(getattr(scheduler, "value", scheduler)),
+            scheduler_name=scheduler_name(args),
             processing_class=kwargs.get("processing_class"),
             average_tokens_across_devices=bool(getattr(args, "average_tokens_across_devices", True)),
         )

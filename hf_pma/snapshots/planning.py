@@ -10,7 +10,8 @@ logs what they return; none of them reads a file, a model or a clock, so each is
 * :func:`cost_to_report`: which snapshot's cost says what every snapshot costs (the second: the
   first also allocates the host buffers).
 * The messages: :func:`no_constant_phase_warning`, :func:`interval_choice_message`,
-  :func:`announce_message`, :func:`end_message`, :func:`small_interval_warning`.
+  :func:`announce_message`, :func:`uneven_spacing_message`, :func:`end_message`,
+  :func:`small_interval_warning`.
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from hf_pma.core.schedule import IntervalChoice, RunPlan
-from hf_pma.snapshots.budget import DiskBudget, SnapshotBudgetError, SnapshotCost, human_bytes
+from hf_pma.core.schedule import IntervalChoice, RunPlan, snapshot_spacing
+from hf_pma.snapshots.budget import DiskBudget, SnapshotBudgetError, SnapshotCost
+from hf_pma.utils.formatting import format_bytes
 from hf_pma.utils.text import command_line, escape
 
 __all__ = [
@@ -34,6 +36,7 @@ __all__ = [
     "announce_message",
     "end_message",
     "small_interval_warning",
+    "uneven_spacing_message",
 ]
 
 
@@ -178,7 +181,7 @@ def end_message(count: int, total_bytes: int, pma_dir: str | os.PathLike[str]) -
     """The line shown at the end of a run: how many snapshots there are and how to merge them
     (the command shell-quoted, to paste)."""
     return (
-        f"hf-pma: {count} snapshots ({human_bytes(total_bytes)}) in {escape(pma_dir)}; "
+        f"hf-pma: {count} snapshots ({format_bytes(total_bytes)}) in {escape(pma_dir)}; "
         f"`{command_line(['hf-pma', 'merge', pma_dir])} --last N -o MERGED` averages the last N"
     )
 
@@ -191,3 +194,13 @@ def small_interval_warning(interval_tokens: int, step_tokens: int) -> str | None
         f"hf-pma: interval_tokens={interval_tokens:,} is smaller than one step ({step_tokens:,} tokens): "
         "at most one snapshot per step is taken"
     )
+
+
+def uneven_spacing_message(interval_tokens: int, tokens_per_step: int, automatic: bool) -> str | None:
+    """The line shown once at the first step when a V given by the user is not a whole number of
+    steps of ``tokens_per_step`` tokens (the snapshots then come unequally spaced, where SMA assumes
+    equal spacing; the V is kept): :func:`hf_pma.core.schedule.snapshot_spacing`. ``None`` for an
+    automatic V (always whole steps), a whole number of steps, or less than one step."""
+    if automatic or interval_tokens <= tokens_per_step or interval_tokens % tokens_per_step == 0:
+        return None
+    return f"hf-pma: {snapshot_spacing(interval_tokens, tokens_per_step)}"

@@ -491,6 +491,11 @@ class SnapshotTaker:
                         plan,
                     ),
                 )
+                spacing = planning.uneven_spacing_message(
+                    self.interval_tokens, tick.step_tokens, bool(self.interval_choice)
+                )
+                if spacing is not None:
+                    notice(logger, spacing)
         self._report_cost(tick.step_tokens)
         self._warn_small_interval(tick.step_tokens)
         boundary = self.schedule.due(tick)

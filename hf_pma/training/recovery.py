@@ -34,10 +34,12 @@ import torch
 from transformers.utils import logging
 
 from hf_pma.merging.engine import merge_state_dict
-from hf_pma.merging.sources import resolve_sources, select_window
+from hf_pma.merging.sources import resolve_sources
 from hf_pma.merging.swap import load_weights
+from hf_pma.merging.windows import select_window
 from hf_pma.snapshots.taker import SnapshotTaker
 from hf_pma.utils.distributed import all_ranks_checked
+from hf_pma.utils.parsing import check_int, is_number
 
 logger = logging.get_logger(__name__)
 
@@ -75,6 +77,8 @@ def pma_init(
     sources = list(sources)
     if not sources:
         raise ValueError(f"{what}: no source to merge")
+    check_int(window, "window")
+    check_int(window_tokens, "window_tokens", allow_none=True)
     resolved = resolve_sources(sources)
     if len(sources) == 1 and window_tokens is not None:
         resolved = select_window(resolved, window_tokens=window_tokens)  # a run's last T tokens
@@ -104,10 +108,9 @@ class SpikeDetector:
     """
 
     def __init__(self, factor: float = 3.0, window: int = 20) -> None:
-        if not (isinstance(factor, (int, float)) and factor > 1.0):
+        if not (is_number(factor, finite=True) and factor > 1.0):
             raise ValueError(f"factor must be greater than 1, got {factor!r}")
-        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-            raise ValueError(f"window must be a positive integer, got {window!r}")
+        check_int(window, "window")
         self.factor = float(factor)
         self.window = window
         self.losses: deque[float] = deque(maxlen=window)
@@ -218,10 +221,8 @@ class SpikeRecovery:
         max_recoveries: int = 3,
         option_prefix: str = "",
     ) -> None:
-        if isinstance(last, bool) or not isinstance(last, int) or last < 1:
-            raise ValueError(f"last must be a positive integer, got {last!r}")
-        if isinstance(max_recoveries, bool) or not isinstance(max_recoveries, int) or max_recoveries < 0:
-            raise ValueError(f"max_recoveries must be a non-negative integer, got {max_recoveries!r}")
+        check_int(last, "last")
+        check_int(max_recoveries, "max_recoveries", 0)
         self.detector = SpikeDetector(factor, window)
         self.last = last
         self.reset_optimizer = bool(reset_optimizer)

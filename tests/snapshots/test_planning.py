@@ -105,3 +105,16 @@ def test_the_messages():
     assert planning.small_interval_warning(32, 64).startswith(
         "hf-pma: interval_tokens=32 is smaller than one step"
     )
+
+
+def test_a_given_interval_that_is_not_whole_steps_gets_one_line_on_its_spacing():
+    # run_clm.py's default batch: 1,024 tokens a step; V=2,816 gives snapshots 2,048 or 3,072 apart.
+    line = planning.uneven_spacing_message(2816, 1024, automatic=False)
+    assert line == (
+        "hf-pma: interval_tokens=2,816 is 2.75 steps of 1,024 tokens: snapshots will be 2,048 or 3,072 "
+        "tokens apart; give a multiple of 1,024 for evenly spaced snapshots"
+    )
+    assert planning.uneven_spacing_message(3072, 1024, automatic=False) is None  # whole steps
+    assert planning.uneven_spacing_message(512, 1024, automatic=False) is None  # one every step
+    # The automatic V is always whole steps.
+    assert planning.uneven_spacing_message(2816, 1024, automatic=True) is None

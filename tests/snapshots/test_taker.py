@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 
 import pytest
 import torch
@@ -144,3 +145,35 @@ def test_snapshot_costs_of_an_online_average(tmp_path, online_device, folded_off
     assert all(c.num_bytes is None and c.blocked_s > 0 for c in costs)
     assert all((c.write_s > 0) if folded_off_thread else (c.write_s == 0.0) for c in costs)
     taker.end(model)
+
+
+@pytest.mark.parametrize("steps_apart, uneven", [(1.5, True), (2, False)])
+def test_a_given_interval_says_once_how_its_snapshots_are_spaced(tmp_path, caplog, steps_apart, uneven):
+    """A V given by the user that is not a whole number of steps is kept, with one line at the
+    first step saying how far apart its snapshots will be."""
+    data = TokenDataset(n=4 * BATCH, seed=1)
+    model = make_tiny_model(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    interval = int(steps_apart * TOKENS_PER_STEP)
+    taker = SnapshotTaker(interval_tokens=interval, phases=("warmup", "stable", "decay"))
+    with caplog.at_level(logging.INFO, logger="hf_pma"):
+        taker.begin(model, output_dir=tmp_path, optimizer=optimizer, planned_steps=4)
+        for step in range(1, 5):
+            model(**pad_collate([data[(step - 1) * BATCH + j] for j in range(BATCH)])).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            taker.optimizer_step(LR)
+            taker.step_end(model, step=step, tokens=step * TOKENS_PER_STEP)
+        taker.end(model)
+    lines = [r.getMessage() for r in caplog.records if "snapshots will be" in r.getMessage()]
+    assert lines == (
+        [
+            f"hf-pma: interval_tokens={interval} is 1.5 steps of {TOKENS_PER_STEP} tokens: snapshots will be 64 or 128 "
+            "tokens apart; give a multiple of 64 for evenly spaced snapshots"
+        ]
+        if uneven
+        else []
+    )
+    assert taker.interval_tokens == interval and [r.step for r, _ in taker.snapshots()] == (
+        [2, 3] if uneven else [2, 4]
+    )
