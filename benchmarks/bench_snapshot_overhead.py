@@ -40,8 +40,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PrinterCallback, Trainer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from hf_pma.snapshots.callback import PMACallback  # noqa: E402
-from hf_pma.snapshots.writer import SnapshotWriter  # noqa: E402
+from hf_pma.snapshots.callback import PMACallback
+from hf_pma.snapshots.writer import SnapshotWriter
 
 CONFIGS = ("no snapshots", "PMACallback async", "PMACallback sync", "Trainer save_steps", "Trainer save_steps (model only)")
 DEFAULT_CONFIGS = CONFIGS[:4]

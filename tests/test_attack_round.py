@@ -15,10 +15,11 @@ import pytest
 
 from hf_pma.merging.hub_revisions import list_revisions, parse_progress
 from hf_pma.publishing.hub import push_folder_to_hub
-from tests.hub_server import HubServer, online_cli_env, online_hub
-from tests.pma_records import write_merged_folder
-from tests.snapshot_runs import noise_deviation, write_run
-from tests.testing_utils import make_tiny_model, run_cli
+from tests.helpers.cli import run_cli
+from tests.helpers.hub_server import HubServer, online_cli_env, online_hub
+from tests.helpers.models import make_tiny_model
+from tests.helpers.pma_records import write_merged_folder
+from tests.helpers.snapshot_runs import noise_deviation, write_run
 
 
 @pytest.fixture(scope="module")

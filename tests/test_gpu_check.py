@@ -3,7 +3,6 @@ tier, tests/gpu/): the one-line stop without CUDA, the arguments, the numbers an
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,17 +10,15 @@ import sys
 
 import pytest
 
-from tests.testing_utils import REPO_ROOT, markdown_rows
+from tests.helpers.output import markdown_rows
+from tests.helpers.repo import REPO_ROOT, load_script
 
 SCRIPT = REPO_ROOT / "benchmarks" / "gpu_check.py"
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def test_without_cuda_it_stops_at_once_with_one_line(tmp_path):

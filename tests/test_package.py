@@ -46,7 +46,7 @@ def test_version_is_the_changelogs_top_heading():
     # "## 0.2.0 (unreleased)" -> "0.2.0.dev0"; once released ("## 0.2.0") the version is "0.2.0".
     from packaging.version import Version
 
-    from tests.testing_utils import REPO_ROOT
+    from tests.helpers.repo import REPO_ROOT
 
     heading = next(
         line for line in (REPO_ROOT / "CHANGELOG.md").read_text().splitlines() if line.startswith("## ")

@@ -15,10 +15,13 @@ from transformers import Trainer
 from hf_pma.cli import main
 from hf_pma.core.manifest import is_excluded, manifest_snapshots
 from hf_pma.snapshots.callback import PMACallback
-from tests.dist.pma_common import TokenDataset, make_args, make_tiny_model, pad_collate
-from tests.pma_records import write_merged_folder
-from tests.snapshot_runs import noise_deviation, write_run
-from tests.testing_utils import require_matplotlib, run_cli, sample_text, save_model_folder
+from tests.helpers.cli import run_cli
+from tests.helpers.data import TokenDataset, pad_collate, sample_text
+from tests.helpers.markers import require_matplotlib
+from tests.helpers.models import make_tiny_model, save_model_folder
+from tests.helpers.pma_records import write_merged_folder
+from tests.helpers.snapshot_runs import noise_deviation, write_run
+from tests.helpers.training import make_args
 
 SEQ, BATCH = 16, 4
 TPS = SEQ * BATCH  # tokens per step

@@ -38,8 +38,10 @@ from hf_pma.utils.fs import (
     remove_stale_temporaries,
     temporary_path,
 )
-from tests.dist.pma_common import StopAt, TokenDataset, make_args, make_tiny_model, pad_collate
-from tests.snapshot_runs import noise_deviation, write_run
+from tests.helpers.data import TokenDataset, pad_collate
+from tests.helpers.models import make_tiny_model
+from tests.helpers.snapshot_runs import noise_deviation, write_run
+from tests.helpers.training import StopAt, make_args
 
 SEQ, BATCH = 16, 4
 TPS = SEQ * BATCH

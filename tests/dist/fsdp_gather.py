@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hf_pma.core.manifest import SnapshotRecord  # noqa: E402
-from hf_pma.snapshots.gather import gather_full_state_dict, sharding_kind  # noqa: E402
-from hf_pma.snapshots.writer import SnapshotWriter, prepare_snapshot  # noqa: E402
-from tests.testing_utils import make_tiny_model  # noqa: E402
+from hf_pma.core.manifest import SnapshotRecord
+from hf_pma.snapshots.gather import gather_full_state_dict, sharding_kind
+from hf_pma.snapshots.writer import SnapshotWriter, prepare_snapshot
+from tests.helpers.models import make_tiny_model
 
 
 def max_diff(a: dict, b: dict) -> float:

@@ -15,8 +15,8 @@ import torch
 from accelerate import Accelerator
 
 from hf_pma.training.loop import PMASnapshots
+from tests.helpers.models import make_tiny_model
 from tests.training.test_loop import INTERVAL, LR, batches
-from tests.testing_utils import make_tiny_model
 
 
 def main() -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import sys
 
-from hf_pma import PMATrainer, PMATrainingArguments  # noqa: E402
-from tests.testing_utils import lm_setup, quiet_args  # noqa: E402
+from hf_pma import PMATrainer, PMATrainingArguments
+from tests.helpers.training import lm_setup, quiet_args
 
 
 def main() -> None:

@@ -10,8 +10,10 @@ import subprocess
 
 import pytest
 
-from tests.snapshot_runs import noise_deviation, write_run
-from tests.testing_utils import make_tiny_model, run_cli, sample_text, save_model_folder
+from tests.helpers.cli import run_cli
+from tests.helpers.data import sample_text
+from tests.helpers.models import make_tiny_model, save_model_folder
+from tests.helpers.snapshot_runs import noise_deviation, write_run
 
 
 @contextlib.contextmanager

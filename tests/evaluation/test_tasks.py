@@ -10,7 +10,7 @@ import pytest
 from hf_pma.cli import main
 from hf_pma.evaluation.corpus import document_id, load_documents, split_documents
 from hf_pma.evaluation.generated_tasks import TaskOptions, make_tasks
-from tests.testing_utils import sample_text
+from tests.helpers.data import sample_text
 
 # Lines that every document holds: they are in training whatever the split, so they must never
 # be a choice, though they are long enough to be one.

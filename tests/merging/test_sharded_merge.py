@@ -23,7 +23,7 @@ from hf_pma.merging.sources import CheckpointTensors, resolve_sources
 from hf_pma.snapshots.gather import LocalSlice, zero3_partition
 from hf_pma.snapshots.sharded import StagingBuffers, write_rank_file
 from hf_pma.snapshots.writer import write_model_folder
-from tests.testing_utils import make_tiny_model
+from tests.helpers.models import make_tiny_model
 
 
 def rows(name: str, t: torch.Tensor, world: int) -> list[list[LocalSlice]]:
@@ -226,7 +226,7 @@ def test_zero3_partition_matches_deepspeed_padding():
 
 def test_eval_reads_a_sharded_snapshot_like_its_full_folder(tmp_path, tiny_tokenizer):
     from hf_pma.evaluation.evaluator import evaluate_models
-    from tests.testing_utils import sample_text
+    from tests.helpers.data import sample_text
 
     model = make_tiny_model(seed=4)
     full = tmp_path / "full"

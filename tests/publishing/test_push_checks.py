@@ -10,9 +10,9 @@ import re
 import pytest
 
 from hf_pma.publishing.hub import push_folder_to_hub
-from tests.hub_server import online_cli_env, online_hub
-from tests.pma_records import write_merged_folder
-from tests.testing_utils import run_cli
+from tests.helpers.cli import run_cli
+from tests.helpers.hub_server import online_cli_env, online_hub
+from tests.helpers.pma_records import write_merged_folder
 
 # Not shaped like a Hugging Face token: only its value gives it away.
 PLAIN_TOKEN = "plain-secret-value-0123456789"

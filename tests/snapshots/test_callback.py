@@ -14,27 +14,20 @@ from safetensors import safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, Trainer, TrainerCallback
 
 from hf_pma.core.manifest import MERGE_RECORD_NAME, SnapshotRecord, included_snapshots, manifest_snapshots
-from hf_pma.core.strategies import ema_weights  # noqa: E402
+from hf_pma.core.strategies import ema_weights
 from hf_pma.io.guarded import read_json
-from hf_pma.snapshots.callback import ONLINE_STATE_NAME, PMACallback  # noqa: E402
+from hf_pma.snapshots.callback import ONLINE_STATE_NAME, PMACallback
 from hf_pma.snapshots.gather import gather_full_state_dict
-from hf_pma.snapshots.online import OnlineAverage  # noqa: E402
+from hf_pma.snapshots.online import OnlineAverage
 from hf_pma.snapshots.writer import (
     SnapshotWriteError,
     prepare_snapshot,
     write_safetensors,
     write_snapshot,
 )
-from tests.dist.pma_common import (  # noqa: E402
-    StopAt,
-    TokenDataset,
-    WeightRecorder,
-    load_weights,
-    make_args,
-    make_tiny_model,
-    max_weight_diff,
-    pad_collate,
-)
+from tests.helpers.data import TokenDataset, pad_collate
+from tests.helpers.models import load_weights, make_tiny_model, max_weight_diff
+from tests.helpers.training import StopAt, WeightRecorder, make_args
 
 SEQ = 16
 BATCH = 4

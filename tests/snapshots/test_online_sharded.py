@@ -23,14 +23,14 @@ from hf_pma.merging.engine import merge_state_dict
 from hf_pma.snapshots.sharded import ShardedOnlineAverageSink
 from hf_pma.snapshots.sinks import OnlineAverageSink, ResumePoint, online_state_name
 from tests.dist.online_sharded import ALPHA, CHECKPOINT_STEP, STEPS, eval_batch
-from tests.testing_utils import rank_reports
+from tests.helpers.launcher import rank_reports
 
 pytestmark = [pytest.mark.distributed, pytest.mark.shared_launch("world2")]
 
 
 @pytest.fixture(scope="module")
 def run(shared_launch) -> Path:
-    return shared_launch("world2") / "online"
+    return shared_launch("world2", "online")
 
 
 def online_folder(run: Path, which: str, kind: str) -> Path:
@@ -96,7 +96,7 @@ def test_resumed_average_is_bit_identical_to_the_uninterrupted_one(run, kind):
 
 
 def test_resume_at_another_world_size_reads_the_average_by_global_offsets(run, tmp_path):
-    from tests.testing_utils import make_tiny_model
+    from tests.helpers.models import make_tiny_model
 
     checkpoint = run / "run-sma" / f"checkpoint-{CHECKPOINT_STEP}"
     resume = ResumePoint(CHECKPOINT_STEP * 64, CHECKPOINT_STEP, checkpoint)

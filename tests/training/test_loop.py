@@ -12,8 +12,11 @@ from hf_pma.core.manifest import manifest_snapshots, read_manifest
 from hf_pma.merging.engine import merge_state_dict
 from hf_pma.snapshots.callback import PMACallback
 from hf_pma.training.loop import PMASnapshots
-from tests.dist.pma_common import TokenDataset, pad_collate
-from tests.testing_utils import launch, make_tiny_model, quiet_args, rank_reports, run_cli
+from tests.helpers.cli import run_cli
+from tests.helpers.data import TokenDataset, pad_collate
+from tests.helpers.launcher import launch, rank_reports
+from tests.helpers.models import make_tiny_model
+from tests.helpers.training import quiet_args
 
 STEPS = 6
 BATCH = 4
