@@ -23,25 +23,28 @@ def load_script(
 
     While it runs, the module is in ``sys.modules`` (dataclasses need it there while they are
     made); it stays there for the test with ``monkeypatch`` (removed at the test's end), and is
-    removed at once without.
+    removed at once without. The script's folder is first on ``sys.path`` while it runs, as when
+    Python runs it (``benchmarks/gpu_check.py`` imports ``common`` beside it).
     """
     path = Path(path) if Path(path).is_absolute() else REPO_ROOT / path
     name = name or path.stem
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    if monkeypatch is not None:
-        monkeypatch.setitem(sys.modules, name, module)
-        spec.loader.exec_module(module)
-        return module
     saved = sys.modules.get(name)
-    sys.modules[name] = module
+    if monkeypatch is not None:
+        monkeypatch.setitem(sys.modules, name, module)  # put back at the test's end
+    else:
+        sys.modules[name] = module
+    sys.path.insert(0, str(path.parent))
     try:
         spec.loader.exec_module(module)
     finally:
-        if saved is None:
-            del sys.modules[name]
-        else:
-            sys.modules[name] = saved
+        sys.path.remove(str(path.parent))
+        if monkeypatch is None:
+            if saved is None:
+                del sys.modules[name]
+            else:
+                sys.modules[name] = saved
     return module
 
 
