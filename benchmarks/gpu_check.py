@@ -398,24 +398,14 @@ class Clock:
         return start.elapsed_time(end)
 
 
-# The Trainer events in which PMACallback works (snapshots, waits for the writer, bookkeeping);
-# not on_train_begin: its one-time set-up comes before the first timed step.
-EVENTS = (
-    "on_step_begin",
-    "on_optimizer_step",
-    "on_step_end",
-    "on_log",
-    "on_save",
-    "on_train_end",
-)
-
-
 def _observers(clock: Clock, callback: Any = None) -> tuple[Any, Any, Any]:
     """Three Trainer callbacks, public events only: ``before`` and ``after`` go right before and
     right after ``callback`` (PMACallback, or nothing for the run without it) in the callback list
     and mark every event around it, noting the marks of the events that took a snapshot (its
-    ``snapshot_costs`` grew) and torch's pinned host memory after them; ``steps`` marks the
-    beginning of every step and the end of training. All three are read after ``train()``."""
+    ``snapshot_costs`` grew) and torch's pinned host memory after them (not in
+    ``on_train_begin``: the callback's one-time set-up comes before the first timed step);
+    ``steps`` marks the beginning of every step and the end of training. All three are read
+    after ``train()``."""
     from transformers import TrainerCallback
 
     class Steps(TrainerCallback):
@@ -440,30 +430,46 @@ def _observers(clock: Clock, callback: Any = None) -> tuple[Any, Any, Any]:
         stats = clock.torch.cuda.host_memory_stats()
         return (int(stats.get("num_host_alloc", 0)), int(stats.get("allocated_bytes.current", 0)))
 
-    class Before(TrainerCallback):
-        def __init__(self) -> None:
-            self.open: tuple[Any, int] | None = None
-            self.pinned = [pinned()]
+    class Mark(TrainerCallback):
+        """Calls ``hook`` in every Trainer event in which PMACallback works."""
 
-    class After(TrainerCallback):
-        def __init__(self) -> None:
-            self.stretches: list[tuple[Any, Any, bool]] = []  # (start, end, took a snapshot)
+        def __init__(self, hook: Any) -> None:
+            self.hook = hook
 
-    before, after = Before(), After()
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.hook()
 
-    def open_mark(self, args, state, control, **kwargs):
-        before.open = (clock.mark(), taken())
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            self.hook()
 
-    def close_mark(self, args, state, control, **kwargs):
-        start, count = before.open
+        def on_step_end(self, args, state, control, **kwargs):
+            self.hook()
+
+        def on_log(self, args, state, control, **kwargs):
+            self.hook()
+
+        def on_save(self, args, state, control, **kwargs):
+            self.hook()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.hook()
+
+    opened: list[tuple[Any, int]] = []
+    stretches: list[tuple[Any, Any, bool]] = []  # (start, end, whether a snapshot was taken)
+    pool = [pinned()]
+
+    def open_mark() -> None:
+        opened.append((clock.mark(), taken()))
+
+    def close_mark() -> None:
+        start, count = opened.pop()
         snapshot = taken() > count
-        after.stretches.append((start, clock.mark(), snapshot))
+        stretches.append((start, clock.mark(), snapshot))
         if snapshot:
-            before.pinned.append(pinned())
+            pool.append(pinned())
 
-    for event in EVENTS:
-        setattr(Before, event, open_mark)
-        setattr(After, event, close_mark)
+    before, after = Mark(open_mark), Mark(close_mark)
+    before.pinned, after.stretches = pool, stretches
     return before, after, Steps()
 
 
