@@ -299,3 +299,20 @@ def test_every_module_is_listed_with_its_tests():
     assert sorted(t for t in named if not (tests / t).is_file()) == [], "test files that do not exist"
     everywhere = {p.relative_to(tests).as_posix() for p in tests.rglob("test_*.py")}
     assert sorted(everywhere - named) == [], "test files in no row of docs/development.md's table"
+
+
+def test_what_tests_share_lives_in_the_helpers_package():
+    """No module under tests/ imports from a test module (``test_*.py``): what tests share lives
+    in ``tests/helpers/`` (or in the ``tests/dist/`` script the test launches)."""
+    offenders = []
+    for where, node in _test_nodes(set()):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tests."):
+            if node.module.rsplit(".", 1)[-1].startswith("test_"):
+                offenders.append(f"{where} imports from {node.module}")
+        elif isinstance(node, ast.Import):
+            offenders += [
+                f"{where} imports {a.name}"
+                for a in node.names
+                if a.name.rsplit(".", 1)[-1].startswith("test_")
+            ]
+    assert not offenders, "move what tests share into tests/helpers/:\n" + "\n".join(offenders)

@@ -39,6 +39,27 @@ def lm_datasets(tokenizer, n_eval: int = 16):
     return blocks[:-n_eval], blocks[-n_eval:]
 
 
+# Lines that every document holds: they are in training whatever the split, so they must never
+# be a choice, though they are long enough to be one.
+BOILERPLATE = [
+    "# Copyright (c) the authors of this shared header, all rights reserved.",
+    "    raise NotImplementedError('this shared line sits in every document')",
+]
+
+
+def corpus(n_lines: int = 30) -> list[str]:
+    """Documents of ``n_lines`` lines of :func:`sample_text`, each with the two ``BOILERPLATE``
+    lines (one first, one in the middle)."""
+    lines = sample_text().splitlines()
+    docs = []
+    for start in range(0, len(lines), n_lines):
+        chunk = lines[start : start + n_lines]
+        docs.append(
+            "\n".join([BOILERPLATE[0], *chunk[: n_lines // 2], BOILERPLATE[1], *chunk[n_lines // 2 :]])
+        )
+    return docs
+
+
 class TokenDataset(torch.utils.data.Dataset):
     """Random token sequences; lengths vary in ``[min_len, max_len]`` (fixed when equal)."""
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import DataCollatorForLanguageModeling, TrainerCallback, TrainingArguments
+from transformers import DataCollatorForLanguageModeling, Trainer, TrainerCallback, TrainingArguments
 
 from tests.helpers.data import lm_datasets
 from tests.helpers.models import make_tiny_model, train_tiny_tokenizer
@@ -79,3 +79,27 @@ class StopAt(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.step:
             raise KeyboardInterrupt(f"simulated crash at step {self.step}")
+
+
+TRAIN_SMALL_TPS = 16 * 4  # tokens per step of train_small: 16-token rows, make_args' batch of 4
+
+
+def train_small(out: str | Path, callbacks: list, resume: str | None = None, **overrides) -> Trainer:
+    """An 8-step Trainer run of a tiny Llama on 16-token rows (``TRAIN_SMALL_TPS`` tokens a step), a
+    checkpoint every 4 steps, into ``out`` (``overrides`` go to :func:`make_args`), resumed from
+    the checkpoint ``resume`` if given; waits for every PMACallback's writes. Returns the trainer."""
+    from hf_pma.snapshots.callback import PMACallback
+    from tests.helpers.data import TokenDataset, pad_collate
+
+    trainer = Trainer(
+        model=make_tiny_model(seed=0),
+        args=make_args(out, **{"max_steps": 8, "save_strategy": "steps", "save_steps": 4, **overrides}),
+        train_dataset=TokenDataset(n=256, min_len=16, max_len=16),
+        data_collator=pad_collate,
+        callbacks=callbacks,
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    for callback in callbacks:
+        if isinstance(callback, PMACallback):
+            callback.wait()
+    return trainer

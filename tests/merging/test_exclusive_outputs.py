@@ -21,8 +21,8 @@ from hf_pma.utils.fs import (
     publish_folder,
     temporary_path,
 )
-from tests.evaluation.test_tasks import corpus
 from tests.helpers.cli import hf_pma_command, run_cli
+from tests.helpers.data import corpus
 from tests.helpers.models import make_tiny_model, save_model_folder
 from tests.helpers.repo import REPO_ROOT
 from tests.helpers.snapshot_runs import noise_deviation, write_run

@@ -272,7 +272,7 @@ def test_card_of_a_folder_with_a_hostile_record_is_one_line_and_writes_nothing(m
 
 
 def test_card_in_a_read_only_folder_is_one_line_before_rendering(merged):
-    from tests.evaluation.test_output_checks import read_only
+    from tests.helpers.mounts import read_only
 
     with read_only(merged):
         done = run_cli("card", merged)
