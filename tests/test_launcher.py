@@ -56,6 +56,9 @@ def test_a_failed_scenario_fails_alone(shared_launch):
     assert (
         message.startswith("scenario 'fail' failed on rank 1;") and "ranks [" not in message.splitlines()[0]
     )
+    # Its log: what rank 1 printed while the scenario ran (not before, not after), then the traceback.
+    log = message.split("during the scenario (last 6000 characters) ---\n")[1].split("\n--- rank 1: the")[0]
+    assert log.startswith("scenario fail failed on rank 1:") and "scenarios failed" not in log
     assert "Traceback (most recent call last)" in message and message.rstrip().endswith(
         "ValueError: scenario fail fails on purpose on rank 1"
     )

@@ -121,25 +121,34 @@ def _record(folder: Path, rank: int, status: dict) -> None:
     os.replace(partial, path)  # whole or absent: the other ranks poll for it
 
 
+def _log_positions() -> dict[str, int | None]:
+    """Where this rank's stdout and stderr log files are (the launcher's ``--log-dir`` makes them
+    files), so that a scenario's record says which part of each log is its own."""
+    positions: dict[str, int | None] = {}
+    for stream, fd in (("stdout", 1), ("stderr", 2)):
+        getattr(sys, stream).flush()
+        try:
+            positions[stream] = os.lseek(fd, 0, os.SEEK_CUR)
+        except OSError:  # a pipe or a terminal: no position
+            positions[stream] = None
+    return positions
+
+
 def _run(name: str, folder: Path, rank: int) -> bool:
     """Run one scenario; record and return whether it ended without an exception."""
     folder.mkdir(parents=True, exist_ok=True)
-    start = time.monotonic()
+    start, log_start = time.monotonic(), _log_positions()
+    status: dict = {"ok": True}
     try:
         SCENARIOS[name](folder)
     except BaseException as error:  # KeyboardInterrupt from a scenario's own simulated crash too
-        if isinstance(error, SystemExit) and error.code in (0, None):
-            _record(folder, rank, {"ok": True, "seconds": time.monotonic() - start})
-            return True
-        _record(
-            folder,
-            rank,
-            {"ok": False, "traceback": traceback.format_exc(), "seconds": time.monotonic() - start},
-        )
-        sys.stderr.write(f"scenario {name} failed on rank {rank}:\n{traceback.format_exc()}")
-        return False
-    _record(folder, rank, {"ok": True, "seconds": time.monotonic() - start})
-    return True
+        if not (isinstance(error, SystemExit) and error.code in (0, None)):
+            status = {"ok": False, "traceback": traceback.format_exc()}
+            sys.stderr.write(f"scenario {name} failed on rank {rank}:\n{traceback.format_exc()}")
+    log_end = _log_positions()
+    status["log"] = {s: [log_start[s], log_end[s]] for s in log_start}  # byte ranges of its output
+    _record(folder, rank, {**status, "seconds": time.monotonic() - start})
+    return status["ok"]
 
 
 def _everyone_recorded(folder: Path, world: int) -> bool:

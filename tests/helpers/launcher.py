@@ -328,10 +328,24 @@ def scenario_failure(launch: Launch, folder: Path, scenario: str) -> str | None:
         others = f" (ranks {failed[1:]} failed too)" if failed[1:] else ""
         return (
             f"scenario {scenario!r} failed on rank {first}{others}; {where}\n"
-            f"--- rank {first} ---\n{records[first]['traceback'].rstrip()}"
+            f"--- rank {first}: what it printed to stderr during the scenario (last 6000 characters) ---\n"
+            f"{_scenario_log(launch, first, records[first])[-6000:].rstrip()}\n"
+            f"--- rank {first}: the scenario's traceback ---\n{records[first]['traceback'].rstrip()}"
         )
     missing = sorted(set(range(launch.nproc)) - set(records))
     return f"scenario {scenario!r} was not recorded by ranks {missing}: the launch ended first\n{launch.report()}"
+
+
+def _scenario_log(launch: Launch, rank: int, record: dict, stream: str = "stderr") -> str:
+    """What ``rank`` printed to ``stream`` while the scenario of ``record`` ran (its byte range
+    of the rank's log file); empty when the range or the log is not known."""
+    start, end = record.get("log", {}).get(stream) or (None, None)
+    log = next((r for r in launch.rank_logs() if r.rank == rank), None)
+    if start is None or end is None or log is None or not (log.folder / f"{stream}.log").is_file():
+        return ""
+    with open(log.folder / f"{stream}.log", "rb") as file:
+        file.seek(start)
+        return file.read(end - start).decode(errors="replace")
 
 
 class SharedLaunches:
