@@ -333,6 +333,8 @@ class BackgroundWorker:
         self._error: tuple[str, BaseException] | None = None
         self.total_wait_s = 0.0
         self.tasks_done = 0
+        # Tasks handed over so far: the n-th one's seconds are task_seconds[n] once it completed.
+        self.submitted = 0
         # Seconds each completed task took, in order.
         self.task_seconds: list[float] = []
         self._warned_wait = False
@@ -387,6 +389,7 @@ class BackgroundWorker:
     def submit(self, task: Callable[[], Any], label: str) -> None:
         """Run ``task`` in the background (after the previous one finished)."""
         self.wait(reason=label)
+        self.submitted += 1
         if not self.enabled:
             try:
                 self._timed(task)

@@ -17,8 +17,11 @@ Three lines in a loop such as transformers' ``run_clm_no_trainer.py``::
 
 The snapshots, the manifest, the folder claim, the off-thread writes, the sharded and online
 sinks and the disk and time budgets are those of :class:`hf_pma.snapshots.callback.PMACallback`:
-``PMASnapshots`` drives one through the same events the ``Trainer`` sends it (one
-implementation, two front doors), so every ``hf-pma`` command reads the folder it writes.
+both front doors drive the same engine, :class:`hf_pma.snapshots.taker.SnapshotTaker` (no
+``Trainer`` object is involved here), so every ``hf-pma`` command reads the folder it writes.
+A loss spike is caught and undone with :meth:`PMASnapshots.check_for_spike` and a
+:class:`hf_pma.training.recovery.SpikeRecovery`; a run starts from merged weights with
+:func:`hf_pma.training.recovery.pma_init`.
 """
 
 from __future__ import annotations
@@ -27,40 +30,24 @@ import contextlib
 import os
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import torch
-from transformers import TrainerControl, TrainerState
 from transformers.utils import logging
 
-from hf_pma.core.manifest import PMA_SUBDIR
+from hf_pma.core.manifest import SnapshotRecord
 from hf_pma.core.schedule import positive_int_or_none
-from hf_pma.snapshots.callback import PMACallback
 from hf_pma.snapshots.lr_probe import first_group_value
+from hf_pma.snapshots.taker import TOKEN_COUNTS, SnapshotTaker, TakenSnapshot
+from hf_pma.training.recovery import SpikeRecovery
+from hf_pma.utils.distributed import unwrap_model
+from hf_pma.utils.text import escape
 
 logger = logging.get_logger(__name__)
 
 __all__ = ["PMASnapshots"]
 
 STATE_VERSION = 1
-TOKEN_COUNTS = ("all", "non_padding")
-
-
-class _LoopCallback(PMACallback):
-    """The callback as the loop drives it: checkpoints are ``accelerate`` state folders."""
-
-    checkpoint_dir: Path | None = None
-    known_steps = True
-
-    def _checkpoint_dir(self, args: Any, state: Any) -> Path:
-        return (
-            self.checkpoint_dir if self.checkpoint_dir is not None else super()._checkpoint_dir(args, state)
-        )
-
-    def _warn_without_constant_phase(self, args: Any) -> None:
-        if self.known_steps:  # without max_steps the planned schedule is unknown: nothing to say
-            super()._warn_without_constant_phase(args)
 
 
 class PMASnapshots:
@@ -91,7 +78,8 @@ class PMASnapshots:
             ``online_window_tokens``, ``max_disk_bytes``, ``sharded``).
 
     Nothing is written before the first :meth:`step`; :meth:`load_state_dict` (called by
-    ``accelerator.load_state``) must come before it.
+    ``accelerator.load_state``) must come before it. :attr:`taker` is the snapshot engine
+    (:class:`hf_pma.snapshots.taker.SnapshotTaker`) this object drives.
     """
 
     def __init__(
@@ -114,34 +102,26 @@ class PMASnapshots:
         self.max_steps = positive_int_or_none(max_steps, "max_steps")
         if self.max_steps is None and options.get("interval_tokens") is None:
             raise ValueError("PMASnapshots needs interval_tokens, or max_steps to choose it automatically")
-        self.callback = _LoopCallback(output_dir=pma_dir, **options)
-        self.callback.accelerator = accelerator
-        self.callback.known_steps = self.max_steps is not None
+        self.taker = SnapshotTaker(pma_dir=pma_dir, **options)
+        self.taker.accelerator = accelerator
         self.model = model
         self.accelerator = accelerator
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
         self.token_count = token_count
-        output = Path(output_dir) if output_dir is not None else Path(pma_dir).parent
-        self._args = SimpleNamespace(
-            output_dir=str(output),
-            include_num_input_tokens_seen=token_count,
-            world_size=accelerator.num_processes if accelerator is not None else 1,
-            learning_rate=first_group_value(getattr(optimizer, "param_groups", None), "lr") or 0.0,
-            get_warmup_steps=lambda steps: 0,
-            lr_scheduler_type=type(getattr(lr_scheduler, "scheduler", lr_scheduler)).__name__,
-            average_tokens_across_devices=True,
-        )
-        self._state = TrainerState(max_steps=self.max_steps or 0, global_step=0, num_input_tokens_seen=0)
-        self._state.is_world_process_zero = accelerator.is_main_process if accelerator is not None else True
-        self._control = TrainerControl()
+        # The peak LR when neither the optimizer's initial_lr nor the scheduler's base_lrs say it.
+        self._peak_lr = first_group_value(getattr(optimizer, "param_groups", None), "lr")
+        self.output_dir = Path(output_dir) if output_dir is not None else Path(pma_dir).parent
+        self._tokens = 0  # global tokens counted so far, resumed ones included
+        self._global_step = 0  # optimizer steps counted so far, resumed ones included
+        self._saved_schedule: dict[str, Any] | None = None  # of the run being resumed
         self._pending_tokens = 0  # this process's tokens of the micro-batches since the last optimizer step
         self._pending_global = 0  # tokens= given since the last optimizer step (global already)
         self._step_lr: float | None = None
         self._begun = False
         self._ended = False
         self._resume_dir: Path | None = None
-        self.callback._losses.attach(model)  # the first step's forwards come before the first step()
+        self.taker.watch_losses(model)  # the first step's forwards come before the first step()
         self._hooks = []
         inner = getattr(optimizer, "optimizer", optimizer)
         if isinstance(inner, torch.optim.Optimizer):
@@ -155,17 +135,43 @@ class PMASnapshots:
     @property
     def tokens(self) -> int:
         """Global input tokens (over all processes) counted so far, resumed ones included."""
-        return int(self._state.num_input_tokens_seen)
+        return self._tokens
 
     @property
     def global_step(self) -> int:
         """Optimizer steps counted so far, resumed ones included."""
-        return int(self._state.global_step)
+        return self._global_step
 
     @property
     def pma_dir(self) -> Path | None:
         """The snapshot folder (known from the first :meth:`step`)."""
-        return self.callback.pma_dir
+        return self.taker.pma_dir
+
+    @property
+    def callback(self) -> SnapshotTaker:
+        """The old name of :attr:`taker` (the engine was a ``PMACallback`` driven through fake events)."""
+        return self.taker
+
+    @property
+    def interval_tokens(self) -> int | None:
+        """V in use: the one given, or the automatic choice once made (``None`` before)."""
+        return self.taker.interval_tokens
+
+    @property
+    def online_count(self) -> int:
+        """How many snapshots the online average holds."""
+        return self.taker.online_count
+
+    @property
+    def snapshot_costs(self) -> list[TakenSnapshot]:
+        """What each snapshot of this run cost on this process, oldest first (as
+        :attr:`hf_pma.snapshots.callback.PMACallback.snapshot_costs`)."""
+        return self.taker.snapshot_costs
+
+    def online_state_dict(self, dtype: torch.dtype | str | None = None) -> dict[str, torch.Tensor] | None:
+        """The online running average on the main process (``None`` without ``online=``, elsewhere,
+        or for a sharded average)."""
+        return self.taker.online_state_dict(dtype)
 
     def step(
         self,
@@ -202,22 +208,20 @@ class PMASnapshots:
         self._pending_tokens = self._pending_global = 0
         if not self._begun:
             self._begin(model)
-        args, state, control, cb = self._args, self._state, self._control, self.callback
-        cb.on_step_begin(args, state, control)
-        cb._step_lr = lr if lr is not None else self._step_lr
+        taker = self.taker
+        taker.commit()
+        taker.optimizer_step(lr if lr is not None else self._step_lr)
         self._step_lr = None
-        if step_tokens <= 0 and state.num_input_tokens_seen == cb.schedule.tokens_at_begin:
+        if step_tokens <= 0 and self._tokens == taker.schedule.tokens_at_begin:
             raise ValueError(
-                f"PMASnapshots.step(): no input tokens in optimizer step {state.global_step + 1} (a batch without "
+                f"PMASnapshots.step(): no input tokens in optimizer step {self._global_step + 1} (a batch without "
                 "'input_ids', or tokens=0)"
             )
-        state.global_step += 1
-        state.num_input_tokens_seen += step_tokens
-        control.should_log = loss is not None
-        cb.on_step_end(args, state, control, model=model, lr_scheduler=self.lr_scheduler)
+        self._global_step += 1
+        self._tokens += step_tokens
+        taker.step_end(model, step=self._global_step, tokens=self._tokens, log_follows=loss is not None)
         if loss is not None:
-            cb.on_log(args, state, control, logs={"loss": float(loss)})
-            control.should_log = False
+            taker.logged(self._global_step, float(loss))
 
     def end(self, model: torch.nn.Module | None = None) -> None:
         """Call once after training: the last write lands, the online average is saved, the
@@ -227,19 +231,45 @@ class PMASnapshots:
         self._ended = True
         for hook in self._hooks:
             hook.remove()
-        if not self._begun:
-            self.callback._losses.detach()
-            return
-        self.callback.on_train_end(self._args, self._state, self._control, model=model or self.model)
+        self.taker.end(model or self.model)
 
     def wait(self) -> None:
         """Block until the snapshot (or online update) in flight is done; raise if it failed."""
         if self._begun:
-            self.callback.wait()
+            self.taker.wait()
 
-    def snapshots(self, include_excluded: bool = False) -> list[tuple[Any, Path]]:
+    def snapshots(self, include_excluded: bool = False) -> list[tuple[SnapshotRecord, Path]]:
         """Completed snapshots listed in the manifest, oldest first (see ``PMACallback.snapshots``)."""
-        return self.callback.snapshots(include_excluded)
+        return self.taker.snapshots(include_excluded)
+
+    def exclude_snapshots(self, tokens: Iterable[int], reason: str = "excluded") -> list[SnapshotRecord]:
+        """Mark the snapshots taken at ``tokens`` as excluded from merges (see ``PMACallback.exclude_snapshots``)."""
+        return self.taker.exclude_snapshots(tokens, reason)
+
+    def check_for_spike(
+        self,
+        recovery: SpikeRecovery,
+        loss: float,
+        grad_norm: float | None = None,
+        model: torch.nn.Module | None = None,
+    ) -> dict[str, Any] | None:
+        """Every process, after :meth:`step`: hand the step's training ``loss`` (and gradient norm)
+        to ``recovery``'s spike detector; on a spike, the model (default: the one given at
+        construction) gets the merge of the last snapshots taken before it, the optimizer's moments
+        are reset (``recovery.reset_optimizer``), and the snapshots taken during the spike are
+        excluded from merges. Returns the recovery's record, ``None`` when the loss is no spike.
+        Raises :class:`hf_pma.training.recovery.LossSpikeError` when it keeps spiking
+        (``recovery.max_recoveries``) or no snapshot precedes the spike.
+        """
+        return recovery.check(
+            loss,
+            grad_norm,
+            model=unwrap_model(model if model is not None else self.model),
+            taker=self.taker,
+            step=self._global_step,
+            tokens=self._tokens,
+            optimizer=self.optimizer,
+        )
 
     @contextlib.contextmanager
     def swapped(
@@ -253,15 +283,14 @@ class PMASnapshots:
         """
         from hf_pma.merging.engine import merge_state_dict
         from hf_pma.merging.swap import backup_weights, load_weights, restore_weights
-        from hf_pma.snapshots.gather import unwrap_model
 
         model = model if model is not None else self.model
         if not self._begun:
             raise ValueError("PMASnapshots.swapped(): no snapshot yet (before the first step)")
-        cb = self.callback
-        cb.wait()
-        if cb.online is not None:
-            restore = cb.swap_in_online(model)
+        taker = self.taker
+        taker.wait()
+        if taker.online is not None:
+            restore = taker.swap_in_online(model)
             if restore is None:
                 raise ValueError("PMASnapshots.swapped(): the online average holds no snapshot yet")
             try:
@@ -271,12 +300,12 @@ class PMASnapshots:
             return
         if self.accelerator is not None:
             self.accelerator.wait_for_everyone()  # every process sees the main process's manifest
-        listed = [folder for _, folder in cb.snapshots()]  # every process reads the manifest
+        listed = [folder for _, folder in taker.snapshots()]  # every process reads the manifest
         if last is not None:
             last = positive_int_or_none(last, "last")
             listed = listed[-last:]
         if not listed:
-            raise ValueError(f"PMASnapshots.swapped(): no snapshot in {cb.pma_dir} yet")
+            raise ValueError(f"PMASnapshots.swapped(): no snapshot in {escape(taker.pma_dir)} yet")
         merged = merge_state_dict(listed)
         target = unwrap_model(model)
         backup = backup_weights(target)
@@ -294,8 +323,8 @@ class PMASnapshots:
             "version": STATE_VERSION,
             "tokens": self.tokens,
             "global_step": self.global_step,
-            "schedule": self.callback.schedule.state(),
-            "options": self.callback.state()["args"],
+            "schedule": self.taker.schedule.state(),
+            "options": self.taker.options(),
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
@@ -304,15 +333,14 @@ class PMASnapshots:
             raise ValueError("PMASnapshots.load_state_dict() must come before the first step()")
         if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
             raise ValueError("PMASnapshots.load_state_dict(): not a state saved by PMASnapshots.state_dict()")
-        self._state.num_input_tokens_seen = int(state["tokens"])
-        self._state.global_step = int(state["global_step"])
-        self.callback.resume_state = dict(state["schedule"]) if self.global_step > 0 else None
+        self._tokens = int(state["tokens"])
+        self._global_step = int(state["global_step"])
+        self._saved_schedule = dict(state["schedule"]) if self._global_step > 0 else None
 
     def _before_save_state(self, models: Any, weights: Any, output_dir: str) -> None:
         """``accelerator.save_state``: the snapshot in flight lands first; online averages are saved beside."""
         if self._begun and not self._ended:
-            self.callback.checkpoint_dir = Path(output_dir)
-            self.callback.on_save(self._args, self._state, self._control)
+            self.taker.before_checkpoint(output_dir)
 
     def _before_load_state(self, models: Any, input_dir: str) -> None:
         self._resume_dir = Path(input_dir)
@@ -347,18 +375,20 @@ class PMASnapshots:
 
     def _begin(self, model: torch.nn.Module) -> None:
         self._begun = True
-        cb = self.callback
-        if cb.output_dir is None:
-            cb.output_dir = str(Path(self._args.output_dir) / PMA_SUBDIR)
-        if self.global_step > 0:
-            cb.checkpoint_dir = self._resume_dir or Path(self._args.output_dir)
-        if self.max_steps is None:
-            self._state.max_steps = self.global_step  # no planned steps: the disk projection counts none
-        cb.on_train_begin(
-            self._args,
-            self._state,
-            self._control,
-            model=model,
+        scheduler = getattr(self.lr_scheduler, "scheduler", self.lr_scheduler)
+        self.taker.begin(
+            model,
+            output_dir=self.output_dir,
+            world_size=self.accelerator.num_processes if self.accelerator is not None else 1,
+            is_main=self.accelerator.is_main_process if self.accelerator is not None else True,
+            token_count=self.token_count,
             optimizer=self.optimizer,
             lr_scheduler=self.lr_scheduler,
+            planned_steps=self.max_steps,
+            step=self._global_step,
+            tokens=self._tokens,
+            resume_dir=self._resume_dir,
+            saved_state=self._saved_schedule,
+            peak_lr=self._peak_lr,
+            scheduler_name=type(scheduler).__name__ if scheduler is not None else None,
         )

@@ -14,10 +14,7 @@ from __future__ import annotations
 
 import gc
 import json
-import math
-import statistics
 import time
-from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -30,11 +27,11 @@ from hf_pma.core.selection import window_by_progress
 from hf_pma.merging.chunks import default_workers
 from hf_pma.merging.engine import merge_checkpoints, merge_state_dict
 from hf_pma.merging.slices import SliceSwap, reshard
-from hf_pma.merging.sources import resolve_sources, select_window
 from hf_pma.merging.swap import backup_weights, load_weights, restore_weights
 from hf_pma.snapshots.callback import PMACallback
 from hf_pma.training.annealing import SaveCheckpointAt, anneal_from_checkpoint, annealing_check
 from hf_pma.training.arguments import PMATrainingArguments
+from hf_pma.training.recovery import LossSpikeError, SpikeRecovery, pma_init
 from hf_pma.training.saving import save_full_model
 from hf_pma.utils.distributed import all_ranks_checked, is_peft_model, local_world_size
 from hf_pma.utils.fs import atomic_write_json
@@ -46,10 +43,6 @@ logger = logging.get_logger(__name__)
 __all__ = ["PMATrainer", "PMATrainingArguments", "LossSpikeError", "save_full_model"]
 
 INIT_RECORD_NAME = "pma_init.json"
-
-
-class LossSpikeError(RuntimeError):
-    """The run kept diverging after ``pma_max_recoveries`` recoveries, or had nothing to recover from."""
 
 
 class PMATrainer(Trainer):
@@ -69,7 +62,15 @@ class PMATrainer(Trainer):
         if args.pma_init_from:
             if model is None:
                 raise ValueError("pma_init_from needs a model instance (model_init is not supported with it)")
-            self.pma_init_record = self._pma_init(model, args)
+            self.pma_init_record = pma_init(
+                model,
+                args.pma_init_from,
+                window=args.pma_window,
+                window_tokens=args.pma_window_tokens,
+                strategy=args.pma_strategy,
+                alpha=args.pma_ema_alpha,
+                what="pma_init_from",
+            )
         # A PMACallback passed in ``callbacks`` (e.g. ``online="sma"``) is used instead of one built from pma_* args.
         given = next((c for c in kwargs.get("callbacks") or [] if isinstance(c, PMACallback)), None)
         callback = given or PMACallback(
@@ -103,12 +104,19 @@ class PMATrainer(Trainer):
         self.pma_command: str | None = None
         # More of the run for its record and card, e.g. {"datasets": [...], "base_model": ...} (scripts set it).
         self.pma_record_extra: dict[str, Any] = {}
-        self.pma_recoveries: list[dict[str, Any]] = []
+        self._pma_spikes = SpikeRecovery(
+            factor=args.pma_spike_factor,
+            window=args.pma_spike_window,
+            last=args.pma_recovery_snapshots,
+            reset_optimizer=args.pma_recovery_reset_optimizer,
+            max_recoveries=args.pma_max_recoveries,
+            option_prefix="pma_",
+        )
+        # The loss-spike recoveries of this run, one record each (also in the manifest).
+        self.pma_recoveries: list[dict[str, Any]] = self._pma_spikes.recoveries
         self._pma_pending_metrics: dict[str, float] | None = None
         # What the last merged evaluation cost this process (bytes read, CPU backup).
         self.pma_last_merge_stats: dict[str, Any] | None = None
-        self._pma_losses: deque[float] = deque(maxlen=args.pma_spike_window)
-        self._pma_last_healthy_step = 0
         self._pma_train_start = time.time()
         if self.pma_init_record is not None and self.is_world_process_zero():
             pma_dir = Path(self.args.output_dir) / PMA_SUBDIR
@@ -123,29 +131,6 @@ class PMATrainer(Trainer):
             if isinstance(callback, PMACallback):
                 return callback
         raise RuntimeError("the PMACallback was removed from this PMATrainer")
-
-    # ------------------------------------------------------------------ PMA-init
-
-    @staticmethod
-    def _pma_init(model: torch.nn.Module, args: PMATrainingArguments) -> dict[str, Any]:
-        """Load the merge named by ``pma_init_from`` into ``model``; return what was used."""
-        sources = resolve_sources(args.pma_init_from)
-        if len(args.pma_init_from) == 1 and args.pma_window_tokens is not None:
-            sources = select_window(sources, window_tokens=args.pma_window_tokens)  # a run's last T tokens
-        elif len(args.pma_init_from) == 1 and len(sources) > args.pma_window:
-            sources = sources[-args.pma_window :]  # a run folder: merge its newest pma_window
-        strategy = args.pma_strategy if len(sources) > 1 else "sma"
-        state = merge_state_dict(sources, strategy=strategy, alpha=args.pma_ema_alpha)
-        load_weights(model, state, origin=f"pma_init_from ({', '.join(str(s.path) for s in sources)})")
-        logger.info(
-            f"PMA-init: the model starts from the {strategy} merge of {len(sources)} checkpoint(s): "
-            + ", ".join(s.name for s in sources)
-        )
-        return {
-            "strategy": strategy,
-            "sources": [{"name": s.name, "tokens": s.tokens, "step": s.step} for s in sources],
-            "time": time.time(),
-        }
 
     # ------------------------------------------------------------------ merged evaluation
 
@@ -259,69 +244,26 @@ class PMATrainer(Trainer):
 
     # ------------------------------------------------------------------ loss-spike recovery
 
-    def _is_spike(self, loss: float, grad_norm: float | None) -> bool:
-        if not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm)):
-            return True
-        if len(self._pma_losses) >= min(3, self.args.pma_spike_window):
-            return loss > self.args.pma_spike_factor * statistics.median(self._pma_losses)
-        return False
-
     def _check_for_spike(self, logs: dict[str, float]) -> None:
-        loss, grad_norm = float(logs["loss"]), logs.get("grad_norm")
-        grad_norm = None if grad_norm is None else float(grad_norm)
-        if not self._is_spike(loss, grad_norm):
-            self._pma_losses.append(loss)
-            self._pma_last_healthy_step = self.state.global_step
-            return
-        self._recover_from_spike(loss, grad_norm)
-
-    def _recover_from_spike(self, loss: float, grad_norm: float | None) -> None:
-        step, args = self.state.global_step, self.args
-        if len(self.pma_recoveries) >= args.pma_max_recoveries:
-            raise LossSpikeError(
-                f"loss spike at step {step} (loss {loss:.4g}, grad norm {grad_norm}) after "
-                f"{len(self.pma_recoveries)} recoveries (pma_max_recoveries={args.pma_max_recoveries}): the run keeps "
-                "diverging; lower the learning rate or restart from a checkpoint"
-            )
-        # Snapshots taken after the last healthy log belong to the spike: never merge them.
-        self.pma_callback.wait()
-        during = [r.tokens for r, _ in self.pma_callback.snapshots() if r.step > self._pma_last_healthy_step]
-        if during and self.is_world_process_zero():
-            self.pma_callback.exclude_snapshots(during, reason=f"loss spike at step {step}")
-        self._pma_barrier()
-        usable = self.pma_callback.snapshots()[-args.pma_recovery_snapshots :]
-        if not usable:
-            raise LossSpikeError(
-                f"loss spike at step {step} (loss {loss:.4g}) but no snapshot was taken before it to recover from; "
-                "take snapshots earlier (smaller pma_interval_tokens, or pma_phases including 'warmup')"
-            )
-        state = merge_state_dict([path for _, path in usable], strategy="sma")
-        load_weights(self.model, state, origin="loss-spike recovery merge")
-        if args.pma_recovery_reset_optimizer and self.optimizer is not None:
-            inner = getattr(self.optimizer, "optimizer", self.optimizer)
-            inner.state.clear()  # Adam moments hold the spike's gradients
-        record = {
-            "step": step,
-            "tokens": int(self.state.num_input_tokens_seen),
-            "loss": loss if math.isfinite(loss) else str(loss),
-            "grad_norm": grad_norm if grad_norm is None or math.isfinite(grad_norm) else str(grad_norm),
-            "snapshots": [r.path for r, _ in usable],
-            "excluded": [int(t) for t in during],
-            "reset_optimizer": bool(args.pma_recovery_reset_optimizer and self.optimizer is not None),
-        }
-        self.pma_recoveries.append(record)
-        if self.is_world_process_zero() and self.pma_callback.writer is not None:
-            self.pma_callback.writer.update_manifest(recoveries=self.pma_recoveries)
-        logger.warning(
-            f"PMA recovery #{len(self.pma_recoveries)} at step {step}: loss {loss:.4g}; weights restored to the SMA of "
-            f"{', '.join(record['snapshots'])}" + (" and optimizer moments reset" if record["reset_optimizer"] else "")
+        """A logged training loss: on a spike, :class:`hf_pma.training.recovery.SpikeRecovery`
+        restores the merge of the snapshots before it; the recovery is logged."""
+        record = self._pma_spikes.check(
+            logs["loss"],
+            logs.get("grad_norm"),
+            model=self.model,
+            taker=self.pma_callback.taker,
+            step=self.state.global_step,
+            tokens=int(self.state.num_input_tokens_seen),
+            optimizer=self.optimizer,
         )
+        if record is None:
+            return
         self.log(
             {
                 "pma_recovery": float(len(self.pma_recoveries)),
-                "pma_recovery_step": float(step),
-                "pma_recovery_spike_loss": loss,
-                "pma_recovery_num_snapshots": float(len(usable)),
+                "pma_recovery_step": float(record["step"]),
+                "pma_recovery_spike_loss": float(logs["loss"]),
+                "pma_recovery_num_snapshots": float(len(record["snapshots"])),
             }
         )
 

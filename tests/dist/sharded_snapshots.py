@@ -119,11 +119,11 @@ def run(out: Path, rank: int, world: int, resume_at: int) -> dict:
             cb.on_step_end(args, state, control, model=model, lr_scheduler=None)
         if step == CHECKPOINT_STEP:
             for cb in callbacks.values():
-                cb._sink.wait()
+                cb.sink.wait()
             dist.barrier()
     for cb in callbacks.values():
         cb.on_train_end(args, state, control, model=model)
-    sinks = {name: cb._sink for name, cb in callbacks.items()}
+    sinks = {name: cb.sink for name, cb in callbacks.items()}
     return {
         "sinks": {name: type(sink).__name__ for name, sink in sinks.items()},
         "bytes_written": {name: getattr(sink, "bytes_written", None) for name, sink in sinks.items()},

@@ -135,7 +135,7 @@ def test_a_snapshots_cost_is_the_second_snapshots_and_is_logged_against_the_inte
     assert human_bytes(first.num_bytes) in cost[0] and "every 3.0 steps" in cost[0]
     assert "% of training time" in cost[0]
     # The first snapshot pays one-time costs (host buffers): the second's is what every snapshot costs.
-    blocked = callback._taken_blocked_s
+    blocked = [cost.blocked_s for cost in callback.snapshot_costs]
     assert len(blocked) == 4
     assert cost[0].startswith(f"hf-pma: a snapshot costs {blocked[1]:.2f}s of blocked training (the first {blocked[0]:.2f}s")
 
@@ -146,7 +146,7 @@ def test_a_run_with_one_snapshot_reports_its_cost_at_the_end(tmp_path, caplog):
         train(tmp_path, [callback], max_steps=6, lr_scheduler_type="constant")
     cost = [m for m in messages(caplog) if "snapshot cost" in m]
     assert len(callback.snapshots()) == 1 and len(cost) == 1
-    assert cost[0].startswith(f"hf-pma: the only snapshot cost {callback._taken_blocked_s[0]:.2f}s of blocked training")
+    assert cost[0].startswith(f"hf-pma: the only snapshot cost {callback.snapshot_costs[0].blocked_s:.2f}s of blocked training")
 
 
 def test_the_time_share_is_the_steady_cost_not_the_first_snapshots(caplog, monkeypatch):

@@ -1,0 +1,286 @@
+"""PMA-init and loss-spike recovery, for any training loop (``PMATrainer`` uses these too).
+
+* :func:`pma_init`: start a model from merged weights (a merged folder, a run's snapshots, several
+  checkpoints, Hub revisions), as the paper's PMA-init does.
+* :class:`SpikeDetector`: a logged loss above ``factor`` x the median of the last ``window``
+  healthy losses, or a non-finite loss or gradient norm, is a spike.
+* :func:`recover_from_spike`: the snapshots taken during the spike are excluded from merges, the
+  model gets the average (SMA) of the last ``last`` snapshots before it, and the optimizer's
+  moments (which hold the spike's gradients) are reset.
+* :class:`SpikeRecovery`: the two together, with a limit on recoveries and their records (the
+  run's manifest lists them under ``"recoveries"``).
+
+In a loop with :class:`hf_pma.training.loop.PMASnapshots`::
+
+    model = pma_init(model, ["previous-run/pma"], window=10)   # optional, before accelerator.prepare
+    recovery = SpikeRecovery(factor=3.0, window=20, last=3)
+    for batch in train_dataloader:
+        ...
+        pma.step(batch=batch)
+        pma.check_for_spike(recovery, loss.item())
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from transformers.utils import logging
+
+from hf_pma.merging.engine import merge_state_dict
+from hf_pma.merging.sources import resolve_sources, select_window
+from hf_pma.merging.swap import load_weights
+from hf_pma.snapshots.taker import SnapshotTaker
+from hf_pma.utils.distributed import all_ranks_checked
+
+logger = logging.get_logger(__name__)
+
+__all__ = ["LossSpikeError", "SpikeDetector", "SpikeRecovery", "recover_from_spike", "pma_init"]
+
+
+class LossSpikeError(RuntimeError):
+    """The run kept diverging after the allowed recoveries, or had nothing to recover from."""
+
+
+def pma_init(
+    model: torch.nn.Module,
+    sources: Sequence[str | os.PathLike[str]],
+    *,
+    window: int = 10,
+    window_tokens: int | None = None,
+    strategy: str = "sma",
+    alpha: float = 0.2,
+    what: str = "pma_init",
+) -> dict[str, Any]:
+    """Load the merge of ``sources`` into ``model`` (every process, before the model is wrapped or
+    sharded); return what was used (JSON: strategy, sources with their tokens and steps, time).
+
+    Args:
+        model: the model to start from merged weights (its shapes must match).
+        sources: one merged model folder, one run or snapshot folder (its newest ``window``
+            snapshots, or those within its last ``window_tokens`` tokens, are merged), several
+            folders or checkpoints, or Hub revisions (``org/model@REV``), as ``hf-pma merge`` takes.
+        window: snapshots merged from a single run folder.
+        window_tokens: instead of ``window``: the snapshots within the last T tokens of a run folder.
+        strategy: the merge strategy (``"sma"``, ``"ema"``, ``"wma"``...) when several sources are merged.
+        alpha: the EMA factor for ``strategy="ema"``.
+        what: how errors name the sources (``PMATrainer`` says ``pma_init_from``).
+    """
+    sources = list(sources)
+    if not sources:
+        raise ValueError(f"{what}: no source to merge")
+    resolved = resolve_sources(sources)
+    if len(sources) == 1 and window_tokens is not None:
+        resolved = select_window(resolved, window_tokens=window_tokens)  # a run's last T tokens
+    elif len(sources) == 1 and len(resolved) > window:
+        resolved = resolved[-window:]  # a run folder: merge its newest ``window``
+    strategy = strategy if len(resolved) > 1 else "sma"
+    state = merge_state_dict(resolved, strategy=strategy, alpha=alpha)
+    load_weights(model, state, origin=f"{what} ({', '.join(str(s.path) for s in resolved)})")
+    logger.info(
+        f"PMA-init: the model starts from the {strategy} merge of {len(resolved)} checkpoint(s): "
+        + ", ".join(s.name for s in resolved)
+    )
+    return {
+        "strategy": strategy,
+        "sources": [{"name": s.name, "tokens": s.tokens, "step": s.step} for s in resolved],
+        "time": time.time(),
+    }
+
+
+class SpikeDetector:
+    """Loss spikes: a loss above ``factor`` x the median of the last ``window`` healthy losses (once
+    3 are known, or ``window`` when smaller), or a non-finite loss or gradient norm.
+
+    Args:
+        factor: how many times the median a spike is (greater than 1).
+        window: how many healthy losses the median is taken over.
+    """
+
+    def __init__(self, factor: float = 3.0, window: int = 20) -> None:
+        if not (isinstance(factor, (int, float)) and factor > 1.0):
+            raise ValueError(f"factor must be greater than 1, got {factor!r}")
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"window must be a positive integer, got {window!r}")
+        self.factor = float(factor)
+        self.window = window
+        self.losses: deque[float] = deque(maxlen=window)
+        #: The optimizer step of the last healthy loss (0 before any).
+        self.last_healthy_step = 0
+
+    def is_spike(self, loss: float, grad_norm: float | None = None) -> bool:
+        """Whether ``loss`` (and ``grad_norm``) is a spike against the healthy losses so far."""
+        if not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm)):
+            return True
+        if len(self.losses) >= min(3, self.window):
+            return loss > self.factor * statistics.median(self.losses)
+        return False
+
+    def observe(self, loss: float, grad_norm: float | None = None, step: int = 0) -> bool:
+        """``True`` for a spike (not remembered); otherwise the loss joins the healthy ones and
+        ``step`` becomes :attr:`last_healthy_step`."""
+        loss = float(loss)
+        grad_norm = None if grad_norm is None else float(grad_norm)
+        if self.is_spike(loss, grad_norm):
+            return True
+        self.losses.append(loss)
+        self.last_healthy_step = int(step)
+        return False
+
+
+def recover_from_spike(
+    model: torch.nn.Module,
+    taker: SnapshotTaker,
+    *,
+    step: int,
+    after_step: int,
+    last: int = 3,
+    optimizer: Any | None = None,
+    reset_optimizer: bool = True,
+    loss: float | None = None,
+    hint: str = "take snapshots earlier (smaller interval_tokens, or phases including 'warmup')",
+) -> dict[str, Any]:
+    """Every process: undo a loss spike noticed at optimizer step ``step``.
+
+    The snapshots taken after optimizer step ``after_step`` (the last healthy one) are marked
+    excluded from merges (they stay on disk); ``model`` gets the SMA of the last ``last``
+    snapshots left; with ``reset_optimizer`` the optimizer's state (Adam's moments) is cleared.
+
+    Args:
+        model: the model to load the merge into (the module itself, not a DDP wrapper).
+        taker: the snapshot engine of the run (``PMASnapshots.taker``, ``PMACallback.taker``).
+        step: the optimizer step the spike was noticed at.
+        after_step: the last optimizer step known healthy.
+        last: the snapshots before the spike to average (the paper used 3).
+        optimizer: the optimizer whose state to reset (an ``accelerate`` wrapper is fine).
+        reset_optimizer: whether to reset it.
+        loss: the spike's loss, for the error message.
+        hint: what to do when no snapshot precedes the spike (in the caller's option names).
+
+    Returns the record: ``snapshots`` (folder names merged), ``excluded`` (their tokens),
+    ``reset_optimizer``. Raises :class:`LossSpikeError` when no snapshot precedes the spike.
+    """
+    # Snapshots taken after the last healthy step belong to the spike: never merge them.
+    taker.wait()
+    during = [r.tokens for r, _ in taker.snapshots() if r.step > after_step]
+    if during and taker.is_main:
+        taker.exclude_snapshots(during, reason=f"loss spike at step {step}")
+    all_ranks_checked(lambda: None, "waiting for the main process")
+    usable = taker.snapshots()[-last:]
+    if not usable:
+        shown = f" (loss {loss:.4g})" if loss is not None else ""
+        raise LossSpikeError(
+            f"loss spike at step {step}{shown} but no snapshot was taken before it to recover from; {hint}"
+        )
+    load_weights(
+        model,
+        merge_state_dict([path for _, path in usable], strategy="sma"),
+        origin="loss-spike recovery merge",
+    )
+    reset = bool(reset_optimizer and optimizer is not None)
+    if reset:
+        inner = getattr(optimizer, "optimizer", optimizer)
+        inner.state.clear()  # Adam moments hold the spike's gradients
+    return {
+        "snapshots": [r.path for r, _ in usable],
+        "excluded": [int(t) for t in during],
+        "reset_optimizer": reset,
+    }
+
+
+class SpikeRecovery:
+    """Watch the training loss; on a spike, go back to the merge of the snapshots before it.
+
+    Args:
+        factor: a loss above ``factor`` x the median of the last ``window`` healthy ones is a spike.
+        window: the healthy losses in that median.
+        last: the snapshots before the spike averaged for recovery (the paper used 3).
+        reset_optimizer: reset the optimizer's moments on recovery (they hold the spike's gradients).
+        max_recoveries: stop with :class:`LossSpikeError` at the spike after this many recoveries.
+        option_prefix: how the caller's options are named in messages (``PMATrainer``: ``"pma_"``).
+
+    :attr:`recoveries` lists a record per recovery (step, tokens, loss, grad norm, the snapshots
+    merged, those excluded, whether the optimizer was reset), also written to the run's manifest.
+    """
+
+    def __init__(
+        self,
+        factor: float = 3.0,
+        window: int = 20,
+        last: int = 3,
+        reset_optimizer: bool = True,
+        max_recoveries: int = 3,
+        option_prefix: str = "",
+    ) -> None:
+        if isinstance(last, bool) or not isinstance(last, int) or last < 1:
+            raise ValueError(f"last must be a positive integer, got {last!r}")
+        if isinstance(max_recoveries, bool) or not isinstance(max_recoveries, int) or max_recoveries < 0:
+            raise ValueError(f"max_recoveries must be a non-negative integer, got {max_recoveries!r}")
+        self.detector = SpikeDetector(factor, window)
+        self.last = last
+        self.reset_optimizer = bool(reset_optimizer)
+        self.max_recoveries = max_recoveries
+        self.option_prefix = option_prefix
+        self.recoveries: list[dict[str, Any]] = []
+
+    def check(
+        self,
+        loss: float,
+        grad_norm: float | None = None,
+        *,
+        model: torch.nn.Module,
+        taker: SnapshotTaker,
+        step: int,
+        tokens: int,
+        optimizer: Any | None = None,
+    ) -> dict[str, Any] | None:
+        """Every process, with the loss logged at optimizer step ``step``: ``None`` when it is no
+        spike; otherwise recover (:func:`recover_from_spike`), record it, and return its record.
+
+        Raises :class:`LossSpikeError` after ``max_recoveries`` recoveries, or when no snapshot
+        precedes the spike.
+        """
+        loss = float(loss)
+        grad_norm = None if grad_norm is None else float(grad_norm)
+        if not self.detector.observe(loss, grad_norm, step):
+            return None
+        prefix = self.option_prefix
+        if len(self.recoveries) >= self.max_recoveries:
+            raise LossSpikeError(
+                f"loss spike at step {step} (loss {loss:.4g}, grad norm {grad_norm}) after "
+                f"{len(self.recoveries)} recoveries ({prefix}max_recoveries={self.max_recoveries}): the run keeps "
+                "diverging; lower the learning rate or restart from a checkpoint"
+            )
+        done = recover_from_spike(
+            model,
+            taker,
+            step=step,
+            after_step=self.detector.last_healthy_step,
+            last=self.last,
+            optimizer=optimizer,
+            reset_optimizer=self.reset_optimizer,
+            loss=loss,
+            hint=f"take snapshots earlier (smaller {prefix}interval_tokens, or {prefix}phases including 'warmup')",
+        )
+        record = {
+            "step": int(step),
+            "tokens": int(tokens),
+            "loss": loss if math.isfinite(loss) else str(loss),
+            "grad_norm": grad_norm if grad_norm is None or math.isfinite(grad_norm) else str(grad_norm),
+            **done,
+        }
+        self.recoveries.append(record)
+        if taker.is_main and taker.writer is not None:
+            taker.writer.update_manifest(recoveries=self.recoveries)
+        logger.warning(
+            f"PMA recovery #{len(self.recoveries)} at step {step}: loss {loss:.4g}; weights restored to the SMA of "
+            f"{', '.join(record['snapshots'])}"
+            + (" and optimizer moments reset" if record["reset_optimizer"] else "")
+        )
+        return record
