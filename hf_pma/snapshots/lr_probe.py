@@ -29,7 +29,8 @@ def first_group_value(param_groups: Any, key: str) -> float | None:
 
 def peak_lr(optimizer: Any, lr_scheduler: Any, learning_rate: float | None = None) -> float:
     """The schedule's reference (peak) LR: ``initial_lr`` of the first param group, else the
-    scheduler's ``base_lrs``, else ``learning_rate`` (the Trainer's ``args.learning_rate``)."""
+    scheduler's ``base_lrs``, else ``learning_rate`` (the Trainer's ``args.learning_rate``), else
+    the first param group's ``lr`` now (an optimizer without a scheduler)."""
     peak = first_group_value(getattr(optimizer, "param_groups", None), "initial_lr")
     if peak is None:
         scheduler = getattr(lr_scheduler, "scheduler", lr_scheduler)
@@ -37,6 +38,8 @@ def peak_lr(optimizer: Any, lr_scheduler: Any, learning_rate: float | None = Non
         peak = float(base_lrs[0]) if base_lrs else None
     if peak is None and learning_rate is not None:
         peak = float(learning_rate)
+    if peak is None:
+        peak = first_group_value(getattr(optimizer, "param_groups", None), "lr")
     if peak is None or not peak > 0:
         raise ValueError(f"hf-pma reads the phase of a run from its learning rate, which needs a positive peak LR; got {peak}")
     return peak

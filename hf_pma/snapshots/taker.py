@@ -518,7 +518,7 @@ class SnapshotTaker:
     def before_checkpoint(self, folder: str | os.PathLike[str]) -> None:
         """Every process, before the loop writes a checkpoint into ``folder``: the snapshot in flight
         lands first, and an online average is saved into ``folder`` (it is resumed from there)."""
-        self._commit(checkpoint_follows=True)
+        self.commit(checkpoint_follows=True)
         self._sink.save_checkpoint(Path(folder))
 
     def end(self, model: Any | None = None) -> None:

@@ -255,3 +255,42 @@ def test_online_average_resumes_through_accelerate_state(tmp_path):
     a = merge_state_dict([tmp_path / "cut" / "pma" / "online-sma"])
     b = merge_state_dict([tmp_path / "full" / "pma" / "online-sma"])
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in b)
+
+
+def test_the_loop_builds_no_trainer_object(tmp_path, monkeypatch):
+    """PMASnapshots drives the snapshot engine itself: no TrainerState, TrainerControl,
+    TrainingArguments or callback is built (each raises here), and importing the loop does not
+    import the Trainer callback module. Its ``snapshot_costs`` read-out matches the manifest."""
+    import subprocess
+    import sys
+
+    from transformers import trainer_callback, training_args
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError(f"a {type(self).__name__} was built")
+
+    for cls in (
+        trainer_callback.TrainerState,
+        trainer_callback.TrainerControl,
+        trainer_callback.TrainerCallback,
+        training_args.TrainingArguments,
+    ):
+        monkeypatch.setattr(cls, "__init__", refuse)
+    _, pma, _ = train(tmp_path, {"interval_tokens": INTERVAL, "phases": ("warmup", "stable", "decay")})
+    records = manifest_snapshots(tmp_path / "pma")
+    assert [r.tokens for r in records] == [INTERVAL, 2 * INTERVAL, 3 * INTERVAL]
+    costs = pma.snapshot_costs
+    assert [(c.tokens, c.num_bytes) for c in costs] == [(r.tokens, r.num_bytes) for r in records]
+    assert all(c.blocked_s > 0 and c.write_s is not None for c in costs)
+    imported = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, hf_pma.training.loop; "
+            "print(sorted(m for m in sys.modules if m in ('hf_pma.snapshots.callback', 'transformers.trainer')))",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert imported.stdout.strip() == "[]"

@@ -1,0 +1,107 @@
+"""hf_pma.snapshots.planning: the planned snapshot count, the disk plan, which cost to report and
+the messages, as pure functions (no model, no training)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hf_pma.core.schedule import choose_interval, plan_run
+from hf_pma.snapshots import planning
+from hf_pma.snapshots.budget import DiskBudget, human_bytes
+
+PEAK = 1e-3
+# 100 planned steps: 10 of warmup, 60 at the peak LR, 30 of decay.
+LRS = [PEAK * (s + 1) / 11 for s in range(10)] + [PEAK] * 60 + [PEAK * (30 - s) / 31 for s in range(30)]
+WSD = plan_run(100, ("stable", "decay"), LRS, PEAK)
+# The LR decays from the first step (transformers' default "linear"): no constant phase.
+LINEAR = plan_run(100, ("stable", "decay"), [PEAK * (100 - s) / 100 for s in range(100)], PEAK)
+
+
+def test_planned_snapshots_by_interval_and_step_size():
+    # The automatic interval (not chosen yet): what it aims at.
+    assert planning.planned_snapshots(WSD, None, None, 0) == (40, "the automatic interval aims at 40")
+    # A given interval before the first step's tokens are known: unknown.
+    assert planning.planned_snapshots(WSD, 1000, None, 0) == (None, "unknown before the first step")
+    # 90 steps snapshot (stable + decay); 3 steps of 100 tokens between snapshots of 300.
+    count, what = planning.planned_snapshots(WSD, 300, 100, 0)
+    assert count == 30 and what == "90 steps snapshot, 300 tokens apart at 100 a step"
+    # After 40 steps, 60 remain in the selected phases.
+    assert planning.planned_snapshots(WSD, 300, 100, 40)[0] == 20
+    # An interval below one step: at most one snapshot a step.
+    assert planning.planned_snapshots(WSD, 50, 100, 0) == (
+        90,
+        "90 steps snapshot, at most one snapshot a step",
+    )
+
+
+def test_disk_plan_fits_or_says_why_not(tmp_path: Path):
+    budget = DiskBudget(tmp_path, max_disk_bytes=1000)
+    error, plan = planning.check_disk_plan(
+        budget, 100, folders=5, listed=0, used_bytes=0, count=5, what="a test"
+    )
+    assert error is None and plan.startswith("5 snapshots of 100 B (all kept; a test) take 500 B of 1000 B")
+    error, plan = planning.check_disk_plan(
+        budget, 300, folders=5, listed=0, used_bytes=0, count=5, what="a test"
+    )
+    assert plan is None and "would take 1.5 KiB" in error and "Nothing was written" in error
+    # A resumed run: the 2 listed snapshots' 600 bytes count against the budget; 3 more folders come.
+    error, _ = planning.check_disk_plan(
+        budget, 150, folders=5, listed=2, used_bytes=600, count=3, what="a test"
+    )
+    assert error is not None and "max_disk_bytes is 400 B" in error
+    assert (
+        planning.extra_folders(5, 2) == 2
+        and planning.extra_folders(None, 2) == 0
+        and planning.extra_folders(1, 3) == 0
+    )
+
+
+def test_the_reported_cost_is_the_second_snapshots_or_the_only_ones_at_the_end():
+    assert planning.cost_to_report([], [], 0) is None
+    assert planning.cost_to_report([0.5], [], 10) is None  # not written yet
+    assert planning.cost_to_report([0.5], [1.0], 10) is None  # one snapshot: wait for a second, or the end
+    only = planning.cost_to_report([0.5], [1.0], 10, at_end=True)
+    assert (only.blocked_s, only.write_s, only.num_bytes, only.first_blocked_s) == (0.5, 1.0, 10, None)
+    # Two taken, one written: the second's write is not known yet.
+    assert planning.cost_to_report([0.5, 0.1], [1.0], 10) is None
+    second = planning.cost_to_report([0.5, 0.1, 0.2], [1.0, 0.3], 10)
+    assert (second.blocked_s, second.write_s, second.first_blocked_s) == (0.1, 0.3, 0.5)
+
+
+def test_the_messages():
+    warning = planning.no_constant_phase_warning(LINEAR, ("stable", "decay"), "linear")
+    assert warning.startswith(
+        "hf-pma: lr_scheduler_type='linear' has no constant-LR phase (1 of 100 planned steps"
+    )
+    assert "stable/decay phases (about 40 of them)" in warning
+    assert planning.no_constant_phase_warning(WSD, ("stable", "decay"), "warmup_stable_decay") is None
+
+    choice = choose_interval(64, 100, WSD.selected_steps(), stable_steps=WSD.stable_steps)
+    line = planning.interval_choice_message(choice, 64, ("stable", "decay"))
+    assert line.startswith(
+        f"hf-pma: interval_tokens not given: chose {choice.interval_tokens:,} tokens (every "
+    )
+    assert "(90 of 100 planned steps; 60 at the peak LR)" in line
+
+    where = planning.destination(Path("/runs/a"), None)
+    assert where == "into /runs/a"
+    assert (
+        planning.destination(Path("/runs/a"), "ema")
+        == "into an online ema average, saved at the end to /runs/a/online-ema"
+    )
+    # A folder name with a control character is shown escaped, on one line.
+    assert "\n" not in planning.destination(Path("/runs/a\nb"), None)
+    announce = planning.announce_message(256, 64, True, ("stable",), where, "4 snapshots of 1 KiB")
+    assert announce == (
+        "hf-pma: a snapshot every 256 tokens (4.0 steps; chosen automatically, see Choosing V in the docs) in the "
+        "stable phases into /runs/a; disk: 4 snapshots of 1 KiB"
+    )
+    end = planning.end_message(3, 3 * 2**20, Path("/runs/my run/pma"))
+    assert end == (
+        f"hf-pma: 3 snapshots ({human_bytes(3 * 2**20)}) in /runs/my run/pma; "
+        "`hf-pma merge '/runs/my run/pma' --last N -o MERGED` averages the last N"
+    )
+    assert planning.small_interval_warning(100, 64) is None
+    assert planning.small_interval_warning(32, 64).startswith(
+        "hf-pma: interval_tokens=32 is smaller than one step"
+    )

@@ -1,0 +1,122 @@
+"""hf_pma.snapshots.taker: the snapshot engine driven by plain calls, with no Trainer object at all;
+``PMACallback`` as its front door for the Trainer; the ``snapshot_costs`` read-out."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from transformers import Trainer, trainer_callback, training_args
+
+from hf_pma.core.manifest import manifest_snapshots, read_manifest
+from hf_pma.snapshots.callback import PMACallback
+from hf_pma.snapshots.taker import SnapshotTaker, TakenSnapshot
+from tests.dist.pma_common import TokenDataset, make_args, pad_collate
+from tests.testing_utils import make_tiny_model
+
+BATCH, SEQ, STEPS, LR = 4, 16, 6, 1e-3
+TOKENS_PER_STEP = BATCH * SEQ
+
+
+@pytest.fixture
+def no_trainer_objects(monkeypatch):
+    """Building a TrainerState, TrainerControl, TrainingArguments or TrainerCallback raises."""
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError(f"a {type(self).__name__} was built")
+
+    for cls in (
+        trainer_callback.TrainerState,
+        trainer_callback.TrainerControl,
+        trainer_callback.TrainerCallback,
+        training_args.TrainingArguments,
+    ):
+        monkeypatch.setattr(cls, "__init__", refuse)
+
+
+def test_the_engine_in_a_plain_torch_loop(tmp_path, no_trainer_objects):
+    """A loop that calls the engine itself: snapshots every 2 steps; a step whose loss is logged
+    hands its snapshot to the writer only at the log (its cost's write_s is None until then); a
+    checkpoint lets the write in flight land first."""
+    data = TokenDataset(n=STEPS * BATCH, seed=1)
+    model = make_tiny_model(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    taker = SnapshotTaker(interval_tokens=2 * TOKENS_PER_STEP, phases=("warmup", "stable", "decay"))
+    taker.begin(model, output_dir=tmp_path, optimizer=optimizer, planned_steps=STEPS)
+    pending = None
+    for step in range(1, STEPS + 1):
+        batch = pad_collate([data[(step - 1) * BATCH + j] for j in range(BATCH)])
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        taker.optimizer_step(optimizer.param_groups[0]["lr"])
+        log = step == 4
+        taker.step_end(model, step=step, tokens=step * TOKENS_PER_STEP, epoch=step / STEPS, log_follows=log)
+        if log:
+            pending = taker.snapshot_costs[-1]
+            taker.logged(step, loss.item())
+        if step == 5:
+            taker.before_checkpoint(tmp_path / "checkpoint-5")
+            assert len(taker.snapshots()) == 2  # the checkpoint waited for the snapshot of step 4
+    taker.end(model)
+
+    assert pending.tokens == 4 * TOKENS_PER_STEP and pending.write_s is None and pending.num_bytes is None
+    records = manifest_snapshots(tmp_path / "pma")
+    assert [(r.tokens, r.step) for r in records] == [(2 * TOKENS_PER_STEP * i, 2 * i) for i in (1, 2, 3)]
+    assert all(r.loss is not None and r.extra["loss_source"] == "model" for r in records)
+    assert read_manifest(tmp_path / "pma")["token_count"] == "all"
+    costs = taker.snapshot_costs
+    assert [c.tokens for c in costs] == [r.tokens for r in records]
+    assert all(c.blocked_s > 0 and c.write_s > 0 for c in costs)
+    assert [c.num_bytes for c in costs] == [r.num_bytes for r in records]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        costs[0].write_s = 0.0
+    # The folder is released at the end: a second run into it begins at once.
+    again = SnapshotTaker(interval_tokens=TOKENS_PER_STEP, pma_dir=tmp_path / "pma")
+    again.begin(
+        model, step=STEPS, tokens=STEPS * TOKENS_PER_STEP, optimizer=optimizer, planned_steps=STEPS + 1
+    )
+    again.end(model)
+
+
+def test_snapshot_costs_through_the_callback(tmp_path):
+    """``PMACallback.snapshot_costs``: one frozen entry per snapshot of the last train(), in the
+    manifest's order, with the blocked and write seconds and the bytes on disk."""
+    callback = PMACallback(interval_tokens=3 * TOKENS_PER_STEP, async_write=True)
+    assert callback.snapshot_costs == []
+    Trainer(
+        model=make_tiny_model(seed=0),
+        args=make_args(
+            tmp_path, max_steps=9, lr_scheduler_type="constant", per_device_train_batch_size=BATCH
+        ),
+        train_dataset=TokenDataset(n=9 * BATCH),
+        data_collator=pad_collate,
+        callbacks=[callback],
+    ).train()
+    records = [record for record, _ in callback.snapshots()]
+    costs = callback.snapshot_costs
+    assert len(records) == 3 and all(isinstance(c, TakenSnapshot) for c in costs)
+    assert [(c.tokens, c.num_bytes) for c in costs] == [(r.tokens, r.num_bytes) for r in records]
+    assert all(c.blocked_s > 0 and c.write_s is not None and c.write_s > 0 for c in costs)
+
+
+def test_the_callback_is_a_front_door_to_the_taker(tmp_path):
+    """The callback's options live on its taker (read and set there); the Trainer rebuilds it from
+    its ``state()`` as it does on resume with ``restore_callback_states_from_checkpoint``."""
+    callback = PMACallback(
+        interval_tokens=128, output_dir=tmp_path / "snaps", keep_last=3, save_dtype="bfloat16"
+    )
+    assert isinstance(callback.taker, SnapshotTaker)
+    assert (callback.keep_last, callback.taker.keep_last) == (3, 3)
+    assert callback.output_dir == str(tmp_path / "snaps") == callback.taker.requested_pma_dir
+    engine = object()
+    callback.accelerator = engine
+    assert callback.taker.accelerator is engine
+    saved = callback.state()
+    assert (
+        saved["args"]["output_dir"] == str(tmp_path / "snaps") and saved["args"]["save_dtype"] == "bfloat16"
+    )
+    rebuilt = PMACallback(**saved["args"])
+    assert rebuilt.state() == saved and rebuilt.schedule is rebuilt.taker.schedule
