@@ -451,6 +451,7 @@ class SnapshotTaker:
                 is handed to the writer then, with that loss in its record.
             checkpoint_follows: a checkpoint is written next: the snapshot lands first.
         """
+        self._require_begun("step_end")
         self._sink.raise_if_failed()
         self._time.step_done()
         self._losses.end_step()
@@ -509,6 +510,7 @@ class SnapshotTaker:
     def commit(self, checkpoint_follows: bool = False) -> None:
         """The snapshot taken last is final: hand it to the writer (a step begins, an epoch ends);
         with ``checkpoint_follows`` wait for it to land. Raises a failed background write."""
+        self._require_begun("commit")
         self._commit(checkpoint_follows)
         if checkpoint_follows:
             self._sink.before_checkpoint()
@@ -548,6 +550,10 @@ class SnapshotTaker:
             self._release_folder()
 
     # ------------------------------------------------------------------ internals
+
+    def _require_begun(self, call: str) -> None:
+        if self._sink is None:
+            raise RuntimeError(f"SnapshotTaker.{call}() before begin()")
 
     def _begin(
         self,
