@@ -21,16 +21,28 @@ Methods (one function each; add a measurement by adding a function to ``MEASUREM
 * ``dcp``: ``torch.distributed.checkpoint.save`` with ``HuggingFaceStorageWriter(save_distributed=True)``
   on the same (cast) local shards: the engine hf-pma's own writer is compared with;
 * ``online-gather``: one update of the online average the way it is kept without sharding
-  (``OnlineAverageSink``: the full fp32 weights gathered to rank 0, which averages them);
-* ``online-sharded``: one update of the shard-local online average (``ShardedOnlineAverageSink``:
-  every rank folds its own slices into its float32 copy; nothing gathered). The online methods
-  ignore ``--save-dtype`` (the average is float32) and write nothing per snapshot.
+  (``OnlineAverageSink``: the full fp32 weights gathered to rank 0, which folds them into its
+  float32 average in the background thread);
+* ``online-sharded``: one update of the shard-local online average (``ShardedOnlineAverageSink``,
+  ``online_device="cpu"``: every rank copies its own slices into reused host buffers and folds
+  them into its float32 copy in the background thread; nothing gathered);
+* ``online-sharded-device``: the same with ``online_device="device"`` (folded in the training
+  thread, no staging copy; on CPU the "device" is host memory).
+
+The online methods ignore ``--save-dtype`` (the average is float32) and write nothing per
+snapshot. They run one warm-up update (it allocates the average and the buffers), then
+``--repeats`` timed updates; between two updates the fold in flight is waited for untimed (the
+training steps between two snapshots), so ``blocked`` is what the training thread spends in
+``take`` + ``commit``; the table gives, per update, the slowest rank's blocked time (the next
+collective waits for it), as the median and the min-max over the repeats, the background fold's
+median, and the peak extra RSS per rank over all the updates (the average included).
 
 Usage::
 
     python benchmarks/bench_scale.py                       # world sizes 1 2 4, all methods, bf16 snapshots
     python benchmarks/bench_scale.py --worlds 2 --methods sharded gather --save-dtype float32
-    python benchmarks/bench_scale.py --worlds 1 2 4 --methods online-gather online-sharded
+    python benchmarks/bench_scale.py --worlds 1 2 4 --methods online-gather online-sharded online-sharded-device \\
+        --hidden 256 --layers 4 --intermediate 512 --vocab 8000 --repeats 7
 """
 
 from __future__ import annotations
@@ -40,6 +52,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -189,21 +202,40 @@ def measure_dcp(model, out: Path, dtype, rank: int, world: int) -> dict:
     return {**result, "written_mb": (mine.stat().st_size if mine.exists() else 0) / 2**20}
 
 
+REPEATS = 7  # timed online updates after the warm-up (``--repeats``)
+
+
 def _online_measure(sink, model) -> dict:
-    """One online update per snapshot; the average itself (allocated at the first) counts in the peak."""
+    """One warm-up update, then ``REPEATS`` timed ones (the fold in flight waited for, untimed,
+    between two); the average itself (allocated at the warm-up) counts in the peak."""
+    import torch.distributed as dist
+
     sink.open(None)
     sink.update_manifest()
-
-    def take(i: int) -> None:
+    dist.barrier()
+    base = reset_peak()
+    blocked = []
+    for i in range(REPEATS + 1):
+        dist.barrier()  # every rank starts the update together, as after an optimizer step
+        start = time.perf_counter()
         sink.take(model, _record(i))
         sink.commit()
-
-    result = _timed_snapshots(take, sink.wait)
-    return {**result, "written_mb": 0.0, "average_mb": sink.average.num_bytes / 2**20}
+        if i:  # the first is the warm-up
+            blocked.append(time.perf_counter() - start)
+        sink.worker.wait()  # the training steps until the next snapshot: the fold lands meanwhile
+    dist.barrier()
+    return {
+        "peak_extra_mb": (_status_kb("VmHWM") - base) / 1024,
+        "blocked_s": statistics.median(blocked),
+        "blocked_all_s": blocked,
+        "fold_all_s": list(sink.worker.task_seconds[1:]),
+        "written_mb": 0.0,
+        "average_mb": sink.average.num_bytes / 2**20,
+    }
 
 
 def measure_online_gather(model, out: Path, dtype, rank: int, world: int) -> dict:
-    """Today's online average without sharding: ``OnlineAverageSink`` gathers the full fp32 weights to
+    """The online average without sharding: ``OnlineAverageSink`` gathers the full fp32 weights to
     rank 0, which folds them into its float32 average (in the background, as by default)."""
     from hf_pma.snapshots.sinks import OnlineAverageSink
 
@@ -211,16 +243,25 @@ def measure_online_gather(model, out: Path, dtype, rank: int, world: int) -> dic
 
 
 def measure_online_sharded(model, out: Path, dtype, rank: int, world: int) -> dict:
-    """The shard-local online average: ``ShardedOnlineAverageSink`` (every rank folds its own slices
-    into its float32 copy, in the training thread; no gather)."""
+    """The shard-local online average: ``ShardedOnlineAverageSink`` (every rank stages its own slices
+    into reused host buffers and folds them into its float32 copy in the background; no gather)."""
     from hf_pma.snapshots.sharded import ShardedOnlineAverageSink
 
     return _online_measure(ShardedOnlineAverageSink(out, online="sma"), model)
 
 
+def measure_online_sharded_device(model, out: Path, dtype, rank: int, world: int) -> dict:
+    """The shard-local online average kept on the device (``online_device="device"``): folded in the
+    training thread, nothing staged."""
+    from hf_pma.snapshots.sharded import ShardedOnlineAverageSink
+
+    return _online_measure(ShardedOnlineAverageSink(out, online="sma", online_device="device"), model)
+
+
 MEASUREMENTS: dict[str, Callable[..., dict]] = {
     "online-gather": measure_online_gather,
     "online-sharded": measure_online_sharded,
+    "online-sharded-device": measure_online_sharded_device,
     "gather": measure_gather,
     "gather-old": measure_gather_old,
     "sharded": measure_sharded,
@@ -232,6 +273,8 @@ def worker(args: argparse.Namespace) -> None:
     """One torchrun process: build the sharded model, run one method, write this rank's result."""
     import torch.distributed as dist
 
+    global REPEATS
+    REPEATS = args.repeats
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -262,13 +305,44 @@ def launch(args: argparse.Namespace, world: int, method: str, folder: Path) -> l
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(world), "--master-port", str(_free_port()),
         __file__, "--worker", "--method", method, "--out", str(folder), "--save-dtype", args.save_dtype,
         "--hidden", str(args.hidden), "--layers", str(args.layers), "--intermediate", str(args.intermediate),
-        "--vocab", str(args.vocab),
+        "--vocab", str(args.vocab), "--repeats", str(args.repeats),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error"}
     proc = subprocess.run(command, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise RuntimeError(f"{method} at world size {world} failed:\n{proc.stderr[-4000:]}")
     return [json.loads((folder / f"{method}-rank{r}.json").read_text()) for r in range(world)]
+
+
+ONLINE_NAMES = {
+    "online-gather": "gather to rank 0",
+    "online-sharded": "shard-local, cpu",
+    "online-sharded-device": "shard-local, device",
+}
+
+
+def online_table(rows: list[tuple[int, str, list[dict]]]) -> str:
+    """The online methods: per update the slowest rank's blocked seconds (median, min-max over the
+    repeats), the background fold's median (slowest rank), peak extra RSS per rank, the average's size."""
+    model_mb = rows[0][2][0]["model_mb"]
+    lines = [
+        f"model: {model_mb:.0f} MB of fp32 parameters; {len(rows[0][2][0]['blocked_all_s'])} timed updates per row",
+        "",
+        "| world | method | blocked s per update, median | blocked s, min-max | background fold s, median | peak extra MB, rank 0 | peak extra MB, max other rank | average MB, rank 0 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for world, method, ranks in rows:
+        slowest = [max(r["blocked_all_s"][i] for r in ranks) for i in range(len(ranks[0]["blocked_all_s"]))]
+        # Ranks without a fold (off rank 0 when gathered; folded in the training thread on the device) count 0.
+        folds = [max(r["fold_all_s"][i] if i < len(r["fold_all_s"]) else 0.0 for r in ranks) for i in range(len(slowest))]
+        fold = f"{statistics.median(folds):.3f}" if any(folds) else "-"
+        peaks = [r["peak_extra_mb"] for r in ranks]
+        others = f"{max(peaks[1:]):.0f}" if len(peaks) > 1 else "-"
+        lines.append(
+            f"| {world} | {ONLINE_NAMES.get(method, method)} | {statistics.median(slowest):.3f} | "
+            f"{min(slowest):.3f}-{max(slowest):.3f} | {fold} | {peaks[0]:.0f} | {others} | {ranks[0]['average_mb']:.0f} |"
+        )
+    return "\n".join(lines)
 
 
 def table(rows: list[tuple[int, str, list[dict]]], save_dtype: str) -> str:
@@ -355,7 +429,7 @@ def main() -> None:
     parser.add_argument(
         "--methods",
         nargs="+",
-        default=["gather-old", "gather", "sharded", "dcp", "online-gather", "online-sharded"],
+        default=["gather-old", "gather", "sharded", "dcp", "online-gather", "online-sharded", "online-sharded-device"],
         choices=sorted(MEASUREMENTS),
     )
     parser.add_argument("--save-dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -363,6 +437,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=12)
     parser.add_argument("--intermediate", type=int, default=2048)
     parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="timed online updates after one warm-up")
     parser.add_argument("--json", help="also write the raw results here")
     parser.add_argument("--project-only", action="store_true", help="print the projection to 7B/70B only")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -388,8 +463,14 @@ def main() -> None:
             print(f"done: world {world}, {method}", file=sys.stderr, flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps([{"world": w, "method": m, "ranks": r} for w, m, r in rows], indent=2))
-    print(table(rows, args.save_dtype))
-    print()
+    snapshots = [row for row in rows if not row[1].startswith("online")]
+    online = [row for row in rows if row[1].startswith("online")]
+    if snapshots:
+        print(table(snapshots, args.save_dtype))
+        print()
+    if online:
+        print(online_table(online))
+        print()
     print(projection_table())
     print()
     print(online_projection_table())

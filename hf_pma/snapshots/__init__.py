@@ -1,1 +1,1 @@
-"""Taking snapshots during training: gather (weights off DDP/FSDP/ZeRO-3), writer (files, manifest), sinks (what happens to a snapshot), callback."""
+"""Taking snapshots during training: gather (weights off DDP/FSDP/ZeRO-3), writer (files, manifest), sinks (what happens to a snapshot), planning and budgets, the engine (taker), and the Trainer callback over it."""

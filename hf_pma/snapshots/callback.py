@@ -93,6 +93,10 @@ class PMACallback(TrainerCallback, ExportableState):
             rank gathers the model; every hf-pma reader takes such folders, and
             ``hf-pma consolidate`` turns one into a plain model folder); otherwise (and for PEFT
             models, whose snapshots are their adapters) full folders. ``True``/``False`` force it.
+        online_device: where the online average lives: ``"cpu"`` (host memory; from CUDA the
+            weights are copied on a side stream and folded in off the training thread) or
+            ``"device"`` (a float32 copy on the weights' device, no host copy); see
+            :class:`hf_pma.snapshots.sinks.OnlineAverageSink`.
 
     The tokens come from the Trainer's ``state.num_input_tokens_seen``; counting is turned on
     (``"all"``) when ``include_num_input_tokens_seen`` is ``"no"``, and ``"non_padding"`` is
@@ -120,6 +124,7 @@ class PMACallback(TrainerCallback, ExportableState):
     online_half_life_tokens = _OnTaker()
     online_window_tokens = _OnTaker()
     max_disk_bytes = _OnTaker()
+    online_device = _OnTaker()
     # Set by whoever owns the Trainer (e.g. PMATrainer) to gather a DeepSpeed engine.
     accelerator = _OnTaker()
 
@@ -138,6 +143,7 @@ class PMACallback(TrainerCallback, ExportableState):
         online_window_tokens: int | None = None,
         max_disk_bytes: int | str | None = None,
         sharded: bool | str = "auto",
+        online_device: str = "cpu",
     ) -> None:
         #: The snapshot engine this callback drives.
         self.taker = SnapshotTaker(
@@ -154,6 +160,7 @@ class PMACallback(TrainerCallback, ExportableState):
             online_window_tokens=online_window_tokens,
             max_disk_bytes=max_disk_bytes,
             sharded=sharded,
+            online_device=online_device,
         )
         # Restored by Trainer(restore_callback_states_from_checkpoint=True); read on resume anyway.
         self.resume_state: dict[str, Any] | None = None

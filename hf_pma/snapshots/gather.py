@@ -10,6 +10,7 @@ is :mod:`hf_pma.snapshots.writer`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import math
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from hf_pma.io.torch_adapters import SAFETENSORS_FROM_DTYPE
 from hf_pma.utils.distributed import sharding_kind, unwrap_model
 from hf_pma.utils.parsing import parse_dtype
 
@@ -27,6 +29,8 @@ __all__ = [
     "gather_full_state_dict",
     "full_state_dict_bytes",
     "LocalSlice",
+    "StagedShard",
+    "StagingBuffers",
     "local_slices",
     "zero3_partition",
 ]
@@ -124,6 +128,103 @@ class LocalSlice:
     @property
     def numel(self) -> int:
         return math.prod(self.sizes)
+
+
+# ---------------------------------------------------------------------------------------------
+# Staging: this rank's slices copied into reused host buffers, off the training stream
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class StagedShard:
+    """This rank's slices of one snapshot, on the host, ready to be read off the training thread."""
+
+    slices: list[LocalSlice]  # metadata only (their ``tensor`` is not used after staging)
+    buffers: list[torch.Tensor]  # flat host copies, in the saved dtype
+    event: Any | None = None  # CUDA event to wait for before reading ``buffers``
+
+    def synchronize(self) -> None:
+        """Wait until the device-to-host copies have landed (nothing on the CPU)."""
+        if self.event is not None:
+            self.event.synchronize()
+            self.event = None
+
+    @property
+    def num_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+
+class StagingBuffers:
+    """Host buffers for this rank's slices, allocated once and reused by every snapshot (the
+    sharded snapshots' and the online average's one way to copy weights to the host).
+
+    ``stage`` casts each slice to ``dtype`` on its device (so a bf16 snapshot of fp32 CUDA weights
+    never costs an fp32 host copy), then copies it into its buffer. On CUDA the buffers are
+    pinned and the casts and copies are enqueued on a side stream, without blocking the CPU
+    thread: the side stream first waits for the training stream (the weights of this step are
+    final), one event is recorded on it after the copies, and the training stream waits for that
+    event (``wait_event``: the next optimizer step cannot overwrite a weight before it is copied,
+    and the CPU thread goes on at once). Whoever reads the buffers calls
+    :meth:`StagedShard.synchronize` first. On CPU a cast-while-copying ``copy_``, no CUDA call.
+    The caller must not stage again before the previous staged shard has been read.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+        self._stream: Any | None = None  # the side stream (CUDA), made at the first stage
+
+    @property
+    def num_bytes(self) -> int:
+        """Host bytes held."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+    def release(self) -> None:
+        """Free the buffers (the next ``stage`` allocates again)."""
+        self._buffers = {}
+
+    def _side_stream(self, device: torch.device) -> Any:
+        if self._stream is None or self._stream.device != device:
+            self._stream = torch.cuda.Stream(device=device)
+        return self._stream
+
+    def stage(self, slices: Sequence[LocalSlice], dtype: torch.dtype | None = None) -> StagedShard:
+        """Copy ``slices`` (cast to ``dtype`` when floating) into the host buffers."""
+        device = next((s.tensor.device for s in slices if s.tensor.device.type == "cuda"), None)
+        current = side = None
+        if device is not None:
+            current = torch.cuda.current_stream(device)
+            side = self._side_stream(device)
+            side.wait_stream(current)  # this step's weights are final on the side stream too
+        buffers: list[torch.Tensor] = []
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            for s in slices:
+                source = s.tensor.detach()
+                target = dtype if (dtype is not None and source.is_floating_point()) else source.dtype
+                if target not in SAFETENSORS_FROM_DTYPE:
+                    raise ValueError(f"tensor {s.name!r} has dtype {target}, which safetensors cannot store")
+                pinned = source.device.type == "cuda"
+                buffer = self._buffers.get(s.name)
+                if (
+                    buffer is None
+                    or buffer.numel() != s.numel
+                    or buffer.dtype != target
+                    or (pinned and not buffer.is_pinned())
+                ):
+                    buffer = torch.empty(s.numel, dtype=target, device="cpu", pin_memory=pinned)
+                    self._buffers[s.name] = buffer
+                flat = source.reshape(-1) if source.is_contiguous() else source.contiguous().reshape(-1)
+                if source.device.type != "cpu" and flat.dtype != target:
+                    flat = flat.to(target)  # cast on the device: only the saved dtype crosses to the host
+                buffer.copy_(flat, non_blocking=pinned)
+                buffers.append(buffer)
+            event = None
+            if side is not None:
+                event = torch.cuda.Event()
+                event.record(side)
+        if event is not None:
+            current.wait_event(event)  # the training stream, not the CPU thread, waits for the copies
+        meta = [dataclasses.replace(s, tensor=torch.empty(0)) for s in slices]
+        return StagedShard(meta, buffers, event)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -5,7 +5,9 @@ snapshots and merging afterwards:
 
 * memory: one float32 copy of the model on the main process's CPU, whatever the model's dtype
   (under FSDP / ZeRO-3, one float32 copy of each rank's own slices on that rank:
-  :class:`hf_pma.snapshots.sharded.ShardedOnlineAverageSink`);
+  :class:`hf_pma.snapshots.sharded.ShardedOnlineAverageSink`), or on the device with
+  ``device="device"`` (``PMACallback(online_device="device")``: no host copy at all; files
+  are written from host copies made one tensor at a time);
 * no choice after the fact: the strategy, window and exclusions of a spike cannot be changed
   later;
 * it survives a restart only through Trainer checkpoints (the average is saved with each
@@ -41,9 +43,11 @@ from hf_pma import __version__
 from hf_pma.core.manifest import SnapshotRecord
 from hf_pma.core.strategies import DECAY_SHAPES
 
-__all__ = ["ONLINE_KINDS", "OnlineAverage", "effective_weights"]
+__all__ = ["ONLINE_DEVICES", "ONLINE_KINDS", "OnlineAverage", "effective_weights"]
 
 ONLINE_KINDS = ("sma", "ema", "linear-decay", "cosine-decay", "1-sqrt-decay")
+# Where the float32 average lives: host memory, or the device of the tensors folded in.
+ONLINE_DEVICES = ("cpu", "device")
 
 
 def effective_weights(update_weights: list[float]) -> list[float]:
@@ -82,7 +86,10 @@ class OnlineAverage:
         *,
         half_life_tokens: int | None = None,
         window_tokens: int | None = None,
+        device: str = "cpu",
     ) -> None:
+        if device not in ONLINE_DEVICES:
+            raise ValueError(f"online_device must be one of {ONLINE_DEVICES}, got {device!r}")
         if kind not in ONLINE_KINDS:
             raise ValueError(f"online must be one of {ONLINE_KINDS} or None, got {kind!r}")
         if not (isinstance(alpha, (int, float)) and 0.0 < alpha <= 1.0):
@@ -97,6 +104,8 @@ class OnlineAverage:
             raise ValueError(f"online={kind!r} emulates a decay over a window: give online_window_tokens")
         self.kind = kind
         self.alpha = float(alpha)
+        # "cpu": the float32 average in host memory; "device": beside the tensors folded in.
+        self.device = device
         self.count = 0
         self.records: list[SnapshotRecord] = []
         self.update_weights: list[float] = []  # ``a`` of every update of the current window
@@ -156,20 +165,23 @@ class OnlineAverage:
             diff = sorted(set(state_dict) ^ set(self._average))[:5]
             raise ValueError(f"online average: the snapshot's tensor names differ from the average's: {diff}")
         weight = self._next_weight(tokens if tokens is not None else (record.tokens if record is not None else None))
+        on_device = self.device == "device"
         if self.count == 0 and not self._average:
             self._average = {
-                k: (v.detach().to("cpu", torch.float32, copy=True) if v.is_floating_point() else v.detach().cpu().clone())
+                k: v.detach().to(v.device if on_device else "cpu", torch.float32 if v.is_floating_point() else v.dtype, copy=True)
                 for k, v in state_dict.items()
             }
         else:
             for name, tensor in state_dict.items():
                 average = self._average[name]
+                if on_device and average.device != tensor.device:  # restored from a file: onto the device once
+                    average = self._average[name] = average.to(tensor.device)
                 if average.is_floating_point():
                     if weight == 1.0:
                         average.copy_(tensor.detach())
                     else:
-                        average.mul_(1.0 - weight).add_(tensor.detach().to("cpu"), alpha=weight)
-                elif not torch.equal(average, tensor.detach().cpu()):
+                        average.mul_(1.0 - weight).add_(tensor.detach().to(average.device), alpha=weight)
+                elif not torch.equal(average, tensor.detach().to(average.device)):
                     raise ValueError(f"online average: non-float tensor {name!r} changed between snapshots")
         self.update_weights.append(weight)
         self.count += 1
@@ -177,11 +189,12 @@ class OnlineAverage:
             self.records.append(record)
 
     def state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
-        """A copy of the average (float32, or cast to ``dtype``)."""
+        """A copy of the average in host memory (float32, or cast to ``dtype``; an average kept on
+        the device is cast there, then copied to the host one tensor at a time)."""
         out = {}
         for name, tensor in self._average.items():
             target = dtype if (dtype is not None and tensor.is_floating_point()) else tensor.dtype
-            out[name] = tensor.to(target, copy=True)
+            out[name] = tensor.to(target, copy=True) if tensor.device.type == "cpu" else tensor.to(target).to("cpu")
         return out
 
     def weights(self) -> list[float]:

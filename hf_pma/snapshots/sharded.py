@@ -62,11 +62,10 @@ from hf_pma.io.sharded import (
 )
 from hf_pma.io.torch_adapters import (
     DTYPE_FROM_SAFETENSORS,
-    SAFETENSORS_FROM_DTYPE,
     safetensors_dtype,
     tensor_bytes,
 )
-from hf_pma.snapshots.gather import LocalSlice, local_slices
+from hf_pma.snapshots.gather import LocalSlice, StagedShard, StagingBuffers, local_slices
 from hf_pma.snapshots.online import OnlineAverage
 from hf_pma.snapshots.sinks import (
     ONLINE_STATE_NAME,
@@ -89,8 +88,6 @@ logger = logging.get_logger(__name__)
 __all__ = [
     "LAYOUT_DCP",
     "LAYOUT_FLAT",
-    "StagedShard",
-    "StagingBuffers",
     "write_rank_file",
     "wait_for_rank_files",
     "finish_sharded_snapshot",
@@ -106,80 +103,6 @@ _DCP_VERSION = "1.0"
 _WRITE_CHUNK = 64 * 2**20
 # How long rank 0 waits for the other ranks' files before failing the snapshot.
 DEFAULT_RANK_TIMEOUT_S = 3600.0
-
-
-# ---------------------------------------------------------------------------------------------
-# Staging: cast on the device, copy into reused host buffers
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass
-class StagedShard:
-    """This rank's slices of one snapshot, on the host, ready to be written off the training thread."""
-
-    slices: list[LocalSlice]  # metadata only (their ``tensor`` is not used after staging)
-    buffers: list[torch.Tensor]  # flat host copies, in the saved dtype
-    event: Any | None = None  # CUDA event to wait for before reading ``buffers``
-
-    def synchronize(self) -> None:
-        """Wait until the device-to-host copies have landed."""
-        if self.event is not None:
-            self.event.synchronize()
-            self.event = None
-
-    @property
-    def num_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self.buffers)
-
-
-class StagingBuffers:
-    """Host buffers for this rank's slices, allocated once and reused by every snapshot.
-
-    ``stage`` casts each slice to ``dtype`` on its device (so a bf16 snapshot of fp32 CUDA weights
-    never costs an fp32 host copy), then copies it into its buffer: pinned memory and
-    ``non_blocking`` copies on CUDA (the caller's stream orders them before later optimizer
-    steps; the writer waits for one event), a cast-while-copying ``copy_`` on CPU. The caller
-    must not stage again before the previous staged shard has been written.
-    """
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    @property
-    def num_bytes(self) -> int:
-        """Host bytes held."""
-        return sum(b.numel() * b.element_size() for b in self._buffers.values())
-
-    def release(self) -> None:
-        """Free the buffers (the next ``stage`` allocates again)."""
-        self._buffers = {}
-
-    def stage(self, slices: Sequence[LocalSlice], dtype: torch.dtype | None = None) -> StagedShard:
-        """Copy ``slices`` (cast to ``dtype`` when floating) into the host buffers."""
-        buffers: list[torch.Tensor] = []
-        on_cuda = False
-        for s in slices:
-            source = s.tensor.detach()
-            target = dtype if (dtype is not None and source.is_floating_point()) else source.dtype
-            if target not in SAFETENSORS_FROM_DTYPE:
-                raise ValueError(f"tensor {s.name!r} has dtype {target}, which safetensors cannot store")
-            pinned = source.device.type == "cuda"
-            on_cuda = on_cuda or pinned
-            buffer = self._buffers.get(s.name)
-            if buffer is None or buffer.numel() != s.numel or buffer.dtype != target or (pinned and not buffer.is_pinned()):
-                buffer = torch.empty(s.numel, dtype=target, device="cpu", pin_memory=pinned)
-                self._buffers[s.name] = buffer
-            flat = source.reshape(-1) if source.is_contiguous() else source.contiguous().reshape(-1)
-            if source.device.type != "cpu" and flat.dtype != target:
-                flat = flat.to(target)  # cast on the device: only the saved dtype crosses to the host
-            buffer.copy_(flat, non_blocking=pinned)
-            buffers.append(buffer)
-        event = None
-        if on_cuda:
-            event = torch.cuda.Event()
-            event.record()
-        meta = [dataclasses.replace(s, tensor=torch.empty(0)) for s in slices]
-        return StagedShard(meta, buffers, event)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -486,19 +409,27 @@ def _slice_layout(s: LocalSlice) -> list[Any]:
 
 class ShardedOnlineAverageSink(OnlineAverageSink):
     """The online average of a sharded run (``online=`` under FSDP1/FSDP2 or DeepSpeed ZeRO-3):
-    every rank averages its own slices, in float32 on the CPU; no rank gathers the model.
+    every rank averages its own slices in float32; no rank gathers the model, and no collective
+    runs at a snapshot.
 
-    At each snapshot, in the training thread, every rank folds the live slices it holds
+    At each snapshot every rank takes the live slices it holds
     (:func:`hf_pma.snapshots.gather.local_slices`: FSDP ``DTensor`` / ``ShardedTensor`` local
-    shards, ZeRO-3 ``ds_tensor`` partitions; unsharded tensors on rank 0) into its float32
-    copy, one tensor at a time: host memory per rank is one float32 copy of the rank's slices
-    (plus, from an accelerator, one tensor in the training dtype while it is folded in).
-    Nothing runs off the training thread and no collective runs at a snapshot.
+    shards, ZeRO-3 ``ds_tensor`` partitions; unsharded tensors on rank 0). Where they go
+    (``online_device``, as in :class:`~hf_pma.snapshots.sinks.OnlineAverageSink`):
+
+    * ``"cpu"`` (default): copied into reused host buffers in the training dtype
+      (:class:`~hf_pma.snapshots.gather.StagingBuffers`; from CUDA pinned, on a side stream,
+      the CPU thread not blocked), then folded into the rank's float32 copy in the background
+      thread. Host memory per rank: one float32 copy of the rank's slices plus one copy in the
+      training dtype.
+    * ``"device"``: folded into a float32 copy on the device, in the training thread; device
+      memory per rank: one float32 copy of the rank's slices; no host memory.
 
     Every Trainer checkpoint gets one file per rank, ``pma_online-rank<r>.safetensors``
     (float32 slices; the count, records, world size and each slice's place in its metadata),
     restored on resume by the same rank: the resumed average is bit-identical to an
-    uninterrupted one. A resume at another world size (or other shards) stops with one line.
+    uninterrupted one. A resume at another world size reads every rank's saved file by global
+    offsets (this rank's slices of it); other shards at the same world size stop with one line.
     At train end the average is written as a sharded folder ``<pma_dir>/online-<kind>/`` (one
     file per rank in the layout of :class:`ShardedSnapshotSink`, config, tokenizer and
     ``pma_merge.json``), which every hf-pma reader takes (``merge``, ``consolidate``, ``eval``).
@@ -518,7 +449,6 @@ class ShardedOnlineAverageSink(OnlineAverageSink):
         self.rank = rank if rank is not None else (torch.distributed.get_rank() if initialized else 0)
         self.world_size = world_size if world_size is not None else (torch.distributed.get_world_size() if initialized else 1)
         kwargs.setdefault("is_main", self.rank == 0)
-        kwargs["async_write"] = False  # the update runs in the training thread: nothing to overlap
         super().__init__(pma_dir, online=online, alpha=alpha, **kwargs)
         self._slices: dict[str, LocalSlice] = {}  # where each averaged tensor sits (no data)
         # A resume at another world size: the saved files, read by global offsets at warm_up.
@@ -553,6 +483,7 @@ class ShardedOnlineAverageSink(OnlineAverageSink):
                     f"hf-pma: restored the sharded online {self.average.kind} average of {counts[0]} snapshots "
                     f"({self.world_size} ranks)"
                 )
+        self.average.device = self.online_device  # a restored average goes where this run keeps it
         all_ranks_checked(lambda: self._check_target() if self.is_main else None, "checking the online average's folder")
         return {}
 
@@ -654,25 +585,18 @@ class ShardedOnlineAverageSink(OnlineAverageSink):
     # -- snapshots ------------------------------------------------------------------------------
 
     def take(self, model: torch.nn.Module, record: SnapshotRecord) -> None:
-        """Every rank: fold this rank's live slices into its float32 average now."""
+        """Every rank: this rank's live slices go into its float32 average: staged to the host now
+        and folded in at :meth:`commit` (``"cpu"``), or folded in now on the device (``"device"``)."""
         if self._taken is not None:
             raise RuntimeError("SnapshotSink.take() called twice without commit()")
+        self.worker.wait(reason=f"snapshot at {record.tokens:,} tokens")  # the staging buffers are free again
         slices = local_slices(model, self.rank)
         if self._slices:
             self._check_layout(slices)
         else:
             self._slices = {s.name: dataclasses.replace(s, tensor=torch.empty(0)) for s in slices}
         self._model_dtype = next((s.tensor.dtype for s in slices if s.tensor.is_floating_point()), self._model_dtype)
-        with torch.no_grad():
-            self.average.update({s.name: s.tensor for s in slices}, tokens=record.tokens)
-        self._taken = record
-
-    def commit(self) -> None:
-        """The record is final: it joins the average's list."""
-        if self._taken is None:
-            return
-        record, self._taken = self._taken, None
-        self.average.records.append(record)
+        self._take_slices(slices, record)
 
     def state_dict(self, dtype: torch.dtype | None = None) -> None:
         """``None``: no process holds the full average (see :meth:`local_average`)."""
@@ -680,7 +604,7 @@ class ShardedOnlineAverageSink(OnlineAverageSink):
 
     def local_average(self) -> list[tuple[LocalSlice, torch.Tensor]]:
         """This rank's slices of the average: ``(where it sits, float32 data)`` per tensor."""
-        self.commit()
+        self.settle()
         return [(self._slices[name], tensor) for name, tensor in self.average._average.items()]
 
     @torch.no_grad()
@@ -691,7 +615,7 @@ class ShardedOnlineAverageSink(OnlineAverageSink):
         empty. Call it with the model resharded (:func:`hf_pma.merging.slices.reshard`)."""
         from hf_pma.utils.distributed import all_ranks_checked
 
-        self.commit()
+        self.settle()
         if self.average.count == 0:
             return None
         mine: list[LocalSlice] = []
@@ -726,7 +650,7 @@ class ShardedOnlineAverageSink(OnlineAverageSink):
 
     def save_checkpoint(self, checkpoint_dir: Path) -> None:
         """Every rank: its part of the average into the checkpoint, ``pma_online-rank<r>.safetensors``."""
-        self.commit()
+        self.settle()
         if self.average.count == 0:
             return
         if not checkpoint_dir.is_dir():
@@ -750,14 +674,15 @@ class ShardedOnlineAverageSink(OnlineAverageSink):
 
     def close(self, model: torch.nn.Module | None) -> None:
         """Every rank: write the average as the sharded folder ``<pma_dir>/online-<kind>``."""
-        self.commit()
+        self.settle()
+        self.staging.release()
         if model is not None and self.average.count > 0:
             self.write_sharded(model)
 
     def write_average(self, model: torch.nn.Module) -> Path | None:
         """Every rank: write the average now as the sharded folder ``<pma_dir>/online-<kind>``
         (replacing an earlier one); ``None`` while it is empty."""
-        self.commit()
+        self.settle()
         return self.write_sharded(model) if self.average.count > 0 else None
 
     def write_sharded(self, model: torch.nn.Module) -> Path:
@@ -784,7 +709,7 @@ class ShardedOnlineAverageSink(OnlineAverageSink):
             for name in names:
                 tensor = self.average._average[name]
                 target = dtype if (dtype is not None and tensor.is_floating_point()) else tensor.dtype
-                buffers.append(tensor.to(target).reshape(-1))
+                buffers.append(tensor.to(target).reshape(-1))  # on the device: copied to the host chunk by chunk
             write_rank_file(tmp / rank_file_name(self.rank), StagedShard([self._slices[n] for n in names], buffers))
 
         def publish() -> None:

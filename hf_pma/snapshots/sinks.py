@@ -40,7 +40,15 @@ from hf_pma.core.manifest import (
     manifest_snapshots,
     snapshot_path,
 )
-from hf_pma.snapshots.gather import full_state_dict_bytes, gather_full_state_dict, unwrap_model
+from hf_pma.snapshots.gather import (
+    LocalSlice,
+    StagedShard,
+    StagingBuffers,
+    full_state_dict_bytes,
+    gather_full_state_dict,
+    sharding_kind,
+    unwrap_model,
+)
 from hf_pma.snapshots.online import OnlineAverage
 from hf_pma.snapshots.writer import (
     BackgroundWorker,
@@ -373,7 +381,22 @@ def _read_sharded_average(folder: Path, expected: OnlineAverage) -> OnlineAverag
 
 
 class OnlineAverageSink(SnapshotSink):
-    """A running float32 average of the snapshots in CPU memory (``sma`` or ``ema``), no folders.
+    """A running float32 average of the snapshots (the kinds of :mod:`hf_pma.snapshots.online`), no folders.
+
+    Where the average lives (``online_device``):
+
+    * ``"cpu"`` (default): in the main process's host memory. At :meth:`take` the live weights
+      are copied into reused host buffers (:class:`hf_pma.snapshots.gather.StagingBuffers`:
+      from CUDA, pinned and on a side stream, the CPU thread not blocked); :meth:`commit` folds
+      them into the average in the background thread (after the copies have landed). The next
+      take, commit, checkpoint, swap or write waits for the fold in flight. Host memory: the
+      float32 average plus one copy of the weights in the training dtype.
+    * ``"device"``: beside the weights, on their device (a float32 copy of the model there),
+      folded in the training thread on the training stream: no host copy at all. Checkpoint
+      files and the final folder are written from host copies made one tensor at a time.
+
+    A sharded model (FSDP / ZeRO-3 with ``sharded=False``) is gathered to the main process at
+    every snapshot instead, and averaged there in host memory whatever ``online_device``.
 
     Saved in every Trainer checkpoint (``pma_online.safetensors``) and restored on resume; at
     train end written as a model folder ``<pma_dir>/online-<kind>`` with its merge record.
@@ -389,10 +412,15 @@ class OnlineAverageSink(SnapshotSink):
         alpha: float = 0.2,
         half_life_tokens: int | None = None,
         window_tokens: int | None = None,
+        online_device: str = "cpu",
         **kwargs: Any,
     ) -> None:
         super().__init__(pma_dir, **kwargs)
-        self.average = OnlineAverage(online, alpha, half_life_tokens=half_life_tokens, window_tokens=window_tokens)
+        self.average = OnlineAverage(
+            online, alpha, half_life_tokens=half_life_tokens, window_tokens=window_tokens, device=online_device
+        )
+        self.online_device = online_device
+        self.staging = StagingBuffers()
         self._model_dtype: torch.dtype | None = None
         self._interval_tokens: int | None = None
 
@@ -415,6 +443,7 @@ class OnlineAverageSink(SnapshotSink):
                 logger.info(f"hf-pma: restored the online {self.average.kind} average of {self.average.count} snapshots")
             else:
                 logger.warning(f"hf-pma: no online average at {path}; the online average restarts empty")
+            self.average.device = self.online_device  # a restored average goes where this run keeps it
         self._check_target()
         return {}
 
@@ -447,6 +476,46 @@ class OnlineAverageSink(SnapshotSink):
         """No manifest is written; the interval goes into the final merge record."""
         self._interval_tokens = fields.get("interval_tokens", self._interval_tokens)
 
+    def take(self, model: torch.nn.Module, record: SnapshotRecord) -> None:
+        """Every process: the weights of ``record`` go into the average (main process): staged to
+        the host now and folded in at :meth:`commit` (``"cpu"``), or folded in now on the device
+        (``"device"``). A sharded model is gathered first (every process takes part)."""
+        if self._taken is not None:
+            raise RuntimeError("SnapshotSink.take() called twice without commit()")
+        if sharding_kind(model) is not None:  # sharded=False under FSDP / ZeRO-3: gathered to the main process
+            super().take(model, record)
+            return
+        if not self.is_main:
+            return
+        self.worker.wait(reason=f"snapshot at {record.tokens:,} tokens")  # the staging buffers are free again
+        state_dict = strip_for_save(model, unwrap_model(model).state_dict())
+        self._model_dtype = next((t.dtype for t in state_dict.values() if t.is_floating_point()), None)
+        slices = [LocalSlice(n, t, (0,) * t.dim(), tuple(t.shape), tuple(t.shape)) for n, t in state_dict.items()]
+        self._take_slices(slices, record)
+
+    def _take_slices(self, slices: list[LocalSlice], record: SnapshotRecord) -> None:
+        """Fold ``slices`` into the average now (``"device"``), or stage them for :meth:`commit`."""
+        if self.average.device == "device":
+            with torch.no_grad():
+                self.average.update({s.name: s.tensor for s in slices}, tokens=record.tokens)
+            self._taken = (None, record)
+        else:
+            self._taken = (self.staging.stage(slices), record)
+
+    def commit(self) -> None:
+        """The record is final: it joins the average's list; a staged snapshot is handed to the
+        background thread, which folds it in (in the calling thread without ``async_write``)."""
+        if self._taken is not None and self._taken[0] is None:  # folded in at take
+            (_, record), self._taken = self._taken, None
+            self.average.records.append(record)
+            return
+        super().commit()
+
+    def settle(self) -> None:
+        """Every process: each snapshot taken is in the average (committed, the fold in flight done)."""
+        self.commit()
+        self.worker.wait()
+
     def _prepare(
         self, model: torch.nn.Module, state_dict: dict[str, torch.Tensor], record: SnapshotRecord
     ) -> tuple[dict[str, torch.Tensor], SnapshotRecord]:
@@ -454,17 +523,23 @@ class OnlineAverageSink(SnapshotSink):
         self._model_dtype = next((t.dtype for t in state_dict.values() if t.is_floating_point()), None)
         return state_dict, record
 
-    def _write(self, taken: tuple[dict[str, torch.Tensor], SnapshotRecord]) -> None:
-        self.average.update(*taken)
+    def _write(self, taken: tuple[StagedShard | dict[str, torch.Tensor], SnapshotRecord]) -> None:
+        """Background thread: fold a staged (once its copies have landed) or gathered snapshot in."""
+        weights, record = taken
+        if isinstance(weights, StagedShard):
+            weights.synchronize()
+            weights = {s.name: b.view(s.sizes) for s, b in zip(weights.slices, weights.buffers)}
+        with torch.no_grad():
+            self.average.update(weights, record)
 
-    def _label(self, taken: tuple[dict[str, torch.Tensor], SnapshotRecord]) -> str:
+    def _label(self, taken: tuple[Any, SnapshotRecord]) -> str:
         return f"online {taken[1].path}"
 
     def state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor] | None:
         """The running average (float32 unless ``dtype``); ``None`` off the main process."""
         if not self.is_main:
             return None
-        self.worker.wait()
+        self.settle()
         return self.average.state_dict(dtype)
 
     @property
@@ -481,9 +556,7 @@ class OnlineAverageSink(SnapshotSink):
         from hf_pma.utils.distributed import distributed_rank_and_size
 
         _, world_size = distributed_rank_and_size()
-        if self.is_main:
-            self.commit()
-            self.worker.wait()
+        self.settle()
         live = {n: t for n, t in unwrap_model(model).state_dict(keep_vars=True).items() if t.is_floating_point()}
         names = [[n for n in live if n in self.average._average] if self.average.count else None]
         if world_size > 1:
@@ -513,14 +586,14 @@ class OnlineAverageSink(SnapshotSink):
         """Save the average into the Trainer checkpoint folder (main process)."""
         if not self.is_main:
             return
-        self.commit()
-        self.worker.wait()
+        self.settle()
         if checkpoint_dir.is_dir():
             self.average.save_state(checkpoint_dir / ONLINE_STATE_NAME)
 
     def close(self, model: torch.nn.Module | None) -> None:
         """Write the average as a model folder ``<pma_dir>/online-<kind>`` (main process)."""
         super().close(model)
+        self.staging.release()
         if self.is_main and model is not None and self.average.count > 0:
             self._write_model(model)
 
@@ -529,8 +602,7 @@ class OnlineAverageSink(SnapshotSink):
         earlier one; the main process writes); ``None`` while it is empty or on other processes."""
         if not self.is_main:
             return None
-        self.commit()
-        self.worker.wait()
+        self.settle()
         return self._write_model(model) if self.average.count > 0 else None
 
     def _write_model(self, model: torch.nn.Module) -> Path:

@@ -119,6 +119,8 @@ class SnapshotTaker:
             free space of the snapshot folder.
         sharded: ``"auto"``: per-rank files under FSDP1/FSDP2 or ZeRO-3, full folders otherwise
             (and for PEFT models); ``True``/``False`` force it.
+        online_device: where the online average lives: ``"cpu"`` (host memory, folded in off the
+            training thread) or ``"device"`` (a float32 copy beside the weights).
 
     The options are those of :class:`hf_pma.snapshots.callback.PMACallback`, which documents
     them in full. ``accelerator`` (an attribute) is the ``accelerate.Accelerator`` that gathers
@@ -140,6 +142,7 @@ class SnapshotTaker:
         online_window_tokens: int | None = None,
         max_disk_bytes: int | str | None = None,
         sharded: bool | str = "auto",
+        online_device: str = "cpu",
     ) -> None:
         if sharded not in (True, False, "auto"):
             raise ValueError(f"sharded must be True, False or 'auto', got {sharded!r}")
@@ -167,7 +170,9 @@ class SnapshotTaker:
             online_alpha,
             half_life_tokens=online_half_life_tokens,
             window_tokens=online_window_tokens,
+            device=online_device,
         )
+        self.online_device = online_device
         self.online_alpha = float(online_alpha)
         self.online_half_life_tokens = online_half_life_tokens
         self.online_window_tokens = online_window_tokens
@@ -273,6 +278,7 @@ class SnapshotTaker:
             "online_window_tokens": self.online_window_tokens,
             "max_disk_bytes": self.max_disk_bytes,
             "sharded": self.sharded,
+            "online_device": self.online_device,
         }
 
     def snapshots(self, include_excluded: bool = False) -> list[tuple[SnapshotRecord, Path]]:
@@ -445,6 +451,7 @@ class SnapshotTaker:
                 is handed to the writer then, with that loss in its record.
             checkpoint_follows: a checkpoint is written next: the snapshot lands first.
         """
+        self._require_begun("step_end")
         self._sink.raise_if_failed()
         self._time.step_done()
         self._losses.end_step()
@@ -503,6 +510,7 @@ class SnapshotTaker:
     def commit(self, checkpoint_follows: bool = False) -> None:
         """The snapshot taken last is final: hand it to the writer (a step begins, an epoch ends);
         with ``checkpoint_follows`` wait for it to land. Raises a failed background write."""
+        self._require_begun("commit")
         self._commit(checkpoint_follows)
         if checkpoint_follows:
             self._sink.before_checkpoint()
@@ -542,6 +550,10 @@ class SnapshotTaker:
             self._release_folder()
 
     # ------------------------------------------------------------------ internals
+
+    def _require_begun(self, call: str) -> None:
+        if self._sink is None:
+            raise RuntimeError(f"SnapshotTaker.{call}() before begin()")
 
     def _begin(
         self,
@@ -674,6 +686,7 @@ class SnapshotTaker:
                 alpha=self.online_alpha,
                 half_life_tokens=self.online_half_life_tokens,
                 window_tokens=self.online_window_tokens,
+                online_device=self.online_device,
                 **common,
             )
         if sharded:

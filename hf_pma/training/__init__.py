@@ -1,1 +1,1 @@
-"""``PMATrainer`` and ``PMATrainingArguments`` (merged evaluation, PMA-init, spike recovery), pre-training data."""
+"""``PMATrainer`` and ``PMATrainingArguments`` (merged evaluation, PMA-init, spike recovery), ``PMASnapshots`` for loops without a Trainer, PMA-init and spike recovery for any loop, pre-training data."""

@@ -132,7 +132,40 @@ class PMATrainingArguments(TrainingArguments):
         default=True, metadata={"help": "Evaluate the merge of the last pma_window snapshots at every evaluation (eval_pma_*)."}
     )
     pma_merge_at_end: bool = dataclasses.field(
-        default=True, metadata={"help": "Write the merge of the last pma_window snapshots to <output_dir>/pma/merged."}
+        default=True,
+        metadata={
+            "help": "Write the merge of the last pma_window snapshots to <output_dir>/pma/merged. With pma_online "
+            "the online average's folder <output_dir>/pma/online-<kind>, written at the end, is the merge: it gets "
+            "the run's record and card instead, and nothing else is merged."
+        },
+    )
+    pma_online: str | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "Keep a running float32 average instead of writing snapshot folders: sma, ema (pma_ema_alpha, or "
+            "pma_online_half_life_tokens), linear-decay, cosine-decay or 1-sqrt-decay (WSM's decay emulation over "
+            "pma_online_window_tokens). Saved with every checkpoint, evaluated as eval_pma_*, written at the end to "
+            "<output_dir>/pma/online-<kind> (per-rank files under FSDP / ZeRO-3)."
+        },
+    )
+    pma_online_half_life_tokens: int | None = dataclasses.field(
+        default=None,
+        metadata={"help": "pma_online=ema: the tokens over which a snapshot's weight halves (replaces pma_ema_alpha)."},
+    )
+    pma_online_window_tokens: int | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "pma_online=sma or a decay kind: average over tumbling windows of this many tokens (the average "
+            "restarts at each multiple); the decay kinds need it."
+        },
+    )
+    pma_online_device: str = dataclasses.field(
+        default="cpu",
+        metadata={
+            "help": "Where the online average lives: cpu (host memory; from CUDA the weights are copied on a side "
+            "stream and folded in off the training thread) or device (one float32 copy of each rank's weights in "
+            "device memory, no host copy)."
+        },
     )
     pma_init_from: list[str] | None = dataclasses.field(
         default=None,
@@ -205,6 +238,7 @@ class PMATrainingArguments(TrainingArguments):
         if not isinstance(self.pma_max_recoveries, int) or self.pma_max_recoveries < 0:
             raise ValueError(f"pma_max_recoveries must be a non-negative integer, got {self.pma_max_recoveries!r}")
         validate_strategy(self.pma_strategy, self.pma_ema_alpha)
+        self._check_online()
         self.pma_phases = list(check_phases(self.pma_phases))
         if self.pma_keep_last is not None and self.pma_window_tokens is None and self.pma_keep_last < self.pma_window:
             raise ValueError(
@@ -231,6 +265,34 @@ class PMATrainingArguments(TrainingArguments):
             # Local paths must exist now; a Hub id ("org/name[@REV]") is fetched when the trainer starts.
             if not Path(item).exists() and not _HUB_ID.fullmatch(item):
                 raise ValueError(f"pma_init_from: {item} does not exist")
+
+    def _check_online(self) -> None:
+        """The ``pma_online*`` options, checked together by the online average's own rules (its
+        messages with the arguments' names)."""
+        from hf_pma.snapshots.online import OnlineAverage
+
+        windows = self.pma_online_half_life_tokens is not None or self.pma_online_window_tokens is not None
+        if self.pma_online is None and windows:
+            raise ValueError("pma_online_half_life_tokens and pma_online_window_tokens need pma_online")
+        try:
+            OnlineAverage(
+                self.pma_online or "sma",
+                self.pma_ema_alpha,
+                half_life_tokens=self.pma_online_half_life_tokens,
+                window_tokens=self.pma_online_window_tokens,
+                device=self.pma_online_device,
+            )
+        except ValueError as err:
+            message = re.sub(r"\bonline(?=[_= ])", "pma_online", str(err)).replace("pma_online_alpha", "pma_ema_alpha")
+            raise ValueError(message) from None
+        if self.pma_online is None:
+            return
+        if self.pma_keep_last is not None:
+            raise ValueError("pma_keep_last has no effect with pma_online (no snapshot folders are written)")
+        if self.pma_spike_recovery:
+            raise ValueError(
+                "pma_spike_recovery restores a merge of the snapshots on disk; pma_online writes none: use one or the other"
+            )
 
     def check_annealing(self) -> None:
         """``ValueError`` naming the option when the annealed fork (``pma_anneal_steps`` /

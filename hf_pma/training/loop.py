@@ -75,7 +75,7 @@ class PMASnapshots:
         **options: the options of :class:`hf_pma.snapshots.callback.PMACallback`
             (``interval_tokens``, ``phases``, ``keep_last``, ``save_dtype``, ``max_shard_size``,
             ``async_write``, ``online``, ``online_alpha``, ``online_half_life_tokens``,
-            ``online_window_tokens``, ``max_disk_bytes``, ``sharded``).
+            ``online_window_tokens``, ``max_disk_bytes``, ``sharded``, ``online_device``).
 
     Nothing is written before the first :meth:`step`; :meth:`load_state_dict` (called by
     ``accelerator.load_state``) must come before it. :attr:`taker` is the snapshot engine

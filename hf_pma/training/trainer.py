@@ -81,6 +81,11 @@ class PMATrainer(Trainer):
             max_shard_size=args.pma_max_shard_size,
             async_write=args.pma_async_write,
             max_disk_bytes=args.pma_max_disk_bytes,
+            online=args.pma_online,
+            online_alpha=args.pma_ema_alpha,
+            online_half_life_tokens=args.pma_online_half_life_tokens,
+            online_window_tokens=args.pma_online_window_tokens,
+            online_device=args.pma_online_device,
         )
         self._pma_fork_saver: SaveCheckpointAt | None = None
         if args.pma_anneal_steps or args.pma_anneal_tokens:  # the annealing check: its checkpoint
@@ -268,7 +273,9 @@ class PMATrainer(Trainer):
         """``Trainer.train``, then (with ``pma_merge_at_end``) the final merge and its records."""
         self._pma_train_start = time.time()
         output = super().train(*args, **kwargs)
-        if self.args.pma_merge_at_end:
+        if self.args.pma_merge_at_end and self.pma_callback.online is not None:
+            self.pma_merged_dir = self._pma_online_merge()  # the online average, written at train end, is the merge
+        elif self.args.pma_merge_at_end:
             self.pma_merged_dir = self.merge_snapshots()
             if self.pma_merged_dir is not None and self.args.push_to_hub and self.args.pma_push_merged:
                 self.push_merged_to_hub(revision=self.args.pma_push_revision)
@@ -341,15 +348,32 @@ class PMATrainer(Trainer):
             window_tokens=None if last else self.args.pma_window_tokens,
         )
 
-        def write_records() -> None:
-            if not self.is_world_process_zero():
-                return
-            atomic_write_json(target / TRAINING_RECORD_NAME, self.pma_training_record())
-            from hf_pma.publishing.card import write_model_card
+        self._pma_barrier(lambda: self._pma_write_records(target), f"writing the record and card of {target}")
+        return target
 
-            write_model_card(target, repo_id=self.args.hub_model_id)
+    def _pma_write_records(self, target: Path) -> None:
+        """Main process: the run's record (``pma_training.json``) and the model card beside a merge."""
+        if not self.is_world_process_zero():
+            return
+        atomic_write_json(target / TRAINING_RECORD_NAME, self.pma_training_record())
+        from hf_pma.publishing.card import write_model_card
 
-        self._pma_barrier(write_records, f"writing the record and card of {target}")
+        write_model_card(target, repo_id=self.args.hub_model_id)
+
+    def _pma_online_merge(self) -> Path | None:
+        """Every process: the online average's folder (``<output_dir>/pma/online-<kind>``, written
+        by the callback at train end) with the run's record and card; ``None`` when it holds no
+        snapshot."""
+        from hf_pma.core.manifest import MERGE_RECORD_NAME
+        from hf_pma.utils.fs import is_library_folder
+
+        self._pma_barrier()  # the main process has written it
+        sink = self.pma_callback.sink
+        target = getattr(sink, "target", None)
+        if target is None or not is_library_folder(target, MERGE_RECORD_NAME):
+            logger.warning("No PMA snapshot was taken during training: the online average is empty, nothing to merge.")
+            return None
+        self._pma_barrier(lambda: self._pma_write_records(target), f"writing the record and card of {target}")
         return target
 
     def pma_training_record(self) -> dict[str, Any]:
@@ -373,6 +397,7 @@ class PMATrainer(Trainer):
             "pma_window": args.pma_window,
             "pma_window_tokens": args.pma_window_tokens,
             "pma_strategy": args.pma_strategy,
+            "pma_online": self.pma_callback.online,
             "pma_init": self.pma_init_record,
             "command": self.pma_command,
             "recoveries": self.pma_recoveries,

@@ -92,9 +92,32 @@ def eval_batch() -> torch.Tensor:
     return torch.randint(3, 515, (2, 16), generator=torch.Generator().manual_seed(1234))
 
 
-def drive(out: Path, rank: int, world: int, callbacks: dict, model, optimizer, start: int) -> None:
+def online_callback(out: Path, kind: str, folder: str, device: str = "cpu") -> PMACallback:
+    """An online callback of this scenario, its average written under ``out/<folder>/pma``."""
+    return PMACallback(
+        interval_tokens=TOKENS_PER_STEP,
+        output_dir=out / folder / "pma",
+        phases=("warmup", "stable", "decay"),
+        online=kind,
+        online_alpha=ALPHA,
+        online_window_tokens=STEPS * TOKENS_PER_STEP if kind.endswith("-decay") else None,
+        online_device=device,
+    )
+
+
+def drive(
+    out: Path,
+    rank: int,
+    world: int,
+    callbacks: dict,
+    model,
+    optimizer,
+    start: int,
+    stateful_callbacks: dict | None = None,
+) -> None:
     """Train from step ``start`` to ``STEPS`` with ``callbacks`` driven as the Trainer drives them;
-    each callback has its own Trainer output folder ``out/run-<name>`` (its checkpoints)."""
+    each callback has its own Trainer output folder ``out/run-<name>`` (its checkpoints).
+    ``stateful_callbacks``: what a resumed Trainer reads from the checkpoint's ``trainer_state.json``."""
     args = {
         name: SimpleNamespace(
             output_dir=str(out / f"run-{name}"),
@@ -107,6 +130,7 @@ def drive(out: Path, rank: int, world: int, callbacks: dict, model, optimizer, s
     }
     state = TrainerState(max_steps=STEPS, global_step=start, num_input_tokens_seen=start * TOKENS_PER_STEP)
     state.is_world_process_zero = rank == 0
+    state.stateful_callbacks = stateful_callbacks or {}
     control = TrainerControl()
     for name, cb in callbacks.items():
         cb.on_train_begin(args[name], state, control, model=model, optimizer=optimizer, lr_scheduler=None)
@@ -168,14 +192,7 @@ def _run(out: Path) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
 
     def online(kind: str, folder: str) -> PMACallback:
-        return PMACallback(
-            interval_tokens=TOKENS_PER_STEP,
-            output_dir=out / folder / "pma",
-            phases=("warmup", "stable", "decay"),
-            online=kind,
-            online_alpha=ALPHA,
-            online_window_tokens=STEPS * TOKENS_PER_STEP if kind.endswith("-decay") else None,
-        )
+        return online_callback(out, kind, folder)
 
     model, optimizer = build()
     callbacks = {

@@ -124,3 +124,64 @@ def test_pretrain_under_the_fsdp2_config_saves_whole_final_and_annealed_models(t
         assert sum(p.numel() for p in model.parameters()) > 0
     records = manifest_snapshots(out / "pma")
     assert records and all(r.extra.get("sharded") for r in records)
+
+
+def test_online_average_on_cuda_equals_the_offline_merge_with_the_average_on_host_or_device(tmp_path):
+    """``online_device="cpu"``: pinned host buffers, reused, copied on a side stream and folded in the
+    background; ``"device"``: a float32 average in CUDA memory. Both equal the offline merge of the
+    same weights' snapshots (unsharded sink, and the shard-local sink on one rank)."""
+    from hf_pma.core.manifest import SnapshotRecord
+    from hf_pma.snapshots.sharded import ShardedOnlineAverageSink
+    from hf_pma.snapshots.sinks import DiskSnapshotSink, OnlineAverageSink
+
+    model = make_tiny_model(seed=4).cuda()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    disk = DiskSnapshotSink(tmp_path / "snapshots", async_write=False)
+    disk.open(None)
+    online = {
+        (sink, device): cls(
+            tmp_path / f"{sink}-{device}", online="ema", alpha=0.3, online_device=device, **extra
+        )
+        for sink, cls, extra in (
+            ("unsharded", OnlineAverageSink, {}),
+            ("sharded", ShardedOnlineAverageSink, {"rank": 0, "world_size": 1}),
+        )
+        for device in ("cpu", "device")
+    }
+    for sink in online.values():
+        sink.open(None)
+    pointers: dict = {key: [] for key in online}
+    for step in range(1, 5):
+        ids = torch.randint(3, 500, (2, 16), generator=torch.Generator().manual_seed(step)).cuda()
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        record = SnapshotRecord(path=f"snapshot-{step}", tokens=step, step=step)
+        disk.take(model, record)
+        disk.commit()
+        for key, sink in online.items():
+            sink.take(model, SnapshotRecord(path=f"snapshot-{step}", tokens=step, step=step))
+            sink.commit()  # the next optimizer step starts at once: the fold is in the background
+            pointers[key].append([(b.data_ptr(), b.is_pinned()) for b in sink.staging._buffers.values()])
+    disk.close(model)
+    folders = [folder for _, folder in disk.snapshots()]
+    offline = merge_state_dict(folders, strategy="ema", alpha=0.3)
+    for (kind, device), sink in online.items():
+        if device == "cpu":
+            assert pointers[kind, device][0] and all(
+                p == pointers[kind, device][0] for p in pointers[kind, device]
+            )
+            assert all(pinned for _, pinned in pointers[kind, device][0])
+        else:
+            assert pointers[kind, device] == [[]] * 4
+            assert {t.device.type for t in sink.average._average.values()} == {"cuda"}
+        if kind == "sharded":
+            average = {s.name: t.cpu().reshape(s.global_shape) for s, t in sink.local_average()}
+        else:
+            average = sink.state_dict()
+        assert average.keys() == offline.keys(), (kind, device)
+        for name, tensor in offline.items():
+            assert torch.allclose(average[name], tensor, rtol=1e-6, atol=1e-7), (kind, device, name)
+        sink.close(model)
+        written = merge_state_dict([sink.target])
+        assert all(torch.allclose(written[k], offline[k], rtol=1e-6, atol=1e-7) for k in offline)

@@ -6,6 +6,8 @@ Here: the average equals the offline merge of the same weights' sharded snapshot
 WSM's 1-sqrt decay emulation);
 a run resumed from a checkpoint ends with a bit-identical average; a resume at another world
 size reads the saved average by global offsets; the output folder is read by merge and consolidate.
+A run killed by SIGKILL after a checkpoint and resumed in a new launch (tests/dist/online_killed.py)
+ends with the uninterrupted run's averages, bit for bit.
 """
 
 from __future__ import annotations
@@ -22,10 +24,38 @@ from hf_pma.merging.consolidate import consolidate_snapshot
 from hf_pma.merging.engine import merge_state_dict
 from hf_pma.snapshots.sharded import ShardedOnlineAverageSink
 from hf_pma.snapshots.sinks import OnlineAverageSink, ResumePoint, online_state_name
-from tests.dist.online_sharded import ALPHA, CHECKPOINT_STEP, STEPS, eval_batch
-from tests.helpers.launcher import rank_reports
+from tests.dist.online_sharded import ALPHA, CHECKPOINT_STEP, KINDS, STEPS, eval_batch
+from tests.helpers.launcher import Launch, launch, rank_reports, shared_launch_job
 
 pytestmark = [pytest.mark.distributed, pytest.mark.shared_launch("world2")]
+
+
+@shared_launch_job("online-kill-resume")
+def kill_then_resume(folder: Path) -> Launch:
+    """World size 2: the online run of tests/dist/online_killed.py, rank 1 killed by SIGKILL after the
+    checkpoint, then resumed from that checkpoint in a new launch; what the kill left is recorded in
+    ``killed.json``."""
+    from tests.dist.online_killed import checkpoint_dir
+
+    killed = launch("online_killed.py", "--out", folder, "--phase", "kill", check=False)
+    left = {
+        "returncode": killed.returncode,
+        "checkpoint": sorted(p.name for p in checkpoint_dir(folder).iterdir())
+        if checkpoint_dir(folder).is_dir()
+        else [],
+        "online_checkpoints": {
+            kind: sorted(
+                p.name for p in (folder / f"run-{kind}" / f"checkpoint-{CHECKPOINT_STEP}").glob("pma_online*")
+            )
+            for kind in KINDS
+        },
+        "final_folders": sorted(str(p.relative_to(folder)) for p in folder.glob("killed-*/pma/online-*")),
+    }
+    (folder / "killed.json").write_text(json.dumps(left))
+    killed.discard_logs()
+    if killed.returncode == 0:
+        return killed  # the fixture reports that the run did not die
+    return launch("online_killed.py", "--out", folder, "--phase", "resume", check=False)
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +123,30 @@ def test_resumed_average_is_bit_identical_to_the_uninterrupted_one(run, kind):
     assert a["weights"] == b["weights"] and [s["tokens"] for s in a["sources"]] == [
         s["tokens"] for s in b["sources"]
     ]
+
+
+@pytest.mark.shared_launch("online-kill-resume")
+def test_a_run_killed_by_sigkill_and_resumed_ends_with_the_uninterrupted_average(run, shared_launch):
+    folder = shared_launch("online-kill-resume")
+    left = json.loads((folder / "killed.json").read_text())
+    assert left["returncode"] != 0, "rank 1 should have died"
+    assert {"dcp", "trainer_state.json"} <= set(left["checkpoint"]) and left["final_folders"] == []
+    assert all(
+        files == [online_state_name(0), online_state_name(1)] for files in left["online_checkpoints"].values()
+    )
+    for kind in KINDS:  # the ema average was kept on the "device" (the CPU here), the others on the host
+        straight = merge_state_dict([online_folder(run, "straight", kind)])
+        resumed = merge_state_dict([folder / f"killed-{kind}" / "pma" / f"online-{kind}"])
+        assert straight.keys() == resumed.keys(), kind
+        assert all(torch.equal(straight[k], resumed[k]) for k in straight), kind
+        a, b = (
+            json.loads((f / MERGE_RECORD_NAME).read_text())
+            for f in (
+                online_folder(run, "straight", kind),
+                folder / f"killed-{kind}" / "pma" / f"online-{kind}",
+            )
+        )
+        assert a["weights"] == b["weights"] and [s["step"] for s in b["sources"]] == list(range(1, STEPS + 1))
 
 
 def test_resume_at_another_world_size_reads_the_average_by_global_offsets(run, tmp_path):

@@ -121,3 +121,27 @@ def test_the_callback_is_a_front_door_to_the_taker(tmp_path):
     )
     rebuilt = PMACallback(**saved["args"])
     assert rebuilt.state() == saved and rebuilt.schedule is rebuilt.taker.schedule
+
+
+@pytest.mark.parametrize("online_device, folded_off_thread", [("cpu", True), ("device", False)])
+def test_snapshot_costs_of_an_online_average(tmp_path, online_device, folded_off_thread):
+    """An online average writes nothing per snapshot (``num_bytes`` is ``None``); its fold is the
+    background work with ``online_device="cpu"``, and happens while taking with ``"device"``
+    (``write_s`` 0.0: nothing left off the training thread)."""
+    data = TokenDataset(n=4 * BATCH, seed=1)
+    model = make_tiny_model(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    taker = SnapshotTaker(interval_tokens=TOKENS_PER_STEP, online="sma", online_device=online_device)
+    taker.begin(model, output_dir=tmp_path, optimizer=optimizer, planned_steps=4)
+    for step in range(1, 5):
+        model(**pad_collate([data[(step - 1) * BATCH + j] for j in range(BATCH)])).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        taker.optimizer_step(LR)
+        taker.step_end(model, step=step, tokens=step * TOKENS_PER_STEP)
+    taker.wait()
+    costs = taker.snapshot_costs
+    assert [c.tokens for c in costs] == [TOKENS_PER_STEP * s for s in range(1, 5)] and taker.online_count == 4
+    assert all(c.num_bytes is None and c.blocked_s > 0 for c in costs)
+    assert all((c.write_s > 0) if folded_off_thread else (c.write_s == 0.0) for c in costs)
+    taker.end(model)

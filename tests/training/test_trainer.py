@@ -204,11 +204,19 @@ def test_a_run_that_keeps_diverging_stops_with_a_clear_error(setup, tmp_path):
         ({"pma_init_from": ["./no/such/folder"]}, r"pma_init_from: ./no/such/folder does not exist"),
         ({"pma_save_dtype": "int8"}, "pma_save_dtype"),
         ({"deepspeed": {"zero_optimization": {"stage": 3}}}, "pma_eval=True is not supported with DeepSpeed ZeRO-3"),
+        ({"pma_online": "wma"}, r"^pma_online must be one of \("),
+        ({"pma_online": "sma", "pma_online_half_life_tokens": 100}, "^pma_online_half_life_tokens is for pma_online='ema'"),
+        ({"pma_online": "1-sqrt-decay"}, "give pma_online_window_tokens$"),
+        ({"pma_online_window_tokens": 100}, "^pma_online_half_life_tokens and pma_online_window_tokens need pma_online$"),
+        ({"pma_online": "sma", "pma_online_device": "cuda"}, "^pma_online_device must be one of"),
+        ({"pma_online": "sma", "pma_keep_last": 20}, "^pma_keep_last has no effect with pma_online"),
+        ({"pma_online": "sma", "pma_spike_recovery": True}, "^pma_spike_recovery restores a merge of the snapshots"),
     ],
 )
 def test_arguments_are_checked_when_given(tmp_path, overrides, match):
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as err:
         PMATrainingArguments(output_dir=str(tmp_path), **overrides)
+    assert "\n" not in str(err.value)
 
 
 def test_arguments_parse_from_command_line_and_yaml(tmp_path):
