@@ -56,38 +56,16 @@ MB = 1024 * 1024
 
 def _worker_make(args: argparse.Namespace) -> None:
     """Create ``args.count`` checkpoints: one random init, then cheap seeded perturbations."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from common import llama, perturbed_copies
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate or 4 * args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=max(1, args.hidden // 64),
-        num_key_value_heads=max(1, args.hidden // 64),
-        max_position_embeddings=2048,
-        tie_word_embeddings=False,
+    model = llama(
+        hidden=args.hidden, layers=args.layers, vocab=args.vocab, intermediate=args.intermediate, tie=False
     )
-    model = LlamaForCausalLM(config).to(torch.float32)
-    base = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    n_params = sum(v.numel() for v in base.values())
+    n_params = sum(p.numel() for p in model.parameters())
     print(f"model: {n_params / 1e6:.1f}M parameters, {n_params * 4 / MB:.0f} MiB in fp32", flush=True)
-    for i in range(args.count):
-        out = Path(args.out) / f"ckpt-{i}"
-        if (out / "config.json").is_file():
-            continue
-        gen = torch.Generator().manual_seed(1000 + i)
-        with torch.no_grad():
-            for name, param in model.state_dict().items():
-                # A small seeded perturbation: each checkpoint differs, as snapshots do.
-                param.copy_(base[name]).add_(torch.randn(param.shape, generator=gen), alpha=1e-3)
-        tmp = out.with_name(out.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
-        model.save_pretrained(tmp, max_shard_size=args.shard_size)
-        os.replace(tmp, out)
-        print(f"wrote {out}", flush=True)
+    folders = [Path(args.out) / f"ckpt-{i}" for i in range(args.count)]
+    perturbed_copies(model, folders, max_shard_size=args.shard_size)
+    print(f"wrote {len(folders)} checkpoints in {args.out}", flush=True)
 
 
 def _worker_hf_pma(args: argparse.Namespace) -> dict:

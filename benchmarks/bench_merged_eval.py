@@ -86,20 +86,9 @@ def _measure(fn) -> dict:
 
 
 def _model(args):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from common import llama
 
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=4 * args.hidden,
-        num_hidden_layers=args.layers,
-        num_attention_heads=max(1, args.hidden // 64),
-        num_key_value_heads=max(1, args.hidden // 64),
-        tie_word_embeddings=False,
-    )
-    return LlamaForCausalLM(config)
+    return llama(hidden=args.hidden, layers=args.layers, vocab=args.vocab, tie=False)
 
 
 def _worker(args) -> None:
@@ -146,18 +135,9 @@ def _worker(args) -> None:
 
 
 def _make_snapshots(args) -> int:
-    import torch
+    from common import perturbed_copies
 
-    model = _model(args)
-    base = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    for i in range(args.snapshots):
-        out = Path(args.scratch) / f"snap-{i}"
-        if not out.is_dir():
-            with torch.no_grad():
-                for name, param in model.state_dict().items():
-                    param.copy_(base[name]).add_(torch.randn(param.shape, generator=torch.Generator().manual_seed(i)), alpha=1e-3)
-            model.save_pretrained(out)
-    return sum(v.numel() * v.element_size() for v in base.values())
+    return perturbed_copies(_model(args), [Path(args.scratch) / f"snap-{i}" for i in range(args.snapshots)], seed=0)
 
 
 def _free_port() -> int:

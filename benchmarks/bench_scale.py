@@ -87,17 +87,13 @@ def reset_peak() -> int:
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
+    from common import llama
     from torch.distributed.fsdp import fully_shard
-    from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64, num_key_value_heads=args.hidden // 64,
-        max_position_embeddings=512, tie_word_embeddings=False,
+    model = llama(
+        hidden=args.hidden, layers=args.layers, vocab=args.vocab, intermediate=args.intermediate,
+        max_positions=512, tie=False, meta=True,
     )
-    torch.manual_seed(0)
-    with torch.device("meta"):
-        model = LlamaForCausalLM(config)
     for layer in model.model.layers:
         fully_shard(layer)
     fully_shard(model)

@@ -11,10 +11,11 @@ Two kinds of numbers:
 
 * wall time of ``trainer.train()``: what a user waits, but on a machine shared with other
   work it mostly measures the neighbours;
-* the time the *training thread* is blocked by snapshots: in PMACallback's events (gather,
-  copy to CPU, waits for the writer) or in Trainer's ``_save_checkpoint``; plus the CPU time
-  of the background writer thread. These depend little on the load; ``blocked share`` is the
-  blocked time over the training time of the run without snapshots.
+* the time the *training thread* is blocked by snapshots: what PMACallback measures itself
+  (``PMACallback.snapshot_costs``: gathering and copying the weights, waits for the writer) or
+  the time in Trainer's ``_save_checkpoint``; plus the time of the background write of each
+  snapshot (its wall time, off the training thread). These depend little on the load;
+  ``blocked share`` is the blocked time over the training time of the run without snapshots.
 
 ``--zero-arg`` adds (or, with ``--configs`` empty, only runs) the zero-argument row: a plain
 ``TrainingArguments`` run (Transformers' defaults: linear schedule, lr 5e-5) with
@@ -25,7 +26,6 @@ each pair), reporting the median of the per-pair overheads over ``--pairs`` pair
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import platform
 import shutil
@@ -36,84 +36,31 @@ import time
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PrinterCallback, Trainer, TrainingArguments
+from common import REPO_ROOT, Tokens, llama
+from transformers import PrinterCallback, Trainer, TrainingArguments
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(REPO_ROOT))  # this checkout's hf_pma
 
-from hf_pma.snapshots.callback import PMACallback  # noqa: E402
-from hf_pma.snapshots.writer import SnapshotWriter  # noqa: E402
+from hf_pma.snapshots.callback import PMACallback
 
-CONFIGS = ("no snapshots", "PMACallback async", "PMACallback sync", "Trainer save_steps", "Trainer save_steps (model only)")
+CONFIGS = (
+    "no snapshots",
+    "PMACallback async",
+    "PMACallback sync",
+    "Trainer save_steps",
+    "Trainer save_steps (model only)",
+)
 DEFAULT_CONFIGS = CONFIGS[:4]
 
-# Seconds of CPU time spent by SnapshotWriter.write (the background thread in async mode).
-WRITER_CPU = [0.0]
 
-
-def _timed_write(write):
-    @functools.wraps(write)
-    def timed(self, job):
-        start = time.thread_time()
-        try:
-            return write(self, job)
-        finally:
-            WRITER_CPU[0] += time.thread_time() - start
-
-    return timed
-
-
-SnapshotWriter.write = _timed_write(SnapshotWriter.write)
-
-
-class Tokens(torch.utils.data.Dataset):
-    def __init__(self, n: int, seq: int, vocab: int) -> None:
-        generator = torch.Generator().manual_seed(0)
-        self.ids = torch.randint(0, vocab, (n, seq), generator=generator)
-
-    def __len__(self) -> int:
-        return len(self.ids)
-
-    def __getitem__(self, i: int) -> dict:
-        return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-
-def make_model(args: argparse.Namespace) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.hidden * 11 // 4,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.hidden // 64,
-        num_key_value_heads=args.hidden // 64,
-        max_position_embeddings=args.seq,
-        tie_word_embeddings=True,
+def make_model(args: argparse.Namespace):
+    return llama(
+        hidden=args.hidden,
+        layers=args.layers,
+        vocab=args.vocab,
+        intermediate=args.hidden * 11 // 4,
+        max_positions=args.seq,
     )
-    return LlamaForCausalLM(config)
-
-
-class TimedPMACallback(PMACallback):
-    """PMACallback that adds up the time the training thread spends in its events."""
-
-    blocked_s = 0.0
-
-
-def _timed_event(name: str):
-    event = getattr(PMACallback, name)
-
-    @functools.wraps(event)
-    def timed(self, *args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return event(self, *args, **kwargs)
-        finally:
-            self.blocked_s += time.perf_counter() - start
-
-    return timed
-
-
-for _event in ("on_step_begin", "on_optimizer_step", "on_step_end", "on_log", "on_epoch_end", "on_save", "on_train_end"):
-    setattr(TimedPMACallback, _event, _timed_event(_event))
 
 
 class TimedTrainer(Trainer):
@@ -130,7 +77,7 @@ class TimedTrainer(Trainer):
 
 
 def run(config: str, args: argparse.Namespace, workdir: Path) -> dict[str, float]:
-    """Train once; returns seconds of wall time, blocked time and writer-thread CPU time."""
+    """Train once; returns seconds of wall time, of blocked training and of background writing."""
     out = workdir / "run"
     shutil.rmtree(out, ignore_errors=True)
     save = config.startswith("Trainer")
@@ -153,7 +100,7 @@ def run(config: str, args: argparse.Namespace, workdir: Path) -> dict[str, float
     callback = None
     if config.startswith("PMACallback"):
         interval = args.interval_steps * args.batch * args.seq
-        callback = TimedPMACallback(interval_tokens=interval, async_write="async" in config)
+        callback = PMACallback(interval_tokens=interval, async_write="async" in config)
     trainer = TimedTrainer(
         model=make_model(args),
         args=training_args,
@@ -161,15 +108,20 @@ def run(config: str, args: argparse.Namespace, workdir: Path) -> dict[str, float
         callbacks=[callback] if callback else [],
     )
     trainer.remove_callback(PrinterCallback)  # keep stdout for the table
-    WRITER_CPU[0] = 0.0
     start = time.perf_counter()
     trainer.train()
     wall = time.perf_counter() - start
     if callback is not None:
         assert len(callback.snapshots()) == args.steps // args.interval_steps, callback.snapshots()
     shutil.rmtree(out, ignore_errors=True)
-    blocked = callback.blocked_s if callback is not None else trainer.blocked_s
-    return {"wall": wall, "blocked": blocked, "writer_cpu": WRITER_CPU[0]}
+    if callback is None:
+        return {"wall": wall, "blocked": trainer.blocked_s, "write": 0.0}
+    costs = callback.snapshot_costs
+    return {
+        "wall": wall,
+        "blocked": sum(c.blocked_s for c in costs),
+        "write": sum(c.write_s for c in costs if c.write_s is not None),
+    }
 
 
 def run_plain(with_callback: bool, args: argparse.Namespace, workdir: Path) -> tuple[float, int]:
@@ -212,14 +164,20 @@ def zero_argument_row(args: argparse.Namespace, workdir: Path) -> None:
             taken = count or taken
         pairs.append((walls[False], walls[True]))
         overheads.append((walls[True] - walls[False]) / walls[False])
-        print(f"  pair {i + 1}: without {walls[False]:.2f}s  with {walls[True]:.2f}s", file=sys.stderr, flush=True)
+        print(
+            f"  pair {i + 1}: without {walls[False]:.2f}s  with {walls[True]:.2f}s",
+            file=sys.stderr,
+            flush=True,
+        )
     without = statistics.median(p[0] for p in pairs)
     with_cb = statistics.median(p[1] for p in pairs)
     print(
         f"\nZero-argument PMACallback() on a plain TrainingArguments run (linear schedule), "
         f"{args.zero_arg_steps} steps of {args.batch}x{args.seq} tokens, {args.pairs} paired runs"
     )
-    print("| configuration | snapshots | median wall without (s) | median wall with (s) | median overhead (pairs) | target |")
+    print(
+        "| configuration | snapshots | median wall without (s) | median wall with (s) | median overhead (pairs) | target |"
+    )
     print("|---|---:|---:|---:|---:|---:|")
     print(
         f"| PMACallback() (zero arguments) | {taken} | {without:.1f} | {with_cb:.1f} | "
@@ -228,11 +186,15 @@ def zero_argument_row(args: argparse.Namespace, workdir: Path) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     # Not a multiple of the interval: the last snapshot is not at the very end (where the
     # run would wait for its write), as in a long run where that wait happens once.
     parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--interval-steps", type=int, default=50, help="one snapshot / checkpoint every N steps")
+    parser.add_argument(
+        "--interval-steps", type=int, default=50, help="one snapshot / checkpoint every N steps"
+    )
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--vocab", type=int, default=16384)
@@ -249,7 +211,9 @@ def main() -> None:
     parser.add_argument("--zero-arg", action="store_true", help="add the zero-argument PMACallback() row")
     parser.add_argument("--zero-arg-steps", type=int, default=600, help="steps of the zero-argument runs")
     parser.add_argument("--pairs", type=int, default=5, help="paired runs for the zero-argument row")
-    parser.add_argument("--workdir", type=Path, default=None, help="where snapshots go (default: a temporary folder)")
+    parser.add_argument(
+        "--workdir", type=Path, default=None, help="where snapshots go (default: a temporary folder)"
+    )
     args = parser.parse_args()
 
     from transformers.utils import logging
@@ -272,7 +236,11 @@ def main() -> None:
             result = run(config, args, workdir)
             loads.append(os.getloadavg()[0])
             results[config].append(result)
-            print(f"  {config:<32} " + "  ".join(f"{k} {v:7.2f}s" for k, v in result.items()), file=sys.stderr, flush=True)
+            print(
+                f"  {config:<32} " + "  ".join(f"{k} {v:7.2f}s" for k, v in result.items()),
+                file=sys.stderr,
+                flush=True,
+            )
 
     snapshots = args.steps // args.interval_steps
     best = {c: min(r["wall"] for r in rs) for c, rs in results.items()}
@@ -288,17 +256,18 @@ def main() -> None:
     )
     print(
         "| configuration | wall time (s) | wall overhead | training thread blocked per snapshot (s) "
-        "| blocked share | writer thread CPU per snapshot (s) |"
+        "| blocked share | background write per snapshot (s) |"
     )
     print("|---|---:|---:|---:|---:|---:|")
     for config, runs in results.items():
         blocked = statistics.median(r["blocked"] for r in runs) / snapshots
-        writer = statistics.median(r["writer_cpu"] for r in runs) / snapshots
-        wall_overhead = f"{100 * (best[config] - base) / base:+.1f}%" if base and config != "no snapshots" else "-"
+        writer = statistics.median(r["write"] for r in runs) / snapshots
+        wall_overhead = (
+            f"{100 * (best[config] - base) / base:+.1f}%" if base and config != "no snapshots" else "-"
+        )
         share = f"{100 * blocked * snapshots / base:.1f}%" if base and config != "no snapshots" else "-"
         print(
-            f"| {config} | {best[config]:.1f} | {wall_overhead} | "
-            f"{blocked:.2f} | {share} | {writer:.2f} |"
+            f"| {config} | {best[config]:.1f} | {wall_overhead} | {blocked:.2f} | {share} | {writer:.2f} |"
             if config != "no snapshots"
             else f"| {config} | {best[config]:.1f} | - | - | - | - |"
         )

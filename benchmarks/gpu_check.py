@@ -2,14 +2,21 @@
 
     python benchmarks/gpu_check.py                    # ~100M-parameter Llama, bf16 (a few minutes)
     python benchmarks/gpu_check.py --hidden 256 --layers 2 --vocab 4096 --steps 30 --no-save   # a smoke run
+    python benchmarks/gpu_check.py --cpu --hidden 64 --heads 4 --layers 1 --intermediate 128 --vocab 256 \
+        --seq 32 --batch 2 --steps 12 --warmup 2 --interval-steps 4 --rounds 2 --no-save      # seconds, no GPU
 
-1. **bf16 training with and without PMACallback** (``TrainingArguments(bf16=True)``, the same
-   model, seed and batches, ``--rounds`` runs of each, alternating): median and mean step time of
-   each (the mean counts the steps that take a snapshot: the throughput overhead in percent),
-   the time the training thread is blocked per snapshot (inside PMACallback's events; the first
-   snapshot apart, since it allocates the host buffers), the background write per snapshot, and
-   whether the pinned host staging buffers are reused from one snapshot to the next (every
-   buffer pinned, the same buffers every time).
+1. **Training with and without PMACallback** (``TrainingArguments(bf16=True)``, the same model,
+   seed and batches): ``--rounds`` pairs of runs, the order alternating from pair to pair (so
+   that neither side always runs first, on a cooler or warmer GPU). Every step is timed on the
+   GPU's own timeline with CUDA events (no synchronisation between steps); a pair's overhead is
+   the relative difference of the mean step times of its two runs, and the table gives the
+   median over the pairs with their range. Apart from that difference of two noisy runs, the
+   part of the run the callback blocked is timed directly, with CUDA events recorded right
+   before and after PMACallback in every Trainer event: its share of the run resolves well below
+   1 %. Also: the callback's own per-snapshot costs (``PMACallback.snapshot_costs``: the time the
+   training thread was blocked, the first snapshot apart since it allocates the host buffers,
+   and the background write), and whether the pinned host staging buffers are reused (torch's
+   pinned host allocator makes no new block after the first snapshot).
 2. **FSDP2 through accelerate launch** (``--use_fsdp --fsdp_version 2``, ``--fsdp-procs``
    processes, 1 by default) with sharded snapshots (``sharded="auto"``): every snapshot holds one
    file per rank, and the run folder merges into a model that ``from_pretrained`` loads.
@@ -18,8 +25,10 @@
 
 It prints one table and, unless ``--no-save``, writes it with the raw numbers to
 ``benchmarks/results/gpu_check/`` (``results.md``, ``results.json``). Without a CUDA GPU it
-stops at once with a one-line reason (exit status 1). The GPU test tier
-(``python -m pytest -m gpu``) runs a small configuration of it.
+stops at once with a one-line reason (exit status 1), unless ``--cpu``: parts 1 and 3 in fp32 on
+the CPU, timed with the CPU's clock (a check of the script itself, in seconds; its numbers say
+nothing about a GPU). The GPU test tier (``python -m pytest -m gpu``) runs a small configuration
+of it.
 """
 
 from __future__ import annotations
@@ -37,7 +46,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+from common import REPO_ROOT, Tokens, llama, llama_parameter_count
+
 RESULTS_DIR = REPO_ROOT / "benchmarks" / "results" / "gpu_check"
 # The model and run sizes an FSDP worker is given again on its own command line.
 MODEL_ARGUMENTS = (
@@ -73,20 +83,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--seq", type=int, default=512, help="tokens per sequence")
     parser.add_argument("--batch", type=int, default=8, help="sequences per step (per process)")
-    parser.add_argument("--steps", type=int, default=60, help="optimizer steps of each training run")
+    parser.add_argument("--steps", type=int, default=100, help="optimizer steps of each training run")
     parser.add_argument("--warmup", type=int, default=10, help="first steps left out of the step times")
     parser.add_argument("--interval-steps", type=int, default=10, help="a snapshot every this many steps")
     parser.add_argument(
-        "--rounds", type=int, default=3, help="runs of part 1 with and without PMACallback, alternating"
+        "--rounds",
+        type=int,
+        default=6,
+        help="pairs of runs of part 1, without and with PMACallback (the order alternates)",
     )
     parser.add_argument(
         "--fsdp-procs", type=int, default=1, help="processes of the FSDP2 run (world size; 1 is allowed)"
     )
     parser.add_argument(
-        "--parts", default=",".join(PARTS), help=f"comma-separated parts to run (default: {','.join(PARTS)})"
+        "--parts",
+        default=None,
+        help=f"comma-separated parts to run (default: {','.join(PARTS)}; with --cpu: train,eval)",
     )
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="where results.md and results.json go")
     parser.add_argument("--no-save", action="store_true", help="print the table only")
+    parser.add_argument(
+        "--cpu",
+        action="store_true",
+        help="run parts 1 and 3 on the CPU in fp32 (a check of the script in seconds; no GPU numbers)",
+    )
     parser.add_argument("--fsdp-worker", type=Path, help=argparse.SUPPRESS)  # internal: one rank of part 2
     args = parser.parse_args(argv)
     positive = (*MODEL_ARGUMENTS, "fsdp_procs", "rounds")
@@ -101,12 +121,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error(
             f"--interval-steps ({args.interval_steps}) must be below --steps ({args.steps}): no snapshot would be taken"
         )
+    if args.parts is None:
+        args.parts = "train,eval" if args.cpu else ",".join(PARTS)
     parts = [p.strip() for p in args.parts.split(",") if p.strip()]
     unknown = sorted(set(parts) - set(PARTS))
     if unknown or not parts:
         parser.error(
             f"--parts: unknown part(s) {', '.join(unknown) or '(none given)'}; choose from {', '.join(PARTS)}"
         )
+    if args.cpu and "fsdp" in parts:
+        parser.error("--cpu runs the train and eval parts only: add --parts train,eval")
     args.parts = parts
     return args
 
@@ -125,46 +149,39 @@ def cuda_missing_reason() -> str | None:
 # ---------------------------------------------------------------------------------------------
 
 
-def llama_parameter_count(
-    hidden: int,
-    layers: int,
-    intermediate: int,
-    vocab: int,
-    heads: int,
-    kv_heads: int | None = None,
-    tie: bool = True,
-) -> int:
-    """Parameters of a ``LlamaForCausalLM`` (no biases, RMSNorm weights, tied head by default)."""
-    kv = (kv_heads or heads) * (hidden // heads)
-    attention = 2 * hidden * hidden + 2 * hidden * kv
-    mlp = 3 * hidden * intermediate
-    per_layer = attention + mlp + 2 * hidden
-    embeddings = vocab * hidden * (1 if tie else 2)
-    return embeddings + layers * per_layer + hidden
-
-
-def median_step_ms(step_seconds: list[float], warmup: int) -> float:
-    """The median step time in milliseconds, the first ``warmup`` steps left out (a typical
-    step: the steps that take a snapshot do not move it)."""
-    return 1000 * statistics.median(_timed(step_seconds, warmup))
-
-
-def mean_step_ms(step_seconds: list[float], warmup: int) -> float:
-    """The mean step time in milliseconds, the first ``warmup`` steps left out: the steps that
-    take a snapshot count, so this is what throughput sees."""
-    return 1000 * statistics.fmean(_timed(step_seconds, warmup))
-
-
-def _timed(step_seconds: list[float], warmup: int) -> list[float]:
-    timed = step_seconds[warmup:]
-    if not timed:
-        raise ValueError(f"no step left after {warmup} warm-up steps (of {len(step_seconds)})")
-    return timed
-
-
 def overhead_percent(baseline_ms: float, with_pma_ms: float) -> float:
     """How much slower a step is with snapshots, in percent of the step without."""
     return 100 * (with_pma_ms - baseline_ms) / baseline_ms
+
+
+def paired_overheads(pairs: list[tuple[float, float]]) -> dict[str, Any]:
+    """From ``(baseline mean step ms, PMACallback mean step ms)`` of each pair of runs: each
+    pair's overhead in percent, their median and range (what the table reports)."""
+    if not pairs:
+        raise ValueError("no pair of runs")
+    each = [overhead_percent(base, pma) for base, pma in pairs]
+    return {
+        "pairs": len(each),
+        "overhead_percent": statistics.median(each),
+        "overhead_min_percent": min(each),
+        "overhead_max_percent": max(each),
+        "overhead_each_percent": [round(o, 3) for o in each],
+    }
+
+
+def blocked_share(blocked_ms: list[float], run_ms: float, snapshot_ms: list[float]) -> dict[str, Any]:
+    """The part of a run that PMACallback blocked, from CUDA-event times: ``blocked_ms``, every
+    stretch between the marks right before and right after the callback (every Trainer event);
+    ``snapshot_ms``, those of the events that took a snapshot; ``run_ms``, the timed run."""
+    if run_ms <= 0:
+        raise ValueError(f"the timed run must last, got {run_ms} ms")
+    total = sum(blocked_ms)
+    return {
+        "blocked_share_percent": 100 * total / run_ms,
+        "blocked_total_ms": total,
+        "blocked_snapshot_ms": [round(ms, 3) for ms in snapshot_ms],
+        "blocked_between_snapshots_ms": total - sum(snapshot_ms),
+    }
 
 
 def snapshot_costs(blocked_s: list[float], write_s: list[float]) -> dict[str, Any]:
@@ -184,15 +201,25 @@ def snapshot_costs(blocked_s: list[float], write_s: list[float]) -> dict[str, An
     }
 
 
-def staging_reuse(history: list[tuple[frozenset[int], bool]]) -> dict[str, Any]:
-    """From the host buffers seen after each snapshot (their data pointers, whether all are
-    pinned): how many snapshots reused the previous snapshot's buffers."""
-    reused = sum(1 for before, after in zip(history, history[1:]) if after[0] == before[0])
+def callback_costs(callback: Any) -> dict[str, Any]:
+    """:func:`snapshot_costs` of a PMACallback's own read-out (``snapshot_costs``) after ``train()``."""
+    rows = callback.snapshot_costs
+    return snapshot_costs([r.blocked_s for r in rows], [r.write_s for r in rows if r.write_s is not None])
+
+
+def staging_reuse(pinned: list[tuple[int, int]], snapshot_bytes: int) -> dict[str, Any]:
+    """From torch's pinned host allocator, read before the first snapshot and after each one
+    (``(blocks it made so far, bytes it holds)``): how many snapshots after the first made no new
+    pinned block (the staging buffers reused), and whether the first snapshot's staging is
+    pinned (the pinned pool grew by at least 90 % of ``snapshot_bytes``, this process's part of
+    the snapshot's file: the file adds a header)."""
+    taken = pinned[1:]
+    reused = sum(1 for before, after in zip(taken, taken[1:]) if after[0] == before[0])
     return {
-        "snapshots": len(history),
+        "snapshots": len(taken),
         "reused": reused,
-        "possible": max(0, len(history) - 1),
-        "all_pinned": all(p for _, p in history),
+        "possible": max(0, len(taken) - 1),
+        "all_pinned": bool(taken) and taken[0][1] - pinned[0][1] >= 0.9 * snapshot_bytes,
     }
 
 
@@ -205,25 +232,37 @@ def build_table(results: dict[str, Any]) -> str:
     if train:
         base, pma = train["baseline"], train["pma"]
         reuse, costs = pma["staging"], pma["costs"]
+        precision = train.get("precision", "bf16")
+        clock = "CUDA events" if precision == "bf16" else "CPU clock"
         rows += [
             [
-                "bf16 step time, no snapshots",
+                f"{precision} step time, no snapshots",
                 f"{format_number(base['step_ms'], '.1f')} ms",
                 f"mean {format_number(base['mean_ms'], '.1f')} ms; "
                 f"{train['parameters'] / 1e6:.0f}M parameters, {base['steps']} steps timed",
             ],
             [
-                "bf16 step time, PMACallback",
+                f"{precision} step time, PMACallback",
                 f"{format_number(pma['step_ms'], '.1f')} ms",
                 f"mean {format_number(pma['mean_ms'], '.1f')} ms: throughput overhead "
-                f"{format_number(train['overhead_percent'], '+.1f')} % at a snapshot every {train['interval_steps']} steps",
+                f"{format_number(train['overhead_percent'], '+.1f')} % "
+                f"(median of {train['pairs']} alternating pairs, range "
+                f"{format_number(train['overhead_min_percent'], '+.1f')} to "
+                f"{format_number(train['overhead_max_percent'], '+.1f')} %) "
+                f"at a snapshot every {train['interval_steps']} steps",
+            ],
+            [
+                f"blocked by PMACallback ({clock})",
+                f"{format_number(train['blocked_share_percent'], '.2f')} % of the run",
+                f"median {format_number(statistics.median(train['blocked_snapshot_ms'] or [0.0]), '.1f')} ms per snapshot, "
+                f"{format_number(train['blocked_between_snapshots_ms'], '.1f')} ms in all between snapshots",
             ],
             _blocked_row("blocked per snapshot", costs),
             _write_row("background write per snapshot", costs, train["interval_ms"]),
             [
                 "pinned staging reuse",
-                f"{reuse['reused']}/{reuse['possible']}",
-                "every buffer pinned" if reuse["all_pinned"] else "NOT all pinned",
+                f"{reuse['reused']}/{reuse['possible']}" if reuse else "-",
+                ("every buffer pinned" if reuse["all_pinned"] else "NOT all pinned") if reuse else "no GPU",
             ],
         ]
     fsdp = results.get("fsdp")
@@ -296,37 +335,18 @@ def save_results(out: Path, results: dict[str, Any], table: str) -> list[Path]:
 
 
 def _model(args: argparse.Namespace):
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=args.vocab,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.heads,
-        max_position_embeddings=args.seq,
-        tie_word_embeddings=True,
+    return llama(
+        hidden=args.hidden,
+        layers=args.layers,
+        vocab=args.vocab,
+        intermediate=args.intermediate,
+        heads=args.heads,
+        max_positions=args.seq,
     )
-    return LlamaForCausalLM(config)
 
 
-def _dataset(args: argparse.Namespace, n: int):
-    import torch
-
-    class Tokens(torch.utils.data.Dataset):
-        def __init__(self) -> None:
-            self.ids = torch.randint(0, args.vocab, (n, args.seq), generator=torch.Generator().manual_seed(0))
-
-        def __len__(self) -> int:
-            return len(self.ids)
-
-        def __getitem__(self, i: int) -> dict:
-            return {"input_ids": self.ids[i], "labels": self.ids[i]}
-
-    return Tokens()
+def _dataset(args: argparse.Namespace, n: int) -> Tokens:
+    return Tokens(n, args.seq, args.vocab)
 
 
 def _training_arguments(args: argparse.Namespace, out: Path, **overrides: Any):
@@ -338,13 +358,15 @@ def _training_arguments(args: argparse.Namespace, out: Path, **overrides: Any):
         per_device_train_batch_size=args.batch,
         learning_rate=3e-4,
         lr_scheduler_type="constant",
-        bf16=True,
+        bf16=not args.cpu,
+        use_cpu=args.cpu,
         logging_steps=10,
         save_strategy="no",
         report_to=[],
         disable_tqdm=True,
         include_num_input_tokens_seen="all",
         dataloader_num_workers=0,
+        dataloader_pin_memory=False,  # the pinned host memory the check counts is the callback's own
         seed=0,
     )
     cls = overrides.pop("cls", TrainingArguments)
@@ -352,134 +374,179 @@ def _training_arguments(args: argparse.Namespace, out: Path, **overrides: Any):
     return cls(**kwargs)
 
 
-def _timing_callbacks():
-    """(StepTimer, TimedPMACallback class): step times, and the time spent in PMACallback's events."""
-    import torch
+class Clock:
+    """Marks on the GPU's own timeline (CUDA events on the current stream: nothing waits for
+    them) or, on the CPU, ``perf_counter`` readings; :meth:`ms` reads the time between two marks
+    once the run is over."""
+
+    def __init__(self, cuda: bool) -> None:
+        import torch
+
+        self.torch, self.cuda = torch, cuda
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = self.torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def ms(self, start: Any, end: Any) -> float:
+        if not self.cuda:
+            return 1000 * (end - start)
+        end.synchronize()
+        return start.elapsed_time(end)
+
+
+def _observers(clock: Clock, callback: Any = None) -> tuple[Any, Any, Any]:
+    """Three Trainer callbacks, public events only: ``before`` and ``after`` go right before and
+    right after ``callback`` (PMACallback, or nothing for the run without it) in the callback list
+    and mark every event around it, noting the marks of the events that took a snapshot (its
+    ``snapshot_costs`` grew) and torch's pinned host memory after them (not in
+    ``on_train_begin``: the callback's one-time set-up comes before the first timed step);
+    ``steps`` marks the beginning of every step and the end of training. All three are read
+    after ``train()``."""
     from transformers import TrainerCallback
 
-    from hf_pma.snapshots.callback import PMACallback
-
-    class StepTimer(TrainerCallback):
+    class Steps(TrainerCallback):
         def __init__(self) -> None:
-            self.seconds: list[float] = []
-            self._start = 0.0
+            self.marks: list[Any] = []
 
         def on_step_begin(self, args, state, control, **kwargs):
-            torch.cuda.synchronize()
-            self._start = time.perf_counter()
+            self.marks.append(clock.mark())
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.marks.append(clock.mark())
+
+        def step_ms(self) -> list[float]:
+            return [clock.ms(a, b) for a, b in zip(self.marks, self.marks[1:])]
+
+    def taken() -> int:
+        return len(callback.snapshot_costs) if callback is not None else 0
+
+    def pinned() -> tuple[int, int]:
+        if not clock.cuda:
+            return (0, 0)
+        stats = clock.torch.cuda.host_memory_stats()
+        return (int(stats.get("num_host_alloc", 0)), int(stats.get("allocated_bytes.current", 0)))
+
+    class Mark(TrainerCallback):
+        """Calls ``hook`` in every Trainer event in which PMACallback works."""
+
+        def __init__(self, hook: Any) -> None:
+            self.hook = hook
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self.hook()
+
+        def on_optimizer_step(self, args, state, control, **kwargs):
+            self.hook()
 
         def on_step_end(self, args, state, control, **kwargs):
-            torch.cuda.synchronize()
-            self.seconds.append(time.perf_counter() - self._start)
+            self.hook()
 
-    class TimedPMACallback(PMACallback):
-        """PMACallback that adds up the time the training thread spends in its events, notes
-        the time of each event call that took a snapshot, and, at every snapshot, which host
-        buffers the copy went to."""
+        def on_log(self, args, state, control, **kwargs):
+            self.hook()
 
-        blocked_s = 0.0
+        def on_save(self, args, state, control, **kwargs):
+            self.hook()
 
-        def __init__(self, *a: Any, **k: Any) -> None:
-            super().__init__(*a, **k)
-            self.staging_history: list[tuple[frozenset[int], bool]] = []
-            self.snapshot_blocked_s: list[float] = []
+        def on_train_end(self, args, state, control, **kwargs):
+            self.hook()
 
-        def on_train_begin(self, *a: Any, **k: Any):
-            result = super().on_train_begin(*a, **k)
-            take = self._sink.take
+    opened: list[tuple[Any, int]] = []
+    stretches: list[tuple[Any, Any, bool]] = []  # (start, end, whether a snapshot was taken)
+    pool = [pinned()]
 
-            def take_and_record(model, record):
-                take(model, record)
-                self._record_staging()
+    def open_mark() -> None:
+        opened.append((clock.mark(), taken()))
 
-            self._sink.take = take_and_record
-            return result
+    def close_mark() -> None:
+        start, count = opened.pop()
+        snapshot = taken() > count
+        stretches.append((start, clock.mark(), snapshot))
+        if snapshot:
+            pool.append(pinned())
 
-        def _record_staging(self) -> None:
-            sink = self._sink
-            buffers = (
-                getattr(sink, "_buffers", None)
-                or getattr(getattr(sink, "staging", None), "_buffers", None)
-                or {}
-            )
-            tensors = [b for b in buffers.values() if isinstance(b, torch.Tensor)]
-            if tensors:
-                self.staging_history.append(
-                    (frozenset(t.data_ptr() for t in tensors), all(t.is_pinned() for t in tensors))
-                )
+    before, after = Mark(open_mark), Mark(close_mark)
+    before.pinned, after.stretches = pool, stretches
+    return before, after, Steps()
 
-        def costs(self) -> dict[str, Any]:
-            """Per-snapshot costs (:func:`snapshot_costs`) of this run's snapshots."""
-            return snapshot_costs(self.snapshot_blocked_s, list(self._sink.worker.task_seconds))
 
-    for event in ("on_step_begin", "on_optimizer_step", "on_step_end", "on_log", "on_save", "on_train_end"):
-        original = getattr(PMACallback, event)
-
-        def timed(self, *a: Any, _original=original, **k: Any):
-            taken = len(self.staging_history)
-            start = time.perf_counter()
-            try:
-                return _original(self, *a, **k)
-            finally:
-                seconds = time.perf_counter() - start
-                self.blocked_s += seconds
-                if len(self.staging_history) > taken:
-                    self.snapshot_blocked_s.append(seconds)
-
-        setattr(TimedPMACallback, event, timed)
-    return StepTimer, TimedPMACallback
+def _blocked(clock: Clock, after: Any) -> tuple[list[float], list[float]]:
+    """(every stretch around the callback, those of the snapshots), in milliseconds."""
+    every = [(clock.ms(a, b), snapshot) for a, b, snapshot in after.stretches]
+    return [ms for ms, _ in every], [ms for ms, snapshot in every if snapshot]
 
 
 def run_training(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    """Part 1: the same bf16 run without and with PMACallback, ``--rounds`` times each,
-    alternating (so that a slow start of the GPU or the process weighs on neither): the step
-    times of all rounds, the snapshot costs and staging of the first round with PMACallback."""
+    """Part 1: ``--rounds`` pairs of the same run without and with PMACallback, the order
+    alternating from pair to pair; each step timed on the device's timeline; the callback's
+    blocked part timed directly; the snapshot costs and pinned staging of the first run with
+    PMACallback."""
     import torch
     from transformers import Trainer
 
-    StepTimer, TimedPMACallback = _timing_callbacks()
+    from hf_pma.snapshots.callback import PMACallback
+
+    clock = Clock(cuda=not args.cpu)
     tokens_per_step = args.batch * args.seq
     dataset = _dataset(args, args.steps * args.batch)
-    step_seconds: dict[str, list[float]] = {"baseline": [], "pma": []}
+    step_ms: dict[str, list[float]] = {"baseline": [], "pma": []}
+    pairs: list[tuple[float, float]] = []
     runs: dict[str, Any] = {}
-    for _ in range(args.rounds):
-        for name in ("baseline", "pma"):
+    for round_ in range(args.rounds):
+        means: dict[str, float] = {}
+        for name in ("baseline", "pma") if round_ % 2 == 0 else ("pma", "baseline"):
             out = workdir / f"train-{name}"
             shutil.rmtree(out, ignore_errors=True)
-            timer = StepTimer()
-            callbacks: list[Any] = [timer]
             pma = None
             if name == "pma":
-                pma = TimedPMACallback(
+                pma = PMACallback(
                     interval_tokens=args.interval_steps * tokens_per_step,
-                    save_dtype="bfloat16",
+                    save_dtype="float32" if args.cpu else "bfloat16",
                     phases=("stable",),
                 )
-                callbacks.insert(0, pma)
+            before, after, steps = _observers(clock, pma)
             trainer = Trainer(
                 model=_model(args),
                 args=_training_arguments(args, out),
                 train_dataset=dataset,
-                callbacks=callbacks,
+                callbacks=[before, *([pma] if pma else []), after, steps],
             )
             trainer.train()
-            step_seconds[name] += timer.seconds[args.warmup :]
+            timed = steps.step_ms()[args.warmup :]
+            step_ms[name] += timed
+            means[name] = statistics.fmean(timed)
             if pma is not None and name not in runs:
-                runs[name] = {"costs": pma.costs(), "staging": staging_reuse(pma.staging_history)}
+                every, snapshots = _blocked(clock, after)
+                costs = callback_costs(pma)
+                runs[name] = {
+                    "costs": costs,
+                    "staging": staging_reuse(before.pinned, pma.snapshot_costs[0].num_bytes or 0)
+                    if clock.cuda
+                    else None,
+                    **blocked_share(every, sum(steps.step_ms()), snapshots),
+                }
             del trainer
-            torch.cuda.empty_cache()
-    for name, seconds in step_seconds.items():
+            if clock.cuda:
+                torch.cuda.empty_cache()
+        pairs.append((means["baseline"], means["pma"]))
+    for name, seconds in step_ms.items():
         runs.setdefault(name, {}).update(
-            steps=len(seconds), step_ms=median_step_ms(seconds, 0), mean_ms=mean_step_ms(seconds, 0)
+            steps=len(seconds), step_ms=statistics.median(seconds), mean_ms=statistics.fmean(seconds)
         )
+    pma_run = runs["pma"]
     return {
+        "precision": "fp32 (CPU)" if args.cpu else "bf16",
         "parameters": llama_parameter_count(
             args.hidden, args.layers, args.intermediate, args.vocab, args.heads
         ),
         **runs,
         "interval_steps": args.interval_steps,
         "interval_ms": runs["baseline"]["mean_ms"] * args.interval_steps,
-        "overhead_percent": overhead_percent(runs["baseline"]["mean_ms"], runs["pma"]["mean_ms"]),
+        **paired_overheads(pairs),
+        **{k: pma_run.pop(k) for k in list(pma_run) if k.startswith("blocked_")},
     }
 
 
@@ -488,27 +555,31 @@ def fsdp_worker(args: argparse.Namespace, workdir: Path) -> None:
     sharded snapshots; rank 0 writes ``fsdp-worker.json``."""
     from transformers import Trainer
 
-    StepTimer, TimedPMACallback = _timing_callbacks()
-    timer = StepTimer()
+    from hf_pma.snapshots.callback import PMACallback
+
+    clock = Clock(cuda=True)
     out = workdir / "fsdp"
-    callback = TimedPMACallback(
+    callback = PMACallback(
         interval_tokens=args.interval_steps * args.batch * args.seq, phases=("stable",), sharded="auto"
     )
+    before, after, steps = _observers(clock, callback)
     training_args = _training_arguments(args, out)
     trainer = Trainer(
         model=_model(args),
         args=training_args,
         train_dataset=_dataset(args, args.steps * args.batch * training_args.world_size),
-        callbacks=[callback, timer],
+        callbacks=[before, callback, after, steps],
     )
     trainer.train()
     if training_args.process_index == 0:
         report = {
             "world_size": training_args.world_size,
-            "sink": type(callback._sink).__name__,
-            "costs": callback.costs(),
-            "interval_ms": mean_step_ms(timer.seconds, args.warmup) * args.interval_steps,
-            "staging": staging_reuse(callback.staging_history),
+            "sink": type(callback.sink).__name__,
+            "costs": callback_costs(callback),
+            "interval_ms": statistics.fmean(steps.step_ms()[args.warmup :]) * args.interval_steps,
+            "staging": staging_reuse(
+                before.pinned, (callback.snapshot_costs[0].num_bytes or 0) // training_args.world_size
+            ),
         }
         (workdir / "fsdp-worker.json").write_text(json.dumps(report))
 
@@ -622,7 +693,7 @@ def run_eval(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    reason = cuda_missing_reason()
+    reason = None if args.cpu else cuda_missing_reason()
     if reason is not None:
         print(f"gpu_check.py: {reason}; nothing was run", file=sys.stderr)
         return 1
@@ -633,7 +704,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[str, Any] = {
         "machine": {
-            "gpu": torch.cuda.get_device_name(0),
+            "gpu": "none (--cpu)" if args.cpu else torch.cuda.get_device_name(0),
             "torch": torch.__version__,
             "python": platform.python_version(),
         },

@@ -143,24 +143,20 @@ def prepare_data(args: argparse.Namespace, scratch: Path) -> dict[str, Any]:
 
 
 def build_model(args: argparse.Namespace, tokenizer: Any) -> Any:
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from common import llama
 
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.heads,
-        max_position_embeddings=args.block,
-        tie_word_embeddings=True,
+    return llama(
+        seed=args.seed,
+        hidden=args.hidden,
+        layers=args.layers,
+        vocab=len(tokenizer),
+        intermediate=args.intermediate,
+        heads=args.heads,
+        max_positions=args.block,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
     )
-    torch.manual_seed(args.seed)
-    return LlamaForCausalLM(config)
 
 
 def tokens_per_step(args: argparse.Namespace) -> int:

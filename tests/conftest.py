@@ -1,25 +1,22 @@
-"""Shared fixtures. Nothing here touches the network (see ``tests/testing_utils.py``)."""
+"""Shared fixtures. Nothing here touches the network (see ``tests/helpers/``)."""
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import subprocess
-from pathlib import Path
 
+import huggingface_hub.constants  # noqa: F401  (read HF_HUB_OFFLINE now: see below)
 import hypothesis
 import pytest
 import torch
 
-from tests.testing_utils import (
-    REPO_ROOT,
-    SHARED_LAUNCHES,
-    Launch,
-    launch,
-    shared_launch_job,
-    train_tiny_tokenizer,
-)
+from tests.helpers.launcher import SharedLaunches, launch, shared_launch_job
+from tests.helpers.models import train_tiny_tokenizer
+from tests.helpers.repo import REPO_ROOT
 
+# The processes the tests start are offline. huggingface_hub reads HF_HUB_OFFLINE once, when it is
+# imported (above, before this line): this process keeps the machine's setting, so that code run
+# here (the docs' dry push) reaches the local Hub stand-in.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Scripts launched by the tests (torchrun, accelerate, python) import ``tests.*`` like the tests do.
@@ -96,43 +93,6 @@ for _name, (_scenarios, _options) in {
 shared_launch_job("zero3")(lambda out: launch("sharded_zero3.py", "--out", out, check=False))
 
 
-class SharedLaunches:
-    """The launches of ``SHARED_LAUNCHES``, each started once, one at a time, in a background
-    thread (the ranks are processes; the tests go on meanwhile), and read by every test that
-    needs it."""
-
-    def __init__(self, tmp_path_factory) -> None:
-        self._tmp = tmp_path_factory
-        self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-pma-launch")
-        self._jobs: dict[str, tuple[Path, concurrent.futures.Future]] = {}
-
-    def start(self, name: str) -> None:
-        """Queue the launch ``name`` (once)."""
-        if name not in self._jobs:
-            out = self._tmp.mktemp(name)
-            self._jobs[name] = (out, self._executor.submit(SHARED_LAUNCHES[name], out))
-
-    def result(self, name: str) -> Launch:
-        """The finished launch ``name``; a failed launch fails the test with the first failing
-        rank's traceback (every test that reads it)."""
-        self.start(name)
-        done = self._jobs[name][1].result()
-        if done.returncode != 0 or done.timed_out:
-            pytest.fail(done.report(), pytrace=False)
-        if not done.outputs:
-            done.discard_logs()
-        return done
-
-    def __call__(self, name: str) -> Path:
-        """The output folder of the finished launch ``name``."""
-        self.result(name)
-        return self._jobs[name][0]
-
-    def close(self) -> None:
-        """Drop the launches not started yet (a session stopped early); wait for the running one."""
-        self._executor.shutdown(wait=True, cancel_futures=True)
-
-
 def _launches_needed(items) -> list[str]:
     """The shared launches the selected tests read (``@pytest.mark.shared_launch(name, ...)``)."""
     names: list[str] = []
@@ -145,8 +105,11 @@ def _launches_needed(items) -> list[str]:
 @pytest.fixture(scope="session")
 def shared_launch(request, tmp_path_factory):
     """``shared_launch(name)``: the output folder of the shared launch ``name`` once it is done
-    (``shared_launch.result(name)``: the :class:`~tests.testing_utils.Launch`). Every shared
-    launch a selected test is marked to read starts as the session starts, in the background."""
+    (``shared_launch.result(name)``: the :class:`~tests.helpers.launcher.Launch`);
+    ``shared_launch(name, scenario)``: the folder of one scenario of a ``tests/dist/scenarios.py``
+    launch, failing only if that scenario failed (:class:`~tests.helpers.launcher.SharedLaunches`).
+    Every shared launch a selected test is marked to read starts as the session starts, in the
+    background."""
     launches = SharedLaunches(tmp_path_factory)
     for name in _launches_needed(request.session.items):
         launches.start(name)

@@ -15,10 +15,11 @@ import pytest
 
 from hf_pma.merging.hub_revisions import list_revisions, parse_progress
 from hf_pma.publishing.hub import push_folder_to_hub
-from tests.hub_server import HubServer, online_cli_env, online_hub
-from tests.pma_records import write_merged_folder
-from tests.snapshot_runs import noise_deviation, write_run
-from tests.testing_utils import make_tiny_model, run_cli
+from tests.helpers.cli import run_cli
+from tests.helpers.hub_server import HubServer, online_cli_env, online_hub
+from tests.helpers.models import make_tiny_model
+from tests.helpers.pma_records import write_merged_folder
+from tests.helpers.snapshot_runs import noise_deviation, write_run
 
 
 @pytest.fixture(scope="module")
@@ -239,7 +240,7 @@ def test_record_values_cannot_make_links_or_html_in_the_card(tmp_path, tiny_toke
 def test_consolidate_overwrite_replaces_its_own_output_of_a_folder_without_a_record(tmp_path):
     # A DCP folder without pma.json was consolidated into a folder with no record: hf-pma's own
     # output was then "not written by hf-pma" to --overwrite.
-    from tests.merging.test_sharded_merge import LAYOUTS, write_sharded
+    from tests.helpers.sharded_files import LAYOUTS, write_sharded
 
     model = make_tiny_model(seed=0)
     model.save_pretrained(tmp_path / "full")
@@ -263,7 +264,7 @@ def test_eval_leaves_a_link_a_load_never_reads_alone(tmp_path, tiny_tokenizer):
 
 def test_a_training_whose_pma_folder_is_a_link_out_writes_nothing_there(tmp_path):
     from hf_pma.snapshots.callback import PMACallback
-    from tests.test_way_out import TPS, train
+    from tests.helpers.training import TRAIN_SMALL_TPS, train_small
 
     victim = tmp_path / "victim"
     victim.mkdir()
@@ -273,7 +274,7 @@ def test_a_training_whose_pma_folder_is_a_link_out_writes_nothing_there(tmp_path
     with pytest.raises(
         ValueError, match="is a symbolic link; hf-pma writes snapshots only into a real folder"
     ):
-        train(out, [PMACallback(interval_tokens=2 * TPS)], max_steps=4)
+        train_small(out, [PMACallback(interval_tokens=2 * TRAIN_SMALL_TPS)], max_steps=4)
     assert list(victim.iterdir()) == []
 
 

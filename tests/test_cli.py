@@ -45,7 +45,7 @@ print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "
 
 def test_merge_and_consolidate_of_safetensors_import_neither_torch_nor_transformers(tmp_path):
     from hf_pma.io.sharded import rank_file_name
-    from tests.testing_utils import make_tiny_model, save_model_folder
+    from tests.helpers.models import make_tiny_model, save_model_folder
 
     folders = [
         save_model_folder(tmp_path / f"s{i}", make_tiny_model(seed=i), max_shard_size="20KB")
@@ -79,7 +79,7 @@ def test_merge_and_consolidate_of_safetensors_import_neither_torch_nor_transform
 
 
 def test_run_cli_in_process_puts_back_what_the_command_changes(tmp_path, monkeypatch):
-    """The in-process runner (tests.testing_utils.run_cli) leaves no state for the next test:
+    """The in-process runner (tests.helpers.cli.run_cli) leaves no state for the next test:
     loggers, environment, current folder, torch's threads, progress bars."""
     import logging
     import os
@@ -87,7 +87,7 @@ def test_run_cli_in_process_puts_back_what_the_command_changes(tmp_path, monkeyp
     import torch
     from transformers.utils import logging as hf_logging
 
-    from tests.testing_utils import run_cli
+    from tests.helpers.cli import run_cli
 
     monkeypatch.delenv("TRANSFORMERS_VERBOSITY", raising=False)
     loggers = [logging.getLogger(), logging.getLogger("hf_pma"), hf_logging.get_logger()]
@@ -131,7 +131,7 @@ def test_library_errors_name_parameters_and_the_command_shows_their_flags():
 
 def test_a_bad_hub_timeout_is_named_by_its_flag_on_the_command_line(tmp_path):
     from hf_pma.utils.hub_client import set_hub_timeout
-    from tests.testing_utils import run_cli
+    from tests.helpers.cli import run_cli
 
     with pytest.raises(ValueError, match="^hub timeout '0' is not a timeout"):
         set_hub_timeout("0")

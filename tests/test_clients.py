@@ -15,7 +15,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.testing_utils import make_tiny_model, require_trl, run_cli, sample_text
+from tests.helpers.cli import run_cli
+from tests.helpers.data import sample_text
+from tests.helpers.markers import require_trl
+from tests.helpers.models import make_tiny_model
 
 STEPS = 24
 INTERVAL_TOKENS = 512  # 2 steps of 4 rows x 64 tokens: 12 snapshots

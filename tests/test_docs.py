@@ -20,7 +20,7 @@ from pathlib import Path
 
 import yaml
 
-from tests.testing_utils import REPO_ROOT
+from tests.helpers.repo import REPO_ROOT
 
 DOCS = REPO_ROOT / "docs"
 README = REPO_ROOT / "README.md"

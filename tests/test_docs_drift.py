@@ -4,14 +4,12 @@ README is read on GitHub, so it is checked here rather than generated at build t
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 
 import pytest
 import yaml
 
-from tests.testing_utils import REPO_ROOT
+from tests.helpers.repo import REPO_ROOT, load_pretrain_script, load_script
 
 CONFIG = yaml.safe_load((REPO_ROOT / "scripts" / "configs" / "tiny.yaml").read_text())
 PAGES = ("README.md", "docs/quickstart.md")
@@ -41,10 +39,7 @@ class _Vocabulary:
 
 
 def _parameters_in_millions(monkeypatch) -> str:
-    spec = importlib.util.spec_from_file_location("pretrain_script", REPO_ROOT / "scripts" / "pretrain.py")
-    script = importlib.util.module_from_spec(spec)
-    monkeypatch.setitem(sys.modules, spec.name, script)
-    spec.loader.exec_module(script)
+    script = load_pretrain_script(monkeypatch)
     model_args = script.ModelArguments(
         config_overrides=CONFIG["config_overrides"], vocab_size=CONFIG["vocab_size"]
     )
@@ -138,12 +133,7 @@ def test_schedule_matches_tiny_yaml():
 
 
 def _benchmark_tables_hook():
-    spec = importlib.util.spec_from_file_location(
-        "benchmark_tables", REPO_ROOT / "docs" / "hooks" / "benchmark_tables.py"
-    )
-    hook = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(hook)
-    return hook
+    return load_script("docs/hooks/benchmark_tables.py")
 
 
 def test_gpu_numbers_quoted_in_the_docs_are_those_of_the_committed_gpu_check():

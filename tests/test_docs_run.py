@@ -17,7 +17,7 @@ extras that exist. Training runs are parse-checked only (the suite's time budget
 The blocks are found by `Sybil <https://sybil.readthedocs.io>`_ (its Markdown lexers: fenced
 blocks with their language, line numbers, the document's shared namespace), a maintained
 documentation-testing tool that, unlike pytest-markdown-docs or pytest-examples, hands each
-block to an evaluator of our own: shell blocks run through ``tests.testing_utils.run_cli`` in
+block to an evaluator of our own: shell blocks run through ``tests.helpers.cli.run_cli`` in
 this process (no process start per command), and the "not run" marker and the shared run folder
 are ours.
 """
@@ -41,14 +41,10 @@ from sybil.parsers.markdown import CodeBlockParser
 
 from hf_pma import cli
 from hf_pma.core.manifest import PMA_SUBDIR, SnapshotRecord, write_manifest
-from tests.testing_utils import (
-    REPO_ROOT,
-    make_tiny_model,
-    run_cli,
-    sample_text,
-    save_model_folder,
-    write_small_tasks,
-)
+from tests.helpers.cli import run_cli
+from tests.helpers.data import sample_text, write_small_tasks
+from tests.helpers.models import make_tiny_model, save_model_folder
+from tests.helpers.repo import REPO_ROOT
 
 # How the pages spell the command: the parser's program name, or ``-m`` and the CLI's module.
 PROG, CLI_MODULE = cli.build_parser().prog, cli.__name__
@@ -171,16 +167,10 @@ def _pretrain_options() -> set[str]:
     """The flags of scripts/pretrain.py: the fields of its argument dataclasses (``--name``, and
     ``--no_name`` for a boolean)."""
     import dataclasses
-    import importlib.util
-    import sys
 
-    spec = importlib.util.spec_from_file_location("pretrain_script", REPO_ROOT / "scripts" / "pretrain.py")
-    script = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = script
-    try:
-        spec.loader.exec_module(script)
-    finally:
-        del sys.modules[spec.name]
+    from tests.helpers.repo import load_pretrain_script
+
+    script = load_pretrain_script()
     classes = [v for v in vars(script).values() if isinstance(v, type) and dataclasses.is_dataclass(v)]
     fields = [f for cls in classes for f in dataclasses.fields(cls)]
     return {"--help"} | {f"--{f.name}" for f in fields} | {f"--no_{f.name}" for f in fields}

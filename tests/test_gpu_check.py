@@ -3,7 +3,6 @@ tier, tests/gpu/): the one-line stop without CUDA, the arguments, the numbers an
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -11,17 +10,15 @@ import sys
 
 import pytest
 
-from tests.testing_utils import REPO_ROOT, markdown_rows
+from tests.helpers.output import markdown_rows
+from tests.helpers.repo import REPO_ROOT, load_script
 
 SCRIPT = REPO_ROOT / "benchmarks" / "gpu_check.py"
 
 
 @pytest.fixture(scope="module")
 def gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def test_without_cuda_it_stops_at_once_with_one_line(tmp_path):
@@ -108,19 +105,31 @@ def test_the_fsdp_run_gets_the_same_model_and_schedule(gpu_check):
 
 
 def test_numbers(gpu_check):
-    assert gpu_check.median_step_ms([9.0, 9.0, 0.010, 0.030, 0.020], warmup=2) == pytest.approx(20.0)
-    with pytest.raises(ValueError, match="no step left after 3 warm-up steps"):
-        gpu_check.median_step_ms([1.0, 1.0, 1.0], warmup=3)
     assert gpu_check.overhead_percent(100.0, 103.0) == pytest.approx(3.0)
-    a, b = frozenset({1, 2}), frozenset({3, 4})
-    assert gpu_check.staging_reuse([(a, True), (a, True), (b, True), (b, True)]) == {
+    paired = gpu_check.paired_overheads([(100.0, 101.0), (100.0, 99.5), (200.0, 203.0)])
+    assert paired["pairs"] == 3 and paired["overhead_percent"] == pytest.approx(1.0)
+    assert paired["overhead_min_percent"] == pytest.approx(-0.5)
+    assert paired["overhead_max_percent"] == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="no pair of runs"):
+        gpu_check.paired_overheads([])
+    share = gpu_check.blocked_share([0.5, 20.0, 0.5, 30.0], 10_000.0, [20.0, 30.0])
+    assert share["blocked_share_percent"] == pytest.approx(0.51)
+    assert share["blocked_between_snapshots_ms"] == pytest.approx(1.0)
+    # The pinned pool (blocks made, bytes held) before the first snapshot, then after each one.
+    grew, kept = (3, 10), (5, 10 + 1000)
+    assert gpu_check.staging_reuse([grew, kept, kept, (6, 2000), (6, 2000)], snapshot_bytes=1000) == {
         "snapshots": 4,
         "reused": 2,
         "possible": 3,
         "all_pinned": True,
     }
-    assert gpu_check.staging_reuse([(a, True), (a, False)])["all_pinned"] is False
-    assert gpu_check.staging_reuse([]) == {"snapshots": 0, "reused": 0, "possible": 0, "all_pinned": True}
+    assert gpu_check.staging_reuse([grew, (3, 10)], snapshot_bytes=1000)["all_pinned"] is False
+    assert gpu_check.staging_reuse([grew], 1000) == {
+        "snapshots": 0,
+        "reused": 0,
+        "possible": 0,
+        "all_pinned": False,
+    }
 
 
 COSTS = {
@@ -145,7 +154,13 @@ RESULTS = {
         },
         "interval_steps": 10,
         "interval_ms": 1005.0,
+        "pairs": 6,
         "overhead_percent": 1.49,
+        "overhead_min_percent": 0.8,
+        "overhead_max_percent": 2.04,
+        "blocked_share_percent": 0.4123,
+        "blocked_snapshot_ms": [150.0, 12.0, 12.5, 13.0, 11.0],
+        "blocked_between_snapshots_ms": 7.25,
     },
     "fsdp": {
         "world_size": 1,
@@ -183,7 +198,12 @@ def test_one_table_and_the_results_files(gpu_check, tmp_path):
     ]
     assert body["bf16 step time, PMACallback"] == [
         "100.2 ms",
-        "mean 102.0 ms: throughput overhead +1.5 % at a snapshot every 10 steps",
+        "mean 102.0 ms: throughput overhead +1.5 % (median of 6 alternating pairs, range +0.8 to +2.0 %) "
+        "at a snapshot every 10 steps",
+    ]
+    assert body["blocked by PMACallback (CUDA events)"] == [
+        "0.41 % of the run",
+        "median 12.5 ms per snapshot, 7.2 ms in all between snapshots",
     ]
     assert body["blocked per snapshot"] == ["12.3 ms", "median of snapshots 2-5; the first 150.0 ms"]
     assert body["background write per snapshot"] == [
@@ -218,3 +238,21 @@ def test_one_table_and_the_results_files(gpu_check, tmp_path):
     assert json.loads(written[1].read_text()) == RESULTS
     text = written[0].read_text()
     assert text.startswith("# GPU check\n\ngpu Some GPU, torch 2.13.0\n") and table in text
+
+
+def test_a_cpu_run_times_alternating_pairs_and_the_blocked_part(gpu_check, tmp_path, capsys):
+    """``--cpu``: part 1 end to end in seconds (fp32, the CPU's clock): pairs of runs without and
+    with PMACallback, the callback's own snapshot costs (``PMACallback.snapshot_costs``), the
+    stretches around the callback, one table."""
+    argv = "--cpu --parts train --hidden 64 --heads 4 --layers 1 --intermediate 128 --vocab 256"
+    argv += " --seq 16 --batch 2 --steps 9 --warmup 1 --interval-steps 4 --rounds 2"
+    assert gpu_check.main([*argv.split(), "--out", str(tmp_path)]) == 0
+    train = json.loads((tmp_path / "results.json").read_text())["train"]
+    assert train["precision"] == "fp32 (CPU)" and train["pairs"] == 2
+    assert len(train["overhead_each_percent"]) == 2 and train["pma"]["staging"] is None
+    costs = train["pma"]["costs"]
+    assert costs["snapshots"] == 2 == len(costs["write_ms"]) == len(train["blocked_snapshot_ms"])
+    assert 0 < train["blocked_share_percent"] < 100 and train["baseline"]["steps"] == 2 * 8
+    rows = {row[0]: row[1:] for row in markdown_rows(capsys.readouterr().out)}
+    assert rows["blocked by PMACallback (CPU clock)"][0].endswith("% of the run")
+    assert rows["pinned staging reuse"] == ["-", "no GPU"]

@@ -26,11 +26,13 @@ from hypothesis import strategies as st
 
 from hf_pma.core.manifest import SnapshotRecord, add_snapshot, drop_snapshots_after
 from hf_pma.publishing.hub import push_folder_to_hub
-from tests.audit import AuditWatch, tree
-from tests.hub_server import online_hub
-from tests.pma_records import write_merged_folder
-from tests.snapshot_runs import noise_deviation, write_run
-from tests.testing_utils import make_tiny_model, run_cli, sample_text, save_model_folder
+from tests.helpers.audit import AuditWatch, tree
+from tests.helpers.cli import run_cli
+from tests.helpers.data import sample_text
+from tests.helpers.hub_server import online_hub
+from tests.helpers.models import make_tiny_model, save_model_folder
+from tests.helpers.pma_records import write_merged_folder
+from tests.helpers.snapshot_runs import noise_deviation, write_run
 
 TOKEN = "hostile-folder-test-token-0123456789"
 SNAPSHOTS = ["snapshot-1000", "snapshot-2000", "snapshot-3000"]
@@ -355,7 +357,7 @@ def _attack(base: dict, changes: list, commands: list[str], hub=None) -> dict[st
                     try:
                         push_folder_to_hub(merged, "my-org/model", token=TOKEN, endpoint=hub.url)
                         codes[name] = 0
-                    except Exception as err:  # noqa: BLE001 - what kind of error is what this checks
+                    except Exception as err:
                         _check_library_error(err, "push")
                         codes[name] = 2
                 elif name == "manifest":
@@ -368,7 +370,7 @@ def _attack(base: dict, changes: list, commands: list[str], hub=None) -> dict[st
                     ):
                         try:
                             call()
-                        except Exception as err:  # noqa: BLE001
+                        except Exception as err:
                             _check_library_error(err, "manifest")
                             codes[name] = 2
                 else:

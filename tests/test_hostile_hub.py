@@ -1,6 +1,6 @@
 """A Hub that answers as an attacker would: its answers are input, checked before they are used.
 
-The local Hub stand-in (``tests/hub_server.py``) serves, per repo, one hostile answer each: a
+The local Hub stand-in (``tests/helpers/hub_server.py``) serves, per repo, one hostile answer each: a
 commit id shaped like a path, an ETag shaped like a path, a file name holding a terminal escape,
 a body that never ends, a file whose bytes are not the ones its metadata hashes, branch names
 holding a terminal escape or a right-to-left override, and a server that accepts the
@@ -17,8 +17,10 @@ import json
 import pytest
 
 from hf_pma.utils.hub_client import HUB_TIMEOUT_ENV, hub_timeouts, parse_hub_timeout, set_hub_timeout
-from tests.hub_server import ENDLESS_CAP, HubServer
-from tests.testing_utils import make_tiny_model, run_cli_in_one_process, sample_text
+from tests.helpers.cli import run_cli_in_one_process
+from tests.helpers.data import sample_text
+from tests.helpers.hub_server import ENDLESS_CAP, HubServer
+from tests.helpers.models import make_tiny_model
 
 PWNED = "../../../PWNED"
 REFS_GOOD = ("step100", "step200")
@@ -292,7 +294,7 @@ def test_the_timeouts_come_from_the_flag_the_environment_or_the_defaults(monkeyp
 
 
 def test_a_revision_holding_a_bidi_override_is_refused_before_any_request(tmp_path):
-    from tests.testing_utils import run_cli
+    from tests.helpers.cli import run_cli
 
     result = run_cli("merge", "org/model@step\u202e0003", "-o", tmp_path / "m")
     line = _error_line(result, "merge")

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.pma_records import write_merged_folder
-from tests.testing_utils import REPO_ROOT
+from tests.helpers.pma_records import write_merged_folder
+from tests.helpers.repo import REPO_ROOT
 
 
 @pytest.fixture(scope="module")

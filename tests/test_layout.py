@@ -1,6 +1,6 @@
 """The package's layout: subpackages import downward only, no module imports in a cycle, and no
 module points at files outside the repository. The tests' layout: every multi-process launch goes
-through ``tests.testing_utils.launch``."""
+through ``tests.helpers.launcher.launch``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import ast
 import re
 from pathlib import Path
 
-from tests.testing_utils import REPO_ROOT
+from tests.helpers.repo import REPO_ROOT
 
 PACKAGE = REPO_ROOT / "hf_pma"
 # Bottom to top: a subpackage may import its own modules and those of the subpackages below it.
@@ -159,11 +159,15 @@ def _test_nodes(allowed: set[Path]):
 
 def test_tests_launch_processes_through_the_one_launcher():
     """No test module chooses a port or builds a torchrun / accelerate command of its own:
-    ``tests.testing_utils.launch`` holds the port safely, keeps per-rank logs and reports the
+    ``tests.helpers.launcher.launch`` holds the port safely, keeps per-rank logs and reports the
     first failing rank's traceback."""
     tests = REPO_ROOT / "tests"
     # The launcher; the Hub stand-in (serves on port 0); this rule's own list.
-    allowed = {tests / "testing_utils.py", tests / "hub_server.py", Path(__file__).resolve()}
+    allowed = {
+        tests / "helpers" / "launcher.py",
+        tests / "helpers" / "hub_server.py",
+        Path(__file__).resolve(),
+    }
     offenders = []
     for where, node in _test_nodes(allowed):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and re.search(
@@ -174,7 +178,7 @@ def test_tests_launch_processes_through_the_one_launcher():
             offenders.append(f"{where} builds a launch command ({node.value!r})")
         elif isinstance(node, ast.Attribute) and node.attr == "bind":
             offenders.append(f"{where} binds a socket")
-    assert not offenders, "launch multi-process tests with tests.testing_utils.launch:\n" + "\n".join(
+    assert not offenders, "launch multi-process tests with tests.helpers.launcher.launch:\n" + "\n".join(
         offenders
     )
 
@@ -185,12 +189,12 @@ CLI_STRINGS = {"hf-pma", "hf_pma.cli"}
 
 def test_tests_run_the_command_through_the_one_helper():
     """No test module starts ``hf-pma`` (or ``python -m hf_pma.cli``) itself:
-    ``tests.testing_utils.run_cli`` runs it in this process (putting back what the command
+    ``tests.helpers.cli.run_cli`` runs it in this process (putting back what the command
     changes: logging, environment, current folder, threads) or, with ``process=True``, as a
     process of its own."""
     tests = REPO_ROOT / "tests"
     allowed = {
-        tests / "testing_utils.py",  # the helper
+        tests / "helpers" / "cli.py",  # the helper
         tests / "test_cli.py",  # fresh interpreters that report what importing the command loads
         tests / "test_install.py",  # the console script of a freshly built wheel
         tests / "merging" / "test_exclusive_outputs.py",  # two merges racing each other (Popen)
@@ -202,7 +206,7 @@ def test_tests_run_the_command_through_the_one_helper():
             offenders.append(f"{where} builds an hf-pma command ({node.value!r})")
         elif isinstance(node, ast.Name) and node.id == "hf_pma_command":
             offenders.append(f"{where} starts the console script itself")
-    assert not offenders, "run hf-pma with tests.testing_utils.run_cli:\n" + "\n".join(offenders)
+    assert not offenders, "run hf-pma with tests.helpers.cli.run_cli:\n" + "\n".join(offenders)
 
 
 # What opening a file looks like. Files under a folder a user gave (a run, a source, a snapshot,
@@ -260,3 +264,55 @@ def test_files_are_opened_through_the_one_way_in():
     assert not offenders, "open files from a user's folder through hf_pma.io.guarded:\n" + "\n".join(
         offenders
     )
+
+
+def _module_table() -> dict[str, list[str]]:
+    """The table "Where each module is tested" of docs/development.md: module -> its test files."""
+    from tests.helpers.output import markdown_rows
+
+    text = (REPO_ROOT / "docs" / "development.md").read_text()
+    section = text.split("## Where each module is tested", 1)[1].split("\n## ", 1)[0]
+    return {
+        row[0].strip("`"): [cell.strip().strip("`") for cell in row[1].split(",")]
+        for row in markdown_rows(section)
+        if len(row) == 2 and row[0] not in ("module", "test file")
+    }
+
+
+def test_every_module_is_listed_with_its_tests():
+    """docs/development.md says where each module of hf_pma is tested: every module with code (a
+    package's ``__init__`` only when it holds more than a docstring) has a row, every row is a
+    module, every test file named exists, and every test file of the suite appears in a row."""
+    table = _module_table()
+    modules = set()
+    for path in PACKAGE.rglob("*.py"):
+        body = ast.parse(path.read_text()).body
+        if path.name == "__init__.py" and len(body) <= 1:
+            continue
+        modules.add(path.relative_to(REPO_ROOT).as_posix())
+    listed = {name for name in table if name.startswith("hf_pma/")}
+    assert sorted(modules - listed) == [], "modules missing from docs/development.md's table"
+    assert sorted(listed - modules) == [], "rows of docs/development.md's table that name no module"
+    named = {test for tests in table.values() for test in tests if test.endswith(".py")}
+    named |= {name for name in table if not name.startswith("hf_pma/")}  # the tests of the whole
+    tests = REPO_ROOT / "tests"
+    assert sorted(t for t in named if not (tests / t).is_file()) == [], "test files that do not exist"
+    everywhere = {p.relative_to(tests).as_posix() for p in tests.rglob("test_*.py")}
+    assert sorted(everywhere - named) == [], "test files in no row of docs/development.md's table"
+
+
+def test_what_tests_share_lives_in_the_helpers_package():
+    """No module under tests/ imports from a test module (``test_*.py``): what tests share lives
+    in ``tests/helpers/`` (or in the ``tests/dist/`` script the test launches)."""
+    offenders = []
+    for where, node in _test_nodes(set()):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("tests."):
+            if node.module.rsplit(".", 1)[-1].startswith("test_"):
+                offenders.append(f"{where} imports from {node.module}")
+        elif isinstance(node, ast.Import):
+            offenders += [
+                f"{where} imports {a.name}"
+                for a in node.names
+                if a.name.rsplit(".", 1)[-1].startswith("test_")
+            ]
+    assert not offenders, "move what tests share into tests/helpers/:\n" + "\n".join(offenders)

@@ -23,10 +23,12 @@ from hf_pma.merging.engine import merge_checkpoints
 from hf_pma.merging.sources import resolve_sources
 from hf_pma.snapshots.callback import PMACallback
 from hf_pma.utils.fs import FolderClaim, _host, claim_path
-from tests.dist.pma_common import TokenDataset, make_args, make_tiny_model, pad_collate
-from tests.pma_records import merge_record
-from tests.snapshot_runs import noise_deviation, write_run
-from tests.testing_utils import launch, sample_text
+from tests.helpers.data import TokenDataset, pad_collate, sample_text
+from tests.helpers.launcher import launch
+from tests.helpers.models import make_tiny_model
+from tests.helpers.pma_records import merge_record
+from tests.helpers.snapshot_runs import noise_deviation, write_run
+from tests.helpers.training import make_args
 
 TRAIN = Path(__file__).parent / "dist" / "one_writer_train.py"
 ROUNDS = 20

@@ -70,7 +70,7 @@ def test_merge_weights_is_the_deprecated_name_of_merge_coefficients():
 def test_scripts_import_the_public_names_only():
     """scripts/pretrain.py is the example users copy: it imports from ``hf_pma`` itself, not from
     the package's modules (which may move)."""
-    from tests.testing_utils import REPO_ROOT
+    from tests.helpers.repo import REPO_ROOT
 
     tree = ast.parse((REPO_ROOT / "scripts" / "pretrain.py").read_text())
     internal = sorted(
@@ -114,7 +114,7 @@ def test_version_is_the_changelogs_top_heading():
     # "## 0.2.0 (unreleased)" -> "0.2.0.dev0"; once released ("## 0.2.0") the version is "0.2.0".
     from packaging.version import Version
 
-    from tests.testing_utils import REPO_ROOT
+    from tests.helpers.repo import REPO_ROOT
 
     heading = next(
         line for line in (REPO_ROOT / "CHANGELOG.md").read_text().splitlines() if line.startswith("## ")

@@ -23,7 +23,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.testing_utils import REPO_ROOT, launch, run_cli, sample_text, tiny_llama_config
+from tests.helpers.cli import run_cli
+from tests.helpers.data import sample_text
+from tests.helpers.launcher import launch
+from tests.helpers.models import tiny_llama_config
+from tests.helpers.repo import REPO_ROOT
 
 PAGE = REPO_ROOT / "docs" / "without-trainer.md"
 SCRIPT_ENV = "HF_PMA_RUN_CLM_NO_TRAINER"

@@ -10,18 +10,19 @@ import shutil
 from pathlib import Path
 
 import pytest
-from transformers import Trainer
 
 from hf_pma.cli import main
 from hf_pma.core.manifest import is_excluded, manifest_snapshots
 from hf_pma.snapshots.callback import PMACallback
-from tests.dist.pma_common import TokenDataset, make_args, make_tiny_model, pad_collate
-from tests.pma_records import write_merged_folder
-from tests.snapshot_runs import noise_deviation, write_run
-from tests.testing_utils import require_matplotlib, run_cli, sample_text, save_model_folder
+from tests.helpers.cli import run_cli
+from tests.helpers.data import sample_text
+from tests.helpers.markers import require_matplotlib
+from tests.helpers.models import make_tiny_model, save_model_folder
+from tests.helpers.pma_records import write_merged_folder
+from tests.helpers.snapshot_runs import noise_deviation, write_run
+from tests.helpers.training import TRAIN_SMALL_TPS, train_small
 
-SEQ, BATCH = 16, 4
-TPS = SEQ * BATCH  # tokens per step
+TPS = TRAIN_SMALL_TPS  # tokens per step of train_small
 
 
 def tree(folder: Path) -> dict[str, bytes]:
@@ -168,24 +169,11 @@ def test_the_installed_command_exits_2_with_one_line(handed_over, tmp_path):
 # ---------------------------------------------------------------- a resumed Trainer
 
 
-def train(out: Path, callback: PMACallback, resume: str | None = None, **overrides) -> Trainer:
-    trainer = Trainer(
-        model=make_tiny_model(seed=0),
-        args=make_args(out, **{"max_steps": 8, "save_strategy": "steps", "save_steps": 4, **overrides}),
-        train_dataset=TokenDataset(n=256, min_len=SEQ, max_len=SEQ),
-        data_collator=pad_collate,
-        callbacks=[callback],
-    )
-    trainer.train(resume_from_checkpoint=resume)
-    callback.wait()
-    return trainer
-
-
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """A finished 8-step run: snapshots at steps 2, 4, 6, 8; checkpoints at 4 and 8."""
     out = tmp_path_factory.mktemp("trained") / "run"
-    train(out, PMACallback(interval_tokens=2 * TPS))
+    train_small(out, [PMACallback(interval_tokens=2 * TPS)])
     assert [r.step for r in manifest_snapshots(out / "pma")] == [2, 4, 6, 8]
     return out
 
@@ -215,7 +203,7 @@ def test_resume_refuses_entries_outside_the_run_and_deletes_nothing(run_copy, tm
     with pytest.raises(
         ValueError, match=r"snapshots\[4\] \('../../victim_rel'\): 'path' refused: .* leaves"
     ) as info:
-        train(run_copy, PMACallback(interval_tokens=2 * TPS), resume=str(run_copy / "checkpoint-4"))
+        train_small(run_copy, [PMACallback(interval_tokens=2 * TPS)], resume=str(run_copy / "checkpoint-4"))
     assert "\n" not in str(info.value)
     assert tree(tmp_path) == before and (pma / "manifest.json").read_bytes() == manifest
 
@@ -227,8 +215,8 @@ def test_keep_last_refuses_an_old_entry_outside_the_run(run_copy, tmp_path):
     with pytest.raises(
         ValueError, match=r"snapshots\[0\] \('.*victim_abs'\): 'path' refused: .* is absolute"
     ):
-        train(
-            run_copy, PMACallback(interval_tokens=2 * TPS, keep_last=2), resume=str(run_copy / "checkpoint-4")
+        train_small(
+            run_copy, [PMACallback(interval_tokens=2 * TPS, keep_last=2)], resume=str(run_copy / "checkpoint-4")
         )
     assert tree(tmp_path) == before
 
@@ -242,7 +230,7 @@ def test_resume_and_keep_last_leave_folders_that_hf_pma_did_not_write(run_copy):
         (pma / name / "mine.txt").write_text("keep me")
     add_entries(pma, {"path": "notes_old", "tokens": 1, "step": 1}, first=True)
     add_entries(pma, {"path": "notes_new", "tokens": 20 * TPS, "step": 20})
-    train(run_copy, PMACallback(interval_tokens=2 * TPS, keep_last=2), resume=str(run_copy / "checkpoint-4"))
+    train_small(run_copy, [PMACallback(interval_tokens=2 * TPS, keep_last=2)], resume=str(run_copy / "checkpoint-4"))
     # notes_new lies past the resume point and past where the run ended: set aside, excluded.
     assert [r.step for r in manifest_snapshots(pma) if not is_excluded(r)] == [6, 8]
     assert [(r.path, r.extra["set_aside_at"]) for r in manifest_snapshots(pma) if is_excluded(r)] == [("notes_new", 4 * TPS)]

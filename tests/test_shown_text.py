@@ -20,9 +20,11 @@ from hf_pma.merging.sources import run_layout
 from hf_pma.publishing.card import build_model_card
 from hf_pma.publishing.records import FolderRecords
 from hf_pma.utils.fs import parse_temporary
-from tests.pma_records import merge_record
-from tests.snapshot_runs import noise_deviation, write_run
-from tests.testing_utils import REPO_ROOT, make_tiny_model, run_cli, save_model_folder
+from tests.helpers.cli import run_cli
+from tests.helpers.models import make_tiny_model, save_model_folder
+from tests.helpers.pma_records import merge_record
+from tests.helpers.repo import REPO_ROOT
+from tests.helpers.snapshot_runs import noise_deviation, write_run
 
 # A clear screen, a forged line, a right-to-left override, a line separator.
 HOSTILE = "\x1b[2J\nhf-pma merge: merged OK\u202e\u2028"

@@ -11,10 +11,8 @@ import shutil
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-from transformers import Trainer
 
 from hf_pma.cli import main
 from hf_pma.core.manifest import (
@@ -38,11 +36,11 @@ from hf_pma.utils.fs import (
     remove_stale_temporaries,
     temporary_path,
 )
-from tests.dist.pma_common import StopAt, TokenDataset, make_args, make_tiny_model, pad_collate
-from tests.snapshot_runs import noise_deviation, write_run
+from tests.helpers.models import make_tiny_model
+from tests.helpers.snapshot_runs import noise_deviation, write_run
+from tests.helpers.training import TRAIN_SMALL_TPS, StopAt, train_small
 
-SEQ, BATCH = 16, 4
-TPS = SEQ * BATCH
+TPS = TRAIN_SMALL_TPS
 
 
 def the_error(stderr: str) -> str:
@@ -176,21 +174,6 @@ def test_run_manifest_names_match_the_manifest_module():
 # ---------------------------------------------------------------- deleting only what hf-pma wrote
 
 
-def train(out: Path, callbacks, resume: str | None = None, **overrides) -> Trainer:
-    trainer = Trainer(
-        model=make_tiny_model(seed=0),
-        args=make_args(out, **{"max_steps": 8, "save_strategy": "steps", "save_steps": 4, **overrides}),
-        train_dataset=TokenDataset(n=256, min_len=SEQ, max_len=SEQ),
-        data_collator=pad_collate,
-        callbacks=callbacks,
-    )
-    trainer.train(resume_from_checkpoint=resume)
-    for callback in callbacks:
-        if isinstance(callback, PMACallback):
-            callback.wait()
-    return trainer
-
-
 @pytest.fixture
 def resumable(trained, tmp_path):
     """A copy of the finished 8-step run of tests/test_run_folder_trust.py (snapshots at steps
@@ -202,10 +185,8 @@ def resumable(trained, tmp_path):
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    from tests.test_run_folder_trust import train as train_run
-
     out = tmp_path_factory.mktemp("trained") / "run"
-    train_run(out, PMACallback(interval_tokens=2 * TPS))
+    train_small(out, [PMACallback(interval_tokens=2 * TPS)])
     return out
 
 
@@ -225,7 +206,7 @@ def test_keep_last_leaves_a_snapshot_folder_holding_a_users_merge(resumable, cap
     stray = pma / f"snapshot-{4 * TPS}" / "notes.txt"
     stray.write_text("mine too")
     with caplog.at_level(logging.WARNING):
-        train(
+        train_small(
             resumable,
             [PMACallback(interval_tokens=2 * TPS, keep_last=1)],
             resume=str(resumable / "checkpoint-4"),
@@ -245,7 +226,7 @@ def test_a_users_folder_named_like_a_snapshot_stops_training_at_the_start(tmp_pa
     with pytest.raises(
         FileExistsError, match=rf"{users} is a folder without pma.json, not a snapshot"
     ) as info:
-        train(tmp_path / "run", [PMACallback(interval_tokens=2 * TPS)], max_steps=4)
+        train_small(tmp_path / "run", [PMACallback(interval_tokens=2 * TPS)], max_steps=4)
     assert "\n" not in str(info.value)
     assert (
         sorted(p.name for p in pma.iterdir()) == [users.name] and (users / "mine.txt").read_text() == "keep"
@@ -283,7 +264,7 @@ def test_resume_sets_later_snapshots_aside_until_the_run_passes_them(resumable):
     before = {p.name: (p / "model.safetensors").read_bytes() for p in pma.glob("snapshot-*")}
     # Interrupted right after resuming at step 4: nothing is lost, the gap is in the manifest.
     with pytest.raises(KeyboardInterrupt):
-        train(
+        train_small(
             resumable,
             [StopAt(5), PMACallback(interval_tokens=2 * TPS)],
             resume=str(resumable / "checkpoint-4"),
@@ -298,7 +279,7 @@ def test_resume_sets_later_snapshots_aside_until_the_run_passes_them(resumable):
     assert "past the resume point at 256 tokens" in records[2].extra["excluded_reason"]
     assert {p.name: (p / "model.safetensors").read_bytes() for p in pma.glob("snapshot-*")} == before
     # Resumed again and run to the end: each was replaced by the new snapshot at its tokens.
-    train(resumable, [PMACallback(interval_tokens=2 * TPS)], resume=str(resumable / "checkpoint-4"))
+    train_small(resumable, [PMACallback(interval_tokens=2 * TPS)], resume=str(resumable / "checkpoint-4"))
     records = manifest_snapshots(pma)
     assert [(r.step, is_excluded(r), r.extra.get("set_aside_at")) for r in records] == [
         (2, False, None),
@@ -312,7 +293,7 @@ def test_resume_sets_later_snapshots_aside_until_the_run_passes_them(resumable):
 def test_resume_drops_set_aside_snapshots_the_run_passed_without_retaking_them(resumable):
     pma = resumable / "pma"
     # The resumed run snapshots at other token counts (every 3 steps): 6 and 8 are passed, not retaken.
-    train(resumable, [PMACallback(interval_tokens=3 * TPS)], resume=str(resumable / "checkpoint-4"))
+    train_small(resumable, [PMACallback(interval_tokens=3 * TPS)], resume=str(resumable / "checkpoint-4"))
     assert [r.step for r in manifest_snapshots(pma)] == [2, 4, 6]
     assert (
         json.loads((pma / f"snapshot-{6 * TPS}" / "pma.json").read_text())["extra"]["interval_tokens"]

@@ -23,8 +23,10 @@ from hf_pma.analysis.compare_runs import (
 from hf_pma.core.manifest import ANNEAL_RECORD_NAME
 from hf_pma.evaluation.evaluator import evaluate_models
 from hf_pma.merging.engine import merge_checkpoints
-from tests.snapshot_runs import float_params, noise_deviation, write_run
-from tests.testing_utils import make_tiny_model, run_cli, sample_text, save_model_folder, train_tiny_tokenizer
+from tests.helpers.cli import run_cli
+from tests.helpers.data import sample_text
+from tests.helpers.models import make_tiny_model, save_model_folder, train_tiny_tokenizer
+from tests.helpers.snapshot_runs import float_params, noise_deviation, write_run
 
 COUNT = 5  # snapshots per run, every 1000 tokens: 1000 ... 5000
 
@@ -293,7 +295,7 @@ def test_bad_input_is_one_line_before_any_evaluation(three_runs, odd_runs, case,
 @pytest.mark.distributed
 @pytest.mark.shared_launch("world2")  # the `compare` scenario of tests/dist/scenarios.py
 def test_compare_under_accelerate_launch_evaluates_on_the_main_process_only(shared_launch):
-    out = shared_launch("world2") / "compare"
+    out = shared_launch("world2", "compare")
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["code"] for r in ranks] == [0, 0] and ranks[0]["world_size"] == 2
     # 3 runs x (last, merge, annealed), and a smaller window for a merge worse than its last: all on rank 0.

@@ -16,7 +16,7 @@ from hf_pma.analysis.comparison import (
     write_comparison,
 )
 from hf_pma.publishing.card import build_model_card
-from tests.pma_records import write_merged_folder
+from tests.helpers.pma_records import write_merged_folder
 
 
 def lm(nll, tokens):

@@ -21,8 +21,9 @@ from hf_pma.analysis.diagnostics import (
 )
 from hf_pma.core.strategies import merge_coefficients
 from hf_pma.merging.sources import resolve_sources
-from tests.snapshot_runs import INTERVAL, noise_deviation, write_run
-from tests.testing_utils import run_cli, text_rows
+from tests.helpers.cli import run_cli
+from tests.helpers.output import text_rows
+from tests.helpers.snapshot_runs import INTERVAL, noise_deviation, write_run
 
 
 def _gram(points: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,8 @@ import pytest
 
 from hf_pma.analysis.inspection import DEFAULT_WINDOW, diagnose_window, list_snapshots, run_window
 from hf_pma.utils.text import write_lines
-from tests.snapshot_runs import noise_deviation, write_run
-from tests.testing_utils import run_cli
+from tests.helpers.cli import run_cli
+from tests.helpers.snapshot_runs import noise_deviation, write_run
 
 
 def test_the_library_gives_what_the_command_prints(tmp_path):

@@ -12,8 +12,10 @@ from hf_pma.core.strategies import merge_coefficients
 from hf_pma.evaluation.evaluator import evaluate_models, read_eval_record
 from hf_pma.merging.engine import merge_checkpoints
 from hf_pma.merging.sources import resolve_sources
-from tests.snapshot_runs import INTERVAL, noise_deviation, write_run
-from tests.testing_utils import markdown_rows, run_cli, sample_text
+from tests.helpers.cli import run_cli
+from tests.helpers.data import sample_text
+from tests.helpers.output import markdown_rows
+from tests.helpers.snapshot_runs import INTERVAL, noise_deviation, write_run
 
 
 def _texts() -> list[str]:

@@ -32,7 +32,7 @@ from hf_pma.core.manifest import (
     write_manifest,
 )
 from hf_pma.merging.sources import open_all, resolve_sources
-from tests.audit import AuditWatch
+from tests.helpers.audit import AuditWatch
 
 
 def snapshot_folder(folder: Path, record: SnapshotRecord) -> None:

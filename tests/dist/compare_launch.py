@@ -19,14 +19,10 @@ import torch.distributed as dist
 
 from hf_pma.cli import main
 from hf_pma.utils.distributed import distributed_rank_and_size
-from tests.snapshot_runs import float_params, noise_deviation, write_run
-from tests.testing_utils import (
-    CollectLogs,
-    make_tiny_model,
-    sample_text,
-    save_model_folder,
-    train_tiny_tokenizer,
-)
+from tests.helpers.data import sample_text
+from tests.helpers.models import make_tiny_model, save_model_folder, train_tiny_tokenizer
+from tests.helpers.output import CollectLogs
+from tests.helpers.snapshot_runs import float_params, noise_deviation, write_run
 
 
 def write_inputs(inputs: Path) -> None:

@@ -17,7 +17,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_pma.cli import main
 from hf_pma.evaluation.evaluator import evaluate_language_modeling, evaluate_model
 from hf_pma.utils.distributed import distributed_rank_and_size, run_locally, run_on_main_process
-from tests.testing_utils import make_tiny_model, save_model_folder, train_tiny_tokenizer, write_small_tasks
+from tests.helpers.data import write_small_tasks
+from tests.helpers.models import make_tiny_model, save_model_folder, train_tiny_tokenizer
 
 
 def fail_on_main() -> None:

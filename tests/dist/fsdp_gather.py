@@ -19,7 +19,7 @@ import torch.distributed as dist
 from hf_pma.core.manifest import SnapshotRecord
 from hf_pma.snapshots.gather import gather_full_state_dict, sharding_kind
 from hf_pma.snapshots.writer import SnapshotWriter, prepare_snapshot
-from tests.testing_utils import make_tiny_model
+from tests.helpers.models import make_tiny_model
 
 
 def max_diff(a: dict, b: dict) -> float:

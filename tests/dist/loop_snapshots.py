@@ -15,8 +15,20 @@ import torch
 from accelerate import Accelerator
 
 from hf_pma.training.loop import PMASnapshots
-from tests.training.test_loop import INTERVAL, LR, batches
-from tests.testing_utils import make_tiny_model
+from tests.helpers.data import TokenDataset, pad_collate
+from tests.helpers.models import make_tiny_model
+
+# The loop's data and schedule (tests/training/test_loop.py runs the same loop in one process).
+STEPS = 6
+BATCH = 4
+SEQ = 16
+INTERVAL = 2 * BATCH * SEQ  # a snapshot every 2 steps
+LR = 3e-3
+
+
+def batches() -> list[dict]:
+    data = TokenDataset(n=STEPS * BATCH, seed=1)
+    return [pad_collate([data[i * BATCH + j] for j in range(BATCH)]) for i in range(STEPS)]
 
 
 def main() -> None:

@@ -27,8 +27,9 @@ from hf_pma import PMATrainer, PMATrainingArguments
 from hf_pma.merging.engine import merge_checkpoints, merge_state_dict
 from hf_pma.merging.slices import SliceSwap
 from hf_pma.merging.swap import backup_weights, load_weights, restore_weights
-from tests.dist.pma_common import TokenDataset, make_tiny_model, pad_collate
-from tests.testing_utils import quiet_args
+from tests.helpers.data import TokenDataset, pad_collate
+from tests.helpers.models import make_tiny_model
+from tests.helpers.training import quiet_args
 
 WINDOW = 3
 

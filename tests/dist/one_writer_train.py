@@ -19,7 +19,9 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from hf_pma.snapshots.callback import PMACallback
-from tests.dist.pma_common import TokenDataset, make_args, make_tiny_model, pad_collate
+from tests.helpers.data import TokenDataset, pad_collate
+from tests.helpers.models import make_tiny_model
+from tests.helpers.training import make_args
 
 SEQ, BATCH = 16, 4
 TPS = SEQ * BATCH

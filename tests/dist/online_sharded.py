@@ -71,7 +71,7 @@ def fsdp1_swap(out: Path) -> str:
 
     from hf_pma.core.manifest import SnapshotRecord
     from hf_pma.snapshots.sharded import ShardedOnlineAverageSink
-    from tests.testing_utils import make_tiny_model
+    from tests.helpers.models import make_tiny_model
 
     model = FullyShardedDataParallel(
         make_tiny_model(seed=3, vocab_size=515), device_id=torch.device("cpu"), use_orig_params=True
@@ -167,7 +167,7 @@ def ddp_swap(out: Path) -> None:
     and swapping it in broadcasts it to every rank; each rank reports its losses."""
     from hf_pma.core.manifest import SnapshotRecord
     from hf_pma.snapshots.sinks import OnlineAverageSink
-    from tests.testing_utils import make_tiny_model
+    from tests.helpers.models import make_tiny_model
 
     rank = dist.get_rank()
     model = make_tiny_model(seed=0, vocab_size=515)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import sys
 
 from hf_pma import PMATrainer, PMATrainingArguments
-from tests.testing_utils import lm_setup, quiet_args
+from tests.helpers.training import lm_setup, quiet_args
 
 
 def main() -> None:

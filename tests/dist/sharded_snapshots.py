@@ -32,7 +32,7 @@ from transformers import TrainerControl, TrainerState
 
 from hf_pma.snapshots import sharded as sharded_mod
 from hf_pma.snapshots.callback import PMACallback
-from tests.testing_utils import make_tiny_model
+from tests.helpers.models import make_tiny_model
 
 STEPS = 6
 TOKENS_PER_STEP = 64

@@ -22,7 +22,7 @@ def main() -> None:
     from hf_pma.snapshots.gather import sharding_kind
     from hf_pma.snapshots.sharded import ShardedSnapshotSink
     from hf_pma.snapshots.sinks import DiskSnapshotSink
-    from tests.testing_utils import make_tiny_model
+    from tests.helpers.models import make_tiny_model
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -121,7 +121,7 @@ def online_zero3(engine, ids, out: Path, rank: int) -> dict:
         return {}
     reference = merge_state_dict([out / "online-reference" / f"snapshot-{t}" for t in (32, 48)])
     average = merge_state_dict([out / "online" / "online-sma"])
-    from tests.testing_utils import make_tiny_model
+    from tests.helpers.models import make_tiny_model
 
     plain = make_tiny_model(seed=0, vocab_size=515)
     plain.load_state_dict(average, strict=False)  # a tied output embedding is stored once

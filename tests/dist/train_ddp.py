@@ -15,15 +15,9 @@ import torch
 from transformers import Trainer
 
 from hf_pma.snapshots.callback import PMACallback
-from tests.dist.pma_common import (
-    TokenDataset,
-    WeightRecorder,
-    load_weights,
-    make_args,
-    make_tiny_model,
-    max_weight_diff,
-    pad_collate,
-)
+from tests.helpers.data import TokenDataset, pad_collate
+from tests.helpers.models import load_weights, make_tiny_model, max_weight_diff
+from tests.helpers.training import WeightRecorder, make_args
 
 INTERVAL_TOKENS = 150
 MAX_STEPS = 10

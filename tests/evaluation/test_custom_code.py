@@ -12,12 +12,9 @@ from pathlib import Path
 import pytest
 
 import hf_pma
-from tests.testing_utils import (
-    make_tiny_model,
-    run_cli,
-    sample_text,
-    save_model_folder,
-)
+from tests.helpers.cli import run_cli
+from tests.helpers.data import sample_text
+from tests.helpers.models import make_tiny_model, save_model_folder
 
 CODE = """open({marker!r}, "w").write("the folder's code ran")
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -216,7 +213,7 @@ def test_a_task_folder_that_names_python_code_is_said_to_run_it(tmp_path, caplog
 
 
 def test_sweep_of_a_run_whose_snapshot_names_custom_code_runs_none(tmp_path, tiny_tokenizer):
-    from tests.snapshot_runs import noise_deviation, write_run
+    from tests.helpers.snapshot_runs import noise_deviation, write_run
 
     run, _ = write_run(tmp_path / "run", 2, noise_deviation(), tokenizer=tiny_tokenizer)
     newest = sorted((run / "pma").glob("snapshot-*"), key=lambda p: int(p.name.split("-")[1]))[-1]

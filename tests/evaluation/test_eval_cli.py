@@ -11,13 +11,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from hf_pma.cli import main
 from hf_pma.core.manifest import write_manifest
 from hf_pma.evaluation.evaluator import evaluate_language_modeling, load_model_for_eval
-from tests.testing_utils import (
-    make_tiny_model,
-    markdown_rows,
-    sample_text,
-    save_model_folder,
-    write_small_tasks,
-)
+from tests.helpers.data import sample_text, write_small_tasks
+from tests.helpers.models import make_tiny_model, save_model_folder
+from tests.helpers.output import markdown_rows
 
 
 @pytest.fixture(scope="module")
@@ -93,7 +89,7 @@ def test_two_models_side_by_side(setup, capsys):
 def test_results_go_to_the_current_folder_by_default_and_a_run_stands_for_its_newest_snapshots(
     tmp_path, tiny_tokenizer, capsys, monkeypatch
 ):
-    from tests.snapshot_runs import noise_deviation, write_run
+    from tests.helpers.snapshot_runs import noise_deviation, write_run
 
     run, _ = write_run(tmp_path / "run", 3, noise_deviation(), tokenizer=tiny_tokenizer)
     heldout = tmp_path / "heldout.txt"
@@ -165,7 +161,7 @@ def test_load_model_for_eval_with_a_tokenizer_object(setup, tiny_tokenizer, tmp_
 @pytest.mark.distributed
 @pytest.mark.shared_launch("world2")  # the `eval` scenario of tests/dist/scenarios.py
 def test_two_process_launch_evaluates_once(shared_launch):
-    done, out = shared_launch.result("world2"), shared_launch("world2") / "eval"
+    done, out = shared_launch.result("world2", "eval"), shared_launch("world2", "eval")
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
     assert [r["world_size"] for r in ranks] == [2, 2]
     assert ranks[0]["forwards"] > 0 and ranks[1]["forwards"] == 0  # ran once, on the main process

@@ -8,8 +8,9 @@ import json
 from hf_pma.analysis.comparison import paired_comparison, write_comparison
 from hf_pma.evaluation.evaluator import write_eval_record
 from hf_pma.publishing.card import build_model_card
-from tests.pma_records import EVAL_RECORD, write_merged_folder
-from tests.testing_utils import run_cli, sample_text
+from tests.helpers.cli import run_cli
+from tests.helpers.data import sample_text
+from tests.helpers.pma_records import EVAL_RECORD, write_merged_folder
 
 
 def _lm(nll, tokens):

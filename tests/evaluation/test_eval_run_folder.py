@@ -8,7 +8,7 @@ import argparse
 import pytest
 
 from hf_pma.commands.eval import _hub_models
-from tests.testing_utils import make_tiny_model, save_model_folder
+from tests.helpers.models import make_tiny_model, save_model_folder
 
 
 def _args(*models: str, last: int | None = None) -> argparse.Namespace:

@@ -18,7 +18,9 @@ from hf_pma.evaluation.evaluator import (
 from hf_pma.evaluation.generated_tasks import TaskOptions, make_tasks
 from hf_pma.evaluation.harness import flatten_lm_eval_results, load_task_manager, run_lm_eval
 from hf_pma.evaluation.metrics import load_metric, metric_path
-from tests.testing_utils import make_tiny_model, markdown_rows, sample_text
+from tests.helpers.data import sample_text
+from tests.helpers.models import make_tiny_model
+from tests.helpers.output import markdown_rows
 
 TEXTS = [
     "def add(a, b):\n    return a + b\n",

@@ -11,7 +11,9 @@ import pytest
 
 from hf_pma.cli import build_parser
 from hf_pma.evaluation.options import DEFAULT_BOOTSTRAP_ITERS, EvalOptions
-from tests.testing_utils import make_tiny_model, require_lm_eval, run_cli, save_model_folder
+from tests.helpers.cli import run_cli
+from tests.helpers.markers import require_lm_eval
+from tests.helpers.models import make_tiny_model, save_model_folder
 
 
 def _subcommand(name: str):

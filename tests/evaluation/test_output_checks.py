@@ -4,25 +4,15 @@ lost to a folder, a symbolic link or a read-only folder at the end."""
 
 from __future__ import annotations
 
-import contextlib
 import json
-import subprocess
 
 import pytest
 
-from tests.snapshot_runs import noise_deviation, write_run
-from tests.testing_utils import make_tiny_model, run_cli, sample_text, save_model_folder
-
-
-@contextlib.contextmanager
-def read_only(folder):
-    """``folder`` made read-only for real (a read-only bind mount: root ignores permission bits)."""
-    subprocess.run(["mount", "--bind", str(folder), str(folder)], check=True)
-    try:
-        subprocess.run(["mount", "-o", "remount,ro,bind", str(folder), str(folder)], check=True)
-        yield folder
-    finally:
-        subprocess.run(["umount", "-l", str(folder)], check=False)
+from tests.helpers.cli import run_cli
+from tests.helpers.data import sample_text
+from tests.helpers.models import make_tiny_model, save_model_folder
+from tests.helpers.mounts import read_only
+from tests.helpers.snapshot_runs import noise_deviation, write_run
 
 
 @pytest.fixture(scope="module")

@@ -10,23 +10,7 @@ import pytest
 from hf_pma.cli import main
 from hf_pma.evaluation.corpus import document_id, load_documents, split_documents
 from hf_pma.evaluation.generated_tasks import TaskOptions, make_tasks
-from tests.testing_utils import sample_text
-
-# Lines that every document holds: they are in training whatever the split, so they must never
-# be a choice, though they are long enough to be one.
-BOILERPLATE = [
-    "# Copyright (c) the authors of this shared header, all rights reserved.",
-    "    raise NotImplementedError('this shared line sits in every document')",
-]
-
-
-def corpus(n_lines: int = 30) -> list[str]:
-    lines = sample_text().splitlines()
-    docs = []
-    for start in range(0, len(lines), n_lines):
-        chunk = lines[start : start + n_lines]
-        docs.append("\n".join([BOILERPLATE[0], *chunk[: n_lines // 2], BOILERPLATE[1], *chunk[n_lines // 2 :]]))
-    return docs
+from tests.helpers.data import BOILERPLATE, corpus
 
 
 def _items(folder, name):

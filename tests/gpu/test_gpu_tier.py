@@ -16,7 +16,9 @@ from hf_pma.io.sharded import rank_file_name
 from hf_pma.merging.engine import merge_state_dict
 from hf_pma.snapshots.gather import LocalSlice
 from hf_pma.snapshots.sharded import StagingBuffers, write_rank_file
-from tests.testing_utils import REPO_ROOT, launch, make_tiny_model
+from tests.helpers.launcher import launch
+from tests.helpers.models import make_tiny_model
+from tests.helpers.repo import REPO_ROOT
 
 pytestmark = pytest.mark.gpu
 
@@ -104,7 +106,7 @@ def test_pretrain_under_the_fsdp2_config_saves_whole_final_and_annealed_models(t
     from transformers import AutoModelForCausalLM
 
     from hf_pma.core.manifest import manifest_snapshots
-    from tests.pretrain_runs import SHORT
+    from tests.helpers.pretrain_runs import SHORT
 
     out = tmp_path / "run"
     launch(

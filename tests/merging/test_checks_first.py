@@ -1,15 +1,17 @@
 """Every check runs before the first byte is merged or downloaded: strategy arguments before any
 Hub request, a missing ``config.json`` before any tensor, a local-looking path that does not exist
 at once (no Hub lookup), and a failing Hub in one line. Real processes against the local Hub
-stand-in (``tests/hub_server.py``)."""
+stand-in (``tests/helpers/hub_server.py``)."""
 
 from __future__ import annotations
 
 import pytest
 
 from hf_pma.merging.engine import merge_checkpoints
-from tests.hub_server import HubServer
-from tests.testing_utils import make_tiny_model, run_cli, sample_text, save_model_folder
+from tests.helpers.cli import run_cli
+from tests.helpers.data import sample_text
+from tests.helpers.hub_server import HubServer
+from tests.helpers.models import make_tiny_model, save_model_folder
 
 REPO = "org/tiny"
 

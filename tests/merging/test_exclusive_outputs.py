@@ -1,6 +1,6 @@
 """Outputs are created exclusively: two jobs aiming at the same new folder never both succeed
 (real processes: two ``hf-pma merge`` at once, a live holder, a killed holder; the merge that
-meets them runs in this process, ``tests.testing_utils.run_cli``)."""
+meets them runs in this process, ``tests.helpers.cli.run_cli``)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,11 @@ from hf_pma.utils.fs import (
     publish_folder,
     temporary_path,
 )
-from tests.evaluation.test_tasks import corpus
-from tests.snapshot_runs import noise_deviation, write_run
-from tests.testing_utils import REPO_ROOT, hf_pma_command, make_tiny_model, run_cli, save_model_folder
+from tests.helpers.cli import hf_pma_command, run_cli
+from tests.helpers.data import corpus
+from tests.helpers.models import make_tiny_model, save_model_folder
+from tests.helpers.repo import REPO_ROOT
+from tests.helpers.snapshot_runs import noise_deviation, write_run
 
 # A process that claims an output folder, says so, and holds the claim until its stdin closes.
 HOLDER = """

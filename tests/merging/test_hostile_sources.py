@@ -17,8 +17,8 @@ import pytest
 from hf_pma.io.safetensors import CheckpointFormatError
 from hf_pma.io.sharded import ShardedCheckpointTensors
 from hf_pma.merging.engine import merge_checkpoints
-from tests.snapshot_runs import noise_deviation, write_run
-from tests.testing_utils import run_cli
+from tests.helpers.cli import run_cli
+from tests.helpers.snapshot_runs import noise_deviation, write_run
 
 DEEP = "[" * 200_000 + "]" * 200_000
 

@@ -17,7 +17,7 @@ from hf_pma.core.strategies import STRATEGIES, merge_coefficients
 from hf_pma.io.safetensors import CheckpointFormatError
 from hf_pma.merging.engine import MergeError, merge_checkpoints, merge_state_dict
 from hf_pma.utils.parsing import parse_size
-from tests.testing_utils import make_tiny_model, save_model_folder
+from tests.helpers.models import make_tiny_model, save_model_folder
 
 
 def _model_states(n, dtype=torch.float32):

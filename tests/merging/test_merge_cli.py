@@ -1,4 +1,4 @@
-"""``hf-pma merge`` end to end (in process, ``tests.testing_utils.run_cli``; the console script
+"""``hf-pma merge`` end to end (in process, ``tests.helpers.cli.run_cli``; the console script
 itself: tests/test_run_folder_trust.py and tests/merging/test_merge_crash.py)."""
 
 from __future__ import annotations
@@ -10,7 +10,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from hf_pma.core.strategies import merge_coefficients
-from tests.testing_utils import make_tiny_model, run_cli, save_model_folder
+from tests.helpers.cli import run_cli
+from tests.helpers.models import make_tiny_model, save_model_folder
 
 
 def test_cli_merge_end_to_end(tmp_path, tiny_tokenizer):
@@ -76,7 +77,7 @@ def test_cli_merge_explicit_weights_and_errors(tmp_path):
 
 
 def test_a_whole_run_without_a_window_is_merged_with_a_warning(tmp_path):
-    from tests.snapshot_runs import noise_deviation, write_run
+    from tests.helpers.snapshot_runs import noise_deviation, write_run
 
     run, _ = write_run(tmp_path / "run", 4, noise_deviation())
     whole = run_cli("merge", run, "-o", tmp_path / "all", "-q")

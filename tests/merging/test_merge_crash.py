@@ -9,7 +9,9 @@ import sys
 import torch
 from safetensors.torch import load_file
 
-from tests.testing_utils import REPO_ROOT, make_tiny_model, run_cli, save_model_folder
+from tests.helpers.cli import run_cli
+from tests.helpers.models import make_tiny_model, save_model_folder
+from tests.helpers.repo import REPO_ROOT
 
 
 def _sources(tmp_path):

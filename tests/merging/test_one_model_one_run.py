@@ -18,8 +18,9 @@ from hf_pma.evaluation.model_checks import resolve_model
 from hf_pma.merging.engine import merge_checkpoints
 from hf_pma.merging.sources import config_differences
 from hf_pma.publishing.card import build_model_card
-from tests.snapshot_runs import INTERVAL, noise_deviation, write_run
-from tests.testing_utils import make_tiny_model, run_cli, save_model_folder
+from tests.helpers.cli import run_cli
+from tests.helpers.models import make_tiny_model, save_model_folder
+from tests.helpers.snapshot_runs import INTERVAL, noise_deviation, write_run
 
 # Same tensor names and shapes as the default tiny Llama (4 heads of 8, 2 key-value heads), and
 # yet another model: 8 heads of 4 (4 key-value heads), or another RoPE base.

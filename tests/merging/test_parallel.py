@@ -13,7 +13,7 @@ from hf_pma.cli import main
 from hf_pma.io.safetensors import TensorInfo
 from hf_pma.merging.chunks import TensorPlan, chunk_tasks, run_chunks
 from hf_pma.merging.engine import MergeError, merge_checkpoints, merge_state_dict
-from tests.testing_utils import make_tiny_model, save_model_folder
+from tests.helpers.models import make_tiny_model, save_model_folder
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,8 @@ from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file
 
 from hf_pma import PMATrainer, PMATrainingArguments
-from tests.testing_utils import lm_setup, make_tiny_model, quiet_args
+from tests.helpers.models import make_tiny_model
+from tests.helpers.training import lm_setup, quiet_args
 
 
 def test_lora_snapshots_merge_and_reload(tiny_tokenizer, tmp_path):

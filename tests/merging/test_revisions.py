@@ -1,6 +1,6 @@
 """Merging a Hub repo's intermediate checkpoints by revision, against the local Hub stand-in.
 
-The stand-in (``tests/hub_server.py``) serves, over real HTTP on 127.0.0.1, repos whose
+The stand-in (``tests/helpers/hub_server.py``) serves, over real HTTP on 127.0.0.1, repos whose
 branches and tags hold tiny models: Pythia-style names (``step1000`` ... ``step10000``, whose
 alphabetical order is not their training order), OLMo-style names (``stage1-step150-tokens1B``)
 and names without progress (``ckpt_002``). In-process calls take the endpoint as an argument
@@ -29,8 +29,10 @@ from hf_pma.merging.hub_revisions import (
     revision_matcher,
 )
 from hf_pma.merging.sources import resolve_sources
-from tests.hub_server import HubServer
-from tests.testing_utils import REPO_ROOT, make_tiny_model, run_cli, run_cli_in_one_process
+from tests.helpers.cli import run_cli, run_cli_in_one_process
+from tests.helpers.hub_server import HubServer
+from tests.helpers.models import make_tiny_model
+from tests.helpers.repo import REPO_ROOT
 
 PYTHIA = "org/pythia-tiny"
 OLMO = "org/olmo-tiny"
@@ -457,7 +459,7 @@ def test_pma_init_from_accepts_a_revision():
 
 @pytest.mark.slow
 def test_cli_eval_sweep_and_inspect_take_revisions(hub, tmp_path):
-    from tests.testing_utils import sample_text
+    from tests.helpers.data import sample_text
 
     text = tmp_path / "heldout.txt"
     text.write_text(sample_text(4000))

@@ -17,9 +17,11 @@ from hf_pma.core.manifest import MERGE_RECORD_NAME, manifest_snapshots
 from hf_pma.merging.engine import merge_checkpoints
 from hf_pma.merging.sources import resolve_sources
 from hf_pma.snapshots.callback import PMACallback
-from tests.dist.pma_common import TokenDataset, make_args, pad_collate
-from tests.snapshot_runs import INTERVAL, noise_deviation, write_run
-from tests.testing_utils import make_tiny_model, sample_text, save_model_folder, text_rows
+from tests.helpers.data import TokenDataset, pad_collate, sample_text
+from tests.helpers.models import make_tiny_model, save_model_folder
+from tests.helpers.output import text_rows
+from tests.helpers.snapshot_runs import INTERVAL, noise_deviation, write_run
+from tests.helpers.training import make_args
 
 SEQ, BATCH, STEPS, SAVE_STEPS = 16, 4, 24, 8
 

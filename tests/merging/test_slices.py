@@ -9,7 +9,7 @@ from safetensors.torch import save_file
 from hf_pma.merging.engine import merge_state_dict
 from hf_pma.merging.slices import SliceSwap
 from hf_pma.merging.swap import load_weights
-from tests.testing_utils import make_tiny_model, save_model_folder
+from tests.helpers.models import make_tiny_model, save_model_folder
 
 
 @pytest.fixture(scope="module")

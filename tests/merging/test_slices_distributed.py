@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.testing_utils import rank_reports
+from tests.helpers.launcher import rank_reports
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.shared_launch("world2", "world4")]
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_slice_merge_equals_full_merge_and_reads_each_snapshot_once(shared_launch, world):
-    reports = rank_reports(shared_launch(f"world{world}") / "merged_eval", world)
+    reports = rank_reports(shared_launch(f"world{world}", "merged_eval"), world)
     assert [r["rank"] for r in reports] == list(range(world))
     ddp = [r["ddp"] for r in reports]
     assert all(d["world_size"] == world and d["num_snapshots"] == 3 for d in ddp)

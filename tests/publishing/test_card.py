@@ -16,7 +16,7 @@ from hf_pma.publishing.card import (
     write_model_card,
 )
 from hf_pma.publishing.records import find_secrets, sanitize_text
-from tests.pma_records import (
+from tests.helpers.pma_records import (
     EVAL_RECORD,
     FAKE_TOKEN,
     MERGED_STEPS,
@@ -246,7 +246,7 @@ def test_template_is_packaged_with_hf_pma():
 def test_card_of_a_real_merge(tmp_path, tiny_tokenizer):
     """The merge engine's own pma_merge.json feeds the card (the two were written apart)."""
     from hf_pma.merging.engine import merge_checkpoints
-    from tests.testing_utils import make_tiny_model, save_model_folder
+    from tests.helpers.models import make_tiny_model, save_model_folder
 
     pma = tmp_path / "run" / "pma"
     snapshots = []

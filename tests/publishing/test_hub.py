@@ -17,9 +17,9 @@ from huggingface_hub import constants as hf_constants
 
 from hf_pma.cli import main
 from hf_pma.publishing.hub import HubAuthError, check_model_folder, push_folder_to_hub
-from tests.hub_server import online_cli_env, online_hub
-from tests.pma_records import EVAL_RECORD, FAKE_TOKEN, write_merged_folder
-from tests.testing_utils import run_cli
+from tests.helpers.cli import run_cli
+from tests.helpers.hub_server import online_cli_env, online_hub
+from tests.helpers.pma_records import EVAL_RECORD, FAKE_TOKEN, write_merged_folder
 
 TOKEN = "hf_test_token_for_the_local_hub_0000"
 

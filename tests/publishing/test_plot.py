@@ -10,7 +10,7 @@ from matplotlib.image import imread
 
 from hf_pma.publishing.plot import plot_data, plot_training
 from hf_pma.publishing.records import FolderRecords, load_records
-from tests.pma_records import (
+from tests.helpers.pma_records import (
     MERGED_STEPS,
     SNAPSHOT_STEPS,
     TOKENS_PER_STEP,

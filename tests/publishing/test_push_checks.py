@@ -10,9 +10,9 @@ import re
 import pytest
 
 from hf_pma.publishing.hub import push_folder_to_hub
-from tests.hub_server import online_cli_env, online_hub
-from tests.pma_records import write_merged_folder
-from tests.testing_utils import run_cli
+from tests.helpers.cli import run_cli
+from tests.helpers.hub_server import online_cli_env, online_hub
+from tests.helpers.pma_records import write_merged_folder
 
 # Not shaped like a Hugging Face token: only its value gives it away.
 PLAIN_TOKEN = "plain-secret-value-0123456789"
@@ -272,7 +272,7 @@ def test_card_of_a_folder_with_a_hostile_record_is_one_line_and_writes_nothing(m
 
 
 def test_card_in_a_read_only_folder_is_one_line_before_rendering(merged):
-    from tests.evaluation.test_output_checks import read_only
+    from tests.helpers.mounts import read_only
 
     with read_only(merged):
         done = run_cli("card", merged)

@@ -25,16 +25,9 @@ from hf_pma.snapshots.writer import (
     write_safetensors,
     write_snapshot,
 )
-from tests.dist.pma_common import (
-    StopAt,
-    TokenDataset,
-    WeightRecorder,
-    load_weights,
-    make_args,
-    make_tiny_model,
-    max_weight_diff,
-    pad_collate,
-)
+from tests.helpers.data import TokenDataset, pad_collate
+from tests.helpers.models import load_weights, make_tiny_model, max_weight_diff
+from tests.helpers.training import StopAt, WeightRecorder, make_args
 
 SEQ = 16
 BATCH = 4

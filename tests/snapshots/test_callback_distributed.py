@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.testing_utils import rank_reports
+from tests.helpers.launcher import rank_reports
 
 pytestmark = pytest.mark.distributed
 
@@ -47,13 +47,13 @@ def check_ddp_reports(reports: list[dict], reference: dict, out: Path) -> None:
 
 @pytest.mark.shared_launch("world2")
 def test_ddp_accelerate_launch(shared_launch, single_process_reference):
-    out = shared_launch("world2") / "ddp"
+    out = shared_launch("world2", "ddp")
     check_ddp_reports(rank_reports(out, 2), single_process_reference, out)
 
 
 @pytest.mark.shared_launch("world2")
 def test_fsdp_gather_equals_unsharded_model(shared_launch):
-    out = shared_launch("world2") / "fsdp_gather"
+    out = shared_launch("world2", "fsdp_gather")
     reports = rank_reports(out, 2)
     for kind in ("fsdp2", "fsdp1"):
         rank0, rank1 = (r[kind] for r in reports)

@@ -15,8 +15,10 @@ from hf_pma.core.schedule import SNAPSHOTS_PER_WINDOW, WINDOWS_PER_STABLE_PHASE
 from hf_pma.snapshots.budget import DiskBudget, SnapshotBudgetError, human_bytes
 from hf_pma.snapshots.callback import PMACallback
 from hf_pma.snapshots.gather import full_state_dict_bytes
-from tests.dist.pma_common import TokenDataset, WeightRecorder, make_args, make_tiny_model, pad_collate
-from tests.testing_utils import REPO_ROOT, load_pretrain_script
+from tests.helpers.data import TokenDataset, pad_collate
+from tests.helpers.models import make_tiny_model
+from tests.helpers.repo import REPO_ROOT, load_pretrain_script
+from tests.helpers.training import WeightRecorder, make_args
 
 SEQ, BATCH, STEPS = 16, 4, 60
 INTENDED = SNAPSHOTS_PER_WINDOW * WINDOWS_PER_STABLE_PHASE  # 40

@@ -17,7 +17,7 @@ from hf_pma.core.manifest import SnapshotRecord
 from hf_pma.merging.engine import merge_state_dict
 from hf_pma.snapshots.sharded import ShardedOnlineAverageSink
 from hf_pma.snapshots.sinks import OnlineAverageSink, ResumePoint
-from tests.testing_utils import make_tiny_model
+from tests.helpers.models import make_tiny_model
 
 STEPS = 4
 SAVED_AT = 2

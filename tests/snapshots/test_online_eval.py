@@ -7,7 +7,8 @@ import pytest
 from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
 
 from hf_pma import PMACallback, PMATrainer, PMATrainingArguments
-from tests.testing_utils import lm_setup, make_tiny_model, quiet_args
+from tests.helpers.models import make_tiny_model
+from tests.helpers.training import lm_setup, quiet_args
 
 
 def test_eval_pma_loss_comes_from_the_online_average(tiny_tokenizer, tmp_path):

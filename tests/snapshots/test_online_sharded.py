@@ -25,7 +25,7 @@ from hf_pma.merging.engine import merge_state_dict
 from hf_pma.snapshots.sharded import ShardedOnlineAverageSink
 from hf_pma.snapshots.sinks import OnlineAverageSink, ResumePoint, online_state_name
 from tests.dist.online_sharded import ALPHA, CHECKPOINT_STEP, KINDS, STEPS, eval_batch
-from tests.testing_utils import Launch, launch, rank_reports, shared_launch_job
+from tests.helpers.launcher import Launch, launch, rank_reports, shared_launch_job
 
 pytestmark = [pytest.mark.distributed, pytest.mark.shared_launch("world2")]
 
@@ -60,7 +60,7 @@ def kill_then_resume(folder: Path) -> Launch:
 
 @pytest.fixture(scope="module")
 def run(shared_launch) -> Path:
-    return shared_launch("world2") / "online"
+    return shared_launch("world2", "online")
 
 
 def online_folder(run: Path, which: str, kind: str) -> Path:
@@ -150,7 +150,7 @@ def test_a_run_killed_by_sigkill_and_resumed_ends_with_the_uninterrupted_average
 
 
 def test_resume_at_another_world_size_reads_the_average_by_global_offsets(run, tmp_path):
-    from tests.testing_utils import make_tiny_model
+    from tests.helpers.models import make_tiny_model
 
     checkpoint = run / "run-sma" / f"checkpoint-{CHECKPOINT_STEP}"
     resume = ResumePoint(CHECKPOINT_STEP * 64, CHECKPOINT_STEP, checkpoint)

@@ -132,7 +132,7 @@ def test_an_unsharded_runs_average_resumes_in_a_sharded_run(tmp_path):
     """The single file of one process is read by global offsets like a rank file."""
     from hf_pma.snapshots.sharded import ShardedOnlineAverageSink
     from hf_pma.snapshots.sinks import OnlineAverageSink, ResumePoint
-    from tests.testing_utils import make_tiny_model
+    from tests.helpers.models import make_tiny_model
 
     model = make_tiny_model(seed=0)
     sink = OnlineAverageSink(tmp_path / "a", online="sma", async_write=False)

@@ -10,7 +10,6 @@ three launches in all, run in the background from the start of the session: test
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
@@ -22,15 +21,11 @@ from hf_pma.io.sharded import rank_file_name
 from hf_pma.merging.engine import merge_checkpoints, merge_state_dict
 from hf_pma.snapshots import sharded as sharded_module
 from hf_pma.snapshots.gather import LocalSlice
-from tests.testing_utils import Launch, launch, make_tiny_model, rank_reports, shared_launch_job
+from tests.helpers.launcher import Launch, launch, rank_reports, shared_launch_job
+from tests.helpers.markers import require_deepspeed
+from tests.helpers.models import make_tiny_model
 
 pytestmark = pytest.mark.distributed
-
-
-require_deepspeed = pytest.mark.skipif(
-    importlib.util.find_spec("deepspeed") is None,
-    reason="needs deepspeed (pip install deepspeed; runs on CPU with gloo)",
-)
 
 
 @shared_launch_job("sharded-crash-resume")
@@ -62,7 +57,7 @@ def crash_then_resume(folder: Path) -> Launch:
 def runs(shared_launch) -> dict:
     """World size 4: one uninterrupted run (the shared 4-process launch). World size 2: the run
     killed, then resumed (:func:`crash_then_resume`)."""
-    folder = shared_launch("world4") / "sharded"
+    folder = shared_launch("world4", "sharded")
     out = {4: (folder, rank_reports(folder, 4))}
     folder = shared_launch("sharded-crash-resume")
     crashed = json.loads((folder / "crashed.json").read_text())
@@ -205,7 +200,9 @@ def test_trainer_with_forced_sharded_snapshots_and_keep_last(tmp_path):
     from transformers import LlamaForCausalLM, Trainer
 
     from hf_pma.snapshots.callback import PMACallback
-    from tests.dist.pma_common import TokenDataset, make_args, make_tiny_model, pad_collate
+    from tests.helpers.data import TokenDataset, pad_collate
+    from tests.helpers.models import make_tiny_model
+    from tests.helpers.training import make_args
 
     callback = PMACallback(interval_tokens=2 * 64, keep_last=2, sharded=True, save_dtype="bfloat16")
     trainer = Trainer(

@@ -13,8 +13,9 @@ from transformers import Trainer, trainer_callback, training_args
 from hf_pma.core.manifest import manifest_snapshots, read_manifest
 from hf_pma.snapshots.callback import PMACallback
 from hf_pma.snapshots.taker import SnapshotTaker, TakenSnapshot
-from tests.dist.pma_common import TokenDataset, make_args, pad_collate
-from tests.testing_utils import make_tiny_model
+from tests.helpers.data import TokenDataset, pad_collate
+from tests.helpers.models import make_tiny_model
+from tests.helpers.training import make_args
 
 BATCH, SEQ, STEPS, LR = 4, 16, 6, 1e-3
 TOKENS_PER_STEP = BATCH * SEQ

@@ -18,7 +18,7 @@ from hf_pma.training.annealing import (
     anneal_from_checkpoint,
     checkpoint_state,
 )
-from tests.testing_utils import lm_setup, quiet_args
+from tests.helpers.training import lm_setup, quiet_args
 
 STEPS, FORK_AT, WARMUP = 10, 6, 2
 

@@ -12,19 +12,12 @@ from hf_pma.core.manifest import manifest_snapshots, read_manifest
 from hf_pma.merging.engine import merge_state_dict
 from hf_pma.snapshots.callback import PMACallback
 from hf_pma.training.loop import PMASnapshots
-from tests.dist.pma_common import TokenDataset, pad_collate
-from tests.testing_utils import launch, make_tiny_model, quiet_args, rank_reports, run_cli
-
-STEPS = 6
-BATCH = 4
-SEQ = 16
-INTERVAL = 2 * BATCH * SEQ  # a snapshot every 2 steps
-LR = 3e-3
-
-
-def batches() -> list[dict]:
-    data = TokenDataset(n=STEPS * BATCH, seed=1)
-    return [pad_collate([data[i * BATCH + j] for j in range(BATCH)]) for i in range(STEPS)]
+from tests.dist.loop_snapshots import BATCH, INTERVAL, LR, SEQ, STEPS, batches
+from tests.helpers.cli import run_cli
+from tests.helpers.data import pad_collate
+from tests.helpers.launcher import launch, rank_reports
+from tests.helpers.models import make_tiny_model
+from tests.helpers.training import quiet_args
 
 
 def train(

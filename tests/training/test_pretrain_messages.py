@@ -9,14 +9,11 @@ import logging
 import pytest
 from transformers import Trainer, TrainingArguments
 
-from tests.pretrain_runs import SCRIPT  # registers the shared 2-process launch
-from tests.testing_utils import (
-    REPO_ROOT,
-    CollectLogs,
-    launch,
-    lm_setup,
-    quiet_args,
-)
+from tests.helpers.launcher import launch
+from tests.helpers.output import CollectLogs
+from tests.helpers.pretrain_runs import SCRIPT
+from tests.helpers.repo import REPO_ROOT
+from tests.helpers.training import lm_setup, quiet_args
 
 
 def _resume_messages(tmp_path, model, train, collator, wrap) -> list[str]:
@@ -73,7 +70,7 @@ def test_cpu_num_processes_that_starts_one_process_is_reported():
 
 @pytest.mark.shared_launch("pretrain-accelerate")  # started with the session, in the background
 def test_the_incantation_the_warning_gives_starts_two_processes_and_says_nothing(shared_launch):
-    # the shared 2-process run of tests/pretrain_runs.py is started exactly that way
+    # the shared 2-process run of tests/helpers/pretrain_runs.py is started exactly that way
     two = shared_launch.result("pretrain-accelerate")
     assert two.nproc == 2 and "--multi_gpu" in two.command
     assert "was asked for" not in two.stderr + two.output(0, "stderr") + two.output(1, "stderr")

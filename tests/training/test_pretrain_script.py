@@ -12,9 +12,9 @@ import torch
 import yaml
 from huggingface_hub import ModelCard
 
-from tests.hub_server import HubServer
-from tests.pretrain_runs import SCRIPT, SHORT, script_env
-from tests.testing_utils import load_pretrain_script
+from tests.helpers.hub_server import HubServer
+from tests.helpers.pretrain_runs import SCRIPT, SHORT, script_env
+from tests.helpers.repo import load_pretrain_script
 
 
 @pytest.fixture()

@@ -12,8 +12,8 @@ from hf_pma.core.manifest import is_excluded, manifest_snapshots, read_manifest
 from hf_pma.merging.engine import merge_state_dict
 from hf_pma.training.loop import PMASnapshots
 from hf_pma.training.recovery import LossSpikeError, SpikeDetector, SpikeRecovery, pma_init
-from tests.dist.pma_common import TokenDataset, pad_collate
-from tests.testing_utils import make_tiny_model
+from tests.helpers.data import TokenDataset, pad_collate
+from tests.helpers.models import make_tiny_model
 
 BATCH, SEQ, LR = 4, 16, 3e-3
 SPIKE = 7  # the optimizer step whose forward sees the damaged weights

@@ -12,7 +12,8 @@ from transformers import AutoModelForCausalLM, HfArgumentParser, Trainer, Traine
 from hf_pma import PMATrainer, PMATrainingArguments
 from hf_pma.merging.engine import merge_checkpoints, merge_state_dict
 from hf_pma.training.trainer import LossSpikeError
-from tests.testing_utils import lm_setup, make_tiny_model, quiet_args, save_model_folder
+from tests.helpers.models import make_tiny_model, save_model_folder
+from tests.helpers.training import lm_setup, quiet_args
 
 
 @pytest.fixture(scope="module")
@@ -253,8 +254,8 @@ def test_push_to_hub_sends_the_merge_to_its_branch_beside_the_trainers_push(tmp_
 
     from huggingface_hub import ModelCard
 
-    from tests.hub_server import HubServer
-    from tests.testing_utils import REPO_ROOT
+    from tests.helpers.hub_server import HubServer
+    from tests.helpers.repo import REPO_ROOT
 
     with HubServer() as hub:
         env = {**os.environ, "HF_ENDPOINT": hub.url, "HF_TOKEN": next(iter(hub.tokens)), "OMP_NUM_THREADS": "1",

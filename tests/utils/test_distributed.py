@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests.testing_utils import rank_reports
+from tests.helpers.launcher import rank_reports
 
 pytestmark = [pytest.mark.distributed, pytest.mark.shared_launch("world2")]
 
 
 def test_two_nodes_with_separate_disks_stop_with_a_clear_error(shared_launch):
     # tests/dist/two_nodes.py in the shared 2-process launch; each rank trains into its own folder.
-    tmp_path = shared_launch("world2") / "two_nodes"
+    tmp_path = shared_launch("world2", "two_nodes")
     reports = rank_reports(tmp_path, 2)
     for report in reports:
         assert report["world_size"] == 2

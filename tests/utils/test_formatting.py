@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from hf_pma.utils.formatting import format_metric, format_number, markdown_table
-from tests.testing_utils import markdown_rows
+from tests.helpers.output import markdown_rows
 
 
 @pytest.mark.parametrize(

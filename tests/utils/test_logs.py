@@ -15,7 +15,10 @@ from transformers import LlamaConfig
 from transformers.utils import logging as hf_logging
 
 from hf_pma.utils.logs import notice, quiet_info
-from tests.testing_utils import REPO_ROOT, CollectLogs, make_tiny_model, run_cli, save_model_folder
+from tests.helpers.cli import run_cli
+from tests.helpers.models import make_tiny_model, save_model_folder
+from tests.helpers.output import CollectLogs
+from tests.helpers.repo import REPO_ROOT
 
 # A user's script: nothing about logging, a tokenizer as processing_class (so snapshot folders
 # get tokenizer files), a checkpoint at the end from the training thread.
@@ -24,7 +27,7 @@ import sys
 import transformers
 from transformers import Trainer, TrainingArguments
 from hf_pma import PMACallback
-from tests.testing_utils import lm_setup, quiet_args
+from tests.helpers.training import lm_setup, quiet_args
 
 out, verbosity = sys.argv[1], sys.argv[2]
 if verbosity == "info":

@@ -11,7 +11,7 @@ from huggingface_hub import constants as hf_constants
 from hf_pma.utils.fs import atomic_write_json
 from hf_pma.utils.logs import RedactingFilter
 from hf_pma.utils.secrets import find_named_secrets, is_secret_name, redact, redact_obj, tokens_in_use
-from tests.testing_utils import run_cli
+from tests.helpers.cli import run_cli
 
 IN_USE = "in-use-token-not-shaped-like-hf-0123"  # only its value gives it away
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from tests.testing_utils import REPO_ROOT, Launch, launch, shared_launch_job
+from tests.helpers.launcher import Launch, launch, shared_launch_job
+from tests.helpers.repo import REPO_ROOT
 
 SCRIPT = REPO_ROOT / "scripts" / "pretrain.py"
 

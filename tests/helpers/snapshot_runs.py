@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from hf_pma.core.manifest import PMA_SUBDIR, SnapshotRecord, write_manifest
-from tests.testing_utils import make_tiny_model, save_model_folder
+from tests.helpers.models import make_tiny_model, save_model_folder
 
 INTERVAL = 1000
 

@@ -227,13 +227,13 @@ class HubServer:
             def log_message(self, format: str, *args: Any) -> None:  # keep test output quiet
                 pass
 
-            def do_GET(self) -> None:  # noqa: N802
+            def do_GET(self) -> None:
                 server._dispatch(self, "GET")
 
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 server._dispatch(self, "POST")
 
-            def do_HEAD(self) -> None:  # noqa: N802
+            def do_HEAD(self) -> None:
                 server._dispatch(self, "HEAD")
 
         return Handler

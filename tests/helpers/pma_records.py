@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tests.testing_utils import make_tiny_model, save_model_folder
+from tests.helpers.models import make_tiny_model, save_model_folder
 
 TOKENS_PER_STEP = 4096
 SNAPSHOT_STEPS = list(range(20, 220, 20))  # 10 snapshots in the run's manifest
