@@ -190,10 +190,6 @@ class PMACallback(TrainerCallback, ExportableState):
         return self.taker.sink
 
     @property
-    def _sink(self) -> SnapshotSink | None:  # the name benchmark scripts read before snapshot_costs
-        return self.taker.sink
-
-    @property
     def writer(self) -> SnapshotWriter | None:
         """The snapshot writer (main process, disk snapshots only)."""
         return self.taker.writer
