@@ -35,19 +35,29 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from hf_pma.core.manifest import SnapshotRecord
+from hf_pma.core.manifest import MAX_RECORD_INT, SnapshotRecord
 from hf_pma.core.schedule import positive_int_or_none
 from hf_pma.snapshots.lr_probe import first_group_value
 from hf_pma.snapshots.taker import TOKEN_COUNTS, SnapshotTaker, TakenSnapshot
 from hf_pma.training.recovery import SpikeRecovery
 from hf_pma.utils.distributed import unwrap_model
-from hf_pma.utils.text import escape
+from hf_pma.utils.parsing import check_int, is_int, is_number, parameter_error
+from hf_pma.utils.text import escape, shown
 
 logger = logging.get_logger(__name__)
 
 __all__ = ["PMASnapshots"]
 
 STATE_VERSION = 1
+
+# Options a resumed run must share with the run it resumes (and token_count): with another one
+# the folder would mix two kinds of snapshots, or the online average two rules.
+_RESUMED_OPTIONS = ("online", "online_alpha", "online_half_life_tokens", "online_window_tokens")
+
+
+def _check_module(model: Any, name: str) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise parameter_error(name, f"must be a torch.nn.Module, got {shown(model, 60)}")
 
 
 class PMASnapshots:
@@ -97,6 +107,23 @@ class PMASnapshots:
     ) -> None:
         if output_dir is None and pma_dir is None:
             raise ValueError("PMASnapshots needs output_dir (snapshots go to <output_dir>/pma) or pma_dir")
+        _check_module(model, "model")
+        for name, folder in (("output_dir", output_dir), ("pma_dir", pma_dir)):
+            if folder is not None and not isinstance(folder, (str, os.PathLike)):
+                raise parameter_error(
+                    name, f"must be a folder path (str or os.PathLike), got {shown(folder, 60)}"
+                )
+        if accelerator is not None and not all(
+            hasattr(accelerator, name)
+            for name in ("sync_gradients", "num_processes", "register_save_state_pre_hook", "reduce")
+        ):
+            raise parameter_error(
+                "accelerator", f"must be an accelerate.Accelerator or None, got {shown(accelerator, 60)}"
+            )
+        if optimizer is not None and not hasattr(optimizer, "param_groups"):
+            raise parameter_error(
+                "optimizer", f"must be a torch optimizer or None, got {shown(optimizer, 60)}"
+            )
         if token_count not in TOKEN_COUNTS:
             raise ValueError(f"token_count must be one of {TOKEN_COUNTS}, got {token_count!r}")
         self.max_steps = positive_int_or_none(max_steps, "max_steps")
@@ -197,26 +224,48 @@ class PMASnapshots:
             raise ValueError("PMASnapshots.step() after end()")
         if (batch is None) == (tokens is None):
             raise ValueError("PMASnapshots.step() needs exactly one of batch= (counted) or tokens= (global)")
+        if tokens is not None:
+            check_int(tokens, "tokens", 0, MAX_RECORD_INT)
+        if lr is not None and not (is_number(lr, finite=True) and lr >= 0):
+            raise parameter_error("lr", f"must be a finite number >= 0 or None, got {shown(lr, 60)}")
+        if loss is not None:
+            if torch.is_tensor(loss) and loss.numel() == 1 and loss.is_floating_point():
+                loss = float(loss.detach())
+            if not is_number(loss):
+                raise parameter_error("loss", f"must be a number or None, got {shown(loss, 60)}")
+        if model is not None:
+            _check_module(model, "model")
         model = model if model is not None else self.model
         if batch is not None:
             self._pending_tokens += self._count(batch)
         else:
-            self._pending_global += int(tokens)
+            self._pending_global += tokens
         if self.accelerator is not None and not self.accelerator.sync_gradients:
             return
         step_tokens = self._pending_global + (self._global(self._pending_tokens) if batch is not None else 0)
         self._pending_tokens = self._pending_global = 0
-        if not self._begun:
-            self._begin(model)
-        taker = self.taker
-        taker.commit()
-        taker.optimizer_step(lr if lr is not None else self._step_lr)
-        self._step_lr = None
-        if step_tokens <= 0 and self._tokens == taker.schedule.tokens_at_begin:
+        if step_tokens <= 0 and (not self._begun or self._tokens == self.taker.schedule.tokens_at_begin):
             raise ValueError(
                 f"PMASnapshots.step(): no input tokens in optimizer step {self._global_step + 1} (a batch without "
                 "'input_ids', or tokens=0)"
             )
+        if self._tokens + step_tokens > MAX_RECORD_INT:
+            raise parameter_error(
+                "tokens",
+                f"would bring the run's count past {MAX_RECORD_INT:,} (the largest count a manifest holds)",
+            )
+        step_lr = lr if lr is not None else self._step_lr
+        if not self._begun and step_lr is None and self.lr_scheduler is None:
+            raise ValueError(
+                "PMASnapshots.step(): no learning rate is known for the first optimizer step (pass lr=, or give "
+                "the optimizer or lr_scheduler at construction)"
+            )
+        if not self._begun:
+            self._begin(model)
+        taker = self.taker
+        taker.commit()
+        taker.optimizer_step(step_lr)
+        self._step_lr = None
         self._global_step += 1
         self._tokens += step_tokens
         taker.step_end(model, step=self._global_step, tokens=self._tokens, log_follows=loss is not None)
@@ -324,18 +373,54 @@ class PMASnapshots:
             "tokens": self.tokens,
             "global_step": self.global_step,
             "schedule": self.taker.schedule.state(),
-            "options": self.taker.options(),
+            "options": {**self.taker.options(), "token_count": self.token_count},
         }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from :meth:`state_dict` (``accelerator.load_state`` calls it); before the first step."""
         if self._begun:
             raise ValueError("PMASnapshots.load_state_dict() must come before the first step()")
-        if not isinstance(state, Mapping) or state.get("version") != STATE_VERSION:
+        if self._ended:
+            raise ValueError("PMASnapshots.load_state_dict() after end()")
+        if (
+            not isinstance(state, Mapping)
+            or not is_int(state.get("version"))
+            or state["version"] != STATE_VERSION
+        ):
             raise ValueError("PMASnapshots.load_state_dict(): not a state saved by PMASnapshots.state_dict()")
-        self._tokens = int(state["tokens"])
-        self._global_step = int(state["global_step"])
-        self._saved_schedule = dict(state["schedule"]) if self._global_step > 0 else None
+        for key in ("tokens", "global_step"):
+            if not is_int(state.get(key), 0, MAX_RECORD_INT):
+                raise ValueError(
+                    f"PMASnapshots.load_state_dict(): {key} must be a non-negative integer, got {shown(state.get(key), 60)}"
+                )
+        if (state["tokens"] == 0) != (state["global_step"] == 0):
+            raise ValueError(
+                f"PMASnapshots.load_state_dict(): tokens={state['tokens']} after global_step={state['global_step']} "
+                "optimizer steps"
+            )
+        schedule = state.get("schedule")
+        if not isinstance(schedule, Mapping):
+            raise ValueError(
+                f"PMASnapshots.load_state_dict(): schedule must be a dict, got {shown(schedule, 60)}"
+            )
+        saved = state.get("options")
+        if isinstance(saved, Mapping):
+            ours = self.taker.options()
+            for key in _RESUMED_OPTIONS:
+                if key in saved and saved[key] != ours[key]:
+                    raise ValueError(
+                        f"PMASnapshots.load_state_dict(): {key}={shown(ours[key], 60)} differs from the "
+                        f"{shown(saved[key], 60)} of the run being resumed (give the same {key}, or start a new "
+                        "output_dir)"
+                    )
+            if "token_count" in saved and saved["token_count"] != self.token_count:
+                raise ValueError(
+                    f"PMASnapshots.load_state_dict(): token_count={self.token_count!r} differs from the "
+                    f"{shown(saved['token_count'], 60)} of the run being resumed"
+                )
+        self._tokens = state["tokens"]
+        self._global_step = state["global_step"]
+        self._saved_schedule = dict(schedule) if self._global_step > 0 else None
 
     def _before_save_state(self, models: Any, weights: Any, output_dir: str) -> None:
         """``accelerator.save_state``: the snapshot in flight lands first; online averages are saved beside."""

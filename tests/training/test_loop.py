@@ -287,3 +287,82 @@ def test_the_loop_builds_no_trainer_object(tmp_path, monkeypatch):
         check=True,
     )
     assert imported.stdout.strip() == "[]"
+
+
+def test_bad_arguments_are_one_line_before_anything_is_written(tmp_path):
+    """Each bad argument of the constructor, step() and load_state_dict() is one ValueError line
+    naming it, raised before the snapshot folder (or its claim) is written."""
+    model = make_tiny_model(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+
+    def make(**kwargs):
+        return PMASnapshots(
+            kwargs.pop("model", model),
+            kwargs.pop("accelerator", None),
+            optimizer=kwargs.pop("optimizer", optimizer),
+            output_dir=kwargs.pop("output_dir", tmp_path),
+            interval_tokens=INTERVAL,
+            **kwargs,
+        )
+
+    for kwargs, named in [
+        ({"model": None}, "model"),
+        ({"model": "m"}, "model"),
+        ({"accelerator": "acc"}, "accelerator"),
+        ({"optimizer": "sgd"}, "optimizer"),
+        ({"output_dir": 5}, "output_dir"),
+        ({"pma_dir": 5}, "pma_dir"),
+    ]:
+        with pytest.raises(ValueError, match=f"^{named} must"):
+            make(**kwargs)
+    for kwargs, named in [
+        ({"tokens": True}, "tokens"),
+        ({"tokens": -5}, "tokens"),
+        ({"tokens": 1.5}, "tokens"),
+        ({"tokens": "64"}, "tokens"),
+        ({"tokens": float("nan")}, "tokens"),
+        ({"tokens": 10**40}, "tokens"),
+        ({"tokens": 64, "lr": "x"}, "lr"),
+        ({"tokens": 64, "lr": -1.0}, "lr"),
+        ({"tokens": 64, "lr": True}, "lr"),
+        ({"tokens": 64, "lr": float("inf")}, "lr"),
+        ({"tokens": 64, "loss": "x"}, "loss"),
+        ({"tokens": 64, "loss": True}, "loss"),
+        ({"tokens": 64, "model": "m"}, "model"),
+    ]:
+        with pytest.raises(ValueError, match=f"^{named} must"):
+            make().step(**kwargs)
+    with pytest.raises(ValueError, match="no learning rate is known for the first optimizer step"):
+        make().step(tokens=64)  # the optimizer did not step: nothing reported its LR
+    with pytest.raises(ValueError, match="no input tokens in optimizer step 1"):
+        make().step(tokens=0, lr=LR)
+    good = {"version": 1, "tokens": 128, "global_step": 2, "schedule": {}}
+    for state, says in [
+        ({**good, "version": True}, "not a state saved"),
+        ({"version": 1}, "tokens must be"),
+        ({**good, "tokens": "x"}, "tokens must be"),
+        ({**good, "tokens": -5}, "tokens must be"),
+        ({**good, "tokens": True}, "tokens must be"),
+        ({**good, "tokens": float("nan")}, "tokens must be"),
+        ({**good, "global_step": -1}, "global_step must be"),
+        ({**good, "tokens": 0}, "tokens=0 after global_step=2"),
+        ({**good, "schedule": "x"}, "schedule must be a dict"),
+        ({**good, "schedule": None}, "schedule must be a dict"),
+        ({**good, "options": {"online": "sma"}}, "online=None differs from the 'sma'"),
+        ({**good, "options": {"token_count": "non_padding"}}, "token_count='all' differs"),
+    ]:
+        with pytest.raises(ValueError, match=says):
+            make().load_state_dict(state)
+    assert list(tmp_path.iterdir()) == []
+    pma = make()
+    pma.step(tokens=64, lr=LR)
+    with pytest.raises(ValueError, match="^tokens must be"):
+        pma.step(tokens=-64, lr=LR)  # after the first step too
+    pma.end()
+    pma.end()  # a second end() is a no-op (e.g. in a finally after an explicit one)
+    with pytest.raises(ValueError, match=r"after end\(\)"):
+        pma.step(tokens=64, lr=LR)
+    ended = make()
+    ended.end()
+    with pytest.raises(ValueError, match=r"load_state_dict\(\) after end\(\)"):
+        ended.load_state_dict(good)
