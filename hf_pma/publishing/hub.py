@@ -28,12 +28,13 @@ from hf_pma.core.manifest import (
 )
 from hf_pma.io.guarded import JSON_LIMITS, open_file, opened, read_bytes, read_json, regular_files
 from hf_pma.io.safetensors import SafetensorsReader
+from hf_pma.io.sharded import sharded_weight_files
 from hf_pma.publishing.records import find_local_paths, find_tokens, load_records
 from hf_pma.utils.fs import check_output_file
 from hf_pma.utils.hub_client import install_hub_client
 from hf_pma.utils.logs import get_logger
 from hf_pma.utils.names import check_revision_name, is_hub_id
-from hf_pma.utils.text import escape, shown
+from hf_pma.utils.text import command_line, escape, shown
 
 logger = get_logger(__name__)
 
@@ -136,6 +137,12 @@ def check_model_folder(folder: str | os.PathLike[str]) -> list[Path]:
             )
         weights += [folder / s for s in shards]
     weights += [folder / n for n in _WEIGHT_FILES if n in present]
+    if not weights and sharded_weight_files(folder):
+        # A sharded snapshot or online average (one file per rank): transformers cannot load it from the Hub.
+        raise ValueError(
+            f"{escape(folder.name)} is a sharded folder (one weight file per rank, as FSDP and ZeRO-3 runs write): "
+            f"`{command_line(['hf-pma', 'consolidate', folder, '-o', 'FULL'])}` makes a model folder to push"
+        )
     if not weights:
         raise ValueError(
             f"{escape(folder.name)} is not a complete model folder: no weights (model.safetensors, an index with "

@@ -278,3 +278,31 @@ def test_card_in_a_read_only_folder_is_one_line_before_rendering(merged):
         done = run_cli("card", merged)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     assert f"hf-pma card: error: cannot write the model card {merged / 'README.md'}" in done.stderr
+
+
+def test_a_sharded_folder_is_refused_with_the_consolidate_command_then_pushed_consolidated(hub, tmp_path):
+    """An online average or a snapshot of an FSDP / ZeRO-3 run is one file per rank, which
+    transformers cannot load from the Hub: one line naming `hf-pma consolidate`, no request; the
+    consolidated folder pushes."""
+    from hf_pma.merging.consolidate import consolidate_snapshot
+    from tests.helpers.models import make_tiny_model, save_model_folder
+    from tests.helpers.sharded_files import LAYOUTS, write_sharded
+
+    full = save_model_folder(tmp_path / "full", make_tiny_model())
+    sharded = write_sharded(
+        tmp_path / "online-sma", make_tiny_model().state_dict(), LAYOUTS["rows-2"], config_from=full
+    )
+    with pytest.raises(
+        ValueError, match=r"online-sma is a sharded folder .*`hf-pma consolidate .*online-sma -o FULL`"
+    ):
+        push_folder_to_hub(sharded, "my-org/model", token=PLAIN_TOKEN, endpoint=hub.url)
+    proc = _push_cli(hub, sharded)
+    assert (
+        proc.returncode == 2
+        and len(proc.stderr.strip().splitlines()) == 1
+        and "hf-pma consolidate" in proc.stderr
+    )
+    assert hub.requests == [] and hub.repos == {}
+    consolidated = consolidate_snapshot(sharded, tmp_path / "consolidated", progress=False)
+    push_folder_to_hub(consolidated, "my-org/model", token=PLAIN_TOKEN, endpoint=hub.url)
+    assert "model.safetensors" in hub.files("my-org/model")
