@@ -24,7 +24,9 @@ def setup(tmp_path_factory, tiny_tokenizer):
     run = root / "run"
     tiny_tokenizer.save_pretrained(run)
     snapshot = save_model_folder(run / "pma" / "snapshot-100", make_tiny_model(seed=0, initializer_range=0.3))
-    merged = save_model_folder(run / "pma" / "merged", make_tiny_model(seed=1, initializer_range=0.3), tiny_tokenizer)
+    merged = save_model_folder(
+        run / "pma" / "merged", make_tiny_model(seed=1, initializer_range=0.3), tiny_tokenizer
+    )
     tasks = write_small_tasks(root / "tasks")
     return {"root": root, "run": run, "snapshot": snapshot, "merged": merged, "tasks": tasks}
 
@@ -68,10 +70,14 @@ def test_two_models_side_by_side(setup, capsys):
     report = json.loads(out.read_text())
     assert list(report["results"]) == ["snapshot-100", "merged"]
     assert report["eval_dataset"] == "heldout.jsonl"
-    texts = [json.loads(line)["text"] for line in (setup["tasks"] / "heldout.jsonl").read_text().splitlines()][:6]
+    texts = [
+        json.loads(line)["text"] for line in (setup["tasks"] / "heldout.jsonl").read_text().splitlines()
+    ][:6]
     for label, folder in (("snapshot-100", setup["snapshot"]), ("merged", setup["merged"])):
         model = AutoModelForCausalLM.from_pretrained(folder)
-        direct = evaluate_language_modeling(model, AutoTokenizer.from_pretrained(setup["run"]), texts, progress=False)
+        direct = evaluate_language_modeling(
+            model, AutoTokenizer.from_pretrained(setup["run"]), texts, progress=False
+        )
         lm = report["results"][label]["lm"]
         assert lm["perplexity"] == pytest.approx(direct["perplexity"], rel=1e-5)
         assert report["lm"][label]["tokens"] == direct["tokens"]
@@ -98,14 +104,19 @@ def test_results_go_to_the_current_folder_by_default_and_a_run_stands_for_its_ne
     here.mkdir()
     monkeypatch.chdir(here)
     before = sorted(p.relative_to(run) for p in run.rglob("*"))
-    assert main(["eval", str(run), "--last", "2", "--eval-file", str(heldout), "--block-size", "32", "-q"]) == 0
+    assert (
+        main(["eval", str(run), "--last", "2", "--eval-file", str(heldout), "--block-size", "32", "-q"]) == 0
+    )
     out = capsys.readouterr().out
     assert out.strip().splitlines()[-1] == "results: eval_results.json"
     report = json.loads((here / "eval_results.json").read_text())
     assert list(report["results"]) == ["snapshot-2000", "snapshot-3000"]
     assert sorted(p.relative_to(run) for p in run.rglob("*")) == before  # nothing written into the run
     # Without --last, --every or --revisions, --last is refused (nothing to select among).
-    assert main(["eval", str(run / "pma" / "snapshot-1000"), "--last", "2", "--eval-file", str(heldout), "-q"]) == 2
+    assert (
+        main(["eval", str(run / "pma" / "snapshot-1000"), "--last", "2", "--eval-file", str(heldout), "-q"])
+        == 2
+    )
     assert "--last and --every select among a run folder's snapshots" in capsys.readouterr().err
 
 
@@ -118,7 +129,10 @@ def _cell(value: float) -> str:
     [
         ("empty-folder", "not readable: no config.json and no weights"),
         ("tokenizer-mismatch", "does not match model"),
-        ("run-folder", "is a run folder (a PMA manifest (pma/manifest.json)) without a final model at its top: --last N"),
+        (
+            "run-folder",
+            "is a run folder (a PMA manifest (pma/manifest.json)) without a final model at its top: --last N",
+        ),
         ("unknown-task", "'pma_next_lin' (close matches: pma_next_line"),
         ("nothing", "nothing to evaluate"),
     ],
@@ -173,3 +187,22 @@ def test_two_process_launch_evaluates_once(shared_launch):
     assert [done.output(rank).count("lm/perplexity") for rank in (0, 1)] == [1, 0]
     cli = json.loads((out / "cli.json").read_text())
     assert set(cli["results"]["model"]) == {"lm", "pma_cloze"}
+
+
+def test_a_sharded_folder_is_evaluated_as_its_consolidated_model(setup, capsys):
+    """An online average or snapshot of an FSDP / ZeRO-3 run (one file per rank) is evaluated as
+    the model it holds: the same numbers as its consolidated folder."""
+    from hf_pma.merging.consolidate import consolidate_snapshot
+    from tests.helpers.sharded_files import LAYOUTS, write_sharded
+
+    state = AutoModelForCausalLM.from_pretrained(setup["merged"]).state_dict()
+    sharded = write_sharded(
+        setup["run"] / "pma" / "online-sma", state, LAYOUTS["boxes-2x2"], config_from=setup["merged"]
+    )
+    full = consolidate_snapshot(sharded, setup["root"] / "online-sma-full", progress=False)
+    args = ["--eval-file", str(setup["tasks"] / "heldout.jsonl"), "--limit", "6", "--batch-size", "4", "-q"]
+    assert main(["eval", str(sharded), "--tokenizer", str(setup["run"]), *args]) == 0
+    from_shards = markdown_rows(capsys.readouterr().out)
+    assert main(["eval", str(full), "--tokenizer", str(setup["run"]), *args]) == 0
+    consolidated = markdown_rows(capsys.readouterr().out)
+    assert [row[1:] for row in from_shards[1:]] == [row[1:] for row in consolidated[1:]] != []
