@@ -42,6 +42,8 @@ import torch
 from hf_pma import __version__
 from hf_pma.core.manifest import SnapshotRecord
 from hf_pma.core.strategies import DECAY_SHAPES
+from hf_pma.utils.parsing import is_number
+from hf_pma.utils.text import escape, shown
 
 __all__ = ["ONLINE_DEVICES", "ONLINE_KINDS", "OnlineAverage", "effective_weights"]
 
@@ -92,7 +94,7 @@ class OnlineAverage:
             raise ValueError(f"online_device must be one of {ONLINE_DEVICES}, got {device!r}")
         if kind not in ONLINE_KINDS:
             raise ValueError(f"online must be one of {ONLINE_KINDS} or None, got {kind!r}")
-        if not (isinstance(alpha, (int, float)) and 0.0 < alpha <= 1.0):
+        if not (is_number(alpha) and 0.0 < alpha <= 1.0):
             raise ValueError(f"online_alpha must be in (0, 1], got {alpha!r}")
         self.half_life_tokens = _positive_int_or_none(half_life_tokens, "online_half_life_tokens")
         self.window_tokens = _positive_int_or_none(window_tokens, "online_window_tokens")
@@ -113,8 +115,9 @@ class OnlineAverage:
         self.last_tokens: int | None = None  # tokens of the last snapshot
         self.coef_sum = 0.0  # decay kinds: the sum of the window's coefficients so far
         self._average: dict[str, torch.Tensor] = {}
-        # The raw ``__metadata__`` of the file :meth:`load_state` read (empty otherwise).
+        # The raw ``__metadata__`` of the file :meth:`load_state` read (empty otherwise), and its path.
         self.metadata: dict[str, str] = {}
+        self.source: str | None = None
 
     @property
     def options(self) -> dict[str, Any]:
@@ -161,9 +164,8 @@ class OnlineAverage:
     ) -> None:
         """Fold one snapshot into the average (CPU or device tensors of any floating dtype, one
         tensor at a time); ``tokens`` (default: ``record.tokens``) places it in its window."""
-        if self._average and set(state_dict) != set(self._average):
-            diff = sorted(set(state_dict) ^ set(self._average))[:5]
-            raise ValueError(f"online average: the snapshot's tensor names differ from the average's: {diff}")
+        if self._average:
+            self._check_same_tensors(state_dict)
         weight = self._next_weight(tokens if tokens is not None else (record.tokens if record is not None else None))
         on_device = self.device == "device"
         if self.count == 0 and not self._average:
@@ -187,6 +189,36 @@ class OnlineAverage:
         self.count += 1
         if record is not None:
             self.records.append(record)
+
+    def _check_same_tensors(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """``ValueError`` (one line, before anything is folded in) when ``state_dict`` has other
+        tensor names or shapes than the average (a restored one: from another model)."""
+        where = f"online average (restored from {escape(self.source)})" if self.source else "online average"
+        if set(state_dict) != set(self._average):
+            diff = sorted(set(state_dict) ^ set(self._average))[:5]
+            raise ValueError(f"{where}: the snapshot's tensor names differ from the average's: {shown(diff)}")
+        for name, tensor in state_dict.items():
+            average = self._average[name]
+            kinds = (tensor.is_floating_point(), average.is_floating_point())
+            if tuple(tensor.shape) != tuple(average.shape) or kinds[0] != kinds[1]:
+                dtypes = [str(t.dtype).removeprefix("torch.") for t in (tensor, average)]
+                raise ValueError(
+                    f"{where}: tensor {shown(name)} is {dtypes[0]} of shape {tuple(tensor.shape)} in the "
+                    f"snapshot but {dtypes[1]} of shape {tuple(average.shape)} in the average"
+                )
+
+    def check_tensors(self, where: str) -> None:
+        """``ValueError`` (one line naming ``where``, the file read) unless every floating tensor
+        of the average is float32 and finite: what :meth:`update` keeps, so a file holding
+        anything else was not written by it (or the run it averages had diverged)."""
+        for name, tensor in self._average.items():
+            problem = None
+            if tensor.is_floating_point() and tensor.dtype != torch.float32:
+                problem = f"is {str(tensor.dtype).removeprefix('torch.')}, not float32"
+            elif tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+                problem = "holds NaN or infinite values"
+            if problem is not None:
+                raise ValueError(f"{where} is not an hf-pma online average: tensor {shown(name)} {problem}")
 
     def state_dict(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
         """A copy of the average in host memory (float32, or cast to ``dtype``; an average kept on
@@ -272,7 +304,6 @@ class OnlineAverage:
         from hf_pma.io.guarded import parse_json
         from hf_pma.io.safetensors import SafetensorsReader
         from hf_pma.io.torch_adapters import TorchTensors
-        from hf_pma.utils.text import escape
 
         with TorchTensors(SafetensorsReader(path)) as tensors:
             metadata = tensors.raw.metadata
@@ -293,11 +324,15 @@ class OnlineAverage:
                 )
                 average.count = count
                 average.records = [SnapshotRecord.from_dict(d, f"{escape(path)}: records") for d in records]
+                if average.records and len(average.records) != count:
+                    raise ValueError(f"'count' is {count} but 'records' holds {len(average.records)}")
                 average._load_bookkeeping(state)
                 average.metadata = dict(metadata)
             except (KeyError, TypeError, ValueError) as err:
                 raise ValueError(f"{escape(path)} is not an hf-pma online average: {escape(err)}") from None
             average._average = tensors.state_dict()
+        average.check_tensors(escape(path))
+        average.source = os.fspath(path)
         return average
 
     def _load_bookkeeping(self, state: dict[str, Any]) -> None:
@@ -312,6 +347,8 @@ class OnlineAverage:
             or not all(isinstance(w, (int, float)) and 0.0 <= w <= 1.0 for w in weights)
         ):
             raise ValueError("'update_weights' does not match 'count'")
+        if weights and weights[0] != 1.0:
+            raise ValueError("'update_weights' does not start a window with 1.0")
         self.update_weights = [float(w) for w in weights]
         for key in ("window_start", "last_tokens"):
             value = state.get(key)

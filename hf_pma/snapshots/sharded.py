@@ -568,6 +568,7 @@ class ShardedOnlineAverageSink(OnlineAverageSink):
                     f"{', '.join(sorted(names - set(tensors.infos))[:5])}"
                 )
             self.average._average = {s.name: read_slice(tensors, s) for s in slices}
+        self.average.check_tensors(escape(folder))
         self._slices = {s.name: dataclasses.replace(s, tensor=torch.empty(0)) for s in slices}
         self._reshard_from = None
 

@@ -377,6 +377,7 @@ def _read_sharded_average(folder: Path, expected: OnlineAverage) -> OnlineAverag
         for name, info in tensors.infos.items():
             dtype = DTYPE_FROM_SAFETENSORS[info.dtype]
             average._average[name] = torch.from_numpy(tensors.read(name)).view(dtype).reshape(info.shape)
+    average.check_tensors(escape(folder))
     return average
 
 

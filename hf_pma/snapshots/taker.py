@@ -172,6 +172,8 @@ class SnapshotTaker:
             window_tokens=online_window_tokens,
             device=online_device,
         )
+        if online is None and online_device != "cpu":
+            raise ValueError(f"online_device={online_device!r} needs online='sma', 'ema' or a decay kind")
         self.online_device = online_device
         self.online_alpha = float(online_alpha)
         self.online_half_life_tokens = online_half_life_tokens

@@ -265,7 +265,7 @@ class PMATrainingArguments(TrainingArguments):
             raise ValueError("pma_online_half_life_tokens and pma_online_window_tokens need pma_online")
         try:
             OnlineAverage(
-                self.pma_online or "sma",
+                "sma" if self.pma_online is None else self.pma_online,
                 self.pma_ema_alpha,
                 half_life_tokens=self.pma_online_half_life_tokens,
                 window_tokens=self.pma_online_window_tokens,
@@ -275,6 +275,8 @@ class PMATrainingArguments(TrainingArguments):
             message = re.sub(r"\bonline(?=[_= ])", "pma_online", str(err)).replace("pma_online_alpha", "pma_ema_alpha")
             raise ValueError(message) from None
         if self.pma_online is None:
+            if self.pma_online_device != "cpu":
+                raise ValueError(f"pma_online_device={self.pma_online_device!r} needs pma_online")
             return
         if self.pma_keep_last is not None:
             raise ValueError("pma_keep_last has no effect with pma_online (no snapshot folders are written)")

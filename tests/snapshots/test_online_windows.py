@@ -4,6 +4,8 @@ merge of the same snapshots with the weights it records, and survives a save and
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -148,3 +150,129 @@ def test_an_unsharded_runs_average_resumes_in_a_sharded_run(tmp_path):
     live = model.state_dict()
     restored = {s.name: tensor for s, tensor in sharded.local_average()}
     assert restored and all(torch.equal(restored[name], live[name]) for name in restored)
+
+
+# -- the online options at every door, and hostile saved averages ---------------------------------
+
+
+@pytest.mark.parametrize(
+    ("options", "message", "argument_message"),
+    [
+        ({"online": ""}, "online must be one of", "pma_online must be one of"),
+        (
+            {"online": "ema", "online_alpha": True},
+            "online_alpha must be in (0, 1], got True",
+            "pma_ema_alpha must be in (0, 1], got True",
+        ),
+        (
+            {"online_device": "device"},
+            "online_device='device' needs online='sma', 'ema' or a decay kind",
+            "pma_online_device='device' needs pma_online",
+        ),
+    ],
+)
+def test_bad_online_options_are_refused_at_every_door_in_its_own_words(
+    tmp_path, options, message, argument_message
+):
+    """PMACallback and PMASnapshots name the option as they take it, PMATrainingArguments as
+    ``pma_*`` (``online_alpha`` is ``pma_ema_alpha`` there); one line, at construction."""
+    from hf_pma import PMACallback, PMASnapshots, PMATrainingArguments
+    from tests.helpers.models import make_tiny_model
+
+    doors = {
+        "callback": lambda: PMACallback(interval_tokens=64, **options),
+        "loop": lambda: PMASnapshots(make_tiny_model(), output_dir=tmp_path, interval_tokens=64, **options),
+        "arguments": lambda: PMATrainingArguments(
+            output_dir=str(tmp_path),
+            report_to=[],
+            **{("pma_ema_alpha" if k == "online_alpha" else f"pma_{k}"): v for k, v in options.items()},
+        ),
+    }
+    for door, make in doors.items():
+        with pytest.raises(ValueError) as err:
+            make()
+        text = str(err.value)
+        assert text.startswith(argument_message if door == "arguments" else message), (door, text)
+        assert "\n" not in text, door
+
+
+def _saved_checkpoint(tmp_path):
+    from hf_pma.snapshots.sinks import ONLINE_STATE_NAME
+
+    average = fold(OnlineAverage("sma"), snapshots([64, 128, 192]))
+    checkpoint = tmp_path / "checkpoint-3"
+    checkpoint.mkdir()
+    average.save_state(checkpoint / ONLINE_STATE_NAME)
+    return checkpoint, checkpoint / ONLINE_STATE_NAME
+
+
+def _rewrite(path, tensors=None, metadata=None, state=None):
+    """The saved file written again with its tensors, metadata or ``online_state`` changed."""
+    import json
+
+    from hf_pma.snapshots.writer import write_safetensors
+
+    saved = OnlineAverage.load_state(path)
+    meta = dict(saved.metadata)
+    meta.update(metadata or {})
+    if state:
+        meta["online_state"] = json.dumps({**json.loads(meta["online_state"]), **state})
+    path.unlink()
+    write_safetensors(str(path), (tensors or (lambda t: t))(saved._average), metadata=meta)
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"tensors": lambda t: {**t, "w": t["w"].bfloat16()}}, "tensor 'w' is bfloat16, not float32"),
+        ({"tensors": lambda t: {**t, "w": t["w"].double()}}, "tensor 'w' is float64, not float32"),
+        ({"tensors": lambda t: {**t, "b": torch.full_like(t["b"], float("nan"))}}, "tensor 'b' holds NaN"),
+        ({"tensors": lambda t: {**t, "w": torch.full_like(t["w"], float("inf"))}}, "tensor 'w' holds NaN"),
+        (
+            {"metadata": {"count": "2"}, "state": {"update_weights": [1.0, 0.5]}},
+            "'count' is 2 but 'records' holds 3",
+        ),
+        (
+            {"state": {"update_weights": [0.25, 0.5, 1 / 3]}},
+            "'update_weights' does not start a window with 1.0",
+        ),
+    ],
+)
+def test_a_hostile_saved_average_is_refused_at_resume_naming_the_file(tmp_path, change, message):
+    """Never a silently wrong average: a file whose tensors or bookkeeping update() could not
+    have written stops the resume with one line naming the file."""
+    from hf_pma.snapshots.sinks import OnlineAverageSink, ResumePoint
+
+    checkpoint, path = _saved_checkpoint(tmp_path)
+    _rewrite(path, **change)
+    sink = OnlineAverageSink(tmp_path / "pma", online="sma", async_write=False)
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
+        sink.open(ResumePoint(192, 3, checkpoint))
+    assert str(err.value).startswith(f"{path} is not an hf-pma online average") and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("tensors", "message"),
+    [
+        (lambda t: {**t, "w": t["w"][:1]}, "but float32 of shape (1, 5) in the average"),
+        (
+            lambda t: {**t, "w": t["w"].int()},
+            "tensor 'w' is float32 of shape (3, 5) in the snapshot but int32",
+        ),
+        (lambda t: {"x": t["w"], "b": t["b"]}, "tensor names differ from the average's: ['w', 'x']"),
+    ],
+)
+def test_an_average_restored_from_another_model_is_refused_before_anything_is_folded(
+    tmp_path, tensors, message
+):
+    """Other shapes (which would broadcast), dtypes or names than the model's: the first update
+    stops with one line naming the file it was restored from, the average untouched."""
+    checkpoint, path = _saved_checkpoint(tmp_path)
+    _rewrite(path, tensors=tensors)
+    restored = OnlineAverage.load_state(path)
+    before = restored.state_dict()
+    record, state = snapshots([256])[0]
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
+        restored.update(state, record)
+    assert str(err.value).startswith(f"online average (restored from {path})") and "\n" not in str(err.value)
+    assert restored.count == 3 and all(torch.equal(before[k], v) for k, v in restored.state_dict().items())
