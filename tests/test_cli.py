@@ -129,6 +129,62 @@ def test_library_errors_name_parameters_and_the_command_shows_their_flags():
     assert flag_words(ValueError("last snapshot missing"), parser, "merge") == "last snapshot missing"
 
 
+def test_library_messages_that_name_a_flag_name_the_parameter_too():
+    """A library function called from Python says what to pass in Python: every error or log
+    line outside hf_pma/commands and hf_pma/cli.py that names an ``hf-pma`` flag (``--revisions``)
+    names the parameter that flag sets too (``revisions=, --revisions``, ``name (--flag)``)."""
+    import argparse
+    import ast
+    import re
+    from pathlib import Path
+
+    import hf_pma
+    from hf_pma.cli import PARAMETER_DESTS, build_parser
+
+    parser = build_parser()
+    (subparsers,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    dests: dict[str, set[str]] = {}
+    for sub in subparsers.choices.values():
+        for action in sub._actions:
+            for option in action.option_strings:
+                dests.setdefault(option, set()).add(action.dest)
+    names_of = {
+        dest: {dest} | {p for p, d in PARAMETER_DESTS.items() if d == dest}
+        for ds in dests.values()
+        for dest in ds
+    }
+    root = Path(hf_pma.__file__).parent
+    bad = []
+    for path in sorted(root.rglob("*.py")):
+        if path.relative_to(root).parts[0] == "commands" or path.name == "cli.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                message = node.exc
+            elif isinstance(node, ast.Call) and getattr(node.func, "attr", None) in (
+                "warning",
+                "info",
+                "error",
+                "debug",
+            ):
+                message = node
+            else:
+                continue
+            text = " ".join(
+                n.value for n in ast.walk(message) if isinstance(n, ast.Constant) and isinstance(n.value, str)
+            )
+            if "accelerate launch" in text:  # accelerate's and torchrun's own flags
+                continue
+            for flag in re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text):
+                names = set().union(*(names_of[d] for d in dests.get(flag, ()))) or {
+                    flag[2:].replace("-", "_")
+                }
+                said = "|".join(re.escape(n) for n in names)
+                if not re.search(rf"(?<![\w-])(?:{said})s?(?:=|\s*\(--|,\s*--| or \w+, --)", text):
+                    bad.append(f"{path.relative_to(root)}:{node.lineno}: {flag}")
+    assert bad == [], bad
+
+
 def test_a_bad_hub_timeout_is_named_by_its_flag_on_the_command_line(tmp_path):
     from hf_pma.utils.hub_client import set_hub_timeout
     from tests.helpers.cli import run_cli

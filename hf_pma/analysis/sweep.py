@@ -337,7 +337,8 @@ def run_sweep(
         logger.info(f"skipping {s['strategy']} N={s['window']} k={s['every']}: {s['reason']}")
     if not combos:
         raise ValueError(
-            f"no combination fits the run's {len(sources)} snapshot(s): use smaller windows or every values (--window, --every)"
+            f"no combination fits the run's {len(sources)} snapshot(s): use smaller windows or every values "
+            "(windows=, every=; --window, --every)"
         )
     evaluator = _while_present(
         [sources[-1]],

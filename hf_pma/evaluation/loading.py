@@ -36,7 +36,7 @@ def check_tokenizer(vocab_rows: int, tokenizer: Any, model_name: str, tokenizer_
     if size > vocab_rows:
         raise ValueError(
             f"tokenizer {tokenizer_name} does not match model {model_name}: it has {size} tokens but the model's "
-            f"embedding has {vocab_rows} rows (pass the model's own tokenizer with --tokenizer)"
+            f"embedding has {vocab_rows} rows (pass the model's own tokenizer: tokenizer=, --tokenizer)"
         )
     if size < 0.9 * vocab_rows:
         logger.warning(

@@ -422,7 +422,7 @@ def check_intervals(sources: Sequence[CheckpointSource]) -> tuple[list[int], str
         )
         logger.warning(
             f"{what}, from {escape(sources[0].name)} to {escape(sources[-1].name)}; the strategy weighs sources, "
-            "not tokens (a window in tokens, --window-tokens, keeps the span)"
+            "not tokens (a window in tokens, window_tokens=, --window-tokens, keeps the span)"
         )
     return intervals, basis
 

@@ -407,7 +407,7 @@ def order_revisions(
         logger.warning(
             f"The names of {len(unknown)} revision(s) ({_examples(unknown)}) carry no step or token count: "
             f"ordering the {len(revisions)} revisions by commit date instead (name a step/tokens group in a "
-            f"revisions regular expression (--revisions) to order them by their names)"
+            f"revisions regular expression (revisions=, --revisions) to order them by their names)"
         )
         epoch = datetime.datetime.min.replace(tzinfo=datetime.timezone.utc)
         return sorted(revisions, key=lambda r: r.date or epoch)

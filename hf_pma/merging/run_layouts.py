@@ -195,7 +195,8 @@ def run_sources(path: str | os.PathLike[str], include_final: bool = False) -> li
                 logger.warning(
                     f"{path}: the final model at its top has no trainer_state.json beside it, so the point it "
                     f"was saved at is unknown; it is merged as the newest source, after {sources[-1].name} "
-                    "(if training ended there, that point counts twice: leave --include-final out)"
+                    "(if training ended there, that point counts twice: leave include_final (--include-final) "
+                    "out)"
                 )
             sources.append(final)
     elif layout.top_weights:

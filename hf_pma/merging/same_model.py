@@ -226,7 +226,7 @@ def check_one_run(inputs: Sequence[str | os.PathLike[str]], revisions: str | Non
             what = (
                 "a run folder"
                 if Path(item).is_dir()
-                else f"a Hub repo read through revisions {shown(revisions)} (--revisions)"
+                else f"a Hub repo read through revisions {shown(revisions)} (revisions=, --revisions)"
             )
             raise ValueError(
                 f"{escape(item)} is {what}, and it stands for all its snapshots: given with {escape(other)}, "
