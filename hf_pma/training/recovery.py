@@ -39,7 +39,8 @@ from hf_pma.merging.swap import load_weights
 from hf_pma.merging.windows import select_window
 from hf_pma.snapshots.taker import SnapshotTaker
 from hf_pma.utils.distributed import all_ranks_checked
-from hf_pma.utils.parsing import check_int, is_number
+from hf_pma.utils.parsing import check_int, is_number, parameter_error
+from hf_pma.utils.text import shown
 
 logger = logging.get_logger(__name__)
 
@@ -74,6 +75,11 @@ def pma_init(
         alpha: the EMA factor for ``strategy="ema"``.
         what: how errors name the sources (``PMATrainer`` says ``pma_init_from``).
     """
+    _check_module(model, "model")
+    if isinstance(sources, (str, os.PathLike)):
+        sources = [sources]  # one folder or Hub id, not a sequence of its characters
+    if not isinstance(sources, Sequence) or not all(isinstance(s, (str, os.PathLike)) for s in sources):
+        raise parameter_error("sources", f"must be a list of folders or Hub ids, got {shown(sources, 60)}")
     sources = list(sources)
     if not sources:
         raise ValueError(f"{what}: no source to merge")
@@ -96,6 +102,24 @@ def pma_init(
         "sources": [{"name": s.name, "tokens": s.tokens, "step": s.step} for s in resolved],
         "time": time.time(),
     }
+
+
+def _check_module(model: Any, name: str) -> None:
+    if not isinstance(model, torch.nn.Module):
+        raise parameter_error(name, f"must be a torch.nn.Module, got {shown(model, 60)}")
+
+
+def _number(value: Any, name: str, allow_none: bool = False) -> float | None:
+    """``value`` as a float when it is a number (NaN and infinities included: they are spikes) or a
+    one-element tensor; else a one-line ``ValueError`` naming ``name``."""
+    if value is None and allow_none:
+        return None
+    if torch.is_tensor(value) and value.numel() == 1 and value.is_floating_point():
+        return float(value.detach())
+    if not is_number(value):
+        either = " or None" if allow_none else ""
+        raise parameter_error(name, f"must be a number{either}, got {shown(value, 60)}")
+    return float(value)
 
 
 class SpikeDetector:
@@ -128,8 +152,9 @@ class SpikeDetector:
     def observe(self, loss: float, grad_norm: float | None = None, step: int = 0) -> bool:
         """``True`` for a spike (not remembered); otherwise the loss joins the healthy ones and
         ``step`` becomes :attr:`last_healthy_step`."""
-        loss = float(loss)
-        grad_norm = None if grad_norm is None else float(grad_norm)
+        loss = _number(loss, "loss")
+        grad_norm = _number(grad_norm, "grad_norm", allow_none=True)
+        check_int(step, "step", 0)
         if self.is_spike(loss, grad_norm):
             return True
         self.losses.append(loss)
@@ -169,6 +194,14 @@ def recover_from_spike(
     Returns the record: ``snapshots`` (folder names merged), ``excluded`` (their tokens),
     ``reset_optimizer``. Raises :class:`LossSpikeError` when no snapshot precedes the spike.
     """
+    _check_module(model, "model")
+    if not isinstance(taker, SnapshotTaker):
+        raise parameter_error(
+            "taker", f"must be a SnapshotTaker (PMASnapshots.taker), got {shown(taker, 60)}"
+        )
+    check_int(step, "step", 0)
+    check_int(after_step, "after_step", 0)
+    check_int(last, "last")  # last=0 would merge every snapshot ([-0:])
     # Snapshots taken after the last healthy step belong to the spike: never merge them.
     taker.wait()
     during = [r.tokens for r, _ in taker.snapshots() if r.step > after_step]
@@ -177,9 +210,9 @@ def recover_from_spike(
     all_ranks_checked(lambda: None, "waiting for the main process")
     usable = taker.snapshots()[-last:]
     if not usable:
-        shown = f" (loss {loss:.4g})" if loss is not None else ""
+        said = f" (loss {loss:.4g})" if loss is not None else ""
         raise LossSpikeError(
-            f"loss spike at step {step}{shown} but no snapshot was taken before it to recover from; {hint}"
+            f"loss spike at step {step}{said} but no snapshot was taken before it to recover from; {hint}"
         )
     load_weights(
         model,
@@ -223,6 +256,12 @@ class SpikeRecovery:
     ) -> None:
         check_int(last, "last")
         check_int(max_recoveries, "max_recoveries", 0)
+        if not isinstance(reset_optimizer, bool):
+            raise parameter_error(
+                "reset_optimizer", f"must be True or False, got {shown(reset_optimizer, 60)}"
+            )
+        if not isinstance(option_prefix, str):
+            raise parameter_error("option_prefix", f"must be a str, got {shown(option_prefix, 60)}")
         self.detector = SpikeDetector(factor, window)
         self.last = last
         self.reset_optimizer = bool(reset_optimizer)
@@ -247,8 +286,10 @@ class SpikeRecovery:
         Raises :class:`LossSpikeError` after ``max_recoveries`` recoveries, or when no snapshot
         precedes the spike.
         """
-        loss = float(loss)
-        grad_norm = None if grad_norm is None else float(grad_norm)
+        loss = _number(loss, "loss")
+        grad_norm = _number(grad_norm, "grad_norm", allow_none=True)
+        check_int(tokens, "tokens", 0)
+        _check_module(model, "model")
         if not self.detector.observe(loss, grad_norm, step):
             return None
         prefix = self.option_prefix

@@ -117,3 +117,68 @@ def test_pma_init_of_a_fresh_model_from_a_loops_snapshots(tmp_path):
     wide = make_tiny_model(seed=0, hidden_size=96)
     with pytest.raises(ValueError, match=r"^pma_init \(.*tensor 'model.embed_tokens.weight' has shape"):
         pma_init(wide, [tmp_path / "pma"])
+
+
+def test_bad_arguments_of_recovery_and_pma_init_leave_the_model_untouched(tmp_path):
+    """Each bad argument is one ValueError line naming it, the model untouched; ``last=0`` no
+    longer merges every snapshot (``[-0:]``), and one folder given as a str is one source, not a
+    sequence of its characters."""
+    from hf_pma.training.recovery import recover_from_spike
+
+    model = make_tiny_model(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    pma = PMASnapshots(
+        model,
+        optimizer=optimizer,
+        output_dir=tmp_path,
+        interval_tokens=64,
+        phases=("warmup", "stable", "decay"),
+    )
+    for _ in range(3):
+        pma.step(tokens=64, lr=LR)
+    pma.wait()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for kwargs, named in [
+        ({"reset_optimizer": "no"}, "reset_optimizer"),
+        ({"reset_optimizer": 1}, "reset_optimizer"),
+        ({"option_prefix": 5}, "option_prefix"),
+    ]:
+        with pytest.raises(ValueError, match=f"^{named} must"):
+            SpikeRecovery(**kwargs)
+    recovery = SpikeRecovery()
+    for args, kwargs, named in [
+        (("x",), {}, "loss"),
+        ((True,), {}, "loss"),
+        ((None,), {}, "loss"),
+        ((2.0, "x"), {}, "grad_norm"),
+        ((2.0, True), {}, "grad_norm"),
+        ((2.0,), {"model": "m"}, "model"),
+    ]:
+        with pytest.raises(ValueError, match=f"^{named} must"):
+            pma.check_for_spike(recovery, *args, **kwargs)
+    for kwargs, named in [
+        ({"last": 0}, "last"),
+        ({"last": -1}, "last"),
+        ({"last": True}, "last"),
+        ({"last": "2"}, "last"),
+        ({"step": "x"}, "step"),
+        ({"after_step": "x"}, "after_step"),
+        ({"taker": None}, "taker"),
+        ({"model": "m"}, "model"),
+    ]:
+        call = {"model": model, "taker": pma.taker, "step": 3, "after_step": 3, **kwargs}
+        with pytest.raises(ValueError, match=f"^{named} must"):
+            recover_from_spike(call.pop("model"), call.pop("taker"), **call)
+    for args, named in [
+        (("m", [tmp_path / "pma"]), "model"),
+        ((model, None), "sources"),
+        ((model, 5), "sources"),
+    ]:
+        with pytest.raises(ValueError, match=f"^{named} must"):
+            pma_init(*args)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert recovery.recoveries == [] and not any(is_excluded(r) for r in manifest_snapshots(tmp_path / "pma"))
+    pma.end()
+    fresh = make_tiny_model(seed=1)
+    used = pma_init(fresh, str(tmp_path / "pma"), window=2)  # one folder as a str
+    assert [s["tokens"] for s in used["sources"]] == [128, 192]
