@@ -127,14 +127,25 @@ def cost_to_report(
 
 def no_constant_phase_warning(plan: RunPlan, phases: Sequence[str], scheduler_name: str | None) -> str | None:
     """The one warning of a planned schedule that never holds the LR constant (PMA's premise);
-    ``None`` when it does."""
+    ``None`` when it does. ``scheduler_name`` is a Trainer's ``lr_scheduler_type`` (``"cosine"``)
+    or, from a loop of one's own, the scheduler's class (``"LambdaLR"``: the advice is then in
+    ``transformers.get_scheduler`` words)."""
     if plan.has_constant_phase:
         return None
+    trainer = scheduler_name is None or scheduler_name.islower()  # SchedulerType values are lower case
+    what = (
+        f"lr_scheduler_type={scheduler_name!r}" if trainer else f"the lr_scheduler ({escape(scheduler_name)})"
+    )
+    advice = (
+        "lr_scheduler_type='warmup_stable_decay' (lr_scheduler_kwargs={'num_decay_steps': ...}) or 'constant'"
+        if trainer
+        else "get_scheduler('warmup_stable_decay', optimizer, num_warmup_steps=..., num_training_steps=..., "
+        "scheduler_specific_kwargs={'num_decay_steps': ...}) or a constant LR"
+    )
     return (
-        f"hf-pma: lr_scheduler_type={scheduler_name!r} has no constant-LR phase "
+        f"hf-pma: {what} has no constant-LR phase "
         f"({plan.stable_steps} of {plan.planned_steps} planned steps at the peak LR). PMA merges "
-        "snapshots taken at a constant LR to preview what annealing would give; for that, train with "
-        "lr_scheduler_type='warmup_stable_decay' (lr_scheduler_kwargs={'num_decay_steps': ...}) or 'constant'. "
+        f"snapshots taken at a constant LR to preview what annealing would give; for that, train with {advice}. "
         f"If you keep this schedule, snapshots are taken in the {'/'.join(phases)} phases (about "
         f"{plan.intended_snapshots()} of them) and a merge of the last ones averages weights along the "
         "decay: close to the final weights, rarely better."

@@ -75,6 +75,10 @@ def test_the_messages():
     )
     assert "stable/decay phases (about 40 of them)" in warning
     assert planning.no_constant_phase_warning(WSD, ("stable", "decay"), "warmup_stable_decay") is None
+    # From a loop of one's own: the scheduler's class, and advice in get_scheduler words.
+    loop = planning.no_constant_phase_warning(LINEAR, ("stable", "decay"), "LambdaLR")
+    assert loop.startswith("hf-pma: the lr_scheduler (LambdaLR) has no constant-LR phase")
+    assert "get_scheduler('warmup_stable_decay'" in loop and "lr_scheduler_type" not in loop
 
     choice = choose_interval(64, 100, WSD.selected_steps(), stable_steps=WSD.stable_steps)
     line = planning.interval_choice_message(choice, 64, ("stable", "decay"))

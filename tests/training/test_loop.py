@@ -366,3 +366,28 @@ def test_bad_arguments_are_one_line_before_anything_is_written(tmp_path):
     ended.end()
     with pytest.raises(ValueError, match=r"load_state_dict\(\) after end\(\)"):
         ended.load_state_dict(good)
+
+
+def test_no_constant_phase_warning_in_loop_words(tmp_path, caplog):
+    """A loop with a cosine schedule gets the one warning the Trainer gets, naming its scheduler
+    and advising in the loop's words (``get_scheduler``), not a Trainer option it does not have."""
+    import logging
+
+    model = make_tiny_model(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    lr_scheduler = get_scheduler("cosine", optimizer, num_warmup_steps=1, num_training_steps=STEPS)
+    pma = PMASnapshots(
+        model, optimizer=optimizer, lr_scheduler=lr_scheduler, max_steps=STEPS, output_dir=tmp_path
+    )
+    with caplog.at_level(logging.WARNING, logger="hf_pma"):
+        for batch in batches()[:2]:
+            model(**batch).loss.backward()
+            optimizer.step()
+            lr_scheduler.step()
+            optimizer.zero_grad()
+            pma.step(batch=batch)
+    pma.end()
+    warnings = [r.getMessage() for r in caplog.records if "no constant-LR phase" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert warnings[0].startswith("hf-pma: the lr_scheduler (LambdaLR) has no constant-LR phase")
+    assert "get_scheduler('warmup_stable_decay'" in warnings[0] and "lr_scheduler_type" not in warnings[0]
