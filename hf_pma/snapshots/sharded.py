@@ -72,6 +72,7 @@ from hf_pma.snapshots.sinks import (
     DiskSnapshotSink,
     OnlineAverageSink,
     ResumePoint,
+    check_rank_files_agree,
     online_state_name,
 )
 from hf_pma.snapshots.writer import (
@@ -515,6 +516,7 @@ class ShardedOnlineAverageSink(OnlineAverageSink):
         missing = [f.name for f in files if not os.path.lexists(f)]
         if missing:
             raise ValueError(f"hf-pma: {escape(folder)} lacks {', '.join(missing[:3])} of the saved online average")
+        check_rank_files_agree(files, folder, average.metadata)
         average._average = {}  # read by this run's slices at warm_up
         self.average = average
         self._reshard_from = (files, folder)

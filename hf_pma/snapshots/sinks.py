@@ -356,6 +356,29 @@ class DiskSnapshotSink(SnapshotSink):
         return self.writer.exclude(tokens, reason)
 
 
+# What every rank's file of one sharded online average holds alike (the bookkeeping of the same
+# snapshots; the tensors, rank and slices differ).
+RANK_SHARED_METADATA = ("kind", "alpha", "count", "online_state")
+
+
+def check_rank_files_agree(files: list[Path], folder: Path, first: dict[str, str]) -> None:
+    """``ValueError`` (one line naming the file) unless every rank file in ``files`` holds the
+    bookkeeping of ``first`` (rank 0's metadata): a rank file of another kind, alpha, step or
+    window put beside the others would otherwise be read into one silently mixed average. Reads
+    only the files' headers."""
+    from hf_pma.io.safetensors import SafetensorsReader
+
+    for path in files:
+        with SafetensorsReader(path, folder) as reader:
+            metadata = reader.metadata
+        differs = [key for key in RANK_SHARED_METADATA if metadata.get(key) != first.get(key)]
+        if differs:
+            raise ValueError(
+                f"hf-pma: {escape(path)} holds another online average than {escape(files[0].name)} "
+                f"({', '.join(differs)} differ): the checkpoint's rank files were not saved together"
+            )
+
+
 def _read_sharded_average(folder: Path, expected: OnlineAverage) -> OnlineAverage:
     """The full average saved by a sharded run as ``pma_online-rank<r>.safetensors`` files (any
     world size): the bookkeeping from rank 0's file, the tensors assembled by global offsets."""
@@ -372,6 +395,7 @@ def _read_sharded_average(folder: Path, expected: OnlineAverage) -> OnlineAverag
     missing = [f.name for f in files if not os.path.lexists(f)]
     if missing:
         raise ValueError(f"hf-pma: {escape(folder)} lacks {', '.join(missing[:3])} of the saved online average")
+    check_rank_files_agree(files, folder, average.metadata)
     average._average = {}
     with ShardedCheckpointTensors(files, folder) as tensors:
         for name, info in tensors.infos.items():

@@ -226,3 +226,29 @@ def test_unsharded_average_is_broadcast_for_merged_eval(run):
     losses = rank_reports(run, 2, "ddp-rank{rank}.json")
     assert losses[0] == losses[1]  # every rank evaluates the same (broadcast) average
     assert losses[0]["swapped"] != losses[0]["live"] and losses[0]["restored"] == losses[0]["live"]
+
+
+def test_rank_files_of_different_averages_are_not_read_into_one(run, tmp_path):
+    """Rank 0's file of the SMA beside rank 1's of the EMA (same step): a resume on another world
+    size, or without sharding, would read both by global offsets into one mixed average."""
+    import shutil
+
+    from tests.helpers.models import make_tiny_model
+
+    checkpoint = tmp_path / f"checkpoint-{CHECKPOINT_STEP}"
+    checkpoint.mkdir()
+    for rank, kind in ((0, "sma"), (1, "ema")):
+        source = run / f"run-{kind}" / f"checkpoint-{CHECKPOINT_STEP}" / online_state_name(rank)
+        shutil.copyfile(source, checkpoint / online_state_name(rank))
+    resume = ResumePoint(CHECKPOINT_STEP * 64, CHECKPOINT_STEP, checkpoint)
+    message = (
+        rf"^hf-pma: .*{online_state_name(1)} holds another online average than {online_state_name(0)} \(kind"
+    )
+    for sink in (
+        ShardedOnlineAverageSink(tmp_path / "a", online="sma", rank=0, world_size=1),
+        OnlineAverageSink(tmp_path / "b", online="sma"),
+    ):
+        with pytest.raises(ValueError, match=message) as err:
+            sink.open(resume)
+            sink.warm_up(make_tiny_model(seed=0, vocab_size=515))
+        assert "\n" not in str(err.value)
