@@ -37,6 +37,7 @@ __all__ = [
     "end_message",
     "small_interval_warning",
     "uneven_spacing_message",
+    "varying_steps_message",
 ]
 
 
@@ -215,3 +216,19 @@ def uneven_spacing_message(interval_tokens: int, tokens_per_step: int, automatic
     if automatic or interval_tokens <= tokens_per_step or interval_tokens % tokens_per_step == 0:
         return None
     return f"hf-pma: {snapshot_spacing(interval_tokens, tokens_per_step)}"
+
+
+def varying_steps_message(
+    interval_tokens: int, first_tokens: int, step_tokens: int, step: int, automatic: bool
+) -> str:
+    """The line shown once when optimizer step ``step`` counts ``step_tokens`` tokens where the
+    run's first step counted ``first_tokens`` (padding counted out, batches of varying length or
+    size, a short last batch): snapshots come every ``interval_tokens`` tokens, evenly spaced in
+    tokens, but no longer the same number of steps apart (an automatic V is a whole number of the
+    first step's tokens only)."""
+    how = "chosen as" if automatic else "given:"
+    return (
+        f"hf-pma: optimizer steps vary in tokens (step {step:,}: {step_tokens:,}; the first: {first_tokens:,}): "
+        f"snapshots stay every {interval_tokens:,} tokens ({how} {interval_tokens / first_tokens:.2f} steps of "
+        f"the first step's tokens), so the number of steps between them varies"
+    )

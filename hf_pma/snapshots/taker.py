@@ -144,7 +144,7 @@ class SnapshotTaker:
         sharded: bool | str = "auto",
         online_device: str = "cpu",
     ) -> None:
-        if sharded not in (True, False, "auto"):
+        if not (isinstance(sharded, bool) or sharded == "auto"):  # 1 and 0 are no answer
             raise ValueError(f"sharded must be True, False or 'auto', got {sharded!r}")
         self.sharded = sharded
         self.schedule = SnapshotSchedule(interval_tokens, phases)
@@ -200,6 +200,7 @@ class SnapshotTaker:
         self._losses = StepLossTracker()
         self._last_snapshot_step = 0
         self._warned_small_interval = False
+        self._first_step_tokens: int | None = None  # of this run's first step; None once steps vary
         self._plan: RunPlan | None = None
         self._plan_step0 = 0
         self._disk: DiskBudget | None = None
@@ -498,6 +499,9 @@ class SnapshotTaker:
                 )
                 if spacing is not None:
                     notice(logger, spacing)
+            self._first_step_tokens = tick.step_tokens
+        elif self._first_step_tokens is not None and tick.step_tokens != self._first_step_tokens:
+            self._say_steps_vary(tick.step_tokens)
         self._report_cost(tick.step_tokens)
         self._warn_small_interval(tick.step_tokens)
         boundary = self.schedule.due(tick)
@@ -601,6 +605,7 @@ class SnapshotTaker:
         self._disk = DiskBudget(self._pma_dir, self.max_disk_bytes)
         self._time = TimeBudget()
         self._disk_checked = False
+        self._first_step_tokens = None
         self._taken = []
         self._last_snapshot_step = step
         self._last_loss = None
@@ -783,6 +788,21 @@ class SnapshotTaker:
         )
         if cost is not None:
             self._time.report(cost, self.interval_tokens / tokens_per_step, tokens_per_step, self.async_write)
+
+    def _say_steps_vary(self, step_tokens: int) -> None:
+        """Once, when an optimizer step's tokens differ from the first step's: V counts tokens, so
+        its snapshots are no longer the same number of steps apart."""
+        first = self._first_step_tokens
+        if self.interval_tokens <= min(first, step_tokens):
+            return  # one snapshot every step either way
+        self._first_step_tokens = None
+        if self._is_main:
+            notice(
+                logger,
+                planning.varying_steps_message(
+                    self.interval_tokens, first, step_tokens, self._step, bool(self.interval_choice)
+                ),
+            )
 
     def _warn_small_interval(self, step_tokens: int) -> None:
         if self._warned_small_interval or not self._is_main or step_tokens <= self.interval_tokens:

@@ -75,6 +75,10 @@ def test_the_messages():
     )
     assert "stable/decay phases (about 40 of them)" in warning
     assert planning.no_constant_phase_warning(WSD, ("stable", "decay"), "warmup_stable_decay") is None
+    assert planning.varying_steps_message(128, 64, 40, 3, True) == (
+        "hf-pma: optimizer steps vary in tokens (step 3: 40; the first: 64): snapshots stay every 128 tokens "
+        "(chosen as 2.00 steps of the first step's tokens), so the number of steps between them varies"
+    )
     # From a loop of one's own: the scheduler's class, and advice in get_scheduler words.
     loop = planning.no_constant_phase_warning(LINEAR, ("stable", "decay"), "LambdaLR")
     assert loop.startswith("hf-pma: the lr_scheduler (LambdaLR) has no constant-LR phase")

@@ -178,3 +178,41 @@ def test_a_given_interval_says_once_how_its_snapshots_are_spaced(tmp_path, caplo
     assert taker.interval_tokens == interval and [r.step for r, _ in taker.snapshots()] == (
         [2, 3] if uneven else [2, 4]
     )
+
+
+@pytest.mark.parametrize("interval", [None, 2 * TOKENS_PER_STEP, TOKENS_PER_STEP // 2])
+def test_steps_that_vary_in_tokens_are_said_once(tmp_path, caplog, interval):
+    """Optimizer steps whose token counts vary (padding counted out, a short last batch): no
+    crash, the automatic V is a whole number of the first step's tokens, and one line says
+    once that the steps between snapshots vary; nothing is said when V is under a step (one
+    snapshot every step either way)."""
+    model = make_tiny_model(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    taker = SnapshotTaker(interval_tokens=interval, phases=("warmup", "stable", "decay"))
+    per_step = [TOKENS_PER_STEP, TOKENS_PER_STEP, 40, TOKENS_PER_STEP, 48, TOKENS_PER_STEP]
+    with caplog.at_level(logging.INFO, logger="hf_pma"):
+        taker.begin(model, output_dir=tmp_path, optimizer=optimizer, planned_steps=len(per_step))
+        tokens = 0
+        for step, count in enumerate(per_step, 1):
+            tokens += count
+            taker.optimizer_step(LR)
+            taker.step_end(model, step=step, tokens=tokens)
+        taker.end(model)
+    lines = [r.getMessage() for r in caplog.records if "vary in tokens" in r.getMessage()]
+    if interval == TOKENS_PER_STEP // 2:
+        assert lines == [] and len(taker.snapshots()) == len(per_step)
+        return
+    assert taker.interval_tokens % TOKENS_PER_STEP == 0
+    assert lines == [
+        f"hf-pma: optimizer steps vary in tokens (step 3: 40; the first: {TOKENS_PER_STEP}): snapshots stay every "
+        f"{taker.interval_tokens} tokens ({'chosen as' if interval is None else 'given:'} "
+        f"{taker.interval_tokens / TOKENS_PER_STEP:.2f} steps of the first step's tokens), so the number of steps "
+        "between them varies"
+    ]
+    assert all(r.tokens % taker.interval_tokens < max(per_step) for r, _ in taker.snapshots())
+
+
+@pytest.mark.parametrize("sharded", [1, 0, "yes", None])
+def test_sharded_takes_a_bool_or_auto(sharded):
+    with pytest.raises(ValueError, match="^sharded must be True, False or 'auto'"):
+        SnapshotTaker(interval_tokens=64, sharded=sharded)
