@@ -45,6 +45,27 @@ __all__ = ["PMATrainer", "PMATrainingArguments", "LossSpikeError", "save_full_mo
 INIT_RECORD_NAME = "pma_init.json"
 
 
+def _check_online_agrees(given: PMACallback, args: PMATrainingArguments) -> None:
+    """``ValueError`` (one line) when ``pma_online*`` asks for another online average than the
+    ``PMACallback`` passed in ``callbacks``, which is used instead of one built from the
+    arguments: the arguments would be ignored without a word (``pma_online``, and each other
+    ``pma_online*`` option the arguments set to other than its default)."""
+    import dataclasses
+
+    defaults = {f.name: f.default for f in dataclasses.fields(PMATrainingArguments)}
+    names = ["online", "online_half_life_tokens", "online_window_tokens", "online_device"]
+    pairs = [(f"pma_{name}", name) for name in names]
+    if args.pma_online == "ema" and args.pma_online_half_life_tokens is None:
+        pairs.append(("pma_ema_alpha", "online_alpha"))
+    for option, name in pairs:
+        value, used = getattr(args, option), getattr(given, name)
+        if value != used and (option == "pma_online" or value != defaults[option]):
+            raise ValueError(
+                f"{option}={value!r} but the PMACallback passed in callbacks, which is used instead, has "
+                f"{name}={used!r}: set the online average in one place"
+            )
+
+
 class PMATrainer(Trainer):
     """``transformers.Trainer`` with Pre-trained Model Averaging built in.
 
@@ -73,6 +94,8 @@ class PMATrainer(Trainer):
             )
         # A PMACallback passed in ``callbacks`` (e.g. ``online="sma"``) is used instead of one built from pma_* args.
         given = next((c for c in kwargs.get("callbacks") or [] if isinstance(c, PMACallback)), None)
+        if given is not None and args.pma_online is not None:
+            _check_online_agrees(given, args)
         callback = given or PMACallback(
             interval_tokens=args.pma_interval_tokens,
             phases=args.pma_phases,

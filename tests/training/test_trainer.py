@@ -235,6 +235,40 @@ def test_arguments_parse_from_command_line_and_yaml(tmp_path):
         parser.parse_args_into_dataclasses(["--output_dir", str(tmp_path), "--pma_window", "0"])
 
 
+@pytest.mark.parametrize(
+    ("callback", "overrides", "message"),
+    [
+        ({}, {"pma_online": "sma"}, "pma_online='sma' but the PMACallback passed in callbacks"),
+        ({"online": "ema"}, {"pma_online": "sma"}, "has online='ema': set the online average in one place$"),
+        (
+            {"online": "ema"},
+            {"pma_online": "ema", "pma_ema_alpha": 0.5},
+            "pma_ema_alpha=0.5 but .* has online_alpha=0.2",
+        ),
+        (
+            {"online": "sma"},
+            {"pma_online": "sma", "pma_online_device": "device"},
+            "pma_online_device='device' but .* has online_device='cpu'",
+        ),
+    ],
+)
+def test_pma_online_arguments_that_a_given_callback_would_override_are_refused(
+    tmp_path, callback, overrides, message
+):
+    """A PMACallback in ``callbacks`` is used instead of one built from the arguments: pma_online*
+    options it does not share would be ignored without a word."""
+    from hf_pma import PMACallback
+
+    args = PMATrainingArguments(output_dir=str(tmp_path), report_to=[], **overrides)
+    with pytest.raises(ValueError, match=message) as err:
+        PMATrainer(make_tiny_model(), args, callbacks=[PMACallback(**callback)])
+    assert "\n" not in str(err.value)
+    # The same options on both sides, or left at their defaults in the arguments: accepted.
+    agreeing = PMACallback(**{"online": "sma", **callback, "online_device": "cpu"})
+    same = PMATrainingArguments(output_dir=str(tmp_path), report_to=[], pma_online=agreeing.online)
+    assert PMATrainer(make_tiny_model(), same, callbacks=[agreeing]).pma_callback is agreeing
+
+
 def test_plain_training_arguments_are_refused(tmp_path):
     with pytest.raises(TypeError, match="PMATrainingArguments"):
         PMATrainer(make_tiny_model(), TrainingArguments(output_dir=str(tmp_path)))
