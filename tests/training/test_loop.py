@@ -391,3 +391,43 @@ def test_no_constant_phase_warning_in_loop_words(tmp_path, caplog):
     assert len(warnings) == 1, warnings
     assert warnings[0].startswith("hf-pma: the lr_scheduler (LambdaLR) has no constant-LR phase")
     assert "get_scheduler('warmup_stable_decay'" in warnings[0] and "lr_scheduler_type" not in warnings[0]
+
+
+def test_gradient_accumulation_with_tokens_that_vary(tmp_path, caplog):
+    """Gradient accumulation over micro-batches whose non-padding tokens vary, with the automatic
+    interval: no crash, V a whole number of the first optimizer step's tokens, the tokens of every
+    micro-batch counted, and one line saying the steps between snapshots vary."""
+    import logging
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = make_tiny_model(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    pma = PMASnapshots(
+        model,
+        accelerator,
+        optimizer=optimizer,
+        max_steps=STEPS // 2,
+        output_dir=tmp_path,
+        token_count="non_padding",
+        phases=("warmup", "stable", "decay"),
+    )
+    data = batches()
+    for i, batch in enumerate(data):
+        batch = dict(batch, attention_mask=batch["attention_mask"].clone())
+        batch["attention_mask"][:, SEQ - i :] = 0  # micro-batch i pads its last i positions
+        data[i] = batch
+    with caplog.at_level(logging.INFO, logger="hf_pma"):
+        for batch in data:
+            with accelerator.accumulate(model):
+                accelerator.backward(model(**batch).loss)
+                optimizer.step()
+                optimizer.zero_grad()
+            pma.step(batch=batch)
+    pma.end()
+    counted = [int(b["attention_mask"].sum()) for b in data]
+    assert (pma.global_step, pma.tokens) == (STEPS // 2, sum(counted))
+    assert pma.interval_tokens % (counted[0] + counted[1]) == 0
+    lines = [r.getMessage() for r in caplog.records if "vary in tokens" in r.getMessage()]
+    assert len(lines) == 1 and lines[0].startswith("hf-pma: optimizer steps vary in tokens (step 2: ")
+    assert tokens(tmp_path / "pma")
