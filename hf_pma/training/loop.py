@@ -325,7 +325,7 @@ class PMASnapshots:
         self, model: torch.nn.Module | None = None, last: int | None = None
     ) -> Iterator[torch.nn.Module]:
         """Every process: the merge of the last ``last`` snapshots (all when ``None``), or the
-        online average, in the live model for the ``with`` block; the live weights are put back
+        online average (then ``last`` must be left out), in the live model for the ``with`` block; the live weights are put back
         bit for bit after it (also on an exception).
 
         Raises ``ValueError`` when there is nothing to swap in yet.
@@ -333,12 +333,20 @@ class PMASnapshots:
         from hf_pma.merging.engine import merge_state_dict
         from hf_pma.merging.swap import backup_weights, load_weights, restore_weights
 
+        if model is not None:
+            _check_module(model, "model")
+        last = positive_int_or_none(last, "last")
         model = model if model is not None else self.model
         if not self._begun:
             raise ValueError("PMASnapshots.swapped(): no snapshot yet (before the first step)")
         taker = self.taker
         taker.wait()
         if taker.online is not None:
+            if last is not None:
+                raise ValueError(
+                    f"PMASnapshots.swapped(): last={last} has no effect with online={taker.online!r} (the online "
+                    "average is swapped in); leave it out"
+                )
             restore = taker.swap_in_online(model)
             if restore is None:
                 raise ValueError("PMASnapshots.swapped(): the online average holds no snapshot yet")
@@ -351,7 +359,6 @@ class PMASnapshots:
             self.accelerator.wait_for_everyone()  # every process sees the main process's manifest
         listed = [folder for _, folder in taker.snapshots()]  # every process reads the manifest
         if last is not None:
-            last = positive_int_or_none(last, "last")
             listed = listed[-last:]
         if not listed:
             raise ValueError(f"PMASnapshots.swapped(): no snapshot in {escape(taker.pma_dir)} yet")

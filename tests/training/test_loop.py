@@ -431,3 +431,44 @@ def test_gradient_accumulation_with_tokens_that_vary(tmp_path, caplog):
     lines = [r.getMessage() for r in caplog.records if "vary in tokens" in r.getMessage()]
     assert len(lines) == 1 and lines[0].startswith("hf-pma: optimizer steps vary in tokens (step 2: ")
     assert tokens(tmp_path / "pma")
+
+
+def test_swapped_checks_its_arguments_first_and_restores_on_errors(tmp_path):
+    """swapped(): a bad ``last`` or ``model`` is one line before anything moves (with an online
+    average too, where ``last`` has no effect and is refused); an exception inside the block,
+    and nested swaps, leave the live weights bit for bit."""
+    model = make_tiny_model(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    runs = {}
+    for online in (None, "sma"):
+        pma = PMASnapshots(
+            model,
+            optimizer=optimizer,
+            output_dir=tmp_path / str(online),
+            interval_tokens=64,
+            phases=("warmup", "stable", "decay"),
+            online=online,
+        )
+        for _ in range(3):
+            pma.step(tokens=64, lr=LR)
+        runs[online] = pma
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for pma in runs.values():
+        for last in (0, -1, True, "2", 1.5):
+            with pytest.raises(ValueError, match="^last must be a positive integer"):
+                with pma.swapped(last=last):
+                    pass
+        with pytest.raises(ValueError, match="^model must be a torch.nn.Module"):
+            with pma.swapped("m"):
+                pass
+    with pytest.raises(ValueError, match="last=2 has no effect with online='sma'"):
+        with runs["sma"].swapped(last=2):
+            pass
+    with pytest.raises(KeyError):
+        with runs[None].swapped(last=2):
+            with runs["sma"].swapped():
+                with runs[None].swapped(last=1):
+                    raise KeyError("boom")
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    for pma in runs.values():
+        pma.end()
