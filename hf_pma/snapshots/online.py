@@ -359,6 +359,30 @@ class OnlineAverage:
         if not isinstance(coef_sum, (int, float)) or not math.isfinite(coef_sum) or coef_sum < 0:
             raise ValueError("'coef_sum' is not a finite non-negative number")
         self.coef_sum = float(coef_sum)
+        self._check_positions()
+
+    def _check_positions(self) -> None:
+        """Where the restored average stands agrees with itself: its last snapshot's tokens are
+        the last record's, inside the current window; a decay kind's coefficient sum is what the
+        window's snapshots give (``f(0) - f(position of the last)``). Otherwise the next update
+        would restart the window, or weigh the next snapshot wrongly, without a word."""
+        if self.count == 0:
+            return
+        last = self.last_tokens
+        if (self.window_tokens or self.half_life_tokens) and last is None:
+            raise ValueError("'last_tokens' is missing")
+        recorded = self.records[-1].tokens if self.records else None
+        if recorded is not None and last is not None and recorded != last:
+            raise ValueError(f"'last_tokens' is {last} but the last record was taken at {recorded} tokens")
+        if self.window_tokens is None:
+            return
+        start = self.window_start
+        if start is None or start % self.window_tokens or not start <= last <= start + self.window_tokens:
+            raise ValueError(f"'window_start' {start} is not the window of 'last_tokens' {last}")
+        if self.kind.endswith("-decay"):
+            expected = self._decay_coefficient(start, last)
+            if not math.isclose(self.coef_sum, expected, rel_tol=1e-9, abs_tol=1e-12):
+                raise ValueError(f"'coef_sum' is {self.coef_sum!r}, not {expected!r} for its window")
 
     def check_same_options(self, other: OnlineAverage, where: str) -> None:
         """``ValueError`` (one line) when ``other`` (a restored average) was taken with other options."""

@@ -276,3 +276,26 @@ def test_an_average_restored_from_another_model_is_refused_before_anything_is_fo
         restored.update(state, record)
     assert str(err.value).startswith(f"online average (restored from {path})") and "\n" not in str(err.value)
     assert restored.count == 3 and all(torch.equal(before[k], v) for k, v in restored.state_dict().items())
+
+
+@pytest.mark.parametrize(
+    ("state", "message"),
+    [
+        ({"window_start": 0}, "'window_start' 0 is not the window of 'last_tokens' 192"),
+        ({"window_start": 150}, "'window_start' 150 is not the window of 'last_tokens' 192"),
+        ({"last_tokens": 180}, "'last_tokens' is 180 but the last record was taken at 192 tokens"),
+        ({"last_tokens": None}, "'last_tokens' is missing"),
+        ({"coef_sum": 0.0}, "'coef_sum' is 0.0, not 0.5 for its window"),
+    ],
+)
+def test_a_saved_window_that_disagrees_with_itself_is_refused(tmp_path, state, message):
+    """A decay window (T=128) holding the snapshots at 160 and 192 tokens: a file whose window
+    start, last tokens or coefficient sum disagree would make the next update restart the window
+    or weigh the next snapshot wrongly."""
+    path = tmp_path / "average.safetensors"
+    fold(OnlineAverage("linear-decay", window_tokens=128), snapshots([64, 128, 160, 192])).save_state(path)
+    assert OnlineAverage.load_state(path).count == 2
+    _rewrite(path, state=state)
+    with pytest.raises(ValueError, match=re.escape(message)) as err:
+        OnlineAverage.load_state(path)
+    assert str(err.value).startswith(f"{path} is not an hf-pma online average") and "\n" not in str(err.value)
