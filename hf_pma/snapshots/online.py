@@ -42,7 +42,7 @@ import torch
 from hf_pma import __version__
 from hf_pma.core.manifest import SnapshotRecord
 from hf_pma.core.strategies import DECAY_SHAPES
-from hf_pma.utils.parsing import is_number
+from hf_pma.utils.parsing import check_int, is_number
 from hf_pma.utils.text import escape, shown
 
 __all__ = ["ONLINE_DEVICES", "ONLINE_KINDS", "OnlineAverage", "effective_weights"]
@@ -60,14 +60,6 @@ def effective_weights(update_weights: list[float]) -> list[float]:
         out.append(a * keep)
         keep *= 1.0 - a
     return out[::-1]
-
-
-def _positive_int_or_none(value: Any, what: str) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{what} must be a positive number of tokens or None, got {value!r}")
-    return value
 
 
 class OnlineAverage:
@@ -91,13 +83,13 @@ class OnlineAverage:
         device: str = "cpu",
     ) -> None:
         if device not in ONLINE_DEVICES:
-            raise ValueError(f"online_device must be one of {ONLINE_DEVICES}, got {device!r}")
+            raise ValueError(f"online_device must be one of {ONLINE_DEVICES}, got {shown(device, 60)}")
         if kind not in ONLINE_KINDS:
-            raise ValueError(f"online must be one of {ONLINE_KINDS} or None, got {kind!r}")
+            raise ValueError(f"online must be one of {ONLINE_KINDS} or None, got {shown(kind, 60)}")
         if not (is_number(alpha) and 0.0 < alpha <= 1.0):
-            raise ValueError(f"online_alpha must be in (0, 1], got {alpha!r}")
-        self.half_life_tokens = _positive_int_or_none(half_life_tokens, "online_half_life_tokens")
-        self.window_tokens = _positive_int_or_none(window_tokens, "online_window_tokens")
+            raise ValueError(f"online_alpha must be in (0, 1], got {shown(alpha, 60)}")
+        self.half_life_tokens = check_int(half_life_tokens, "online_half_life_tokens", allow_none=True)
+        self.window_tokens = check_int(window_tokens, "online_window_tokens", allow_none=True)
         if self.half_life_tokens is not None and kind != "ema":
             raise ValueError(f"online_half_life_tokens is for online='ema', not {kind!r}")
         if self.window_tokens is not None and kind == "ema":
@@ -184,7 +176,8 @@ class OnlineAverage:
                     else:
                         average.mul_(1.0 - weight).add_(tensor.detach().to(average.device), alpha=weight)
                 elif not torch.equal(average, tensor.detach().to(average.device)):
-                    raise ValueError(f"online average: non-float tensor {name!r} changed between snapshots")
+                    changed = f"non-float tensor {shown(name)} changed between snapshots"
+                    raise ValueError(f"online average: {changed}")
         self.update_weights.append(weight)
         self.count += 1
         if record is not None:

@@ -55,7 +55,7 @@ from hf_pma.utils.distributed import check_folder_shared, is_peft_model, run_on_
 from hf_pma.utils.fs import FolderClaim
 from hf_pma.utils.logs import notice
 from hf_pma.utils.parsing import parse_dtype, parse_size
-from hf_pma.utils.text import escape
+from hf_pma.utils.text import escape, shown
 
 logger = logging.get_logger(__name__)
 
@@ -159,7 +159,7 @@ class SnapshotTaker:
             raise ValueError(f"async_write must be True or False, got {async_write!r}")
         self.async_write = async_write
         if online is not None and online not in ONLINE_KINDS:
-            raise ValueError(f"online must be one of {ONLINE_KINDS} or None, got {online!r}")
+            raise ValueError(f"online must be one of {ONLINE_KINDS} or None, got {shown(online, 60)}")
         self.online = online
         if online is None and (online_half_life_tokens is not None or online_window_tokens is not None):
             raise ValueError(
@@ -173,7 +173,9 @@ class SnapshotTaker:
             device=online_device,
         )
         if online is None and online_device != "cpu":
-            raise ValueError(f"online_device={online_device!r} needs online='sma', 'ema' or a decay kind")
+            raise ValueError(
+                f"online_device={shown(online_device, 60)} needs online='sma', 'ema' or a decay kind"
+            )
         self.online_device = online_device
         self.online_alpha = float(online_alpha)
         self.online_half_life_tokens = online_half_life_tokens

@@ -21,6 +21,7 @@ from hf_pma.core.schedule import check_phases
 from hf_pma.core.strategies import validate_strategy
 from hf_pma.utils.names import parse_hub_id, scheduler_name
 from hf_pma.utils.parsing import check_int, parse_size
+from hf_pma.utils.text import shown
 
 __all__ = ["PMATrainingArguments", "deepspeed_zero_stage", "parse_with_config"]
 
@@ -82,6 +83,22 @@ def parse_with_config(
     if config is not None:
         parser.set_defaults(**read_arguments_file(config, parser))
     return tuple(parser.parse_args_into_dataclasses(argv))
+
+
+# An option's name in the online average's messages (outside the quoted values they echo) -> its argument.
+_ONLINE_WORDS = re.compile(r"""('(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")|\bonline_alpha\b|\bonline(?=[_= ])""")
+
+
+def _argument_words(message: str) -> str:
+    """A message of :class:`hf_pma.snapshots.online.OnlineAverage` in the arguments' words
+    (``online_window_tokens`` -> ``pma_online_window_tokens``, ``online_alpha`` ->
+    ``pma_ema_alpha``); a quoted value it shows (what the user gave) is left as it is."""
+
+    def word(match: re.Match[str]) -> str:
+        text = match.group(0)
+        return text if match.group(1) else "pma_ema_alpha" if text == "online_alpha" else "pma_online"
+
+    return _ONLINE_WORDS.sub(word, message)
 
 
 @dataclasses.dataclass
@@ -272,11 +289,10 @@ class PMATrainingArguments(TrainingArguments):
                 device=self.pma_online_device,
             )
         except ValueError as err:
-            message = re.sub(r"\bonline(?=[_= ])", "pma_online", str(err)).replace("pma_online_alpha", "pma_ema_alpha")
-            raise ValueError(message) from None
+            raise ValueError(_argument_words(str(err))) from None
         if self.pma_online is None:
             if self.pma_online_device != "cpu":
-                raise ValueError(f"pma_online_device={self.pma_online_device!r} needs pma_online")
+                raise ValueError(f"pma_online_device={shown(self.pma_online_device, 60)} needs pma_online")
             return
         if self.pma_keep_last is not None:
             raise ValueError("pma_keep_last has no effect with pma_online (no snapshot folders are written)")
