@@ -54,7 +54,7 @@ from hf_pma.snapshots.writer import SnapshotWriter
 from hf_pma.utils.distributed import check_folder_shared, is_peft_model, run_on_main_process
 from hf_pma.utils.fs import FolderClaim
 from hf_pma.utils.logs import notice
-from hf_pma.utils.parsing import parse_dtype, parse_size
+from hf_pma.utils.parsing import check_int, is_number, parameter_error, parse_dtype, parse_size
 from hf_pma.utils.text import escape, shown
 
 logger = logging.get_logger(__name__)
@@ -159,7 +159,7 @@ class SnapshotTaker:
             raise ValueError(f"async_write must be True or False, got {async_write!r}")
         self.async_write = async_write
         if online is not None and online not in ONLINE_KINDS:
-            raise ValueError(f"online must be one of {ONLINE_KINDS} or None, got {shown(online, 60)}")
+            raise ValueError(f"online must be one of {ONLINE_KINDS} or None, got {online!r}")
         self.online = online
         if online is None and (online_half_life_tokens is not None or online_window_tokens is not None):
             raise ValueError(
@@ -173,9 +173,7 @@ class SnapshotTaker:
             device=online_device,
         )
         if online is None and online_device != "cpu":
-            raise ValueError(
-                f"online_device={shown(online_device, 60)} needs online='sma', 'ema' or a decay kind"
-            )
+            raise ValueError(f"online_device={online_device!r} needs online='sma', 'ema' or a decay kind")
         self.online_device = online_device
         self.online_alpha = float(online_alpha)
         self.online_half_life_tokens = online_half_life_tokens
@@ -214,6 +212,7 @@ class SnapshotTaker:
         self._resume: ResumePoint | None = None
         self._step = 0
         self._tokens = 0
+        self._ended = False
 
     # ------------------------------------------------------------------ read-outs
 
@@ -398,13 +397,15 @@ class SnapshotTaker:
             average_tokens_across_devices: the Trainer's option of that name (how a loss normalised
                 by a global token count adds up over processes).
         """
+        _check_begin_arguments(locals())
         output = Path(output_dir) if output_dir is not None else None
         if self.requested_pma_dir is None and output is None:
             raise ValueError(
                 "SnapshotTaker.begin() needs output_dir (snapshots go to <output_dir>/pma) or a pma_dir"
             )
-        self._is_main = bool(is_main)
-        self._world_size = int(world_size)
+        self._ended = False
+        self._is_main = is_main
+        self._world_size = world_size
         self._pma_dir = Path(self.requested_pma_dir or output / PMA_SUBDIR).absolute()
         self._options = {
             "token_count": token_count,
@@ -433,6 +434,8 @@ class SnapshotTaker:
 
     def optimizer_step(self, lr: float | None) -> None:
         """An optimizer step ran with learning rate ``lr`` (before the scheduler moves it on)."""
+        if lr is not None and not (is_number(lr, finite=True) and lr >= 0):
+            raise parameter_error("lr", f"must be a finite number >= 0 or None, got {shown(lr, 60)}")
         self._step_lr = lr
 
     def step_end(
@@ -457,6 +460,10 @@ class SnapshotTaker:
             checkpoint_follows: a checkpoint is written next: the snapshot lands first.
         """
         self._require_begun("step_end")
+        check_int(step, "step", self._step + 1)  # one optimizer step further at least
+        check_int(tokens, "tokens", self._tokens)  # a global count only grows
+        if epoch is not None and not is_number(epoch, finite=True):
+            raise parameter_error("epoch", f"must be a number or None, got {shown(epoch, 60)}")
         self._sink.raise_if_failed()
         self._time.step_done()
         self._losses.end_step()
@@ -515,6 +522,9 @@ class SnapshotTaker:
     def logged(self, step: int, loss: float | None = None, checkpoint_follows: bool = False) -> None:
         """The loop logged at optimizer step ``step`` (its training ``loss``, if any): the record of
         a snapshot taken at that step gets that loss when the model gave none, and goes to the writer."""
+        check_int(step, "step", 0)
+        if loss is not None and not is_number(loss):
+            raise parameter_error("loss", f"must be a number or None, got {shown(loss, 60)}")
         if loss is not None:
             self._last_loss = (int(step), float(loss))
         if self._pending is not None and self._pending.step == step:
@@ -540,9 +550,10 @@ class SnapshotTaker:
         """Every process, once after training: the last write lands, the online average is saved,
         the cost and the snapshots are reported, the folder is released. Before :meth:`begin`, only
         stops recording losses."""
-        if self._sink is None:
+        if self._sink is None or self._ended:
             self._losses.detach()
             return
+        self._ended = True
         try:
             self._losses.detach()
             self._commit(checkpoint_follows=False)
@@ -567,6 +578,8 @@ class SnapshotTaker:
     def _require_begun(self, call: str) -> None:
         if self._sink is None:
             raise RuntimeError(f"SnapshotTaker.{call}() before begin()")
+        if self._ended:  # the folder is released: another run may hold it now
+            raise ValueError(f"SnapshotTaker.{call}() after end() (begin() a new run first)")
 
     def _begin(
         self,
@@ -872,6 +885,34 @@ class SnapshotTaker:
         if checkpoint_follows:
             self._sink.before_checkpoint()
         self._time.add_blocked(time.perf_counter() - start)
+
+
+def _check_begin_arguments(given: dict[str, Any]) -> None:
+    """:meth:`SnapshotTaker.begin`'s arguments, each checked before the folder is claimed: one
+    ``ValueError`` line naming the first bad one."""
+    for name in ("output_dir", "resume_dir"):
+        if given[name] is not None and not isinstance(given[name], (str, os.PathLike)):
+            raise parameter_error(name, f"must be a folder path or None, got {shown(given[name], 60)}")
+    check_int(given["world_size"], "world_size")
+    check_int(given["planned_steps"], "planned_steps", allow_none=True)
+    for name in ("step", "tokens", "warmup_steps"):
+        check_int(given[name], name, 0)
+    for name in ("is_main", "average_tokens_across_devices"):
+        if not isinstance(given[name], bool):
+            raise parameter_error(name, f"must be True or False, got {shown(given[name], 60)}")
+    if given["token_count"] is not None and given["token_count"] not in TOKEN_COUNTS:
+        raise parameter_error(
+            "token_count", f"must be one of {TOKEN_COUNTS} or None, got {shown(given['token_count'], 60)}"
+        )
+    peak = given["peak_lr"]  # a fallback only: 0 when read from a warmup's first LR
+    if peak is not None and not (is_number(peak, finite=True) and peak >= 0):
+        raise parameter_error("peak_lr", f"must be a finite number >= 0 or None, got {shown(peak, 60)}")
+    if given["saved_state"] is not None and not isinstance(given["saved_state"], dict):
+        raise parameter_error("saved_state", f"must be a dict or None, got {shown(given['saved_state'], 60)}")
+    if given["scheduler_name"] is not None and not isinstance(given["scheduler_name"], str):
+        raise parameter_error(
+            "scheduler_name", f"must be a str or None, got {shown(given['scheduler_name'], 60)}"
+        )
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str | None:

@@ -216,3 +216,62 @@ def test_steps_that_vary_in_tokens_are_said_once(tmp_path, caplog, interval):
 def test_sharded_takes_a_bool_or_auto(sharded):
     with pytest.raises(ValueError, match="^sharded must be True, False or 'auto'"):
         SnapshotTaker(interval_tokens=64, sharded=sharded)
+
+
+def test_bad_arguments_of_the_engines_calls(tmp_path):
+    """begin()'s arguments are checked before the folder is claimed; step_end(), optimizer_step()
+    and logged() refuse what is no count, LR or loss (a step or token count going back too); a
+    call after end() is refused (the folder is released then: another run may hold it)."""
+    model = make_tiny_model(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    for kwargs, named in [
+        ({"world_size": True}, "world_size"),
+        ({"world_size": 0}, "world_size"),
+        ({"is_main": "no"}, "is_main"),
+        ({"token_count": "bogus"}, "token_count"),
+        ({"planned_steps": -3}, "planned_steps"),
+        ({"planned_steps": "x"}, "planned_steps"),
+        ({"step": -1}, "step"),
+        ({"step": True}, "step"),
+        ({"tokens": -5}, "tokens"),
+        ({"warmup_steps": "x"}, "warmup_steps"),
+        ({"peak_lr": "x"}, "peak_lr"),
+        ({"saved_state": "x"}, "saved_state"),
+        ({"resume_dir": 5}, "resume_dir"),
+        ({"output_dir": 5}, "output_dir"),
+        ({"scheduler_name": 5}, "scheduler_name"),
+        ({"average_tokens_across_devices": "no"}, "average_tokens_across_devices"),
+    ]:
+        call = {"output_dir": tmp_path, "optimizer": optimizer, **kwargs}
+        with pytest.raises(ValueError, match=f"^{named} must"):
+            SnapshotTaker(interval_tokens=64).begin(model, **call)
+    assert list(tmp_path.iterdir()) == []
+    taker = SnapshotTaker(interval_tokens=64, phases=("warmup", "stable", "decay"))
+    taker.begin(model, output_dir=tmp_path, optimizer=optimizer, planned_steps=4)
+    for lr in ("x", True, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="^lr must"):
+            taker.optimizer_step(lr)
+    taker.optimizer_step(LR)
+    for kwargs, says in [
+        ({"step": "x", "tokens": 64}, "step must"),
+        ({"step": 0, "tokens": 64}, "step must"),
+        ({"step": 1, "tokens": "64"}, "tokens must"),
+        ({"step": 1, "tokens": 64.5}, "tokens must"),
+        ({"step": 1, "tokens": -64}, "tokens must"),
+        ({"step": 1, "tokens": 64, "epoch": "x"}, "epoch must"),
+    ]:
+        with pytest.raises(ValueError, match=f"^{says}"):
+            taker.step_end(model, **kwargs)
+    taker.step_end(model, step=1, tokens=128)
+    taker.optimizer_step(LR)
+    with pytest.raises(ValueError, match="^tokens must be an integer >= 128, got 64"):
+        taker.step_end(model, step=2, tokens=64)  # the count went back
+    with pytest.raises(ValueError, match="^step must be an integer >= 2, got 1"):
+        taker.step_end(model, step=1, tokens=192)  # so did the step
+    with pytest.raises(ValueError, match="^loss must"):
+        taker.logged(1, "x")
+    taker.end(model)
+    taker.end(model)  # a no-op
+    with pytest.raises(ValueError, match=r"step_end\(\) after end\(\)"):
+        taker.step_end(model, step=2, tokens=192)
+    assert [r.tokens for r, _ in taker.snapshots()] == [128]
