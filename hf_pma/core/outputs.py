@@ -18,6 +18,7 @@ from hf_pma.core.manifest import MANIFEST_NAME, PMA_SUBDIR, SNAPSHOT_RECORD_NAME
 from hf_pma.io.guarded import read_json
 from hf_pma.utils.fs import is_library_folder
 from hf_pma.utils.parsing import parameter_error
+from hf_pma.utils.text import escape
 
 __all__ = ["TRAINER_CHECKPOINT_PATTERN", "check_overwrite_target", "listing_manifest"]
 
@@ -78,12 +79,12 @@ def check_overwrite_target(
     if re.fullmatch(TRAINER_CHECKPOINT_PATTERN, output_dir.name) or (output_dir / "trainer_state.json").is_file():
         why = f"it is a Trainer checkpoint; {choose}"
     elif (manifest := listing_manifest(output_dir)) is not None:
-        why = f"it is a snapshot listed in {manifest}; {choose}"
+        why = f"it is a snapshot listed in {escape(manifest)}; {choose}"
     elif (output_dir / SNAPSHOT_RECORD_NAME).is_file() and (output_dir.parent / MANIFEST_NAME).is_file():
-        why = f"it is a snapshot of the run in {output_dir.parent}; {choose}"
+        why = f"it is a snapshot of the run in {escape(output_dir.parent)}; {choose}"
     elif not is_library_folder(output_dir, tuple(markers)):
         why = f"hf-pma did not write it (no {' or '.join(markers)} inside, or it is a link); remove it yourself or {choose}"
     else:
         return
     # In library words ("overwrite refuses ..."); the command shows the parameter as --overwrite.
-    raise parameter_error("overwrite", f"refuses to replace {output_dir}: {why}", FileExistsError)
+    raise parameter_error("overwrite", f"refuses to replace {escape(output_dir)}: {why}", FileExistsError)

@@ -282,3 +282,17 @@ def test_make_tasks_overwrite_replaces_only_a_task_folder(tmp_path):
     )
     replaced = run_cli("make-tasks", *args[:1], "-o", tasks, *args[1:])
     assert replaced.returncode == 0, replaced.stderr
+
+
+def test_the_overwrite_refusal_is_one_line_whatever_the_folder_is_named(tmp_path):
+    """A folder named with a line break and an escape sequence, holding a Trainer checkpoint's
+    trainer_state.json: the library's refusal shows the name escaped, on one line."""
+    from hf_pma.core.outputs import check_overwrite_target
+
+    folder = tmp_path / "out\nlast must\x1b[31m"
+    folder.mkdir()
+    (folder / "trainer_state.json").write_text("{}")
+    with pytest.raises(FileExistsError, match="^overwrite refuses to replace ") as err:
+        check_overwrite_target(folder, ["pma_merge.json"])
+    assert "\n" not in str(err.value) and "\x1b" not in str(err.value)
+    assert err.value.parameter == "overwrite"
