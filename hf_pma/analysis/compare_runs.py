@@ -327,12 +327,12 @@ def _plan_window(
             raise parameter_error(
                 "last", f"{last}: run {escape(name)} has only {len(sources)} snapshot(s) up to {sources[-1].tokens:,} tokens"
             )
-        indices, origin = list(range(len(sources) - last, len(sources))), f"--last {last}"
+        indices, origin = list(range(len(sources) - last, len(sources))), f"last={last} (--last)"
     elif window_tokens is not None or tokens:
         span = window_tokens or tokens
         indices = window_by_progress([s.tokens for s in sources], span, "tokens")
         origin = (
-            f"--window-tokens {span:,}"
+            f"window_tokens={span:,} (--window-tokens)"
             if window_tokens
             else f"the run's own last {span:,} tokens, {escape(where)}"
         )

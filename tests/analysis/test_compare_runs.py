@@ -304,3 +304,18 @@ def test_compare_under_accelerate_launch_evaluates_on_the_main_process_only(shar
     report = json.loads((out / "compare.json").read_text())
     assert [e["name"] for e in report["runs"]] == ["a", "b", "c"] and report["at_tokens"] == 3000
     assert all(e["annealed"]["value"] is not None for e in report["runs"])
+
+
+def test_a_window_given_in_python_is_described_with_its_parameter():
+    """compare_runs(last=..., window_tokens=...) called from Python: the merge's window_origin
+    names the parameter (``last=3 (--last)``), not only the flag of ``hf-pma compare``."""
+    from pathlib import Path
+
+    from hf_pma.analysis.compare_runs import _plan_window
+    from hf_pma.merging.checkpoint_source import CheckpointSource
+
+    sources = [CheckpointSource(Path(f"s{i}"), "", [], tokens=1000 * i) for i in range(1, 6)]
+    *_, origin = _plan_window(sources, "sma", 0.2, 3, None, None, "a")
+    assert origin == "last=3 (--last)"
+    *_, origin = _plan_window(sources, "sma", 0.2, None, 2000, None, "a")
+    assert origin == "window_tokens=2,000 (--window-tokens)"
