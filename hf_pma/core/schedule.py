@@ -21,7 +21,8 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from hf_pma.utils.parsing import check_int, is_number
+from hf_pma.utils.parsing import check_int, is_int, is_number
+from hf_pma.utils.text import shown
 
 __all__ = [
     "PHASES",
@@ -121,7 +122,9 @@ def lr_phase(
       ``peak_lr``), ``decay`` when it falls.
     """
     if not (math.isfinite(lr) and math.isfinite(peak_lr)) or peak_lr <= 0:
-        raise ValueError(f"learning rates must be finite and the peak positive, got lr={lr!r}, peak={peak_lr!r}")
+        raise ValueError(
+            f"learning rates must be finite and the peak positive, got lr={lr!r}, peak={peak_lr!r}"
+        )
     if lr >= peak_lr * (1.0 - rtol):
         return "stable"
     if peak_reached:
@@ -302,7 +305,9 @@ def choose_interval(
     else:
         whole = max(1, math.floor(steps_between + 0.5))
         interval = whole * tokens_per_step
-        reason = f"{span} steps snapshot / {target} snapshots = every {steps_between:.2f} steps: every {whole}"
+        reason = (
+            f"{span} steps snapshot / {target} snapshots = every {steps_between:.2f} steps: every {whole}"
+        )
     if interval > max_interval_tokens:
         interval = max(tokens_per_step, (max_interval_tokens // tokens_per_step) * tokens_per_step)
         reason = f"ceiling: {max_interval_tokens:,} tokens"
@@ -352,6 +357,33 @@ def snapshot_spacing(interval_tokens: int, tokens_per_step: int) -> str:
     )
 
 
+def check_schedule_state(state: Any, what: str) -> dict[str, Any]:
+    """``state`` when it is what :meth:`SnapshotSchedule.state` returns (read back from a
+    checkpoint: JSON or a pickle a person may have edited); else a one-line ``ValueError`` that
+    names ``what`` (where it was read) and the bad field."""
+
+    def bad(field: str, must: str, value: Any) -> ValueError:
+        return ValueError(f"{what}: {field} must be {must}, got {shown(value, 60)}")
+
+    if not isinstance(state, dict):
+        raise bad("the schedule state", "a dict", state)
+    interval = state.get("interval_tokens")
+    if interval is not None and not is_int(interval, 1):
+        raise bad("interval_tokens", "a positive integer or None", interval)
+    if state.get("interval_choice") is not None and not isinstance(state["interval_choice"], dict):
+        raise bad("interval_choice", "a dict or None", state["interval_choice"])
+    phase = state.get("phase")
+    if phase is not None:
+        if not isinstance(phase, dict):
+            raise bad("phase", "a dict or None", phase)
+        lr = phase.get("previous_lr")
+        if lr is not None and not is_number(lr, finite=True):
+            raise bad("phase.previous_lr", "a finite number or None", lr)
+        if not isinstance(phase.get("peak_reached", False), bool):
+            raise bad("phase.peak_reached", "True or False", phase.get("peak_reached"))
+    return state
+
+
 def positive_int_or_none(value: Any, name: str) -> int | None:
     """``value`` when it is a positive integer or ``None``; a ``ValueError`` naming ``name`` otherwise
     (:func:`hf_pma.utils.parsing.check_int`)."""
@@ -382,7 +414,9 @@ class SnapshotSchedule:
     loads the main process's state so all agree on the steps that snapshot.
     """
 
-    def __init__(self, interval_tokens: int | None = None, phases: str | Iterable[str] = ("stable", "decay")) -> None:
+    def __init__(
+        self, interval_tokens: int | None = None, phases: str | Iterable[str] = ("stable", "decay")
+    ) -> None:
         self.requested_interval_tokens = positive_int_or_none(interval_tokens, "interval_tokens")
         self.phases = check_phases(phases)
         self.interval_tokens: int | None = self.requested_interval_tokens

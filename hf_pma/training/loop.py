@@ -36,7 +36,7 @@ import torch
 from transformers.utils import logging
 
 from hf_pma.core.manifest import MAX_RECORD_INT, SnapshotRecord
-from hf_pma.core.schedule import positive_int_or_none
+from hf_pma.core.schedule import check_schedule_state, positive_int_or_none
 from hf_pma.snapshots.lr_probe import first_group_value
 from hf_pma.snapshots.taker import TOKEN_COUNTS, SnapshotTaker, TakenSnapshot
 from hf_pma.training.recovery import SpikeRecovery
@@ -410,6 +410,7 @@ class PMASnapshots:
             raise ValueError(
                 f"PMASnapshots.load_state_dict(): schedule must be a dict, got {shown(schedule, 60)}"
             )
+        check_schedule_state(dict(schedule), "PMASnapshots.load_state_dict(): schedule")
         saved = state.get("options")
         if isinstance(saved, Mapping):
             ours = self.taker.options()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
@@ -16,6 +17,7 @@ from hf_pma.core.schedule import (
     PhaseTracker,
     SnapshotSchedule,
     check_phases,
+    check_schedule_state,
     choose_interval,
     crossed_boundary,
     lr_phase,
@@ -103,7 +105,9 @@ def test_phases_of_real_schedules(name, kwargs, expected):
 
 
 def test_phase_tracker_resumes_from_state():
-    lrs = schedule_lrs("warmup_stable_decay", 40, num_warmup_steps=4, scheduler_specific_kwargs={"num_decay_steps": 10})
+    lrs = schedule_lrs(
+        "warmup_stable_decay", 40, num_warmup_steps=4, scheduler_specific_kwargs={"num_decay_steps": 10}
+    )
     full = planned_phases(lrs, 1e-3)
     first = PhaseTracker(1e-3)
     for lr in lrs[:33]:
@@ -126,7 +130,9 @@ def test_lr_phase_validates():
 
 def test_choose_interval_spreads_the_target_over_the_steps_that_snapshot():
     # 10k steps, 8k of them snapshot: 40 snapshots -> every 200 steps, a whole number of steps.
-    choice = choose_interval(tokens_per_step=2**20, planned_steps=10_000, snapshot_steps=8_000, stable_steps=7_000)
+    choice = choose_interval(
+        tokens_per_step=2**20, planned_steps=10_000, snapshot_steps=8_000, stable_steps=7_000
+    )
     assert choice.interval_tokens == 200 * 2**20 and choice.expected_snapshots == 40
     assert choice.stable_steps == 7_000 and choice.to_dict()["expected_snapshots"] == 40
     # Unknown (0): all planned steps.
@@ -209,7 +215,9 @@ def test_choose_interval_floor_and_ceiling():
     assert choose_interval(10**11, 100, 100).interval_tokens == 10**11
 
 
-@pytest.mark.parametrize("bad", [{"tokens_per_step": 0}, {"planned_steps": -1}, {"snapshot_steps": -2}, {"tokens_per_step": True}])
+@pytest.mark.parametrize(
+    "bad", [{"tokens_per_step": 0}, {"planned_steps": -1}, {"snapshot_steps": -2}, {"tokens_per_step": True}]
+)
 def test_choose_interval_rejects_bad_input(bad):
     kwargs = {"tokens_per_step": 100, "planned_steps": 100, "snapshot_steps": 50, **bad}
     with pytest.raises(ValueError, match=next(iter(bad))):
@@ -221,7 +229,13 @@ def test_choose_interval_rejects_bad_input(bad):
     [
         ("linear", {"num_warmup_steps": 0}, 1, 200, False),  # Trainer's default: decays from the first step
         ("cosine", {"num_warmup_steps": 20}, 1, 180, False),
-        ("warmup_stable_decay", {"num_warmup_steps": 20, "scheduler_specific_kwargs": {"num_decay_steps": 40}}, 141, 180, True),
+        (
+            "warmup_stable_decay",
+            {"num_warmup_steps": 20, "scheduler_specific_kwargs": {"num_decay_steps": 40}},
+            141,
+            180,
+            True,
+        ),
         ("constant", {}, 200, 200, True),
         ("constant_with_warmup", {"num_warmup_steps": 20}, 180, 180, True),
     ],
@@ -240,12 +254,16 @@ def test_a_long_cosine_has_no_constant_phase_though_it_stays_near_its_peak_for_a
     lrs = schedule_lrs("cosine", 10_000, num_warmup_steps=500)
     plan = plan_run(10_000, ("stable", "decay"), lrs, peak_lr=1e-3)
     assert 1 < plan.stable_steps < 20 and not plan.has_constant_phase
-    short_wsd = schedule_lrs("warmup_stable_decay", 100, num_warmup_steps=5, scheduler_specific_kwargs={"num_decay_steps": 90})
+    short_wsd = schedule_lrs(
+        "warmup_stable_decay", 100, num_warmup_steps=5, scheduler_specific_kwargs={"num_decay_steps": 90}
+    )
     assert not plan_run(100, ("stable",), short_wsd, peak_lr=1e-3).has_constant_phase  # 6 of 100 steps
 
 
 def test_run_plan_at_a_stride_and_unprobed():
-    lrs = schedule_lrs("warmup_stable_decay", 1000, num_warmup_steps=100, scheduler_specific_kwargs={"num_decay_steps": 200})
+    lrs = schedule_lrs(
+        "warmup_stable_decay", 1000, num_warmup_steps=100, scheduler_specific_kwargs={"num_decay_steps": 200}
+    )
     strided = plan_run(1000, ("stable", "decay"), lrs[::10], peak_lr=1e-3, stride=10)
     assert strided.selected_steps() == 900 and abs(strided.stable_steps - 701) <= 10
     assert strided.selected_steps(after_step=500) == 500
@@ -274,7 +292,9 @@ def test_snapshot_schedule_takes_the_automatic_interval_and_resumes():
     resumed = SnapshotSchedule(phases="stable")
     resumed.begin(peak_lr=1e-3, tokens=500, saved=saved)
     assert resumed.interval_tokens == 20 and resumed.interval_choice["auto"]
-    assert [s for s, lr in enumerate(lrs[50:], start=51) if resumed.due(resumed.advance(s * 10, lr)) is not None] == due[15:]
+    assert [
+        s for s, lr in enumerate(lrs[50:], start=51) if resumed.due(resumed.advance(s * 10, lr)) is not None
+    ] == due[15:]
     with pytest.raises(ValueError, match="interval_tokens"):
         SnapshotSchedule(interval_tokens=0)
 
@@ -290,3 +310,19 @@ def test_check_phases():
 def test_schedule_module_does_not_import_torch():
     code = "import sys, hf_pma.core.schedule; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_check_schedule_state_takes_what_state_gives_and_names_a_bad_field():
+    schedule = SnapshotSchedule(None, ("stable",))
+    schedule.begin(peak_lr=1e-3, tokens=0)
+    schedule.choose_automatically(64, plan_run(100, ("stable",), None, 1e-3))
+    schedule.advance(64, 1e-3)
+    assert check_schedule_state(schedule.state(), "ckpt") == schedule.state()
+    assert check_schedule_state({}, "ckpt") == {}
+    for state, says in [
+        ("x", "ckpt: the schedule state must be a dict"),
+        ({"interval_tokens": True}, "ckpt: interval_tokens must be a positive integer or None, got True"),
+        ({"phase": {"previous_lr": float("nan")}}, "ckpt: phase.previous_lr must be a finite number or None"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(says)):
+            check_schedule_state(state, "ckpt")

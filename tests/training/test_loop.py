@@ -348,6 +348,24 @@ def test_bad_arguments_are_one_line_before_anything_is_written(tmp_path):
         ({**good, "tokens": 0}, "tokens=0 after global_step=2"),
         ({**good, "schedule": "x"}, "schedule must be a dict"),
         ({**good, "schedule": None}, "schedule must be a dict"),
+        (
+            {**good, "schedule": {"interval_tokens": "abc"}},
+            "schedule: interval_tokens must be a positive integer",
+        ),
+        (
+            {**good, "schedule": {"interval_tokens": -5}},
+            "schedule: interval_tokens must be a positive integer",
+        ),
+        ({**good, "schedule": {"phase": "x"}}, "schedule: phase must be a dict"),
+        (
+            {**good, "schedule": {"phase": {"previous_lr": "abc"}}},
+            "phase.previous_lr must be a finite number",
+        ),
+        (
+            {**good, "schedule": {"phase": {"peak_reached": "yes"}}},
+            "phase.peak_reached must be True or False",
+        ),
+        ({**good, "schedule": {"interval_choice": 5}}, "interval_choice must be a dict"),
         ({**good, "options": {"online": "sma"}}, "online=None differs from the 'sma'"),
         ({**good, "options": {"token_count": "non_padding"}}, "token_count='all' differs"),
     ]:
