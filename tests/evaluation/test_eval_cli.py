@@ -201,8 +201,9 @@ def test_a_sharded_folder_is_evaluated_as_its_consolidated_model(setup, capsys):
     )
     full = consolidate_snapshot(sharded, setup["root"] / "online-sma-full", progress=False)
     args = ["--eval-file", str(setup["tasks"] / "heldout.jsonl"), "--limit", "6", "--batch-size", "4", "-q"]
-    assert main(["eval", str(sharded), "--tokenizer", str(setup["run"]), *args]) == 0
+    out = ["--tokenizer", str(setup["run"]), "--output"]
+    assert main(["eval", str(sharded), *out, str(setup["root"] / "sharded.json"), *args]) == 0
     from_shards = markdown_rows(capsys.readouterr().out)
-    assert main(["eval", str(full), "--tokenizer", str(setup["run"]), *args]) == 0
+    assert main(["eval", str(full), *out, str(setup["root"] / "full.json"), *args]) == 0
     consolidated = markdown_rows(capsys.readouterr().out)
     assert [row[1:] for row in from_shards[1:]] == [row[1:] for row in consolidated[1:]] != []
