@@ -68,7 +68,9 @@ def small_filesystem(tmp_path):
     mount_point = tmp_path / "small-fs"
     mount_point.mkdir()
     done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=256k,mode=0755", "tmpfs", str(mount_point)], capture_output=True, text=True
+        ["mount", "-t", "tmpfs", "-o", "size=256k,mode=0755", "tmpfs", str(mount_point)],
+        capture_output=True,
+        text=True,
     )
     if done.returncode != 0:
         pytest.skip(f"cannot mount a small tmpfs here (needs root): {done.stderr.strip()}")
@@ -82,7 +84,10 @@ def small_filesystem(tmp_path):
 # in one launch); test modules register their own with ``shared_launch_job`` too. World size 2
 # runs under `accelerate launch` (the quickstart's launcher), world size 4 under torchrun.
 for _name, (_scenarios, _options) in {
-    "world2": (("ddp", "fsdp_gather", "merged_eval", "eval", "compare", "online", "two_nodes"), {"launcher": "accelerate"}),
+    "world2": (
+        ("ddp", "fsdp_gather", "merged_eval", "eval", "compare", "online", "two_nodes"),
+        {"launcher": "accelerate"},
+    ),
     "world4": (("sharded", "merged_eval"), {"nproc": 4}),
 }.items():
     shared_launch_job(_name)(
@@ -122,3 +127,38 @@ def _start_shared_launches(request):
     """Start the shared launches of the selected tests at the beginning of the session."""
     if _launches_needed(request.session.items):
         request.getfixturevalue("shared_launch")
+
+
+def _untracked_files() -> set[str] | None:
+    """Files in the working tree that git neither tracks nor ignores (``None`` without git)."""
+    try:
+        listed = subprocess.run(
+            ["git", "ls-files", "--others", "--exclude-standard"],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return set(listed.stdout.splitlines())
+
+
+def pytest_sessionstart(session):
+    session.config._untracked_at_start = _untracked_files()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """A test that writes into the working tree (a command run without its output option, say)
+    fails the run, naming the files: the suite writes only under its temporary folders."""
+    before = getattr(session.config, "_untracked_at_start", None)
+    after = _untracked_files()
+    if before is None or after is None or hasattr(session.config, "workerinput"):
+        return
+    left = sorted(after - before)
+    if left:
+        session.config.get_terminal_writer().line(
+            f"tests left files in the working tree: {', '.join(left[:10])}", red=True
+        )
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
