@@ -31,6 +31,7 @@ from transformers.trainer_callback import ExportableState
 from transformers.utils import logging
 
 from hf_pma.core.manifest import SnapshotRecord
+from hf_pma.core.schedule import check_schedule_state
 from hf_pma.snapshots.lr_probe import first_group_value
 from hf_pma.snapshots.sinks import ONLINE_STATE_NAME, SnapshotSink
 from hf_pma.snapshots.taker import SnapshotTaker, TakenSnapshot
@@ -318,14 +319,20 @@ class PMACallback(TrainerCallback, ExportableState):
 
     def _saved_state(self, state: Any) -> dict[str, Any]:
         """Our state in the resumed checkpoint's ``trainer_state.json`` (or from the Trainer's restore)."""
+        what = "the resumed checkpoint's trainer_state.json: PMACallback's resume_state"
         if self.resume_state:
-            return dict(self.resume_state)
+            return dict(check_schedule_state(self.resume_state, what))
         stored = (state.stateful_callbacks or {}).get(type(self).__name__)
         if isinstance(stored, list):
             stored = stored[0] if stored else None
         if not isinstance(stored, dict):
             return {}
-        return dict((stored.get("attributes") or {}).get("resume_state") or {})
+        attributes = stored.get("attributes") or {}
+        return dict(
+            check_schedule_state(
+                attributes.get("resume_state") or {} if isinstance(attributes, dict) else attributes, what
+            )
+        )
 
     @staticmethod
     def _enable_token_count(args: Any) -> None:

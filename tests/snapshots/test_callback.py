@@ -78,9 +78,13 @@ def test_snapshots_are_loadable_model_folders_equal_to_the_weights_at_that_step(
     assert manifest_list(pma_dir) == [(r.tokens, r.step, r.phase) for r, _ in callback.snapshots()]
     for record, folder in callback.snapshots():
         assert folder == pma_dir / f"snapshot-{record.tokens}"
-        assert {"config.json", "generation_config.json", "model.safetensors", "tokenizer.json", "pma.json"} <= {
-            p.name for p in folder.iterdir()
-        }
+        assert {
+            "config.json",
+            "generation_config.json",
+            "model.safetensors",
+            "tokenizer.json",
+            "pma.json",
+        } <= {p.name for p in folder.iterdir()}
         written = read_json(folder / "pma.json")
         # The record, and the files the writer wrote (only those are ever deleted with the folder).
         assert written["extra"].pop("files") == sorted(p.name for p in folder.iterdir())
@@ -95,7 +99,12 @@ def test_snapshots_are_loadable_model_folders_equal_to_the_weights_at_that_step(
         assert max_weight_diff(load_weights(folder), live) == 0.0
         assert AutoTokenizer.from_pretrained(folder).get_vocab() == tiny_tokenizer.get_vocab()
     # Only complete folders and the manifest: no temporary leftovers.
-    assert sorted(p.name for p in pma_dir.iterdir()) == ["manifest.json", "snapshot-384", "snapshot-576", "snapshot-768"]
+    assert sorted(p.name for p in pma_dir.iterdir()) == [
+        "manifest.json",
+        "snapshot-384",
+        "snapshot-576",
+        "snapshot-768",
+    ]
     manifest = read_json(pma_dir / "manifest.json")
     assert manifest["interval_tokens"] == 3 * TPS and manifest["token_count"] == "all"
 
@@ -105,9 +114,17 @@ def test_tokens_are_the_trainer_count_and_non_padding_is_respected(tmp_path):
     callback = PMACallback(interval_tokens=100, output_dir=tmp_path / "snaps")
     recorder = WeightRecorder()
     dataset = TokenDataset(n=128, min_len=4, max_len=30, seed=3)
-    trainer = train(tmp_path / "run", [callback, recorder], dataset=dataset, max_steps=12, include_num_input_tokens_seen="non_padding")
+    trainer = train(
+        tmp_path / "run",
+        [callback, recorder],
+        dataset=dataset,
+        max_steps=12,
+        include_num_input_tokens_seen="non_padding",
+    )
     tokens = [0] + [recorder.tokens[s] for s in range(1, 13)]
-    expected = [(t, s) for s, (prev, t) in enumerate(zip(tokens, tokens[1:]), start=1) if t // 100 > prev // 100]
+    expected = [
+        (t, s) for s, (prev, t) in enumerate(zip(tokens, tokens[1:]), start=1) if t // 100 > prev // 100
+    ]
     assert [(r.tokens, r.step) for r, _ in callback.snapshots()] == expected and len(expected) >= 4
     # Non-padding: counted from the attention mask. Padded batches would always count
     # 4 x (longest row) tokens, a multiple of 4.
@@ -145,7 +162,9 @@ def test_automatic_interval_is_chosen_from_the_planned_schedule(tmp_path):
     assert manifest["interval_tokens"] == 5 * TPS
     listed = manifest_list(tmp_path / "pma")
     assert [s for _, s, _ in listed] == list(range(15, 211, 5))  # none in warmup (steps 1-10)
-    assert {p for _, s, p in listed if s > 191} == {"decay"} and {p for _, s, p in listed if s <= 191} == {"stable"}
+    assert {p for _, s, p in listed if s > 191} == {"decay"} and {p for _, s, p in listed if s <= 191} == {
+        "stable"
+    }
 
 
 @pytest.mark.parametrize(
@@ -166,7 +185,9 @@ def test_phase_selection(tmp_path, phases, expected_steps):
 
 
 def test_keep_last_sync_mode_save_dtype_and_shards(tmp_path):
-    callback = PMACallback(interval_tokens=2 * TPS, keep_last=2, async_write=False, save_dtype="bfloat16", max_shard_size="20KB")
+    callback = PMACallback(
+        interval_tokens=2 * TPS, keep_last=2, async_write=False, save_dtype="bfloat16", max_shard_size="20KB"
+    )
     recorder = WeightRecorder()
     train(tmp_path, [callback, recorder], max_steps=10)
     pma_dir = tmp_path / "pma"
@@ -208,7 +229,9 @@ def test_unwritable_output_fails_at_train_begin(tmp_path):
     blocker.write_text("a file where the snapshots should go")
     trainer = None
     with pytest.raises(PermissionError, match="not-a-folder"):
-        trainer = train(tmp_path / "run", [PMACallback(interval_tokens=TPS, output_dir=blocker / "pma")], max_steps=4)
+        trainer = train(
+            tmp_path / "run", [PMACallback(interval_tokens=TPS, output_dir=blocker / "pma")], max_steps=4
+        )
     assert trainer is None and blocker.read_text().startswith("a file")
 
 
@@ -331,9 +354,13 @@ def test_resume_gives_the_snapshot_list_of_an_uninterrupted_run(tmp_path, crash_
     assert (max(before) > 8) == (crash_step == 11)
 
     second = PMACallback(interval_tokens=interval)
-    trainer = train(tmp_path / "crashed", [second], resume=str(tmp_path / "crashed" / "checkpoint-8"), **common)
+    trainer = train(
+        tmp_path / "crashed", [second], resume=str(tmp_path / "crashed" / "checkpoint-8"), **common
+    )
     assert manifest_list(pma_dir) == expected
-    assert sorted(p.name for p in pma_dir.iterdir()) == sorted(p.name for p in (tmp_path / "straight" / "pma").iterdir())
+    assert sorted(p.name for p in pma_dir.iterdir()) == sorted(
+        p.name for p in (tmp_path / "straight" / "pma").iterdir()
+    )
     live = next(cb for cb in trainer.callback_handler.callbacks if isinstance(cb, PMACallback))
     assert live.interval_tokens == straight.interval_tokens
     # The resumed run retraced the same weights.
@@ -356,7 +383,9 @@ def test_resume_lists_complete_unlisted_snapshots_and_deletes_later_ones(tmp_pat
     model = make_tiny_model(seed=5)
     for tokens, step in ((3 * TPS, 3), (5 * TPS, 5)):
         state = gather_full_state_dict(model)
-        write_snapshot(prepare_snapshot(model, state, SnapshotRecord(f"snapshot-{tokens}", tokens, step)), pma_dir)
+        write_snapshot(
+            prepare_snapshot(model, state, SnapshotRecord(f"snapshot-{tokens}", tokens, step)), pma_dir
+        )
     # And the temporary file of a manifest replacement that was cut short.
     (pma_dir / ".manifest.json.x1y2.tmp").write_text('{"snapshots": [')
     resumed = PMACallback(interval_tokens=2 * TPS)
@@ -427,7 +456,12 @@ def test_gathered_copy_is_detached_and_safetensors_writer_round_trips(tmp_path):
     assert torch.equal(again["model.norm.weight"], model.model.norm.weight.to(torch.bfloat16))
     fresh = gather_full_state_dict(model, buffers=state)  # float32 now: other dtype, new tensors
     assert fresh["model.norm.weight"] is not state["model.norm.weight"]
-    tensors = {"a": torch.randn(3, 5), "b": torch.arange(7), "c": torch.ones(2, dtype=torch.bool), "e": torch.empty(0)}
+    tensors = {
+        "a": torch.randn(3, 5),
+        "b": torch.arange(7),
+        "c": torch.ones(2, dtype=torch.bool),
+        "e": torch.empty(0),
+    }
     write_safetensors(tmp_path / "x.safetensors", tensors, metadata={"format": "pt"})
     with safe_open(tmp_path / "x.safetensors", framework="pt") as fh:
         assert fh.metadata() == {"format": "pt"}
@@ -471,3 +505,30 @@ def test_background_worker_one_task_in_flight_waits_logged_failures_raised(caplo
     with pytest.raises(SnapshotWriteError, match="snapshot-9 failed: OSError.*No space left"):
         worker.submit(lambda: None, "snapshot-10")
     worker.wait()  # the failure is raised once, not again
+
+
+@pytest.mark.parametrize(
+    "attributes, says",
+    [
+        ({"resume_state": {"phase": "x"}}, "phase must be a dict"),
+        ({"resume_state": {"interval_tokens": "abc"}}, "interval_tokens must be a positive integer"),
+        ({"resume_state": {"phase": {"previous_lr": "abc"}}}, "phase.previous_lr must be a finite number"),
+        (["x"], "the schedule state must be a dict"),
+    ],
+)
+def test_a_hostile_resume_state_in_trainer_state_is_one_line(tmp_path, attributes, says):
+    """The callback's state read back from a resumed checkpoint's trainer_state.json is checked
+    field by field before the snapshot folder is claimed (it raised deep inside, or was taken)."""
+    from transformers import TrainerControl, TrainerState
+
+    args = make_args(tmp_path)
+    state = TrainerState(
+        max_steps=4,
+        global_step=2,
+        num_input_tokens_seen=128,
+        stateful_callbacks={"PMACallback": {"args": {}, "attributes": attributes}},
+    )
+    model = make_tiny_model(seed=0)
+    with pytest.raises(ValueError, match=f"trainer_state.json: PMACallback's resume_state: .*{says}"):
+        PMACallback(interval_tokens=64).on_train_begin(args, state, TrainerControl(), model=model)
+    assert not (tmp_path / "pma").exists()
