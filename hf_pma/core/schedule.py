@@ -21,6 +21,7 @@ import math
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from hf_pma.core.manifest import MAX_RECORD_INT
 from hf_pma.utils.parsing import check_int, is_int, is_number
 from hf_pma.utils.text import shown
 
@@ -417,7 +418,10 @@ class SnapshotSchedule:
     def __init__(
         self, interval_tokens: int | None = None, phases: str | Iterable[str] = ("stable", "decay")
     ) -> None:
-        self.requested_interval_tokens = positive_int_or_none(interval_tokens, "interval_tokens")
+        # At most what a manifest records (10**30 was refused only once the folder was written).
+        self.requested_interval_tokens = check_int(
+            interval_tokens, "interval_tokens", 1, MAX_RECORD_INT, allow_none=True
+        )
         self.phases = check_phases(phases)
         self.interval_tokens: int | None = self.requested_interval_tokens
         self.interval_choice: dict[str, Any] | None = None

@@ -297,6 +297,9 @@ def test_snapshot_schedule_takes_the_automatic_interval_and_resumes():
     ] == due[15:]
     with pytest.raises(ValueError, match="interval_tokens"):
         SnapshotSchedule(interval_tokens=0)
+    # More than a manifest records: refused here, not once the snapshot folder was written.
+    with pytest.raises(ValueError, match="^interval_tokens must be an integer from 1 to 9223372036854775807"):
+        SnapshotSchedule(interval_tokens=10**30)
 
 
 def test_check_phases():
