@@ -287,7 +287,9 @@ class DiskSnapshotSink(SnapshotSink):
             if manifest["snapshots"]:
                 raise FileExistsError(
                     f"hf-pma: {self.writer.manifest_path} already lists {len(manifest['snapshots'])} snapshots from "
-                    "an earlier run. Resume that run (trainer.train(resume_from_checkpoint=...)), or use another "
+                    "an earlier run. Resume that run (with a Trainer: "
+                    "trainer.train(resume_from_checkpoint=...); in a loop: accelerator.load_state(...) "
+                    "with PMASnapshots registered by register_for_checkpointing), or use another "
                     "output_dir, or delete that folder."
                 )
             return {}
@@ -361,13 +363,16 @@ class DiskSnapshotSink(SnapshotSink):
 RANK_SHARED_METADATA = ("kind", "alpha", "count", "online_state")
 
 
-def check_rank_files_agree(files: list[Path], folder: Path, first: dict[str, str]) -> None:
+def check_rank_files_agree(files: list[Path], folder: Path, first: dict[str, str] | None = None) -> None:
     """``ValueError`` (one line naming the file) unless every rank file in ``files`` holds the
-    bookkeeping of ``first`` (rank 0's metadata): a rank file of another kind, alpha, step or
-    window put beside the others would otherwise be read into one silently mixed average. Reads
-    only the files' headers."""
+    bookkeeping of ``first`` (rank 0's metadata; default: that of ``files[0]``): a rank file of
+    another kind, alpha, step or window put beside the others would otherwise be read into one
+    silently mixed average. Reads only the files' headers."""
     from hf_pma.io.safetensors import SafetensorsReader
 
+    if first is None:
+        with SafetensorsReader(files[0], folder) as reader:
+            first = reader.metadata
     for path in files:
         with SafetensorsReader(path, folder) as reader:
             metadata = reader.metadata

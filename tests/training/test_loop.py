@@ -490,3 +490,21 @@ def test_swapped_checks_its_arguments_first_and_restores_on_errors(tmp_path):
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     for pma in runs.values():
         pma.end()
+
+
+def test_a_second_run_in_a_used_folder_is_told_how_a_loop_resumes(tmp_path):
+    """A loop that forgot register_for_checkpointing / load_state starts over in a folder that
+    lists snapshots: refused, in the words of both front doors (not only the Trainer's)."""
+    model = make_tiny_model(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    kwargs = {"optimizer": optimizer, "output_dir": tmp_path, "interval_tokens": 64, "phases": ("warmup",)}
+    first = PMASnapshots(model, **kwargs, lr_scheduler=None)
+    first.step(tokens=64, lr=0.0)  # warmup from 0
+    first.step(tokens=64, lr=LR / 2)
+    first.end()
+    assert tokens(tmp_path / "pma")
+    again = PMASnapshots(model, **kwargs)
+    with pytest.raises(
+        FileExistsError, match=r"in a loop: accelerator.load_state\(...\) with PMASnapshots registered"
+    ):
+        again.step(tokens=64, lr=0.0)
