@@ -148,6 +148,7 @@ class PMASnapshots:
         self._begun = False
         self._ended = False
         self._resume_dir: Path | None = None
+        self._warned_no_mask = False
         self.taker.watch_losses(model)  # the first step's forwards come before the first step()
         self._hooks = []
         inner = getattr(optimizer, "optimizer", optimizer)
@@ -457,6 +458,12 @@ class PMASnapshots:
             if self.token_count == "non_padding" and torch.is_tensor(mask):
                 total += int(mask.sum())
             else:
+                if self.token_count == "non_padding" and not self._warned_no_mask:
+                    self._warned_no_mask = True  # as the Trainer says it, once
+                    logger.warning(
+                        "hf-pma: token_count='non_padding' but the batch has no 'attention_mask' tensor: counting "
+                        "every 'input_ids' position (pass tokens= to count them yourself)"
+                    )
                 total += ids.numel()
         return total
 

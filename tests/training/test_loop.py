@@ -508,3 +508,22 @@ def test_a_second_run_in_a_used_folder_is_told_how_a_loop_resumes(tmp_path):
         FileExistsError, match=r"in a loop: accelerator.load_state\(...\) with PMASnapshots registered"
     ):
         again.step(tokens=64, lr=0.0)
+
+
+def test_non_padding_count_without_attention_mask_says_so_once(tmp_path, caplog):
+    """token_count='non_padding' and batches without an attention mask: every position is
+    counted, and one warning says so, as the Trainer's own count does."""
+    import logging
+
+    model = make_tiny_model(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    pma = PMASnapshots(
+        model, optimizer=optimizer, output_dir=tmp_path, interval_tokens=INTERVAL, token_count="non_padding"
+    )
+    with caplog.at_level(logging.WARNING, logger="hf_pma"):
+        for batch in batches()[:2]:
+            pma.step(batch={"input_ids": batch["input_ids"]}, lr=LR)
+    pma.end()
+    assert pma.tokens == 2 * BATCH * SEQ
+    said = [r.getMessage() for r in caplog.records if "no 'attention_mask'" in r.getMessage()]
+    assert len(said) == 1 and "counting every 'input_ids' position" in said[0]
