@@ -307,6 +307,13 @@ class SnapshotTaker:
         "excluded_reason": reason}`` (see :func:`hf_pma.core.manifest.is_excluded`). Main process
         only (other processes get ``[]``). Raises ``ValueError`` for tokens the manifest lacks.
         """
+        if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Iterable):
+            raise parameter_error("tokens", f"must be a list of token counts, got {shown(tokens, 60)}")
+        tokens = list(tokens)
+        for count in tokens:
+            check_int(count, "tokens", 0)
+        if not isinstance(reason, str):
+            raise parameter_error("reason", f"must be a str, got {shown(reason, 60)}")
         if self._sink is None:
             return []
         self.wait()

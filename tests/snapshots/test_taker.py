@@ -275,3 +275,26 @@ def test_bad_arguments_of_the_engines_calls(tmp_path):
     with pytest.raises(ValueError, match=r"step_end\(\) after end\(\)"):
         taker.step_end(model, step=2, tokens=192)
     assert [r.tokens for r, _ in taker.snapshots()] == [128]
+
+
+def test_exclude_snapshots_takes_a_list_of_token_counts(tmp_path):
+    """exclude_snapshots(64) raised a TypeError, ("64") looked for snapshots at 6 and 4 tokens,
+    ([True]) at 1 token: each is one line naming the argument now, the manifest untouched."""
+    model = make_tiny_model(seed=0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    taker = SnapshotTaker(interval_tokens=64, phases=("warmup", "stable", "decay"))
+    taker.begin(model, output_dir=tmp_path, optimizer=optimizer, planned_steps=2)
+    taker.optimizer_step(LR)
+    taker.step_end(model, step=1, tokens=64)
+    taker.wait()
+    for tokens, reason, named in [
+        (64, "x", "tokens"),
+        ("64", "x", "tokens"),
+        ([True], "x", "tokens"),
+        ([64], 5, "reason"),
+    ]:
+        with pytest.raises(ValueError, match=f"^{named} must"):
+            taker.exclude_snapshots(tokens, reason)
+    assert [r.extra.get("excluded") for r, _ in taker.snapshots(include_excluded=True)] == [None]
+    assert [r.tokens for r in taker.exclude_snapshots((t for t in [64]), "spike")] == [64]
+    taker.end(model)
