@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
+from hf_pma.core.strategies import validate_strategy
 from hf_pma.merging.engine import merge_state_dict
 from hf_pma.merging.sources import resolve_sources
 from hf_pma.merging.swap import load_weights
@@ -85,6 +86,12 @@ def pma_init(
         raise ValueError(f"{what}: no source to merge")
     check_int(window, "window")
     check_int(window_tokens, "window_tokens", allow_none=True)
+    if window_tokens is not None and len(sources) > 1:
+        raise parameter_error(
+            "window_tokens",
+            "selects the snapshots of one run folder; with several sources every one is merged",
+        )
+    validate_strategy(strategy, alpha)  # before any source is read (one source merges as sma)
     resolved = resolve_sources(sources)
     if len(sources) == 1 and window_tokens is not None:
         resolved = select_window(resolved, window_tokens=window_tokens)  # a run's last T tokens

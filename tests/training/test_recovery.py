@@ -176,6 +176,13 @@ def test_bad_arguments_of_recovery_and_pma_init_leave_the_model_untouched(tmp_pa
     ]:
         with pytest.raises(ValueError, match=f"^{named} must"):
             pma_init(*args)
+    first, second = sorted((tmp_path / "pma").glob("snapshot-*"))[:2]
+    with pytest.raises(ValueError, match="^window_tokens selects the snapshots of one run folder"):
+        pma_init(model, [first, second], window_tokens=64)  # was ignored
+    with pytest.raises(ValueError, match="unknown merge strategy 'bogus'"):
+        pma_init(model, [first], strategy="bogus")  # one folder was merged as sma regardless
+    with pytest.raises(ValueError, match="alpha"):
+        pma_init(model, [first], strategy="ema", alpha=5.0)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert recovery.recoveries == [] and not any(is_excluded(r) for r in manifest_snapshots(tmp_path / "pma"))
     pma.end()
