@@ -311,6 +311,10 @@ class PMASnapshots:
         Raises :class:`hf_pma.training.recovery.LossSpikeError` when it keeps spiking
         (``recovery.max_recoveries``) or no snapshot precedes the spike.
         """
+        if self._ended:  # the folder is released: a recovery would write its manifest unclaimed
+            raise ValueError("PMASnapshots.check_for_spike() after end()")
+        if not isinstance(recovery, SpikeRecovery):
+            raise parameter_error("recovery", f"must be a SpikeRecovery, got {shown(recovery, 60)}")
         return recovery.check(
             loss,
             grad_norm,

@@ -185,7 +185,11 @@ def test_bad_arguments_of_recovery_and_pma_init_leave_the_model_untouched(tmp_pa
         pma_init(model, [first], strategy="ema", alpha=5.0)
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
     assert recovery.recoveries == [] and not any(is_excluded(r) for r in manifest_snapshots(tmp_path / "pma"))
+    with pytest.raises(ValueError, match="^recovery must be a SpikeRecovery"):
+        pma.check_for_spike(None, 2.0)
     pma.end()
+    with pytest.raises(ValueError, match=r"check_for_spike\(\) after end\(\)"):
+        pma.check_for_spike(recovery, float("nan"))  # would exclude snapshots in a released folder
     fresh = make_tiny_model(seed=1)
     used = pma_init(fresh, str(tmp_path / "pma"), window=2)  # one folder as a str
     assert [s["tokens"] for s in used["sources"]] == [128, 192]
