@@ -508,6 +508,9 @@ class ShardedOnlineAverageSink(OnlineAverageSink):
             if not os.path.lexists(path):
                 return None
             self._restore_own(path, average)
+            # The same count on every rank is checked together; the rest of the bookkeeping here,
+            # against rank 0's file (a windowed average's count repeats from window to window).
+            check_rank_files_agree([first, path], folder)
             return average.count
         # Another world size (or an unsharded run's average): every saved file, read by global offsets.
         if not (isinstance(saved_world, str) and saved_world.isdigit() and 0 < int(saved_world) <= 2**20):

@@ -252,3 +252,35 @@ def test_rank_files_of_different_averages_are_not_read_into_one(run, tmp_path):
             sink.open(resume)
             sink.warm_up(make_tiny_model(seed=0, vocab_size=515))
         assert "\n" not in str(err.value)
+
+
+def test_a_rank_file_with_other_bookkeeping_at_the_same_count_is_refused(run, tmp_path):
+    """Same world size: each rank reads its own file, and the ranks compare only their counts,
+    which a windowed average repeats from window to window. Rank 1's file with the same count but
+    other update weights than rank 0's is refused in one line naming it."""
+    import json
+    import shutil
+
+    from hf_pma.snapshots.online import OnlineAverage
+    from hf_pma.snapshots.writer import write_safetensors
+
+    checkpoint = tmp_path / f"checkpoint-{CHECKPOINT_STEP}"
+    shutil.copytree(run / "run-sma" / f"checkpoint-{CHECKPOINT_STEP}", checkpoint)
+    resume = ResumePoint(CHECKPOINT_STEP * 64, CHECKPOINT_STEP, checkpoint)
+    ShardedOnlineAverageSink(tmp_path / "a", online="sma", rank=1, world_size=2).open(
+        resume
+    )  # as saved: restored
+    path = checkpoint / online_state_name(1)
+    saved = OnlineAverage.load_state(path)
+    metadata = dict(saved.metadata)
+    state = json.loads(metadata["online_state"])
+    metadata["online_state"] = json.dumps({**state, "update_weights": [1.0, 0.5, 0.25]})
+    path.unlink()
+    write_safetensors(str(path), saved._average, metadata=metadata)
+    sink = ShardedOnlineAverageSink(tmp_path / "b", online="sma", rank=1, world_size=2)
+    message = (
+        rf"{online_state_name(1)} holds another online average than {online_state_name(0)} \(online_state"
+    )
+    with pytest.raises(ValueError, match=message) as err:
+        sink.open(resume)
+    assert "\n" not in str(err.value)
