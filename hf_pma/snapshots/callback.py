@@ -37,6 +37,8 @@ from hf_pma.snapshots.sinks import ONLINE_STATE_NAME, SnapshotSink
 from hf_pma.snapshots.taker import SnapshotTaker, TakenSnapshot
 from hf_pma.snapshots.writer import SnapshotWriter
 from hf_pma.utils.names import scheduler_name
+from hf_pma.utils.parsing import parameter_error
+from hf_pma.utils.text import shown
 
 logger = logging.get_logger(__name__)
 
@@ -148,6 +150,8 @@ class PMACallback(TrainerCallback, ExportableState):
         sharded: bool | str = "auto",
         online_device: str = "cpu",
     ) -> None:
+        if output_dir is not None and not isinstance(output_dir, (str, os.PathLike)):  # the taker's pma_dir
+            raise parameter_error("output_dir", f"must be a folder path or None, got {shown(output_dir, 60)}")
         #: The snapshot engine this callback drives.
         self.taker = SnapshotTaker(
             interval_tokens=interval_tokens,

@@ -150,6 +150,8 @@ class SnapshotTaker:
         self.schedule = SnapshotSchedule(interval_tokens, phases)
         self.requested_interval_tokens = self.schedule.requested_interval_tokens
         self.phases = self.schedule.phases
+        if pma_dir is not None and not isinstance(pma_dir, (str, os.PathLike)):
+            raise parameter_error("pma_dir", f"must be a folder path or None, got {shown(pma_dir, 60)}")
         self.requested_pma_dir = os.fspath(pma_dir) if pma_dir is not None else None
         self.keep_last = positive_int_or_none(keep_last, "keep_last")
         self.save_dtype = parse_dtype(save_dtype, "save_dtype")

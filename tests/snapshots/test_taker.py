@@ -298,3 +298,11 @@ def test_exclude_snapshots_takes_a_list_of_token_counts(tmp_path):
     assert [r.extra.get("excluded") for r, _ in taker.snapshots(include_excluded=True)] == [None]
     assert [r.tokens for r in taker.exclude_snapshots((t for t in [64]), "spike")] == [64]
     taker.end(model)
+
+
+def test_a_folder_that_is_no_path_is_named():
+    """pma_dir=5 (and the callback's output_dir=5) raised a TypeError from os.fspath."""
+    with pytest.raises(ValueError, match="^pma_dir must be a folder path or None, got 5"):
+        SnapshotTaker(interval_tokens=64, pma_dir=5)
+    with pytest.raises(ValueError, match="^output_dir must be a folder path or None, got 5"):
+        PMACallback(interval_tokens=64, output_dir=5)
