@@ -161,7 +161,7 @@ class SnapshotTaker:
             raise ValueError(f"async_write must be True or False, got {async_write!r}")
         self.async_write = async_write
         if online is not None and online not in ONLINE_KINDS:
-            raise ValueError(f"online must be one of {ONLINE_KINDS} or None, got {online!r}")
+            raise ValueError(f"online must be one of {ONLINE_KINDS} or None, got {shown(online, 60)}")
         self.online = online
         if online is None and (online_half_life_tokens is not None or online_window_tokens is not None):
             raise ValueError(
@@ -175,7 +175,9 @@ class SnapshotTaker:
             device=online_device,
         )
         if online is None and online_device != "cpu":
-            raise ValueError(f"online_device={online_device!r} needs online='sma', 'ema' or a decay kind")
+            raise ValueError(
+                f"online_device={shown(online_device, 60)} needs online='sma', 'ema' or a decay kind"
+            )
         self.online_device = online_device
         self.online_alpha = float(online_alpha)
         self.online_half_life_tokens = online_half_life_tokens
