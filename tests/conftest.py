@@ -162,3 +162,21 @@ def pytest_sessionfinish(session, exitstatus):
             f"tests left files in the working tree: {', '.join(left[:10])}", red=True
         )
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture
+def no_trainer_objects(monkeypatch):
+    """Building a TrainerState, TrainerControl, TrainingArguments or TrainerCallback raises: what
+    runs under this fixture is proven to need no ``Trainer`` object."""
+    from transformers import trainer_callback, training_args
+
+    def refuse(self, *args, **kwargs):
+        raise AssertionError(f"a {type(self).__name__} was built")
+
+    for cls in (
+        trainer_callback.TrainerState,
+        trainer_callback.TrainerControl,
+        trainer_callback.TrainerCallback,
+        training_args.TrainingArguments,
+    ):
+        monkeypatch.setattr(cls, "__init__", refuse)

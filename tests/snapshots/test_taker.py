@@ -8,7 +8,7 @@ import logging
 
 import pytest
 import torch
-from transformers import Trainer, trainer_callback, training_args
+from transformers import Trainer
 
 from hf_pma.core.manifest import manifest_snapshots, read_manifest
 from hf_pma.snapshots.callback import PMACallback
@@ -19,22 +19,6 @@ from tests.helpers.training import make_args
 
 BATCH, SEQ, STEPS, LR = 4, 16, 6, 1e-3
 TOKENS_PER_STEP = BATCH * SEQ
-
-
-@pytest.fixture
-def no_trainer_objects(monkeypatch):
-    """Building a TrainerState, TrainerControl, TrainingArguments or TrainerCallback raises."""
-
-    def refuse(self, *args, **kwargs):
-        raise AssertionError(f"a {type(self).__name__} was built")
-
-    for cls in (
-        trainer_callback.TrainerState,
-        trainer_callback.TrainerControl,
-        trainer_callback.TrainerCallback,
-        training_args.TrainingArguments,
-    ):
-        monkeypatch.setattr(cls, "__init__", refuse)
 
 
 def test_the_engine_in_a_plain_torch_loop(tmp_path, no_trainer_objects):
