@@ -180,3 +180,13 @@ def no_trainer_objects(monkeypatch):
         training_args.TrainingArguments,
     ):
         monkeypatch.setattr(cls, "__init__", refuse)
+
+
+@pytest.fixture(scope="session")
+def pristine_run(tmp_path_factory):
+    """A run of three snapshots, written once: tests that change it work on a copy
+    (:func:`tests.helpers.snapshot_runs.copy_run`)."""
+    from tests.helpers.snapshot_runs import noise_deviation, write_run
+
+    run, _ = write_run(tmp_path_factory.mktemp("pristine") / "run", 3, noise_deviation())
+    return run

@@ -19,21 +19,13 @@ from tests.helpers.cli import run_cli
 from tests.helpers.hub_server import HubServer, online_cli_env, online_hub
 from tests.helpers.models import make_tiny_model
 from tests.helpers.pma_records import write_merged_folder
-from tests.helpers.snapshot_runs import noise_deviation, write_run
-
-
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
-    """A run of three snapshots (written once; each test works on a copy)."""
-    run, _ = write_run(tmp_path_factory.mktemp("pristine") / "run", 3, noise_deviation())
-    return run
+from tests.helpers.snapshot_runs import copy_run
 
 
 @pytest.fixture
-def run(pristine, tmp_path):
-    copy = tmp_path / "run"
-    shutil.copytree(pristine, copy, symlinks=True)
-    return copy
+def run(pristine_run, tmp_path):
+    """A fresh copy of a 3-snapshot run."""
+    return copy_run(pristine_run, tmp_path)
 
 
 def _error(done) -> str:

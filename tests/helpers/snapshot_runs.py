@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -64,3 +65,11 @@ def noise_deviation(scale: float = 0.02, seed: int = 0) -> Callable[[int, str, t
         return scale * torch.randn(base.shape, generator=g)
 
     return deviation
+
+
+def copy_run(run: Path, folder: Path) -> Path:
+    """A copy of the run folder ``run`` as ``folder/run`` (links copied as links), for a test that
+    changes it."""
+    copy = Path(folder) / "run"
+    shutil.copytree(run, copy, symlinks=True)
+    return copy

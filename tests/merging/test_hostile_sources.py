@@ -18,22 +18,15 @@ from hf_pma.io.safetensors import CheckpointFormatError
 from hf_pma.io.sharded import ShardedCheckpointTensors
 from hf_pma.merging.engine import merge_checkpoints
 from tests.helpers.cli import run_cli
-from tests.helpers.snapshot_runs import noise_deviation, write_run
+from tests.helpers.snapshot_runs import copy_run
 
 DEEP = "[" * 200_000 + "]" * 200_000
 
 
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory):
-    run, _ = write_run(tmp_path_factory.mktemp("pristine") / "run", 3, noise_deviation())
-    return run
-
-
 @pytest.fixture
-def run(pristine, tmp_path):
+def run(pristine_run, tmp_path):
     """A fresh copy of a 3-snapshot run, and a secret outside it (``tmp_path/id_rsa``)."""
-    copy = tmp_path / "run"
-    shutil.copytree(pristine, copy, symlinks=True)
+    copy = copy_run(pristine_run, tmp_path)
     (tmp_path / "id_rsa").write_text("SECRET KEY")
     return copy
 
