@@ -8,7 +8,6 @@ written from them loads with ``from_pretrained`` and equals them. Writes ``resul
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 from pathlib import Path
@@ -104,18 +103,7 @@ def run(out: Path) -> dict:
     return results
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    run(args.out)
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    # torch elastic's error file: the test names the first failing rank and shows its traceback.
-    from torch.distributed.elastic.multiprocessing.errors import record
+    from tests.helpers.rank_main import run_on_gloo
 
-    record(main)()
+    run_on_gloo(run)

@@ -240,19 +240,7 @@ def _run(out: Path) -> dict:
     return report
 
 
-def main() -> None:
-    import argparse
-
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    run(args.out)
-    dist.destroy_process_group()
-
-
 if __name__ == "__main__":
-    from torch.distributed.elastic.multiprocessing.errors import record
+    from tests.helpers.rank_main import run_on_gloo
 
-    record(main)()
+    run_on_gloo(run)
