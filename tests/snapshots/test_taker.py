@@ -21,6 +21,17 @@ BATCH, SEQ, STEPS, LR = 4, 16, 6, 1e-3
 TOKENS_PER_STEP = BATCH * SEQ
 
 
+def _train_four_steps(taker: SnapshotTaker, model, optimizer) -> None:
+    """Four optimizer steps of ``TOKENS_PER_STEP`` tokens each, with the engine's calls."""
+    data = TokenDataset(n=4 * BATCH, seed=1)
+    for step in range(1, 5):
+        model(**pad_collate([data[(step - 1) * BATCH + j] for j in range(BATCH)])).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        taker.optimizer_step(LR)
+        taker.step_end(model, step=step, tokens=step * TOKENS_PER_STEP)
+
+
 def test_the_engine_in_a_plain_torch_loop(tmp_path, no_trainer_objects):
     """A loop that calls the engine itself: snapshots every 2 steps; a step whose loss is logged
     hands its snapshot to the writer only at the log (its cost's write_s is None until then); a
@@ -113,17 +124,11 @@ def test_snapshot_costs_of_an_online_average(tmp_path, online_device, folded_off
     """An online average writes nothing per snapshot (``num_bytes`` is ``None``); its fold is the
     background work with ``online_device="cpu"``, and happens while taking with ``"device"``
     (``write_s`` 0.0: nothing left off the training thread)."""
-    data = TokenDataset(n=4 * BATCH, seed=1)
     model = make_tiny_model(seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     taker = SnapshotTaker(interval_tokens=TOKENS_PER_STEP, online="sma", online_device=online_device)
     taker.begin(model, output_dir=tmp_path, optimizer=optimizer, planned_steps=4)
-    for step in range(1, 5):
-        model(**pad_collate([data[(step - 1) * BATCH + j] for j in range(BATCH)])).loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        taker.optimizer_step(LR)
-        taker.step_end(model, step=step, tokens=step * TOKENS_PER_STEP)
+    _train_four_steps(taker, model, optimizer)
     taker.wait()
     costs = taker.snapshot_costs
     assert [c.tokens for c in costs] == [TOKENS_PER_STEP * s for s in range(1, 5)] and taker.online_count == 4
@@ -136,19 +141,13 @@ def test_snapshot_costs_of_an_online_average(tmp_path, online_device, folded_off
 def test_a_given_interval_says_once_how_its_snapshots_are_spaced(tmp_path, caplog, steps_apart, uneven):
     """A V given by the user that is not a whole number of steps is kept, with one line at the
     first step saying how far apart its snapshots will be."""
-    data = TokenDataset(n=4 * BATCH, seed=1)
     model = make_tiny_model(seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
     interval = int(steps_apart * TOKENS_PER_STEP)
     taker = SnapshotTaker(interval_tokens=interval, phases=("warmup", "stable", "decay"))
     with caplog.at_level(logging.INFO, logger="hf_pma"):
         taker.begin(model, output_dir=tmp_path, optimizer=optimizer, planned_steps=4)
-        for step in range(1, 5):
-            model(**pad_collate([data[(step - 1) * BATCH + j] for j in range(BATCH)])).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            taker.optimizer_step(LR)
-            taker.step_end(model, step=step, tokens=step * TOKENS_PER_STEP)
+        _train_four_steps(taker, model, optimizer)
         taker.end(model)
     lines = [r.getMessage() for r in caplog.records if "snapshots will be" in r.getMessage()]
     assert lines == (
