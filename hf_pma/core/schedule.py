@@ -31,7 +31,6 @@ __all__ = [
     "SNAPSHOTS_PER_WINDOW",
     "WINDOWS_PER_STABLE_PHASE",
     "MAX_AUTO_INTERVAL_TOKENS",
-    "WHOLE_STEPS_FROM",
     "snapshot_spacing",
     "MIN_CONSTANT_STEPS",
     "MIN_CONSTANT_SHARE",
@@ -62,9 +61,6 @@ SNAPSHOTS_PER_WINDOW = 10
 WINDOWS_PER_STABLE_PHASE = 4
 # The largest V in the paper (MoE 10B/100B) is about 80B tokens; never go above it.
 MAX_AUTO_INTERVAL_TOKENS = 80 * 10**9
-# The automatic V is a whole number of steps whenever the snapshots are at least this many steps
-# apart, which is always (it was 5 before: closer snapshots then came unequally spaced).
-WHOLE_STEPS_FROM = 1
 # A schedule "has a constant-LR phase" when it holds the peak LR for at least this many steps
 # and this share of the run (a long cosine stays within float noise of its peak for a few steps).
 MIN_CONSTANT_STEPS = 2
