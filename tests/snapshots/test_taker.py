@@ -289,3 +289,17 @@ def test_a_folder_that_is_no_path_is_named():
         SnapshotTaker(interval_tokens=64, pma_dir=5)
     with pytest.raises(ValueError, match="^output_dir must be a folder path or None, got 5"):
         PMACallback(interval_tokens=64, output_dir=5)
+
+
+def test_the_callback_takes_the_engines_options_with_the_same_defaults():
+    """PMACallback spells out SnapshotTaker's options (IDEs and help() show them on the class users
+    build): the two signatures stay the same, but for the folder's name (output_dir / pma_dir)."""
+    import inspect
+
+    from hf_pma.snapshots.callback import PMACallback
+
+    def options(cls, folder: str) -> list[tuple]:
+        params = inspect.signature(cls.__init__).parameters
+        return [("folder" if n == folder else n, p.default, p.kind) for n, p in params.items() if n != "self"]
+
+    assert options(PMACallback, "output_dir") == options(SnapshotTaker, "pma_dir")
