@@ -39,6 +39,7 @@ from hf_pma.analysis.comparison import read_anneal_record
 from hf_pma.core.manifest import ANNEALED_DIR
 from hf_pma.core.selection import DEFAULT_WINDOW, check_window, window_by_progress
 from hf_pma.core.strategies import merge_coefficients
+from hf_pma.core.window_choice import WindowChoice, check_window_count, is_auto
 from hf_pma.io.guarded import JSON_LIMITS, check_folder, read_bytes
 from hf_pma.merging.sources import (
     CheckpointSource,
@@ -48,6 +49,7 @@ from hf_pma.merging.sources import (
     run_layout,
     tokenizer_folder,
 )
+from hf_pma.merging.windows import select_auto
 from hf_pma.utils.formatting import format_number, markdown_table
 from hf_pma.utils.logs import get_logger
 from hf_pma.utils.parsing import is_number, parameter_error
@@ -226,6 +228,8 @@ class RunPlan:
     annealed_note: str | None = None
     params: int | None = None
     x: float | None = None
+    # The automatic window's choice (``None`` when the window was given or recorded).
+    window_choice: WindowChoice | None = None
 
     @property
     def last(self) -> CheckpointSource:
@@ -316,12 +320,18 @@ def _plan_window(
     sources: list[CheckpointSource],
     strategy: str,
     alpha: float,
-    last: int | None,
+    last: int | str | None,
     window_tokens: int | None,
-    recorded: tuple[int | None, int | None, str | None] | None,
+    recorded: tuple[int | str | None, int | None, str | None] | None,
     name: str,
-) -> tuple[list[int], list[float], str]:
+) -> tuple[list[int], list[float], str, WindowChoice | None]:
     count, tokens, where = recorded or (None, None, None)
+    if is_auto(last) or (last is None and window_tokens is None and not tokens and (count is None or is_auto(count))):
+        chosen, choice = select_auto(sources)
+        indices = list(range(len(sources) - len(chosen), len(sources)))
+        weights = merge_coefficients(len(indices), strategy if len(indices) > 1 else "sma", alpha)
+        how = "--last auto" if is_auto(last) else ("the run's own" if count else "the default")
+        return indices, list(weights), f"{escape(choice.describe())} ({how})", choice
     if last is not None:
         if last > len(sources):
             raise parameter_error(
@@ -347,7 +357,7 @@ def _plan_window(
             origin += f"; only {len(sources)} snapshot(s) up to {sources[-1].tokens:,} tokens"
         indices = list(range(max(0, len(sources) - n), len(sources)))
     weights = merge_coefficients(len(indices), strategy if len(indices) > 1 else "sma", alpha)
-    return indices, list(weights), origin
+    return indices, list(weights), origin, None
 
 
 def _parameter_count(source: CheckpointSource) -> int:
@@ -364,7 +374,7 @@ def plan_comparison(
     runs: Sequence[str | os.PathLike[str]],
     *,
     at_tokens: int | None = None,
-    last: int | None = None,
+    last: int | str | None = None,
     window_tokens: int | None = None,
     strategy: str = "sma",
     alpha: float = 0.2,
@@ -394,7 +404,8 @@ def plan_comparison(
         import scipy  # noqa: F401  (Kendall's tau, the fit)
     except ImportError:
         raise ValueError("hf-pma compare needs scipy: pip install 'hf-pma[eval]'") from None
-    check_window(window_tokens=window_tokens, last=last)
+    last = check_window_count(last, "last", allow_none=True)
+    check_window(window_tokens=window_tokens, last=None if is_auto(last) else last)
     if fit is not None and fit not in FIT_AXES:
         raise parameter_error("fit", f"{shown(fit)}: choose one of {', '.join(FIT_AXES)}")
     names = _run_names(runs)
@@ -408,7 +419,7 @@ def plan_comparison(
         is_end = sources[-1] is snapshots[name][-1]
         if tokenizer is None:
             fingerprints[name] = _vocabulary(tokenizer_folder(sources))
-        indices, weights, origin = _plan_window(
+        indices, weights, origin, choice = _plan_window(
             sources,
             strategy,
             alpha,
@@ -419,7 +430,7 @@ def plan_comparison(
         )
         check_same_model([sources[i] for i in indices])
         annealed, note = _plan_annealed(Path(run), name, sources[-1], tokens, is_end)
-        plans.append(RunPlan(name, Path(run), sources, indices, weights, origin, annealed, note))
+        plans.append(RunPlan(name, Path(run), sources, indices, weights, origin, annealed, note, window_choice=choice))
     if tokenizer is None:
         missing = [n for n, f in fingerprints.items() if f is None]
         if missing:
@@ -588,6 +599,7 @@ def compare_runs(
                 "strategy": strategy if len(plan.merge_indices) > 1 else "sma",
                 "window": len(plan.merge_indices),
                 "window_origin": plan.window_origin,
+                "window_choice": plan.window_choice.to_dict() if plan.window_choice else None,
                 "span_tokens": _span(plan.merge_sources),
                 "results": merge_results,
                 "value": _metric_value(merge_results, metric),

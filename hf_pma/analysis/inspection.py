@@ -31,9 +31,11 @@ from hf_pma.analysis.gram import GramMatrix, compute_gram
 from hf_pma.analysis.snapshot_listing import snapshot_rows, source_row
 from hf_pma.core.manifest import MERGE_RECORD_NAME, PMA_SUBDIR, TRAINING_RECORD_NAME
 from hf_pma.core.selection import DEFAULT_WINDOW, window_by_progress
+from hf_pma.core.window_choice import AUTO, is_auto
 from hf_pma.io.guarded import read_json
 from hf_pma.merging.hub_revisions import parse_hub_spec
 from hf_pma.merging.sources import CheckpointSource, model_source, resolve_sources, run_layout
+from hf_pma.merging.windows import select_auto
 from hf_pma.utils.logs import get_logger
 from hf_pma.utils.parsing import is_int
 
@@ -49,10 +51,11 @@ __all__ = [
 ]
 
 
-def run_window(run: str | os.PathLike[str]) -> tuple[int | None, int | None, str | None]:
+def run_window(run: str | os.PathLike[str]) -> tuple[int | str | None, int | None, str | None]:
     """The window a run merged: ``(N, T, where)`` from its merge record (``pma/merged/pma_merge.json``),
     else its training record (``pma_training.json``: ``pma_window`` / ``pma_window_tokens``);
-    ``(None, None, None)`` when the run records none (or is not a local folder)."""
+    N is ``"auto"`` when the run's window was chosen automatically; ``(None, None, None)`` when
+    the run records none (or is not a local folder)."""
     run = Path(run)
     if not run.is_dir():
         return None, None, None
@@ -76,10 +79,12 @@ def run_window(run: str | os.PathLike[str]) -> tuple[int | None, int | None, str
             count = record.get("num_sources") or (
                 len(record["sources"]) if isinstance(record.get("sources"), list) else None
             )
+            if isinstance(window.get("auto"), dict):  # chosen automatically: choose again at other tokens
+                count = AUTO
         else:
             tokens, count = record.get("pma_window_tokens"), record.get("pma_window")
         tokens = tokens if is_int(tokens, 1) else None
-        count = count if is_int(count, 1) else None
+        count = count if is_int(count, 1) or is_auto(count) else None
         if tokens or count:
             return count, tokens, where
     return None, None, None
@@ -94,7 +99,8 @@ def window_size(
 ) -> tuple[int, str]:
     """N, the snapshots in the merge window, and where it comes from in words: ``window``, else
     the snapshots within the last ``window_tokens`` tokens of ``sources`` (every ``every``-th),
-    else the run's own window (:func:`run_window`), else :data:`DEFAULT_WINDOW`."""
+    else the run's own window (:func:`run_window`), else the automatic window (from the
+    snapshots' records; :data:`DEFAULT_WINDOW` with a stride)."""
     count, tokens, where = (None, None, None) if window or window_tokens else run_window(run)
     tokens = window_tokens or tokens
     if window:
@@ -107,8 +113,11 @@ def window_size(
             raise ValueError(f"a window of {tokens:,} tokens: {err}") from None
         origin = "--window-tokens" if window_tokens else f"the run's own, {where}"
         return n, f"the last {tokens:,} tokens; {origin}"
-    if count:
+    if count and not is_auto(count):
         return count, f"the run's own, {where}"
+    if every == 1 and len(sources) > 1:  # chosen from the snapshots' records, as a merge does
+        choice = select_auto(list(sources))[1]
+        return choice.count, choice.describe() + (f" (the run's own, {where})" if count else "")
     return DEFAULT_WINDOW, "the default: the run records no merge window"
 
 

@@ -33,8 +33,10 @@ from transformers.utils import logging
 
 from hf_pma.core.selection import window_by_progress
 from hf_pma.core.strategies import merge_coefficients
+from hf_pma.core.window_choice import is_auto
 from hf_pma.evaluation.options import EvalOptions
 from hf_pma.merging.sources import CheckpointSource, resolve_sources, vanished_source_error
+from hf_pma.merging.windows import select_auto
 from hf_pma.utils.formatting import format_number, markdown_table
 from hf_pma.utils.fs import atomic_write_file
 from hf_pma.utils.parsing import check_int, is_number
@@ -59,7 +61,8 @@ __all__ = [
     "write_best",
 ]
 
-DEFAULT_WINDOWS = (3, 6, 10, 15)
+# "auto": the window the run's records choose (hf_pma.core.window_choice), beside fixed counts.
+DEFAULT_WINDOWS: tuple[int | str, ...] = ("auto", 3, 6, 10, 15)
 DEFAULT_EVERY = (1, 2, 4)
 DEFAULT_STRATEGIES = ("sma", "wma", "ema")
 BASELINE_LABEL = "last snapshot"
@@ -82,12 +85,15 @@ class Combination:
     weights: tuple[float, ...]
     # Set for a window in tokens: the snapshots within the last ``window_tokens`` tokens.
     window_tokens: int | None = None
+    # True for the automatic window (``window="auto"``): ``window`` is the count it chose.
+    auto: bool = False
 
     @property
     def label(self) -> str:
-        """``"sma N=10 k=2"``, or ``"sma T=40960 k=1"`` for a window in tokens."""
+        """``"sma N=10 k=2"``, ``"sma T=40960 k=1"`` for a window in tokens, ``"sma auto N=4 k=1"``
+        for the automatic window."""
         size = f"T={self.window_tokens}" if self.window_tokens is not None else f"N={self.window}"
-        return f"{self.strategy} {size} k={self.every}"
+        return f"{self.strategy} {'auto ' if self.auto else ''}{size} k={self.every}"
 
     def key(self) -> tuple[tuple[int, float], ...]:
         """What the merge computes: equal keys, equal models (zero weights dropped, rounding ignored)."""
@@ -103,16 +109,18 @@ def _positive_ints(values: Sequence[int], what: str) -> list[int]:
 
 def plan_sweep(
     count: int,
-    windows: Sequence[int] = DEFAULT_WINDOWS,
+    windows: Sequence[int | str] = DEFAULT_WINDOWS,
     every: Sequence[int] = DEFAULT_EVERY,
     strategies: Sequence[str] = DEFAULT_STRATEGIES,
     alpha: float = 0.2,
     window_tokens: Sequence[int] = (),
     tokens: Sequence[int | None] | None = None,
+    auto_count: int | None = None,
 ) -> tuple[list[Combination], list[dict[str, Any]]]:
     """The combinations that ``count`` snapshots allow, and those they do not (with the reason).
 
-    ``windows`` are counts N; ``window_tokens`` are windows in tokens T (every k-th snapshot
+    ``windows`` are counts N, or ``"auto"``: the newest ``auto_count`` snapshots (the automatic
+    window's choice, from the run's records; consecutive, so with ``every=1`` only); ``window_tokens`` are windows in tokens T (every k-th snapshot
     counting back from the newest, then those within the last T tokens; see
     :func:`hf_pma.core.selection.window_by_progress`), which need ``tokens``, the snapshots'
     token counts (oldest first). Pure: no files, no torch. Raises ``ValueError`` for a bad
@@ -123,8 +131,11 @@ def plan_sweep(
         if tokens is None or len(tokens) != count:
             raise ValueError("windows in tokens need the token count of every snapshot")
     if not windows and not window_tokens:
-        raise ValueError("give at least one window value (a count N or a number of tokens T)")
-    windows = _positive_ints(windows, "window") if windows else []
+        raise ValueError("give at least one window value (a count N, auto, or a number of tokens T)")
+    auto = any(is_auto(n) for n in windows)
+    if auto and auto_count is None:
+        raise ValueError("the automatic window needs its count (auto_count): choose it from the run's records")
+    windows = _positive_ints([n for n in windows if not is_auto(n)], "window") if len(windows) > auto else []
     every = _positive_ints(every, "every")
     strategies = list(dict.fromkeys(strategies))
     if not strategies:
@@ -135,6 +146,10 @@ def plan_sweep(
         raise ValueError("the run has no snapshot")
     combos, skipped = [], []
     for strategy in strategies:
+        if auto:
+            indices = tuple(range(count - auto_count, count))
+            weights = tuple(merge_coefficients(auto_count, strategy if auto_count > 1 else "sma", alpha))
+            combos.append(Combination(auto_count, 1, strategy, indices, weights, auto=True))
         for k in every:
             for n in windows:
                 first = count - 1 - k * (n - 1)
@@ -288,7 +303,7 @@ def _source_list(run: Any) -> list[CheckpointSource]:
 
 def run_sweep(
     run: str | os.PathLike[str] | Sequence[str | os.PathLike[str] | CheckpointSource],
-    windows: Sequence[int] = DEFAULT_WINDOWS,
+    windows: Sequence[int | str] = DEFAULT_WINDOWS,
     every: Sequence[int] = DEFAULT_EVERY,
     strategies: Sequence[str] = DEFAULT_STRATEGIES,
     alpha: float = 0.2,
@@ -330,7 +345,12 @@ def run_sweep(
         raise ValueError(
             f"windows in tokens need every snapshot's token count; {len(missing)} have none: {', '.join(missing[:5])}"
         )
-    combos, skipped = plan_sweep(len(sources), windows, every, strategies, alpha, window_tokens, tokens)
+    choice = select_auto(sources)[1] if any(is_auto(n) for n in windows) else None
+    if choice is not None:
+        logger.info(f"sweep: {choice.describe()}")
+    combos, skipped = plan_sweep(
+        len(sources), windows, every, strategies, alpha, window_tokens, tokens, choice.count if choice else None
+    )
     if metric is not None:
         parse_metric(metric)
     for s in skipped:
@@ -380,6 +400,7 @@ def run_sweep(
                 "label": combo.label,
                 "window": combo.window,
                 "window_tokens": combo.window_tokens,
+                "auto": combo.auto,
                 "every": combo.every,
                 "strategy": combo.strategy,
                 "alpha": alpha if combo.strategy == "ema" else None,
@@ -404,6 +425,7 @@ def run_sweep(
     return {
         "run": str(run) if isinstance(run, (str, os.PathLike)) else None,
         "snapshots": [{"name": s.name, "tokens": s.tokens, "step": s.step, "path": str(s.path)} for s in sources],
+        "window_choice": choice.to_dict() if choice is not None else None,
         "interval_tokens": next((s.record.get("interval_tokens") for s in sources if s.record.get("interval_tokens")), None),
         "metric": metric,
         "higher_is_better": higher,

@@ -6,10 +6,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from hf_pma.commands import add_heldout_arguments, load_heldout, positive_int, set_verbosity
+from hf_pma.commands import add_heldout_arguments, load_heldout, set_verbosity
 from hf_pma.core.strategies import STRATEGIES
 from hf_pma.evaluation.options import EvalOptions
-from hf_pma.utils.argtypes import positive_count
+from hf_pma.utils.argtypes import positive_count, window_count
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -39,7 +39,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     window = p.add_mutually_exclusive_group()
     window.add_argument(
-        "--last", type=positive_int, help="merge each run's newest N snapshots up to the matched tokens"
+        "--last",
+        type=window_count,
+        metavar="N|auto",
+        help=(
+            "merge each run's newest N snapshots up to the matched tokens; auto: the window chosen from each run's "
+            "records (the default, unless a run records a window of its own)"
+        ),
     )
     window.add_argument(
         "--window-tokens",

@@ -7,7 +7,7 @@ from pathlib import Path
 
 from hf_pma.commands import add_output_arguments, add_revision_arguments, positive_int
 from hf_pma.core.strategies import STRATEGIES
-from hf_pma.utils.argtypes import positive_count
+from hf_pma.utils.argtypes import positive_count, window_count
 
 
 def _weights(text: str) -> list[float]:
@@ -15,6 +15,13 @@ def _weights(text: str) -> list[float]:
         return [float(w) for w in text.split(",") if w.strip()]
     except ValueError as err:
         raise argparse.ArgumentTypeError(f"--weights must be comma-separated numbers, got {text!r}") from err
+
+
+def _last(text: str) -> int | str | None:
+    """``--last``: N, ``auto`` or ``all`` (every source: no window)."""
+    if text.strip().lower() == "all":
+        return None
+    return window_count(text)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -40,7 +47,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--alpha", type=float, default=0.2, help="EMA smoothing factor (default: 0.2)")
     p.add_argument("--weights", type=_weights, help="explicit weights, oldest first, e.g. 1,1,2 (normalized)")
     window = p.add_mutually_exclusive_group()
-    window.add_argument("--last", type=positive_int, help="merge only the newest N sources")
+    window.add_argument(
+        "--last",
+        type=_last,
+        default="auto",
+        metavar="N|auto|all",
+        help=(
+            "with a run folder or a revision pattern: merge its newest N checkpoints; auto (the default) chooses "
+            "N from the run's records (the longest recent constant-LR stretch over which the training loss no "
+            "longer falls beyond its noise, at most a quarter of the tokens trained) and says why; all: every one. "
+            "Sources named one by one are all merged"
+        ),
+    )
     window.add_argument(
         "--window-tokens",
         type=positive_count,
@@ -102,7 +120,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _warn_whole_run(args: argparse.Namespace, sources: list) -> None:
-    """A run folder given without a window merges every snapshot it lists: say so, once."""
+    """A run folder merged whole (``--last all``) merges every snapshot it lists: say so, once."""
     windowed = args.last or args.window_tokens or args.window_steps or args.weights is not None
     if windowed or len(sources) <= len(args.sources) or len(sources) <= 2:
         return
@@ -110,7 +128,7 @@ def _warn_whole_run(args: argparse.Namespace, sources: list) -> None:
 
     get_logger("hf_pma.merge").warning(
         f"merging all {len(sources)} sources found in {', '.join(args.sources)} (the whole run); "
-        "PMA averages the end of a run: --last N or --window-tokens T merges only the newest"
+        "PMA averages the end of a run: --last auto, --last N or --window-tokens T merges only the newest"
     )
 
 
@@ -120,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
     from hf_pma.core.outputs import check_overwrite_target
     from hf_pma.core.strategies import validate_strategy
     from hf_pma.merging.engine import merge_checkpoints
-    from hf_pma.merging.sources import describe_sources, resolve_sources, tokenizer_folder
+    from hf_pma.merging.sources import describe_sources, resolve_sources_and_window, tokenizer_folder
     from hf_pma.utils.fs import check_output_folder
 
     validate_strategy(args.strategy, args.alpha, args.weights)  # before any source is downloaded
@@ -131,7 +149,11 @@ def run(args: argparse.Namespace) -> int:
     if args.tokenizer is not None:
         tokenizer_folder((), args.tokenizer)  # holds a tokenizer: checked before any download
     selection = ("last", "every", "revisions", "cache_dir", "include_final", "window_tokens", "window_steps")
-    sources = resolve_sources(args.sources, **{k: getattr(args, k) for k in selection})
+    if args.weights is not None and args.last == "auto":
+        args.last = None  # explicit weights name every source: no window
+    if args.last == "auto" and (args.window_tokens or args.window_steps):
+        args.last = None
+    sources, choice = resolve_sources_and_window(args.sources, **{k: getattr(args, k) for k in selection})
     _warn_whole_run(args, sources)
     same_names = (
         "strategy",
@@ -149,7 +171,11 @@ def run(args: argparse.Namespace) -> int:
         "tokenizer",
     )
     merge_checkpoints(
-        sources, args.output, progress=not args.quiet, **{k: getattr(args, k) for k in same_names}
+        sources,
+        args.output,
+        progress=not args.quiet,
+        window_choice=choice,
+        **{k: getattr(args, k) for k in same_names},
     )
     how = "explicit weights" if args.weights is not None else args.strategy
     unit = "tokens" if args.window_tokens else "steps" if args.window_steps else None
@@ -157,4 +183,6 @@ def run(args: argparse.Namespace) -> int:
     from hf_pma.utils.text import write_line
 
     write_line(f"merged {said}; {how} -> {output}")
+    if choice is not None:
+        write_line(choice.describe())
     return 0

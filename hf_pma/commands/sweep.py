@@ -27,6 +27,19 @@ def _int_list(text: str) -> list[int]:
     return values
 
 
+def _window_list(text: str) -> list[int | str]:
+    """``--window``: comma-separated positive counts N and ``auto``."""
+    parts = [v.strip() for v in text.split(",") if v.strip()]
+    autos = [v for v in parts if v.lower() == "auto"]
+    try:
+        values = _int_list(",".join(v for v in parts if v.lower() != "auto")) if len(parts) > len(autos) else []
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers and auto, got {text!r}") from None
+    if not parts:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers and auto, got {text!r}")
+    return (["auto"] if autos else []) + values
+
+
 def _count_list(text: str) -> list[int]:
     from hf_pma.utils.argtypes import parse_count
 
@@ -64,7 +77,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     add_revision_arguments(p, every=False)  # --every is the sweep's own stride
     p.add_argument("--last", type=positive_int, help="sweep over the newest N snapshots or revisions only")
-    p.add_argument("--window", type=_int_list, help="merge sizes N (default: 3,6,10,15 unless --window-tokens is given)")
+    p.add_argument(
+        "--window",
+        type=_window_list,
+        help="merge sizes N, and auto: the window chosen from the run's records (default: auto,3,6,10,15 unless "
+        "--window-tokens is given)",
+    )
     p.add_argument(
         "--window-tokens",
         type=_count_list,
@@ -98,7 +116,14 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Run ``hf-pma sweep``."""
-    from hf_pma.analysis.sweep import parse_metric, plot_sweep, run_sweep, sweep_table, write_best
+    from hf_pma.analysis.sweep import (
+        DEFAULT_WINDOWS,
+        parse_metric,
+        plot_sweep,
+        run_sweep,
+        sweep_table,
+        write_best,
+    )
     from hf_pma.core.strategies import merge_coefficients
     from hf_pma.merging.hub_revisions import parse_hub_spec
     from hf_pma.merging.sources import describe_sources, resolve_sources
@@ -127,7 +152,7 @@ def run(args: argparse.Namespace) -> int:
         run = resolve_sources(
             args.run, last=args.last, revisions=args.revisions, cache_dir=args.cache_dir, include_final=args.include_final
         )
-    windows = args.window if args.window is not None else ([] if args.window_tokens else [3, 6, 10, 15])
+    windows = args.window if args.window is not None else ([] if args.window_tokens else list(DEFAULT_WINDOWS))
     report = run_sweep(
         run,
         windows=windows,

@@ -34,6 +34,7 @@ from hf_pma.core.manifest import MERGE_RECORD_NAME, MODEL_SUPPORT_FILES, TOKENIZ
 from hf_pma.core.outputs import check_overwrite_target
 from hf_pma.core.selection import check_window, snapshot_intervals
 from hf_pma.core.strategies import merge_coefficients, validate_strategy
+from hf_pma.core.window_choice import WindowChoice, check_window_count, is_auto
 from hf_pma.io.guarded import check_file, copy_file, read_json
 from hf_pma.io.safetensors import (
     DTYPE_ITEMSIZE,
@@ -59,9 +60,9 @@ from hf_pma.merging.chunks import (
     run_chunks,
 )
 from hf_pma.merging.same_model import check_same_model
-from hf_pma.merging.sources import resolve_sources
+from hf_pma.merging.sources import resolve_sources_and_window
 from hf_pma.merging.weight_files import CheckpointTensors
-from hf_pma.merging.windows import describe_sources, select_window, sources_span
+from hf_pma.merging.windows import describe_sources, select_auto, select_window, sources_span
 from hf_pma.utils.fs import (
     atomic_write_json,
     check_output_folder,
@@ -180,24 +181,33 @@ def plan_output_shards(plans: Sequence[TensorPlan], max_bytes: int, prefix: str)
 
 def _as_sources(
     sources: Any,
-    last: int | None,
+    last: int | str | None,
     window_tokens: int | None = None,
     window_steps: int | None = None,
     include_final: bool = False,
-) -> list[CheckpointSource]:
+) -> tuple[list[CheckpointSource], WindowChoice | None]:
+    """The sources a merge takes, and the automatic window's choice (``last="auto"``: from the
+    run's records; sources named one by one are all taken)."""
     if (
         isinstance(sources, (list, tuple))
         and sources
         and all(isinstance(s, CheckpointSource) for s in sources)
     ):
-        check_window(window_tokens, window_steps, last)
+        last = check_window_count(last, "last", allow_none=True)
+        check_window(window_tokens, window_steps, None if is_auto(last) else last)
         sources = list(sources)
+        if is_auto(last):
+            if window_tokens is not None or window_steps is not None:
+                return select_window(sources, window_tokens, window_steps), None
+            return select_auto(sources)
         if last is not None:
             if len(sources) < last:
                 raise ValueError(f"asked for the last {last} sources but got only {len(sources)}")
             sources = sources[-last:]
-        return select_window(sources, window_tokens, window_steps)
-    return resolve_sources(
+        return select_window(sources, window_tokens, window_steps), None
+    if is_auto(last) and (window_tokens is not None or window_steps is not None):
+        last = None
+    return resolve_sources_and_window(
         sources,
         last=last,
         include_final=include_final,
@@ -207,12 +217,25 @@ def _as_sources(
 
 
 def _window_record(
-    sources: Sequence[CheckpointSource], window_tokens: int | None, window_steps: int | None
+    sources: Sequence[CheckpointSource],
+    window_tokens: int | None,
+    window_steps: int | None,
+    choice: WindowChoice | None = None,
 ) -> dict[str, Any] | None:
-    """The span the merged sources cover (``window`` in the merge record and the card)."""
+    """The span the merged sources cover (``window`` in the merge record and the card), with the
+    automatic window's choice and reason (``auto``) when it chose."""
     unit = "tokens" if window_tokens is not None else "steps" if window_steps is not None else None
     span = sources_span(sources, window_tokens if window_tokens is not None else window_steps, unit)
-    return span.to_dict() if span is not None else None
+    record = span.to_dict() if span is not None else None
+    if choice is not None:
+        record = {**(record or {}), "auto": choice.to_dict()}
+    return record
+
+
+def _say_window(what: str, choice: WindowChoice | None) -> None:
+    """Every automatically chosen window is said, with its reason, where a plain script shows it."""
+    if choice is not None:
+        logger.warning(f"{what}: {choice.describe()}")
 
 
 def _announce(sources: Sequence[CheckpointSource], what: str, window: dict[str, Any] | None) -> None:
@@ -233,7 +256,7 @@ def merge_state_dict(
     alpha: float = 0.2,
     weights: Sequence[float] | None = None,
     dtype: str | torch.dtype | None = None,
-    last: int | None = None,
+    last: int | str | None = None,
     accumulate_dtype: torch.dtype | str = "float32",
     progress: bool = False,
     workers: int | None = None,
@@ -256,7 +279,8 @@ def merge_state_dict(
     accumulate_dtype = accumulate_name(accumulate_dtype)
     out_dtype = parse_dtype(dtype)
     validate_strategy(strategy, alpha, weights)  # before a Hub source is downloaded
-    srcs = _as_sources(sources, last, window_tokens, window_steps, include_final)
+    srcs, choice = _as_sources(sources, last, window_tokens, window_steps, include_final)
+    _say_window("merge", choice)
     coefs = merge_coefficients(len(srcs), strategy, alpha, weights)
     check_same_model(srcs, allow_different_configs)
     check_intervals(srcs)
@@ -609,6 +633,7 @@ def merge_checkpoints(
     allow_different_configs: bool = False,
     clip_to_dtype: bool = False,
     tokenizer: str | os.PathLike[str] | None = None,
+    window_choice: WindowChoice | None = None,
 ) -> Path:
     """Merge checkpoints into a new Hugging Face model folder and return its path.
 
@@ -626,7 +651,12 @@ def merge_checkpoints(
         weights: explicit weights, oldest first (normalized; overrides ``strategy``).
         dtype: output floating-point dtype; default: each tensor's input dtype.
         max_shard_size: largest output shard, in bytes or like ``"5GB"``.
-        last: merge only the newest ``last`` sources.
+        last: merge only the newest ``last`` sources; ``"auto"``: the window chosen from the run's
+            records (tokens, learning rate, phase, training loss at each snapshot; see
+            :mod:`hf_pma.core.window_choice`), said in one line and recorded with its reason
+            (``window.auto`` in ``pma_merge.json``, and the card). It applies where a run folder
+            or a revision pattern expands into several checkpoints, or to a list of
+            ``CheckpointSource``; sources named one by one are all merged.
         overwrite: replace a non-empty ``output_dir`` (never a source, a snapshot listed in a
             manifest, a Trainer checkpoint or a folder hf-pma did not write).
         accumulate_dtype: ``torch.float32`` / ``"float32"`` (default) or the float64 ones.
@@ -656,6 +686,8 @@ def merge_checkpoints(
         tokenizer: the folder whose tokenizer the output takes; default: the newest source's
             own, else that of the run folder named that holds it (never a folder above);
             recorded as ``tokenizer``.
+        window_choice: the automatic window's choice when the caller already chose ``sources``
+            with it (:func:`~hf_pma.merging.sources.resolve_sources_and_window`): recorded.
 
     Sources are one model and one run: their ``config.json`` are compared before the first
     tensor is read, and a run folder given with other sources is refused
@@ -674,9 +706,13 @@ def merge_checkpoints(
     max_bytes = parse_size(max_shard_size, "max_shard_size")
     output_dir = Path(output_dir)
     validate_strategy(strategy, alpha, weights)  # before a Hub source is downloaded
-    srcs = _as_sources(sources, last, window_tokens, window_steps, include_final)
+    if window_choice is None:
+        srcs, window_choice = _as_sources(sources, last, window_tokens, window_steps, include_final)
+        _say_window(f"merge into {escape(output_dir)}", window_choice)
+    else:  # chosen by the caller (hf-pma merge), which says it
+        srcs, _ = _as_sources(sources, None, window_tokens, window_steps, include_final)
     coefs = merge_coefficients(len(srcs), strategy, alpha, weights)
-    window = _window_record(srcs, window_tokens, window_steps)
+    window = _window_record(srcs, window_tokens, window_steps, window_choice)
     tok_folder = tokenizer_folder(srcs, tokenizer)
     check_config_file(srcs[-1], tok_folder)
     notes: dict[str, Any] = {

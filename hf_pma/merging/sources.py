@@ -23,6 +23,7 @@ from typing import Any
 
 from hf_pma.core.manifest import TOKENIZER_FILES
 from hf_pma.core.selection import check_window
+from hf_pma.core.window_choice import WindowChoice, check_window_count, is_auto
 from hf_pma.merging.checkpoint_source import (
     CheckpointSource,
     model_source,
@@ -48,6 +49,7 @@ from hf_pma.merging.weight_files import (
     open_weight_files,
 )
 from hf_pma.merging.windows import (
+    apply_window,
     describe_sources,
     order_by_progress,
     select_newest,
@@ -60,6 +62,7 @@ from hf_pma.utils.text import shown
 
 __all__ = [
     "resolve_sources",
+    "resolve_sources_and_window",
     # re-exported from the modules this one was split into
     "CheckpointSource",
     "CheckpointTensors",
@@ -89,7 +92,7 @@ __all__ = [
 
 def resolve_sources(
     inputs: Sequence[str | os.PathLike[str]],
-    last: int | None = None,
+    last: int | str | None = None,
     *,
     every: int | None = None,
     revisions: str | None = None,
@@ -115,12 +118,47 @@ def resolve_sources(
     tags matching that glob or ``/regex/``) and ``org/model@REV``. Hub revisions are ordered
     and selected first and only the selected ones are downloaded (into ``cache_dir``, default
     the ``huggingface_hub`` cache, from ``endpoint``, default ``HF_ENDPOINT``).
+
+    ``last="auto"`` chooses the window from the run's records (see
+    :func:`resolve_sources_and_window`, which also returns the choice and its reason).
+    """
+    return resolve_sources_and_window(
+        inputs,
+        last,
+        every=every,
+        revisions=revisions,
+        cache_dir=cache_dir,
+        endpoint=endpoint,
+        include_final=include_final,
+        window_tokens=window_tokens,
+        window_steps=window_steps,
+    )[0]
+
+
+def resolve_sources_and_window(
+    inputs: Sequence[str | os.PathLike[str]],
+    last: int | str | None = None,
+    *,
+    every: int | None = None,
+    revisions: str | None = None,
+    cache_dir: str | os.PathLike[str] | None = None,
+    endpoint: str | None = None,
+    include_final: bool = False,
+    window_tokens: int | None = None,
+    window_steps: int | None = None,
+) -> tuple[list[CheckpointSource], WindowChoice | None]:
+    """:func:`resolve_sources`, and the automatic window's choice (``None`` unless ``last="auto"``
+    chose it). ``last="auto"`` applies where a run folder or a revision pattern expands into
+    several checkpoints, before anything is downloaded: sources named one by one are all merged.
     """
     if isinstance(inputs, (str, os.PathLike)):
         inputs = [inputs]
     if not inputs:
         raise ValueError("no sources given")
-    check_int(last, "last", allow_none=True)
+    last = check_window_count(last, "last", allow_none=True)
+    auto = is_auto(last)
+    if auto:
+        last = None
     check_int(every, "every", allow_none=True)
     check_window(window_tokens, window_steps, last)
     check_one_run(inputs, revisions)
@@ -145,8 +183,14 @@ def resolve_sources(
             "cannot merge full models with PEFT adapters: "
             + ", ".join(f"{x.path} ({x.prefix})" for x in items)
         )
-    selected = select_window(
-        select_newest(order_by_progress(items), last, every), window_tokens, window_steps
+    # The automatic window follows a run's records: sources named one by one are all merged.
+    auto = auto and len(items) > len(inputs)
+    selected, choice = apply_window(
+        order_by_progress(items),
+        last="auto" if auto else last,
+        every=every,
+        window_tokens=window_tokens,
+        window_steps=window_steps,
     )
     sources = _download(selected, cache_dir, endpoint)
     prefixes = {s.prefix for s in sources}
@@ -155,7 +199,7 @@ def resolve_sources(
             "cannot merge full models with PEFT adapters: "
             + ", ".join(f"{s.name} ({s.prefix})" for s in sources)
         )
-    return sources
+    return sources, choice
 
 
 def _expand(

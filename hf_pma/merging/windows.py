@@ -11,13 +11,22 @@ from collections.abc import Sequence
 from typing import Any
 
 from hf_pma.core.selection import WindowSpan, check_window, window_by_progress, window_span
+from hf_pma.core.window_choice import WindowChoice, choose_window, is_auto, point_from_record
 from hf_pma.merging.checkpoint_source import CheckpointSource
 from hf_pma.merging.hub_revisions import HubRevision
 from hf_pma.utils.logs import get_logger
 
 logger = get_logger(__name__)
 
-__all__ = ["order_by_progress", "select_newest", "select_window", "sources_span", "describe_sources"]
+__all__ = [
+    "order_by_progress",
+    "select_newest",
+    "select_window",
+    "select_auto",
+    "apply_window",
+    "sources_span",
+    "describe_sources",
+]
 
 
 def order_by_progress(sources: list[CheckpointSource]) -> list[CheckpointSource]:
@@ -44,6 +53,32 @@ def select_newest(items: list[Any], last: int | None = None, every: int | None =
             raise ValueError(f"asked for the last {last} sources but found only {len(items)}: {names}")
         items = items[-last:]
     return items
+
+
+def select_auto(items: list[Any]) -> tuple[list[Any], WindowChoice]:
+    """The newest items the automatic window takes (``window="auto"``), from what each item
+    recorded (tokens, step, learning rate, phase, training loss), and the choice with its reason
+    (see :mod:`hf_pma.core.window_choice`). ``items`` are ordered oldest first."""
+    choice = choose_window([point_from_record(getattr(x, "record", None), x.tokens, x.step) for x in items])
+    return items[-choice.count :], choice
+
+
+def apply_window(
+    items: list[Any],
+    *,
+    last: int | str | None = None,
+    every: int | None = None,
+    window_tokens: int | None = None,
+    window_steps: int | None = None,
+) -> tuple[list[Any], WindowChoice | None]:
+    """Every ``every``-th item, then the newest ``last`` (``"auto"``: :func:`select_auto`) or those
+    within ``window_tokens`` / ``window_steps``; returns the items and the automatic choice
+    (``None`` when the window was given)."""
+    if is_auto(last):
+        if window_tokens is not None or window_steps is not None:
+            return select_window(select_newest(items, None, every), window_tokens, window_steps), None
+        return select_auto(select_newest(items, None, every))
+    return select_window(select_newest(items, last, every), window_tokens, window_steps), None
 
 
 def _item_name(item: Any) -> str:

@@ -355,7 +355,11 @@ def _window_text(merge: dict[str, Any]) -> str | None:
     span = f"{_fmt_int(first)} to {_fmt_int(last)} {unit}, a span of {_fmt_int(last - first)}"
     if is_number(requested, finite=True):
         return f"the snapshots within the last {_fmt_int(requested)} {unit} ({span})"
-    return f"the newest {merge.get('num_sources') or len(merge.get('sources') or [])} snapshots ({span})"
+    text = f"the newest {merge.get('num_sources') or len(merge.get('sources') or [])} snapshots ({span})"
+    auto = window.get("auto")
+    if isinstance(auto, dict) and isinstance(auto.get("reason"), str):
+        text += f", chosen automatically from the run's records: {markdown_text(auto['reason'][:400])}"
+    return text
 
 
 def _snapshot_rows(sources: list[dict[str, Any]], weights: list[Any]) -> list[dict[str, str]]:

@@ -19,6 +19,7 @@ from transformers.utils import logging
 
 from hf_pma.core.schedule import check_phases
 from hf_pma.core.strategies import validate_strategy
+from hf_pma.core.window_choice import check_window_count, is_auto
 from hf_pma.utils.names import parse_hub_id, scheduler_name
 from hf_pma.utils.parsing import check_int, parse_size
 from hf_pma.utils.text import shown
@@ -113,7 +114,15 @@ class PMATrainingArguments(TrainingArguments):
         default=None,
         metadata={"help": "Tokens (global, all processes) between snapshots, V. None: chosen from the planned run."},
     )
-    pma_window: int = dataclasses.field(default=10, metadata={"help": "Snapshots merged, N (the paper's compromise: 10)."})
+    # "auto" or a number (a str field: HfArgumentParser gives one type per flag; numbers are read as int).
+    pma_window: str = dataclasses.field(
+        default="auto",
+        metadata={
+            "help": "Snapshots merged, N, or auto (default): chosen from the run's records at each merge (the longest "
+            "recent constant-LR stretch over which the training loss no longer falls beyond its noise, at most a "
+            "quarter of the tokens trained), said in one line and recorded."
+        },
+    )
     pma_window_tokens: int | None = dataclasses.field(
         default=None,
         metadata={
@@ -194,8 +203,9 @@ class PMATrainingArguments(TrainingArguments):
         default=3.0, metadata={"help": "A logged loss above factor x the median of the last pma_spike_window losses is a spike."}
     )
     pma_spike_window: int = dataclasses.field(default=20, metadata={"help": "Logged losses in the spike detector's median."})
-    pma_recovery_snapshots: int = dataclasses.field(
-        default=3, metadata={"help": "Snapshots before the spike averaged for recovery (the paper used 3)."}
+    pma_recovery_snapshots: str = dataclasses.field(
+        default="auto",
+        metadata={"help": "Snapshots before the spike averaged for recovery (the paper used 3), or auto (default): chosen from their records."},
     )
     pma_recovery_reset_optimizer: bool = dataclasses.field(
         default=True, metadata={"help": "Reset the optimizer's moments on recovery (they hold the spike's gradients)."}
@@ -240,18 +250,29 @@ class PMATrainingArguments(TrainingArguments):
     def _check_pma_arguments(self) -> None:
         for name in ("pma_interval_tokens", "pma_window_tokens", "pma_keep_last"):
             check_int(getattr(self, name), name, allow_none=True)
-        for name in ("pma_window", "pma_spike_window", "pma_recovery_snapshots"):
-            check_int(getattr(self, name), name)
+        for name in ("pma_window", "pma_recovery_snapshots"):
+            setattr(self, name, check_window_count(getattr(self, name), name))
+        check_int(self.pma_spike_window, "pma_spike_window")
         check_int(self.pma_max_recoveries, "pma_max_recoveries", 0)
         validate_strategy(self.pma_strategy, self.pma_ema_alpha)
         self._check_online()
         self.pma_phases = list(check_phases(self.pma_phases))
-        if self.pma_keep_last is not None and self.pma_window_tokens is None and self.pma_keep_last < self.pma_window:
+        if (
+            self.pma_keep_last is not None
+            and self.pma_window_tokens is None
+            and not is_auto(self.pma_window)
+            and self.pma_keep_last < self.pma_window
+        ):
             raise ValueError(
                 f"pma_keep_last ({self.pma_keep_last}) is smaller than pma_window ({self.pma_window}): "
                 f"the merge could never use {self.pma_window} snapshots"
             )
-        if self.pma_spike_recovery and self.pma_keep_last is not None and self.pma_keep_last < self.pma_recovery_snapshots:
+        if (
+            self.pma_spike_recovery
+            and self.pma_keep_last is not None
+            and not is_auto(self.pma_recovery_snapshots)
+            and self.pma_keep_last < self.pma_recovery_snapshots
+        ):
             raise ValueError("pma_keep_last must be at least pma_recovery_snapshots when pma_spike_recovery is on")
         if self.pma_spike_recovery and self.logging_nan_inf_filter:
             logger.warning(

@@ -37,6 +37,7 @@ from transformers.utils import logging
 
 from hf_pma.core.manifest import MAX_RECORD_INT, SnapshotRecord
 from hf_pma.core.schedule import check_schedule_state, positive_int_or_none
+from hf_pma.core.window_choice import check_window_count, choose_window, is_auto, point_from_record
 from hf_pma.snapshots.lr_probe import first_group_value
 from hf_pma.snapshots.taker import TOKEN_COUNTS, SnapshotTaker, TakenSnapshot
 from hf_pma.training.recovery import SpikeRecovery
@@ -327,11 +328,13 @@ class PMASnapshots:
 
     @contextlib.contextmanager
     def swapped(
-        self, model: torch.nn.Module | None = None, last: int | None = None
+        self, model: torch.nn.Module | None = None, last: int | str | None = "auto"
     ) -> Iterator[torch.nn.Module]:
-        """Every process: the merge of the last ``last`` snapshots (all when ``None``), or the
-        online average (then ``last`` must be left out), in the live model for the ``with`` block; the live weights are put back
-        bit for bit after it (also on an exception).
+        """Every process: the merge of the last ``last`` snapshots (``"auto"``, the default: the
+        window chosen from their records, see :mod:`hf_pma.core.window_choice`; all when
+        ``None``), or the online average (then ``last`` must be left at its default), in the live
+        model for the ``with`` block; the live weights are put back bit for bit after it (also
+        on an exception).
 
         Raises ``ValueError`` when there is nothing to swap in yet.
         """
@@ -340,14 +343,14 @@ class PMASnapshots:
 
         if model is not None:
             _check_module(model, "model")
-        last = positive_int_or_none(last, "last")
+        last = check_window_count(last, "last", allow_none=True)
         model = model if model is not None else self.model
         if not self._begun:
             raise ValueError("PMASnapshots.swapped(): no snapshot yet (before the first step)")
         taker = self.taker
         taker.wait()
         if taker.online is not None:
-            if last is not None:
+            if last is not None and not is_auto(last):
                 raise ValueError(
                     f"PMASnapshots.swapped(): last={last} has no effect with online={taker.online!r} (the online "
                     "average is swapped in); leave it out"
@@ -362,8 +365,13 @@ class PMASnapshots:
             return
         if self.accelerator is not None:
             self.accelerator.wait_for_everyone()  # every process sees the main process's manifest
-        listed = [folder for _, folder in taker.snapshots()]  # every process reads the manifest
-        if last is not None:
+        snapshots = taker.snapshots()  # every process reads the manifest
+        listed = [folder for _, folder in snapshots]
+        if is_auto(last) and snapshots:
+            choice = choose_window([point_from_record(record.to_dict()) for record, _ in snapshots])
+            logger.info(f"PMASnapshots.swapped(): {choice.describe()}")
+            listed = listed[-choice.count :]
+        elif last is not None:
             listed = listed[-last:]
         if not listed:
             raise ValueError(f"PMASnapshots.swapped(): no snapshot in {escape(taker.pma_dir)} yet")

@@ -34,10 +34,11 @@ import torch
 from transformers.utils import logging
 
 from hf_pma.core.strategies import validate_strategy
+from hf_pma.core.window_choice import check_window_count, choose_window, is_auto, point_from_record
 from hf_pma.merging.engine import merge_state_dict
 from hf_pma.merging.sources import resolve_sources
 from hf_pma.merging.swap import load_weights
-from hf_pma.merging.windows import select_window
+from hf_pma.merging.windows import select_auto, select_window
 from hf_pma.snapshots.taker import SnapshotTaker
 from hf_pma.utils.distributed import all_ranks_checked
 from hf_pma.utils.parsing import check_int, is_number, parameter_error
@@ -56,7 +57,7 @@ def pma_init(
     model: torch.nn.Module,
     sources: Sequence[str | os.PathLike[str]],
     *,
-    window: int = 10,
+    window: int | str = "auto",
     window_tokens: int | None = None,
     strategy: str = "sma",
     alpha: float = 0.2,
@@ -70,7 +71,8 @@ def pma_init(
         sources: one merged model folder, one run or snapshot folder (its newest ``window``
             snapshots, or those within its last ``window_tokens`` tokens, are merged), several
             folders or checkpoints, or Hub revisions (``org/model@REV``), as ``hf-pma merge`` takes.
-        window: snapshots merged from a single run folder.
+        window: snapshots merged from a single run folder; ``"auto"`` (default): chosen from the
+            run's records (see :mod:`hf_pma.core.window_choice`), said in one line and recorded.
         window_tokens: instead of ``window``: the snapshots within the last T tokens of a run folder.
         strategy: the merge strategy (``"sma"``, ``"ema"``, ``"wma"``...) when several sources are merged.
         alpha: the EMA factor for ``strategy="ema"``.
@@ -84,7 +86,7 @@ def pma_init(
     sources = list(sources)
     if not sources:
         raise ValueError(f"{what}: no source to merge")
-    check_int(window, "window")
+    window = check_window_count(window, "window")
     check_int(window_tokens, "window_tokens", allow_none=True)
     if window_tokens is not None and len(sources) > 1:
         raise parameter_error(
@@ -93,9 +95,13 @@ def pma_init(
         )
     validate_strategy(strategy, alpha)  # before any source is read (one source merges as sma)
     resolved = resolve_sources(sources)
+    choice = None
     if len(sources) == 1 and window_tokens is not None:
         resolved = select_window(resolved, window_tokens=window_tokens)  # a run's last T tokens
-    elif len(sources) == 1 and len(resolved) > window:
+    elif len(sources) == 1 and len(resolved) > 1 and is_auto(window):
+        resolved, choice = select_auto(resolved)  # a run folder: the window its records choose
+        logger.warning(f"{what}: {choice.describe()}")
+    elif len(sources) == 1 and not is_auto(window) and len(resolved) > window:
         resolved = resolved[-window:]  # a run folder: merge its newest ``window``
     strategy = strategy if len(resolved) > 1 else "sma"
     state = merge_state_dict(resolved, strategy=strategy, alpha=alpha)
@@ -107,6 +113,7 @@ def pma_init(
     return {
         "strategy": strategy,
         "sources": [{"name": s.name, "tokens": s.tokens, "step": s.step} for s in resolved],
+        "window_choice": choice.to_dict() if choice is not None else None,
         "time": time.time(),
     }
 
@@ -175,7 +182,7 @@ def recover_from_spike(
     *,
     step: int,
     after_step: int,
-    last: int = 3,
+    last: int | str = "auto",
     optimizer: Any | None = None,
     reset_optimizer: bool = True,
     loss: float | None = None,
@@ -192,7 +199,8 @@ def recover_from_spike(
         taker: the snapshot engine of the run (``PMASnapshots.taker``, ``PMACallback.taker``).
         step: the optimizer step the spike was noticed at.
         after_step: the last optimizer step known healthy.
-        last: the snapshots before the spike to average (the paper used 3).
+        last: the snapshots before the spike to average (the paper used 3); ``"auto"`` (default):
+            chosen from their records as every merge's window (:mod:`hf_pma.core.window_choice`).
         optimizer: the optimizer whose state to reset (an ``accelerate`` wrapper is fine).
         reset_optimizer: whether to reset it.
         loss: the spike's loss, for the error message.
@@ -208,14 +216,21 @@ def recover_from_spike(
         )
     check_int(step, "step", 0)
     check_int(after_step, "after_step", 0)
-    check_int(last, "last")  # last=0 would merge every snapshot ([-0:])
+    last = check_window_count(last, "last")  # last=0 would merge every snapshot ([-0:])
     # Snapshots taken after the last healthy step belong to the spike: never merge them.
     taker.wait()
     during = [r.tokens for r, _ in taker.snapshots() if r.step > after_step]
     if during and taker.is_main:
         taker.exclude_snapshots(during, reason=f"loss spike at step {step}")
     all_ranks_checked(lambda: None, "waiting for the main process")
-    usable = taker.snapshots()[-last:]
+    usable = taker.snapshots()
+    choice = None
+    if is_auto(last) and usable:
+        choice = choose_window([point_from_record(r.to_dict()) for r, _ in usable])
+        usable = usable[-choice.count :]
+        logger.warning(f"loss-spike recovery at step {step}: {choice.describe()}")
+    elif not is_auto(last):
+        usable = usable[-last:]
     if not usable:
         said = f" (loss {loss:.4g})" if loss is not None else ""
         raise LossSpikeError(
@@ -232,6 +247,7 @@ def recover_from_spike(
         inner.state.clear()  # Adam moments hold the spike's gradients
     return {
         "snapshots": [r.path for r, _ in usable],
+        "window_choice": choice.to_dict() if choice is not None else None,
         "excluded": [int(t) for t in during],
         "reset_optimizer": reset,
     }
@@ -243,7 +259,8 @@ class SpikeRecovery:
     Args:
         factor: a loss above ``factor`` x the median of the last ``window`` healthy ones is a spike.
         window: the healthy losses in that median.
-        last: the snapshots before the spike averaged for recovery (the paper used 3).
+        last: the snapshots before the spike averaged for recovery (the paper used 3); ``"auto"``
+            (default): chosen from their records.
         reset_optimizer: reset the optimizer's moments on recovery (they hold the spike's gradients).
         max_recoveries: stop with :class:`LossSpikeError` at the spike after this many recoveries.
         option_prefix: how the caller's options are named in messages (``PMATrainer``: ``"pma_"``).
@@ -256,12 +273,12 @@ class SpikeRecovery:
         self,
         factor: float = 3.0,
         window: int = 20,
-        last: int = 3,
+        last: int | str = "auto",
         reset_optimizer: bool = True,
         max_recoveries: int = 3,
         option_prefix: str = "",
     ) -> None:
-        check_int(last, "last")
+        last = check_window_count(last, "last")
         check_int(max_recoveries, "max_recoveries", 0)
         if not isinstance(reset_optimizer, bool):
             raise parameter_error(

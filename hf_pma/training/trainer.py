@@ -24,6 +24,7 @@ from transformers.utils import logging
 
 from hf_pma.core.manifest import PMA_SUBDIR, TRAINING_RECORD_NAME
 from hf_pma.core.selection import window_by_progress
+from hf_pma.core.window_choice import WindowChoice, choose_window, is_auto, point_from_record
 from hf_pma.merging.chunks import default_workers
 from hf_pma.merging.engine import merge_checkpoints, merge_state_dict
 from hf_pma.merging.slices import SliceSwap, reshard
@@ -162,32 +163,40 @@ class PMATrainer(Trainer):
         timeout (a snapshot write or a merge may outlast NCCL's); a failure anywhere is raised everywhere."""
         all_ranks_checked(fn or (lambda: None), what)
 
-    def _pma_snapshot_paths(self, last: int | None = None) -> list[Path]:
-        """Usable snapshot folders, oldest first, identical on every process; with ``last``, the
-        newest ``last``; else, with ``pma_window_tokens``, those within the last T tokens."""
-        # The main process finishes the write in flight; the others then read the same manifest.
-        self._pma_barrier(self.pma_callback.wait, "waiting for the snapshot being written")
-        snapshots = self.pma_callback.snapshots()
-        if last is None and self.args.pma_window_tokens is not None and snapshots:
-            chosen = window_by_progress([record.tokens for record, _ in snapshots], self.args.pma_window_tokens, "tokens")
-            return [snapshots[i][1] for i in chosen]
-        return [path for _record, path in snapshots][-(last or len(snapshots)) :] if snapshots else []
-
     def _pma_workers(self) -> int:
         """Merge threads per process: the usable cores shared by this machine's processes."""
         return max(1, default_workers() // local_world_size())
 
-    def _pma_merge_window(self, last: int | None = None) -> tuple[list[Path], str]:
-        paths = self._pma_snapshot_paths(last or (None if self.args.pma_window_tokens else self.args.pma_window))
-        return paths, (self.args.pma_strategy if len(paths) > 1 else "sma")
+    def _pma_merge_window(self, last: int | str | None = None) -> tuple[list[Path], str, WindowChoice | None]:
+        """The snapshot folders a merge takes (oldest first, identical on every process), its
+        strategy, and the automatic window's choice: the newest ``last`` (default ``pma_window``;
+        ``"auto"``: chosen from the snapshots' records), or with ``pma_window_tokens`` those within
+        the last T tokens."""
+        # The main process finishes the write in flight; the others then read the same manifest.
+        self._pma_barrier(self.pma_callback.wait, "waiting for the snapshot being written")
+        snapshots = self.pma_callback.snapshots()
+        window = last if last is not None else (None if self.args.pma_window_tokens else self.args.pma_window)
+        choice = None
+        if not snapshots:
+            paths: list[Path] = []
+        elif window is None:
+            chosen = window_by_progress([record.tokens for record, _ in snapshots], self.args.pma_window_tokens, "tokens")
+            paths = [snapshots[i][1] for i in chosen]
+        elif is_auto(window):
+            choice = choose_window([point_from_record(record.to_dict()) for record, _ in snapshots])
+            paths = [path for _record, path in snapshots[-choice.count :]]
+        else:
+            paths = [path for _record, path in snapshots][-window:]
+        return paths, (self.args.pma_strategy if len(paths) > 1 else "sma"), choice
 
-    def pma_merged_state_dict(self, last: int | None = None, strategy: str | None = None) -> dict[str, torch.Tensor] | None:
-        """The full merge of the newest ``last`` (default ``pma_window``) snapshots, or ``None`` if none yet.
+    def pma_merged_state_dict(self, last: int | str | None = None, strategy: str | None = None) -> dict[str, torch.Tensor] | None:
+        """The full merge of the newest ``last`` (default ``pma_window``; ``"auto"``: chosen from the
+        snapshots' records) snapshots, or ``None`` if none yet.
 
         Builds a whole merged state dict in this process's memory (merged evaluation does not:
         it merges by local slice); every process calling it reads every snapshot.
         """
-        paths, default = self._pma_merge_window(last)
+        paths, default, _choice = self._pma_merge_window(last)
         if not paths:
             return None
         strategy = strategy or default
@@ -195,9 +204,11 @@ class PMATrainer(Trainer):
 
     def _evaluate_merge(self, eval_dataset: Any, ignore_keys: list[str] | None, prefix: str) -> dict[str, float]:
         online = self.pma_callback.online is not None
-        paths, strategy = ([], None) if online else self._pma_merge_window()
+        paths, strategy, choice = ([], None, None) if online else self._pma_merge_window()
         if not paths and not online:
             return {}
+        if choice is not None:
+            logger.info(f"merged evaluation: {choice.describe()}")
         start = time.perf_counter()
         if online:  # the online average, each process its own slices (no snapshot on disk)
             reshard(self.model)
@@ -346,14 +357,15 @@ class PMATrainer(Trainer):
         ``tasks``, ``include_path``, ``block_size``, ``eval_dataset``). Call it on every process."""
         return annealing_check(self, texts, **kwargs)
 
-    def merge_snapshots(self, output_dir: str | Path | None = None, last: int | None = None) -> Path | None:
-        """Merge the newest ``last`` (default ``pma_window``) snapshots into ``output_dir``.
+    def merge_snapshots(self, output_dir: str | Path | None = None, last: int | str | None = None) -> Path | None:
+        """Merge the newest ``last`` (default ``pma_window``; ``"auto"``: chosen from the snapshots'
+        records, said in one line and recorded with its reason) snapshots into ``output_dir``.
 
         Default folder: ``<output_dir>/pma/merged`` (replaced if present). Also writes the run's
         record (``pma_training.json``) beside the weights. Returns the folder, or ``None`` when
         no snapshot was taken.
         """
-        paths, _ = self._pma_merge_window(last)
+        paths, _, choice = self._pma_merge_window(last)
         target = Path(output_dir) if output_dir else Path(self.args.output_dir) / PMA_SUBDIR / "merged"
         if not paths:
             logger.warning("No PMA snapshot was taken during training: nothing to merge.")
@@ -369,7 +381,10 @@ class PMATrainer(Trainer):
             workers=self._pma_workers(),
             distributed=self.args.world_size > 1,
             window_tokens=None if last else self.args.pma_window_tokens,
+            window_choice=choice,
         )
+        if choice is not None and self.is_world_process_zero():
+            logger.warning(f"PMA merge into {target}: {choice.describe()}")
 
         self._pma_barrier(lambda: self._pma_write_records(target), f"writing the record and card of {target}")
         return target

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["positive_int", "non_negative_int", "positive_count", "parse_count"]
+__all__ = ["positive_int", "window_count", "non_negative_int", "positive_count", "parse_count"]
 
 
 def _int(text: str, low: int, what: str) -> int:
@@ -20,6 +20,17 @@ def _int(text: str, low: int, what: str) -> int:
 def positive_int(text: str) -> int:
     """An ``argparse`` type: a positive integer, with a one-line error otherwise."""
     return _int(text, 1, "a positive integer")
+
+
+def window_count(text: str) -> int | str:
+    """An ``argparse`` type: ``auto`` (the window chosen from the run's records) or a positive
+    number of snapshots, with a one-line error otherwise."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return _int(text, 1, "a positive integer")
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or a positive number of snapshots, got {text!r}") from None
 
 
 def non_negative_int(text: str) -> int:

@@ -27,10 +27,13 @@ def write_run(
     tokenizer=None,
     excluded: Sequence[int] = (),
     interval: int = INTERVAL,
+    losses: Sequence[float] | None = None,
 ) -> tuple[Path, list[dict[str, torch.Tensor]]]:
     """A run folder ``root`` whose ``pma/`` holds ``count`` snapshots ``theta_i = base + deviation(i, name, base)``
     taken every ``interval`` tokens (default ``INTERVAL``), listed in the manifest (``excluded`` indices marked so), with
-    the tokenizer in the run folder. Returns the folder and each snapshot's state (float32)."""
+    the tokenizer in the run folder; each records the training loss ``losses[i]`` (default ``4.0 - 0.05 i``: still
+    falling, so the automatic window takes the last snapshot alone). Returns the folder and each snapshot's state
+    (float32)."""
     pma = root / PMA_SUBDIR
     pma.mkdir(parents=True)
     base = make_tiny_model(seed=0)
@@ -43,7 +46,7 @@ def write_run(
                 p.copy_(base_state[name] + deviation(i, name, base_state[name]))
         tokens = (i + 1) * interval
         record = SnapshotRecord(
-            path=f"snapshot-{tokens}", tokens=tokens, step=10 * (i + 1), lr=3e-3, loss=4.0 - 0.05 * i, phase="stable",
+            path=f"snapshot-{tokens}", tokens=tokens, step=10 * (i + 1), lr=3e-3, loss=4.0 - 0.05 * i if losses is None else losses[i], phase="stable",
             extra={"interval_tokens": interval},
         )
         if i in excluded:

@@ -76,14 +76,41 @@ def test_cli_merge_explicit_weights_and_errors(tmp_path):
     assert "--strategy" in help_text.stdout and "1-sqrt-decay" in help_text.stdout
 
 
-def test_a_whole_run_without_a_window_is_merged_with_a_warning(tmp_path):
+def test_a_run_is_merged_over_its_automatic_window_and_whole_only_when_asked(tmp_path):
     from tests.helpers.snapshot_runs import noise_deviation, write_run
 
-    run, _ = write_run(tmp_path / "run", 4, noise_deviation())
-    whole = run_cli("merge", run, "-o", tmp_path / "all", "-q")
+    run, _ = write_run(tmp_path / "run", 4, noise_deviation())  # its loss still falls: too early
+    auto = run_cli("merge", run, "-o", tmp_path / "auto", "-q")
+    assert auto.returncode == 0, auto.stderr
+    assert "auto window: the last snapshot alone" in auto.stdout and "too early" in auto.stdout
+    record = json.loads((tmp_path / "auto" / "pma_merge.json").read_text())
+    assert record["num_sources"] == 1 and record["window"]["auto"]["rule"] == "too-early"
+    whole = run_cli("merge", run, "-o", tmp_path / "all", "--last", "all", "-q")
     assert whole.returncode == 0, whole.stderr
-    assert "merging all 4 sources" in whole.stderr and "--last N" in whole.stderr
+    assert "merging all 4 sources" in whole.stderr and "--last auto" in whole.stderr
+    assert json.loads((tmp_path / "all" / "pma_merge.json").read_text())["window"].get("auto") is None
     windowed = run_cli("merge", run, "-o", tmp_path / "end", "--last", "2", "-q")
     assert windowed.returncode == 0 and "merging all" not in windowed.stderr, windowed.stderr
+    assert "auto window" not in windowed.stdout
     listed = run_cli("merge", *sorted((run / "pma").glob("snapshot-*")), "-o", tmp_path / "listed", "-q")
     assert listed.returncode == 0 and "merging all" not in listed.stderr, listed.stderr
+    assert json.loads((tmp_path / "listed" / "pma_merge.json").read_text())["num_sources"] == 4
+    bad = run_cli("merge", run, "-o", tmp_path / "bad", "--last", "some")
+    assert bad.returncode == 2 and "'auto' or a positive number" in bad.stderr
+
+
+def test_a_settled_run_merges_the_window_its_records_choose_and_the_card_says_why(tmp_path):
+    from tests.helpers.snapshot_runs import noise_deviation, write_run
+
+    flat = [4.0 + 0.03 * ((-1) ** i) + 0.01 * (i % 3) for i in range(12)]  # settled: noise, no trend
+    run, _ = write_run(tmp_path / "run", 12, noise_deviation(), losses=flat)
+    done = run_cli("merge", run, "-o", tmp_path / "m")
+    assert done.returncode == 0, done.stderr
+    record = json.loads((tmp_path / "m" / "pma_merge.json").read_text())
+    count = record["window"]["auto"]["count"]
+    assert 1 < count < 12 and record["num_sources"] == count  # within a quarter of the tokens trained
+    assert [s["tokens"] for s in record["sources"]] == [(i + 1) * 1000 for i in range(12 - count, 12)]
+    assert f"auto window: the newest {count} snapshots" in done.stdout
+    card = run_cli("card", tmp_path / "m")
+    assert card.returncode == 0, card.stderr
+    assert "chosen automatically from the run's records" in (tmp_path / "m" / "README.md").read_text()

@@ -1,0 +1,326 @@
+"""Which merge window? The automatic window against a fixed N=8 and the last snapshot, at three run lengths.
+
+PMA's merge should preview the annealed model at any run length. A fixed N that suits a 1,000-step
+run reaches back into weights from before the loss settled in a 300-step run; ``window="auto"``
+(:mod:`hf_pma.core.window_choice`) chooses from the run's own records. This benchmark trains, with
+``scripts/pretrain.py`` (the default run's model and flags), every run of
+
+* ``--lengths`` (300, 1,000 and 3,000 steps) x ``--lrs`` (4 learning rates) x ``--seeds`` (2),
+  each with an annealed fork over its last ``--anneal-share`` (20%) ending at the same tokens,
+  a snapshot every 20 steps, all kept;
+
+then, per length, runs ``hf-pma compare`` over its runs with each window (``--last auto``, ``--last 8``;
+the last snapshot is in every report) on the *report* documents, and reports per window:
+
+* merge minus last snapshot (paired over documents, with its SE) in every run;
+* the share of the annealing gain it recovers, where annealing gains at least 3 SE;
+* Kendall's tau with the annealed ranking within each (length, seed) group (the 4 learning rates);
+* the mean absolute error against the annealed loss.
+
+It also evaluates, on *selection* documents (other held-out documents, never the report's), the SMA
+of the newest k snapshots for k = 1, 2, 3, ... in every run: the curves that show where each rule
+lands against the best k in hindsight (``curves.json``, ``window_choice.png``).
+
+Writes ``results.json``, ``tables.md``, ``window_choice.png`` and the compare reports into
+``--output-dir``::
+
+    python benchmarks/window_choice.py --preset smoke     # minutes: checks the pipeline, numbers mean nothing
+    python benchmarks/window_choice.py                    # --preset cpu: 24 runs, about 1.5 hours on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import sweep_prediction as sp  # the same runs, data and tokenizer as the sweep benchmark
+
+HERE = Path(__file__).resolve()
+REPO = HERE.parents[1]
+FIXED_N = 8
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "smoke": dict(lengths="60,120", lrs="3e-3,6e-3", seeds="0,1", corpus_bytes=600_000, eval_docs=8),
+    "cpu": dict(lengths="300,1000,3000", lrs="1.5e-3,3e-3,6e-3,1.2e-2", seeds="0,1", corpus_bytes=9_000_000, eval_docs=40),
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="cpu")
+    p.add_argument("--lengths", help="optimizer steps of the runs, comma-separated")
+    p.add_argument("--lrs", help="learning rates, comma-separated")
+    p.add_argument("--seeds", help="seeds, comma-separated")
+    p.add_argument("--anneal-share", type=float, default=0.2, help="the annealed fork's share of each run")
+    p.add_argument("--corpus-bytes", type=int, help="bytes of standard-library source")
+    p.add_argument("--eval-docs", type=int, help="held-out documents in the report split (as many again for selection)")
+    p.add_argument("--parallel", type=int, default=2, help="runs trained at once (1 thread each)")
+    p.add_argument("--scratch", help="work folder (default: TMPDIR/hf-pma-window-choice-PRESET); finished runs are reused")
+    p.add_argument("--output-dir", help="results (default: benchmarks/results/window_choice, smoke: .../smoke)")
+    args = p.parse_args(argv)
+    for key, value in PRESETS[args.preset].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.lengths = [int(v) for v in str(args.lengths).split(",")]
+    args.lrs = [float(v) for v in str(args.lrs).split(",")]
+    args.seeds = [int(v) for v in str(args.seeds).split(",")]
+    results = HERE.parent / "results" / "window_choice"
+    args.output_dir = Path(args.output_dir or (results / "smoke" if args.preset == "smoke" else results))
+    args.scratch = Path(args.scratch or Path("/tmp") / f"hf-pma-window-choice{'' if args.preset == 'cpu' else '-' + args.preset}")
+    return args
+
+
+def sweep_args(args: argparse.Namespace, steps: int) -> argparse.Namespace:
+    """The sweep benchmark's settings for one run length (its ``cpu`` preset's model and batch)."""
+    base = sp.parse_args([
+        "--preset", "cpu", "--scratch", str(args.scratch), "--output-dir", str(args.output_dir),
+        "--corpus-bytes", str(args.corpus_bytes), "--eval-docs", str(args.eval_docs),
+    ])
+    out = copy.copy(base)
+    out.steps = steps
+    out.anneal_steps = max(out.snapshot_every, round(steps * args.anneal_share / out.snapshot_every) * out.snapshot_every)
+    return out
+
+
+def run_name(steps: int, lr: float, seed: int) -> str:
+    return f"n{steps}-lr{lr:g}-s{seed}"
+
+
+def selection_file(args: argparse.Namespace, data: Path) -> Path:
+    """Held-out documents never in the report split: the next ``eval_docs`` of the same split."""
+    from hf_pma.evaluation.corpus import split_documents
+    from hf_pma.training.pretrain_data import stdlib_documents
+
+    path = data / "selection.jsonl"
+    if not path.is_file():
+        _, held = split_documents(stdlib_documents(max_bytes=args.corpus_bytes), eval_fraction=0.1, seed=0)
+        kept = [d[:4000] for d in held[args.eval_docs : 2 * args.eval_docs]]
+        path.write_text("".join(json.dumps({"text": d}) + "\n" for d in kept))
+    return path
+
+
+def train_all(args: argparse.Namespace) -> tuple[list[dict], tuple]:
+    data = sp.prepare_data(sweep_args(args, args.lengths[0]))
+    jobs = [
+        (sweep_args(args, steps), run_name(steps, lr, seed), lr, seed)
+        for steps in args.lengths
+        for seed in args.seeds
+        for lr in args.lrs
+    ]
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        futures = [pool.submit(sp.train_run, a, name, lr, seed, (96, 3), data) for a, name, lr, seed in jobs]
+        timings = []
+        for future in futures:
+            timings.append(future.result())
+            print(f"  {timings[-1]['name']}: {timings[-1]['seconds']} s", flush=True)
+    return timings, data
+
+
+def curves(args: argparse.Namespace, selection: Path) -> dict[str, Any]:
+    """Per run: the held-out loss (selection documents) of the SMA of the newest k, for each k;
+    the annealed model's; and the windows auto and N=8 take."""
+    import torch
+
+    from hf_pma.analysis.sweep import SweepEvaluator
+    from hf_pma.merging.sources import resolve_sources
+    from hf_pma.merging.windows import select_auto
+
+    torch.set_num_threads(1)
+    texts = [json.loads(line)["text"] for line in selection.read_text().splitlines() if line.strip()]
+    out = {}
+    for steps in args.lengths:
+        for seed in args.seeds:
+            for lr in args.lrs:
+                name = run_name(steps, lr, seed)
+                run = args.scratch / "runs" / name
+                sources = resolve_sources([run])
+                choice = select_auto(sources)[1]
+                evaluator = SweepEvaluator(sources[-1].path, texts, block_size=128, tokenizer=run)
+                ks = sorted({k for k in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, choice.count, FIXED_N) if k <= len(sources)})
+                losses = {k: evaluator.evaluate_merge(sources[-k:], weights=[1 / k] * k)["lm"]["loss"] for k in ks}
+                annealed = evaluator.evaluate_merge([run / "annealed"], weights=[1.0])["lm"]["loss"]
+                out[name] = {
+                    "steps": steps, "lr": lr, "seed": seed, "snapshots": len(sources),
+                    "losses": {str(k): v for k, v in losses.items()}, "annealed": annealed,
+                    "auto": choice.to_dict(), "best_k": min(losses, key=losses.get),
+                }
+                print(f"  {name}: auto {choice.count}, best k {out[name]['best_k']}", flush=True)
+    return out
+
+
+def compare(args: argparse.Namespace, steps: int, window: str, report: Path) -> dict[str, Any]:
+    """``hf-pma compare`` of one length's runs with ``--last WINDOW`` on the report documents."""
+    output = args.output_dir / f"compare-{steps}-{window}.json"
+    runs = [str(args.scratch / "runs" / run_name(steps, lr, seed)) for seed in args.seeds for lr in args.lrs]
+    command = [sys.executable, "-m", "hf_pma.cli", "compare", *runs, "--eval-file", str(report),
+               "--block-size", "128", "--last", window, "-o", str(output), "-q"]
+    output.unlink(missing_ok=True)
+    done = subprocess.run(command, capture_output=True, text=True, cwd=REPO,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
+    if done.returncode != 0:
+        raise RuntimeError(f"hf-pma compare failed:\n{done.stderr[-3000:]}")
+    return json.loads(output.read_text())
+
+
+def kendall(a: list[float], b: list[float]) -> float:
+    """Kendall's tau-b (ties share a rank)."""
+    from scipy.stats import kendalltau
+
+    return float(kendalltau(a, b).statistic)
+
+
+def summarize(args: argparse.Namespace, reports: dict[tuple[int, str], dict]) -> dict[str, Any]:
+    """Per window: every run's merge - last (paired SE), gain share, tau per (length, seed), MAE."""
+    rows, groups, summary = [], [], {}
+    for window in ("auto", str(FIXED_N), "last"):
+        errors, taus, worse, recovered = [], [], [], []
+        for steps in args.lengths:
+            report = reports[(steps, "auto" if window == "last" else window)]
+            by_name = {e["name"]: e for e in report["runs"]}
+            for seed in args.seeds:
+                names = [run_name(steps, lr, seed) for lr in args.lrs]
+                entries = [by_name[n] for n in names]
+                pred = [e["last"]["value"] if window == "last" else e["merge"]["value"] for e in entries]
+                ann = [e["annealed"]["value"] for e in entries]
+                taus.append(kendall(pred, ann))
+                groups.append({"window": window, "steps": steps, "seed": seed, "tau": taus[-1]})
+                for e, p, a in zip(entries, pred, ann):
+                    errors.append(abs(p - a))
+                    paired = (e["merge"] or {}).get("paired") or {}
+                    diff, se = (0.0, 0.0) if window == "last" else (paired.get("diff"), paired.get("stderr"))
+                    gain = (e["annealed"] or {}).get("paired") or {}
+                    big_gain = gain.get("diff") is not None and -gain["diff"] >= 3 * gain["stderr"]
+                    share = None if window == "last" else e.get("annealing_gain_recovered")
+                    rows.append({
+                        "window": window, "run": e["name"], "steps": steps, "lr": e["name"].split("-")[1][2:], "seed": seed,
+                        "n": 1 if window == "last" else e["merge"]["window"], "diff": diff, "se": se,
+                        "worse_beyond_1se": bool(diff is not None and se is not None and diff > se),
+                        "annealing_gain": gain.get("diff"), "annealing_se": gain.get("stderr"),
+                        "gain_share": share, "gain_counts": big_gain,
+                    })
+                    worse.append(rows[-1]["worse_beyond_1se"])
+                    if big_gain and share is not None:
+                        recovered.append(share)
+        summary[window] = {
+            "runs_worse_than_last_beyond_1se": sum(worse),
+            "runs": len(worse),
+            "min_gain_share_where_annealing_gains_3se": min(recovered) if recovered else None,
+            "runs_where_annealing_gains_3se": len(recovered),
+            "runs_recovering_80pct": sum(r >= 0.8 for r in recovered),
+            "groups_tau_1": sum(t >= 1 - 1e-9 for t in taus),
+            "groups": len(taus),
+            "mae": sum(errors) / len(errors),
+        }
+    return {"rows": rows, "groups": groups, "summary": summary}
+
+
+def plot(curve: dict[str, Any], output: Path) -> None:
+    """Selection loss of the newest-k SMA minus the last snapshot's, against k's share of the run."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    lengths = sorted({c["steps"] for c in curve.values()})
+    fig = Figure(figsize=(4 * len(lengths), 3.6), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(1, len(lengths), squeeze=False)[0]
+    for ax, steps in zip(axes, lengths):
+        for c in curve.values():
+            if c["steps"] != steps:
+                continue
+            ks = sorted(int(k) for k in c["losses"])
+            base = c["losses"]["1"]
+            line = ax.plot([k * 20 / steps for k in ks], [c["losses"][str(k)] - base for k in ks], lw=1, alpha=0.8)[0]
+            auto = c["auto"]["count"]
+            if str(auto) in c["losses"]:
+                ax.scatter([auto * 20 / steps], [c["losses"][str(auto)] - base], color=line.get_color(), marker="o", s=18)
+            ax.axhline(c["annealed"] - base, color=line.get_color(), lw=0.6, ls=":")
+        ax.axhline(0, color="black", lw=0.6)
+        ax.set_title(f"{steps} steps (dots: auto; dotted: annealed)", fontsize=9)
+        ax.set_xlabel("window span, share of the run")
+        ax.set_ylabel("SMA of newest k - last snapshot (nats)")
+    fig.savefig(output)
+
+
+def tables(args, summary, curve, timings, times, loads) -> str:  # noqa: ANN001
+    s = summary["summary"]
+    lines = [
+        "# Window choice (cpu preset)" if args.preset == "cpu" else f"# Window choice ({args.preset} preset)",
+        "",
+        f"`python benchmarks/window_choice.py{'' if args.preset == 'cpu' else ' --preset ' + args.preset}`: "
+        f"{len(timings)} runs ({', '.join(map(str, args.lengths))} steps x LR {', '.join(f'{x:g}' for x in args.lrs)} x seeds "
+        f"{', '.join(map(str, args.seeds))}), batch 8 x 128 tokens, a snapshot every 20 steps, each with an annealed fork over "
+        f"its last {100 * args.anneal_share:.0f}% (linear to 0). Report split: {args.eval_docs} held-out documents; the curves "
+        "use as many other held-out documents (selection split).",
+        f"Training {times[0]:.0f} s, curves {times[1]:.0f} s, compare {times[2]:.0f} s; load average {loads[0]} at the start, "
+        f"{loads[1]} at the end (other jobs ran on the machine).",
+        "",
+        "## Targets",
+        "",
+        "| window | runs worse than last by > 1 SE | share of the gain (runs where annealing gains >= 3 SE) | groups with tau = 1 | mean abs. error vs annealed |",
+        "|---|---:|---|---:|---:|",
+    ]
+    for w in ("auto", str(FIXED_N), "last"):
+        r = s[w]
+        share = (
+            f"min {100 * r['min_gain_share_where_annealing_gains_3se']:.0f}%, {r['runs_recovering_80pct']} of "
+            f"{r['runs_where_annealing_gains_3se']} at >= 80%"
+            if r["min_gain_share_where_annealing_gains_3se"] is not None
+            else "-"
+        )
+        label = {"auto": "auto", "last": "last snapshot"}.get(w, f"fixed N={w}")
+        lines.append(f"| {label} | {r['runs_worse_than_last_beyond_1se']} of {r['runs']} | {share} | {r['groups_tau_1']} of {r['groups']} | {r['mae']:.4f} |")
+    lines += ["", "## Every run", "", "| run | window | N | merge - last (SE) | annealed - last (SE) | gain share |", "|---|---|---:|---:|---:|---:|"]
+    for row in summary["rows"]:
+        if row["window"] == "last":
+            continue
+        gain = f"{row['annealing_gain']:+.4f} ({row['annealing_se']:.4f})" if row["annealing_gain"] is not None else "-"
+        share = f"{100 * row['gain_share']:.0f}%" if row["gain_share"] is not None and row["gain_counts"] else "-"
+        lines.append(f"| {row['run']} | {row['window']} | {row['n']} | {row['diff']:+.4f} ({row['se']:.4f}) | {gain} | {share} |")
+    lines += ["", "## Kendall's tau with the annealed ranking, per (length, seed)", "", "| window | steps | seed | tau |", "|---|---:|---:|---:|"]
+    lines += [f"| {g['window']} | {g['steps']} | {g['seed']} | {g['tau']:+.2f} |" for g in summary["groups"]]
+    lines += ["", "## Selection split: where auto lands against the best k in hindsight", "",
+              "| run | snapshots | auto N | best k | loss(auto) - loss(best) | loss(8) - loss(best) | auto's reason |", "|---|---:|---:|---:|---:|---:|---|"]
+    for name, c in curve.items():
+        best = c["losses"][str(c["best_k"])]
+        auto = c["losses"].get(str(c["auto"]["count"]))
+        eight = c["losses"].get(str(FIXED_N))
+        lines.append(
+            f"| {name} | {c['snapshots']} | {c['auto']['count']} | {c['best_k']} | "
+            f"{auto - best:+.4f} | {'-' if eight is None else f'{eight - best:+.4f}'} | {c['auto']['reason']} |"
+        )
+    lines += ["", "![curves](window_choice.png)", "", "## Runs", "", "| run | seconds |", "|---|---:|"]
+    lines += [f"| {t['name']} | {t['seconds'] if t['seconds'] is not None else 'reused'} |" for t in timings]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    args.output_dir.mkdir(parents=True, exist_ok=True)
+    load_start, t0 = sp.load_average(), time.time()
+    timings, data = train_all(args)
+    t1 = time.time()
+    curve = curves(args, selection_file(args, data[0].parent))
+    (args.output_dir / "curves.json").write_text(json.dumps(curve, indent=1))
+    plot(curve, args.output_dir / "window_choice.png")
+    t2 = time.time()
+    reports = {(steps, w): compare(args, steps, w, data[1]) for steps in args.lengths for w in ("auto", str(FIXED_N))}
+    t3 = time.time()
+    summary = summarize(args, reports)
+    (args.output_dir / "results.json").write_text(json.dumps(summary, indent=1))
+    text = tables(args, summary, curve, timings, (t1 - t0, t2 - t1, t3 - t2), (load_start, sp.load_average()))
+    (args.output_dir / "tables.md").write_text(text)
+    print(text)
+    return 0 if math.isfinite(summary["summary"]["auto"]["mae"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
