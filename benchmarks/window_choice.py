@@ -144,7 +144,7 @@ def curves(args: argparse.Namespace, selection: Path) -> dict[str, Any]:
                 run = args.scratch / "runs" / name
                 sources = resolve_sources([run])
                 choice = select_auto(sources)[1]
-                evaluator = SweepEvaluator(sources[-1].path, texts, block_size=128, tokenizer=run)
+                evaluator = SweepEvaluator(sources[-1].path, texts, block_size=128, tokenizer=args.scratch / "data" / "tokenizer")
                 ks = sorted({k for k in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, choice.count, FIXED_N) if k <= len(sources)})
                 losses = {k: evaluator.evaluate_merge(sources[-k:], weights=[1 / k] * k)["lm"]["loss"] for k in ks}
                 annealed = evaluator.evaluate_merge([run / "annealed"], weights=[1.0])["lm"]["loss"]
@@ -162,7 +162,7 @@ def compare(args: argparse.Namespace, steps: int, window: str, report: Path) -> 
     output = args.output_dir / f"compare-{steps}-{window}.json"
     runs = [str(args.scratch / "runs" / run_name(steps, lr, seed)) for seed in args.seeds for lr in args.lrs]
     command = [sys.executable, "-m", "hf_pma.cli", "compare", *runs, "--eval-file", str(report),
-               "--block-size", "128", "--last", window, "-o", str(output), "-q"]
+               "--block-size", "128", "--tokenizer", str(args.scratch / "data" / "tokenizer"), "--last", window, "-o", str(output), "-q"]
     output.unlink(missing_ok=True)
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})

@@ -1,9 +1,12 @@
 """The numbers that README.md and docs/quickstart.md quote about the default run are those of
-``scripts/configs/tiny.yaml``: model size, vocabulary, V, N, schedule, steps, LR, batch. The
-README is read on GitHub, so it is checked here rather than generated at build time."""
+``scripts/configs/tiny.yaml``: model size, vocabulary, V, schedule, steps, LR, batch; and N, the
+window its merge chose automatically, that of the default run's merge record committed in
+``benchmarks/results/default_run/pma_merge.json``. The README is read on GitHub, so it is checked
+here rather than generated at build time."""
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -12,6 +15,9 @@ import yaml
 from tests.helpers.repo import REPO_ROOT, load_pretrain_script, load_script
 
 CONFIG = yaml.safe_load((REPO_ROOT / "scripts" / "configs" / "tiny.yaml").read_text())
+# The default run's merge, as the run recorded it (its window is chosen automatically).
+MERGE = json.loads((REPO_ROOT / "benchmarks" / "results" / "default_run" / "pma_merge.json").read_text())
+WINDOW = MERGE["num_sources"]
 PAGES = ("README.md", "docs/quickstart.md")
 # Pages whose commands and paths name the default run's folders (runs/pma-tiny/...).
 RUN_PAGES = (
@@ -62,7 +68,7 @@ CHECKS = [
         r"snapshot every [\d,]+ tokens \((\d+) steps",
         [CONFIG["pma_interval_tokens"] // TOKENS_PER_STEP],
     ),
-    ("N", r"(?:merges|merge of|SMA of) the last (\d+)", [CONFIG["pma_window"]]),
+    ("N", r"(?:merges|merge of|SMA of) the last (\d+)", [WINDOW]),
     ("steps and batch", r"for ([\d,]+) steps of ([\d,]+) tokens", [CONFIG["max_steps"], TOKENS_PER_STEP]),
     ("warmup", r"(\d+) warmup steps", [CONFIG["warmup_steps"]]),
     ("tokens in all", r"same ([\d,]+) tokens", [TOTAL_TOKENS]),
@@ -78,7 +84,7 @@ CHECKS = [
         r"steps (\d+)(?:-| to )([\d,]+)",
         [
             CONFIG["max_steps"]
-            - (CONFIG["pma_window"] - 1) * CONFIG["pma_interval_tokens"] // TOKENS_PER_STEP,
+            - (WINDOW - 1) * CONFIG["pma_interval_tokens"] // TOKENS_PER_STEP,
             CONFIG["max_steps"],
         ],
     ),

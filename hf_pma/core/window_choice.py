@@ -56,11 +56,12 @@ __all__ = [
 
 AUTO = "auto"
 # The longest window, as a share of the tokens trained at the newest snapshot.
-MAX_SHARE = 0.25
+MAX_SHARE = 0.2
 # The window without recorded losses: every snapshot within this share of the tokens trained.
 FALLBACK_SHARE = 0.10
-# The loss may fall by at most this many noise units (its per-snapshot spread) over the window.
-TREND_LIMIT = 1.0
+# The loss may fall by at most this many noise units (its per-snapshot spread) over the window: the
+# merge gives back about half the fall by lagging, and wins more than the noise by averaging.
+TREND_LIMIT = 3.0
 # Losses needed for the trend test (a noise estimate needs a few differences).
 MIN_LOSSES = 4
 # Points of the line fitted for the trend: at least this many, more when the window is longer.

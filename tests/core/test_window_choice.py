@@ -33,7 +33,7 @@ def noisy(n, level, sd, slope=0.0, seed=0):
 
 
 def test_a_loss_that_still_falls_fast_is_too_early_for_a_merge():
-    points = run([5.0 - 0.1 * i + (0.01 if i % 2 else -0.01) for i in range(15)])
+    points = run([5.0 - 0.2 * i + (0.01 if i % 2 else -0.01) for i in range(15)])
     choice = choose_window(points)
     assert choice.count == 1
     assert choice.rule == "too-early"
