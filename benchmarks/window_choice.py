@@ -47,6 +47,8 @@ import sweep_prediction as sp  # the same runs, data and tokenizer as the sweep 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[1]
 FIXED_N = 8
+# The windows k whose newest-k SMA each curve evaluates (with auto's and FIXED_N).
+CURVE_KS = (1, 2, 3, 4, 6, 8, 10, 12, 16, 24, 32)
 
 PRESETS: dict[str, dict[str, Any]] = {
     "smoke": dict(lengths="60,120", lrs="3e-3,6e-3", seeds="0,1", corpus_bytes=600_000, eval_docs=8),
@@ -64,6 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--corpus-bytes", type=int, help="bytes of standard-library source")
     p.add_argument("--eval-docs", type=int, help="held-out documents in the report split (as many again for selection)")
     p.add_argument("--parallel", type=int, default=2, help="runs trained at once (1 thread each)")
+    p.add_argument("--new-curves", action="store_true", help="evaluate the selection curves again (else curves.json is reused)")
     p.add_argument("--scratch", help="work folder (default: TMPDIR/hf-pma-window-choice-PRESET); finished runs are reused")
     p.add_argument("--output-dir", help="results (default: benchmarks/results/window_choice, smoke: .../smoke)")
     args = p.parse_args(argv)
@@ -145,7 +148,7 @@ def curves(args: argparse.Namespace, selection: Path) -> dict[str, Any]:
                 sources = resolve_sources([run])
                 choice = select_auto(sources)[1]
                 evaluator = SweepEvaluator(sources[-1].path, texts, block_size=128, tokenizer=args.scratch / "data" / "tokenizer")
-                ks = sorted({k for k in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40, choice.count, FIXED_N) if k <= len(sources)})
+                ks = sorted({k for k in (*CURVE_KS, choice.count, FIXED_N) if k <= len(sources)})
                 losses = {k: evaluator.evaluate_merge(sources[-k:], weights=[1 / k] * k)["lm"]["loss"] for k in ks}
                 annealed = evaluator.evaluate_merge([run / "annealed"], weights=[1.0])["lm"]["loss"]
                 out[name] = {
@@ -155,6 +158,15 @@ def curves(args: argparse.Namespace, selection: Path) -> dict[str, Any]:
                 }
                 print(f"  {name}: auto {choice.count}, best k {out[name]['best_k']}", flush=True)
     return out
+
+
+def refresh_auto(args: argparse.Namespace, curve: dict[str, Any]) -> None:
+    """Each curve's automatic window as the rule chooses it now (curves are kept across rule changes)."""
+    from hf_pma.merging.sources import resolve_sources
+    from hf_pma.merging.windows import select_auto
+
+    for name, c in curve.items():
+        c["auto"] = select_auto(resolve_sources([args.scratch / "runs" / name]))[1].to_dict()
 
 
 def compare(args: argparse.Namespace, steps: int, window: str, report: Path) -> dict[str, Any]:
@@ -295,7 +307,8 @@ def tables(args, summary, curve, timings, times, loads) -> str:  # noqa: ANN001
         eight = c["losses"].get(str(FIXED_N))
         lines.append(
             f"| {name} | {c['snapshots']} | {c['auto']['count']} | {c['best_k']} | "
-            f"{auto - best:+.4f} | {'-' if eight is None else f'{eight - best:+.4f}'} | {c['auto']['reason']} |"
+            f"{'-' if auto is None else f'{auto - best:+.4f}'} | {'-' if eight is None else f'{eight - best:+.4f}'} | "
+            f"{c['auto']['reason']} |"
         )
     lines += ["", "![curves](window_choice.png)", "", "## Runs", "", "| run | seconds |", "|---|---:|"]
     lines += [f"| {t['name']} | {t['seconds'] if t['seconds'] is not None else 'reused'} |" for t in timings]
@@ -308,8 +321,13 @@ def main(argv: list[str] | None = None) -> int:
     load_start, t0 = sp.load_average(), time.time()
     timings, data = train_all(args)
     t1 = time.time()
-    curve = curves(args, selection_file(args, data[0].parent))
-    (args.output_dir / "curves.json").write_text(json.dumps(curve, indent=1))
+    saved = args.output_dir / "curves.json"
+    curve = json.loads(saved.read_text()) if saved.is_file() and not args.new_curves else {}
+    wanted = {run_name(n, lr, seed) for n in args.lengths for lr in args.lrs for seed in args.seeds}
+    if not wanted <= set(curve):
+        curve = curves(args, selection_file(args, data[0].parent))
+    refresh_auto(args, curve)
+    saved.write_text(json.dumps(curve, indent=1))
     plot(curve, args.output_dir / "window_choice.png")
     t2 = time.time()
     reports = {(steps, w): compare(args, steps, w, data[1]) for steps in args.lengths for w in ("auto", str(FIXED_N))}
