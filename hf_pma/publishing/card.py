@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 
 from transformers.utils import logging
 
-from hf_pma import __version__
 from hf_pma.core.manifest import CARD_NAME, PLOT_NAME, PMA_SUBDIR
 from hf_pma.publishing.records import FolderRecords, label_rank, load_records, sanitize_text
 from hf_pma.utils.formatting import format_metric, format_number, metric_label
@@ -39,6 +38,7 @@ from hf_pma.utils.fs import atomic_write_text, check_output_file, hold_claim
 from hf_pma.utils.names import is_hub_id
 from hf_pma.utils.parsing import is_number
 from hf_pma.utils.text import escape, markdown_text
+from hf_pma.utils.version import __version__
 
 if TYPE_CHECKING:
     from huggingface_hub import EvalResult, ModelCard

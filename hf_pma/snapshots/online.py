@@ -39,11 +39,11 @@ from typing import Any
 
 import torch
 
-from hf_pma import __version__
 from hf_pma.core.manifest import SnapshotRecord
 from hf_pma.core.strategies import DECAY_SHAPES
 from hf_pma.utils.parsing import check_int, is_number
 from hf_pma.utils.text import escape, shown
+from hf_pma.utils.version import __version__
 
 __all__ = ["ONLINE_DEVICES", "ONLINE_KINDS", "OnlineAverage", "effective_weights"]
 

@@ -39,7 +39,6 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from hf_pma import __version__
 from hf_pma.core.manifest import PMA_SUBDIR, SnapshotRecord, snapshot_dirname
 from hf_pma.core.schedule import RunPlan, SnapshotSchedule, StepTick, plan_run, positive_int_or_none
 from hf_pma.snapshots import planning
@@ -56,6 +55,7 @@ from hf_pma.utils.fs import FolderClaim
 from hf_pma.utils.logs import notice
 from hf_pma.utils.parsing import check_int, is_number, parameter_error, parse_dtype, parse_size
 from hf_pma.utils.text import escape, shown
+from hf_pma.utils.version import __version__
 
 logger = logging.get_logger(__name__)
 
