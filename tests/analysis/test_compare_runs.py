@@ -128,7 +128,7 @@ def test_fit_recovers_a_known_power_law():
     assert fit["alpha"] == pytest.approx(0.3, rel=1e-4)
     assert fit["points"] == 6 and fit["rmse"] < 1e-6
     # Too few distinct x, or a value that is not finite: one line, no exception.
-    assert "3 distinct x values, got 2" in fit_power_law([1.0, 1.0, 2.0], [3.0, 3.0, 2.0])["error"]
+    assert "(A and alpha: 3 distinct x values), got 2" in fit_power_law([1.0, 1.0, 2.0], [3.0, 3.0, 2.0])["error"]
     assert "not all finite" in fit_power_law([1.0, 2.0, 3.0], [1.0, math.nan, 2.0])["error"]
 
 
@@ -204,7 +204,7 @@ def test_compare_three_runs(three_runs, compared):
     # Run c's merge reaches back over weights far from its last: worse, explained, with a smaller window tried.
     worse = by["c"]["merge_worse"]
     assert by["a"]["merge_worse"] is None and worse is not None
-    assert "reaches back 5,000 tokens, 100% of the run's 5,000" in worse["explanation"]
+    assert "reaches back 5,000 tokens, 100% of the 5,000 tokens at which the runs are matched" in worse["explanation"]
     assert "training loss was 4.000 at its oldest snapshot" in worse["explanation"]
     assert [t["label"] for t in worse["smaller_windows"]] == ["sma N=2 k=1"]
     assert worse["pick"]["label"] in ("last snapshot", "sma N=2 k=1")
