@@ -139,10 +139,13 @@ def mean_absolute_error(predicted: Sequence[float], target: Sequence[float]) -> 
     return statistics.fmean(abs(p - t) for p, t in zip(predicted, target)) if predicted else None
 
 
-def _fit_flags(searched: Mapping[str, float], bounds: Mapping[str, tuple[float, float]]) -> list[str]:
-    """A parameter on a bound of the search: the least-squares optimum lies beyond what was
-    searched, so the law does not describe the points (one line each)."""
+def _fit_flags(searched: Mapping[str, float], bounds: Mapping[str, tuple[float, float]], r_squared: float) -> list[str]:
+    """A parameter on a bound of the search (the least-squares optimum lies beyond what was
+    searched, so the law does not describe the points), or a curve that explains less than half
+    the spread of the points (one line each)."""
     flags = []
+    if r_squared < 0.5:
+        flags.append(f"the law explains only {max(r_squared, 0.0):.0%} of the spread of the points")
     for name, value in searched.items():
         low, high = bounds[name]
         for bound, side in ((low, "lower"), (high, "upper")):
@@ -159,8 +162,9 @@ def fit_power_law(x: Sequence[float], y: Sequence[float]) -> dict[str, Any]:
     through every point by construction and tests nothing): from 4 distinct x, ``E``, ``A`` and
     ``alpha``; with 3, the pure power law ``A * x**(-alpha)`` (``E`` fixed at 0, ``"fixed":
     ["E"]``); with fewer, none. Returns ``{"E", "A", "alpha", "points", "distinct_x",
-    "parameters", "fixed", "degrees_of_freedom", "rmse", "flags"}``: ``flags`` has one line per
-    parameter sitting on a bound of the search. ``{"error": one line, "points"}`` when the points do not allow a fit (too few
+    "parameters", "fixed", "degrees_of_freedom", "rmse", "r_squared", "flags"}``: ``flags`` has
+    one line per parameter sitting on a bound of the search, and one when the curve explains less
+    than half the spread of the points (``r_squared < 0.5``). ``{"error": one line, "points"}`` when the points do not allow a fit (too few
     distinct x, not finite, or no convergence)."""
     import numpy as np
 
@@ -207,6 +211,8 @@ def fit_power_law(x: Sequence[float], y: Sequence[float]) -> dict[str, Any]:
     e, a_u, alpha = (float(v) for v in found) if free_e else (0.0, *(float(v) for v in found))
     a = a_u * x0**alpha
     rmse = float(np.sqrt(np.mean((law(u, e, a_u, alpha) - ys) ** 2)))
+    spread = float(np.mean((ys - ys.mean()) ** 2))
+    r_squared = 1.0 - rmse**2 / spread if spread > 0 else 1.0
     fitted = {"E": e, "A": a, "alpha": alpha} if free_e else {"A": a, "alpha": alpha}
     return {
         "E": e,
@@ -217,8 +223,9 @@ def fit_power_law(x: Sequence[float], y: Sequence[float]) -> dict[str, Any]:
         "parameters": len(fitted),
         "fixed": [] if free_e else ["E"],
         "rmse": rmse,
+        "r_squared": r_squared,
         "degrees_of_freedom": distinct - len(fitted),
-        "flags": _fit_flags({**fitted, "A": a_u}, bounds),
+        "flags": _fit_flags({**fitted, "A": a_u}, bounds, r_squared),
     }
 
 

@@ -412,6 +412,7 @@ class PMATrainer(Trainer):
             "lr_scheduler_type": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
             "lr_scheduler_kwargs": json.loads(json.dumps(args.lr_scheduler_kwargs or {}, default=str)),
             "learning_rate": args.learning_rate,
+            "seed": args.seed,  # what hf-pma compare --group seed groups by
             "warmup_steps": args.warmup_steps,
             "hardware": f"{args.world_size} x {device}",
             "world_size": args.world_size,

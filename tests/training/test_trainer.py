@@ -54,6 +54,7 @@ def test_merged_eval_sits_beside_live_eval_and_equals_independent_evaluation(set
     assert (merged / "tokenizer.json").is_file() and (merged / "README.md").is_file()
     training = json.loads((merged / "pma_training.json").read_text())
     assert training["pma_evals"] and training["total_tokens"] == trainer.state.num_input_tokens_seen
+    assert training["seed"] == trainer.args.seed and training["learning_rate"] == trainer.args.learning_rate
 
     # Evaluate the merged folder with a plain Trainer: the same loss as eval_pma_loss.
     _model, tokenizer, _train, evaluation, collator = setup
