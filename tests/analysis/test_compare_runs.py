@@ -405,24 +405,29 @@ def test_compare_tau_has_the_bootstrap_interval_of_its_runs_documents(grouped):
     _, report = grouped
     by = {e["name"]: e for e in report["runs"]}
     group = next(g for g in report["groups"] if g["label"] == "seed=2")
-    names = group["agreement"]["runs"]
-    assert names == ["c", "d", "twin"]
-    for kind in ("merge", "last"):
-        kendall = group["agreement"][kind]["kendall"]
-        pred, ann = [by[n][kind]["value"] for n in names], [by[n]["annealed"]["value"] for n in names]
-        assert kendall["tau"] == pytest.approx(kendalltau(pred, ann, variant="b").statistic)
-        # The interval is the bootstrap of exactly these runs' per-document losses, with the seed given.
-        expected = bootstrap_kendall_tau(
-            [(by[n][kind]["per_text"]["nll"], by[n][kind]["per_text"]["tokens"]) for n in names],
-            [(by[n]["annealed"]["per_text"]["nll"], by[n]["annealed"]["per_text"]["tokens"]) for n in names],
-            resamples=200,
-            seed=5,
-        )
-        assert kendall["interval"] == expected and expected["documents"] == 4 and expected["defined"] > 100
-        assert expected["low"] <= expected["high"]
-        # The per-document losses give back the value compared (loss per token over all documents).
-        per_text = by[names[0]][kind]["per_text"]
-        assert sum(per_text["nll"]) / sum(per_text["tokens"]) == pytest.approx(by[names[0]][kind]["value"])
+    assert group["agreement"]["runs"] == ["c", "d", "twin"]
+    assert report["agreement"]["runs"] == ["a", "b", "c", "d", "twin"]
+    for agreement in (group["agreement"], report["agreement"]):
+        names = agreement["runs"]
+        for kind in ("merge", "last"):
+            kendall = agreement[kind]["kendall"]
+            pred, ann = [by[n][kind]["value"] for n in names], [by[n]["annealed"]["value"] for n in names]
+            assert kendall["tau"] == pytest.approx(kendalltau(pred, ann, variant="b").statistic)
+            # The interval is the bootstrap of exactly these runs' per-document losses, with the seed given.
+            expected = bootstrap_kendall_tau(
+                [(by[n][kind]["per_text"]["nll"], by[n][kind]["per_text"]["tokens"]) for n in names],
+                [(by[n]["annealed"]["per_text"]["nll"], by[n]["annealed"]["per_text"]["tokens"]) for n in names],
+                resamples=200,
+                seed=5,
+            )
+            assert kendall["interval"] == expected and expected["documents"] == 4 and expected["defined"] > 100
+            assert expected["low"] <= expected["high"]
+            # The per-document losses give back the value compared (loss per token over all documents).
+            per_text = by[names[0]][kind]["per_text"]
+            assert sum(per_text["nll"]) / sum(per_text["tokens"]) == pytest.approx(by[names[0]][kind]["value"])
+    # Over all five runs merge and last have intervals of their own (so the check above tells them apart).
+    intervals = [report["agreement"][k]["kendall"]["interval"] for k in ("merge", "last")]
+    assert (intervals[0]["low"], intervals[0]["high"]) != (intervals[1]["low"], intervals[1]["high"])
     assert report["bootstrap"] == {"resamples": 200, "seed": 5}
 
 
