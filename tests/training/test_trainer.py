@@ -209,7 +209,7 @@ def test_a_run_that_keeps_diverging_stops_with_a_clear_error(setup, tmp_path):
         ({"pma_online": "online_x"}, r"^pma_online must be one of .* got 'online_x'$"),
         ({"pma_online": "sma", "pma_online_half_life_tokens": 100}, "^pma_online_half_life_tokens is for pma_online='ema'"),
         ({"pma_online": "1-sqrt-decay"}, "give pma_online_window_tokens$"),
-        ({"pma_online_window_tokens": 100}, "^pma_online_half_life_tokens and pma_online_window_tokens need pma_online$"),
+        ({"pma_online_window_tokens": 100}, "^pma_online_half_life_tokens, pma_online_half_life_fraction and pma_online_window_tokens need pma_online$"),
         ({"pma_online": "sma", "pma_online_device": "cuda"}, "^pma_online_device must be one of"),
         ({"pma_online": "sma", "pma_keep_last": 20}, "^pma_keep_last has no effect with pma_online"),
         ({"pma_online": "sma", "pma_spike_recovery": True}, "^pma_spike_recovery restores a merge of the snapshots"),
