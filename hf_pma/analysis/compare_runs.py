@@ -9,11 +9,14 @@ For a learning-rate sweep or a scaling ladder, every run is evaluated at the sam
   (:class:`hf_pma.analysis.sweep.SweepEvaluator`: nothing is written);
 * **annealed**: the run's annealed fork (``RUN/annealed/``) when it ends at ``T``.
 
-The report ranks the runs by each, gives the rank agreement of merge and of last with annealed
-(Kendall's tau, :func:`scipy.stats.kendalltau`) and their mean absolute error against the
-annealed value, optionally fits ``L(x) = E + A * x**(-alpha)`` across runs
-(:func:`scipy.optimize.curve_fit`) for each kind of model, and explains every merge that is worse
-than its last snapshot (with the window a small sweep picks instead).
+The report ranks the runs by each (tied values share a rank), gives the rank agreement of merge
+and of last with annealed (Kendall's tau-b with its caveat over few runs and a bootstrap
+interval over the held-out documents: :mod:`hf_pma.analysis.rank_stats`) and their mean absolute
+error against the annealed value, all within the groups of runs that share recorded settings
+(``group``: :mod:`hf_pma.analysis.run_settings`) and across all runs; optionally fits
+``L(x) = E + A * x**(-alpha)`` across runs (:func:`scipy.optimize.curve_fit`; fewer parameters
+with few distinct x, flagged on a bound) for each kind of model, and explains every merge that is
+worse than its last snapshot (with the window a small sweep picks instead).
 
 :func:`plan_comparison` reads the runs and checks everything that can be checked (one line per
 problem, before any model is loaded); :func:`compare_runs` evaluates; :func:`compare_table`,
