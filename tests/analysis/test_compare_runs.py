@@ -438,3 +438,33 @@ def test_compare_fit_over_four_distinct_x_fits_three_parameters(grouped):
         assert fit["distinct_x"] == 5 and fit["parameters"] == 3 and fit["fixed"] == []
         for flag in fit["flags"]:  # each flag printed under its fit
             assert f"FLAG: {flag}" in result.stdout
+
+
+def test_recorded_settings_come_from_the_training_record_then_the_model_config(tmp_path):
+    """What --group reads: the training record's scalars win over the model config's; a record
+    that is not an object, or one reached through a link out of the run, is one line naming it."""
+    from hf_pma.analysis.run_settings import group_runs, recorded_settings
+    from hf_pma.merging.sources import resolve_sources
+
+    run, _ = write_run(tmp_path / "run", 2, noise_deviation(0.05))
+    last = resolve_sources([run])[-1]
+    settings = recorded_settings(run, last)
+    assert settings["model_type"] and settings["hidden_size"] > 0 and "seed" not in settings
+    _record_settings(run, seed=7, hidden_size=-1, log=[1, 2])
+    settings = recorded_settings(run, last)
+    assert settings["seed"] == 7 and settings["hidden_size"] == -1 and "log" not in settings  # scalars only
+    groups = group_runs({"a": {"seed": 1, "lr": 0.1}, "b": {"seed": 2, "lr": 0.1}, "c": {"seed": 1, "lr": 0.2}}, ["seed"])
+    assert [(g["label"], g["runs"]) for g in groups] == [("seed=1", ["a", "c"]), ("seed=2", ["b"])]
+    with pytest.raises(ValueError, match="^group 'lr': run b records no 'lr'"):
+        group_runs({"a": {"lr": 0.1}, "b": {}}, ["lr"])
+    record = run / "pma" / "merged" / "pma_training.json"
+    record.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="pma_training.json: expected a JSON object"):
+        recorded_settings(run, last)
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text(json.dumps({"seed": 3}))
+    record.unlink()
+    record.symlink_to(outside)
+    with pytest.raises(ValueError) as err:
+        recorded_settings(run, last)
+    assert "pma_training.json" in str(err.value) and "\n" not in str(err.value)
