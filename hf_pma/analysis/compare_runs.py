@@ -613,8 +613,9 @@ def compare_runs(
     from hf_pma.evaluation.options import EvalOptions
 
     options = EvalOptions.build(options, **option_fields)
-    if not (isinstance(bootstrap, int) and not isinstance(bootstrap, bool) and bootstrap >= 0):
-        raise parameter_error("bootstrap", f"must be a count of resamples (0: none), got {shown(bootstrap)}")
+    for name, value in (("bootstrap", bootstrap), ("bootstrap_seed", bootstrap_seed)):
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            raise parameter_error(name, f"must be a non-negative integer, got {shown(value)}")
     if metric is not None:
         parse_metric(metric)
     entries: list[dict[str, Any]] = []

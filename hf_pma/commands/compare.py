@@ -115,8 +115,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("nothing to evaluate: give --eval-file and/or --tasks")
     if args.metric:
         parse_metric(args.metric)
-    if args.bootstrap < 0:
-        raise ValueError(f"--bootstrap must be a count of resamples (0: none), got {args.bootstrap}")
+    for flag, value in (("--bootstrap", args.bootstrap), ("--bootstrap-seed", args.bootstrap_seed)):
+        if value < 0:  # one line here, not argparse's usage and line
+            raise ValueError(f"{flag} must be a non-negative integer, got {value}")
     if args.x and not args.fit:
         raise ValueError("--x gives the x of each run for --fit: give --fit too")
     x_values = parse_x_values(args.x) if args.x else None

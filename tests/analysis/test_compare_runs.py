@@ -262,7 +262,8 @@ def odd_runs(three_runs, tiny_tokenizer):
         ("last too long", "--last 7: run a has only 5 snapshot(s)"),
         ("run twice", "is given twice"),
         ("group key not recorded", "--group 'seed': run a records no 'seed' (in its pma/merged/pma_training.json"),
-        ("bad bootstrap", "--bootstrap must be a count of resamples (0: none), got -1"),
+        ("bad bootstrap", "--bootstrap must be a non-negative integer, got -1"),
+        ("bad bootstrap seed", "--bootstrap-seed must be a non-negative integer, got -3"),
     ],
 )
 def test_bad_input_is_one_line_before_any_evaluation(three_runs, odd_runs, case, message):
@@ -282,6 +283,7 @@ def test_bad_input_is_one_line_before_any_evaluation(three_runs, odd_runs, case,
         "run twice": [a, a],
         "group key not recorded": [a, b, "--group", "seed"],
         "bad bootstrap": [a, b, "--bootstrap", "-1"],
+        "bad bootstrap seed": [a, b, "--bootstrap-seed", "-3"],
     }[case]
     if "--no-eval" in args:
         args = args[:2]
