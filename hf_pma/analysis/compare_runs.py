@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hf_pma.analysis.comparison import read_anneal_record
+from hf_pma.analysis.comparison import per_text, read_anneal_record
 from hf_pma.analysis.rank_stats import (
     BOOTSTRAP_RESAMPLES,
     bootstrap_kendall_tau,
@@ -673,7 +673,7 @@ def compare_runs(
             }
         for kind, label in zip(KINDS, (LAST_LABEL, MERGE_LABEL, ANNEALED_LABEL)):
             if entry[kind] is not None:  # each document's NLL and tokens: what the bootstrap resamples
-                entry[kind]["per_text"] = _per_text(lm.get(label))
+                entry[kind]["per_text"] = _document_nll(lm.get(label), label)
         entry["comparison"] = None
         if all(details is not None for details in lm.values()):  # held-out text: the paired comparison
             record = paired_comparison(lm, LAST_LABEL, MERGE_LABEL, ANNEALED_LABEL, tokens=at_tokens)
@@ -750,12 +750,13 @@ def _sweep_pick(
     }
 
 
-def _per_text(details: Mapping[str, Any] | None) -> dict[str, list[float]] | None:
-    """The per-document ``nll`` and ``tokens`` of one model's held-out LM details (``None`` without)."""
-    per_text = (details or {}).get("per_text")
-    if not isinstance(per_text, Mapping):
+def _document_nll(details: Mapping[str, Any] | None, label: str) -> dict[str, list[Any]] | None:
+    """Each document's ``nll`` and ``tokens`` of one model's held-out LM details
+    (:func:`hf_pma.analysis.comparison.per_text`), ``None`` without held-out text."""
+    if details is None:
         return None
-    return {"nll": [float(v) for v in per_text["nll"]], "tokens": [int(v) for v in per_text["tokens"]]}
+    nll, tokens = per_text(details, label)
+    return {"nll": nll, "tokens": tokens}
 
 
 def _tau_interval(
