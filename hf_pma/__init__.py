@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.2.0.dev0"  # the top heading of CHANGELOG.md; tests/test_package.py checks it
+from hf_pma.utils.version import __version__
 
 # Exported name -> the module it is defined in (imported on first use).
 _LAZY = {

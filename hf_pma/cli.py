@@ -15,7 +15,7 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-from hf_pma import __version__
+from hf_pma.utils.version import __version__
 
 # Sub-command name -> module under hf_pma.commands.
 COMMANDS = {

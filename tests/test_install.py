@@ -53,6 +53,10 @@ def test_wheel_holds_templates_and_entry_point(installed):
     assert "hf_pma/model_cards/__init__.py" in names
     assert {"hf_pma/publishing/card.py", "hf_pma/publishing/hub.py", "hf_pma/publishing/plot.py", "hf_pma/cli.py"} <= names
     assert "hf-pma = hf_pma.cli:main" in entry_points
+    # The version pyproject.toml reads from hf_pma/utils/version.py (statically: nothing imported).
+    from hf_pma.utils.version import __version__
+
+    assert wheel.name.startswith(f"hf_pma-{__version__}-"), wheel.name
 
 
 def test_installed_copy_imports_and_renders_a_card(installed, tmp_path):
@@ -72,6 +76,9 @@ def test_installed_copy_imports_and_renders_a_card(installed, tmp_path):
     assert script.is_file()
     version = subprocess.run([str(script), "--version"], cwd=tmp_path, env=_env(target), capture_output=True, text=True, timeout=60)
     assert version.returncode == 0 and version.stdout.startswith("hf-pma "), version.stderr
+    from hf_pma.utils.version import __version__
+
+    assert version.stdout.split() == ["hf-pma", __version__]
 
     folder = write_merged_folder(tmp_path)
     card = subprocess.run(

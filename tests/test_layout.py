@@ -72,12 +72,23 @@ def test_subpackages_import_downward_only():
         if layer is None:  # hf_pma/__init__ (lazy exports) and cli.py sit on top
             continue
         for target in _imports(path, modules):
-            if target == "hf_pma":
-                continue  # ``from hf_pma import __version__``
             target_layer = _layer(target)
             if target_layer is None or LAYERS.index(target_layer) > LAYERS.index(layer):
                 upward.append(f"{module} imports {target}")
     assert not upward, "imports that go up the layers:\n" + "\n".join(upward)
+
+
+def test_no_module_below_the_front_door_imports_the_package_root():
+    # ``hf_pma/__init__.py`` names training and publishing (its lazy exports): a subpackage module
+    # importing ``hf_pma`` itself (``from hf_pma import __version__``) would run back up to them.
+    # Only the front door and the command line sit above it.
+    modules = _modules()
+    offenders = [
+        module
+        for module, path in modules.items()
+        if module not in ("hf_pma", "hf_pma.cli") and "hf_pma" in _imports(path, modules)
+    ]
+    assert not offenders, f"modules that import the package root hf_pma: {offenders}"
 
 
 def test_no_import_cycle_between_modules():

@@ -9,11 +9,14 @@ For a learning-rate sweep or a scaling ladder, every run is evaluated at the sam
   (:class:`hf_pma.analysis.sweep.SweepEvaluator`: nothing is written);
 * **annealed**: the run's annealed fork (``RUN/annealed/``) when it ends at ``T``.
 
-The report ranks the runs by each, gives the rank agreement of merge and of last with annealed
-(Kendall's tau, :func:`scipy.stats.kendalltau`) and their mean absolute error against the
-annealed value, optionally fits ``L(x) = E + A * x**(-alpha)`` across runs
-(:func:`scipy.optimize.curve_fit`) for each kind of model, and explains every merge that is worse
-than its last snapshot (with the window a small sweep picks instead).
+The report ranks the runs by each (tied values share a rank), gives the rank agreement of merge
+and of last with annealed (Kendall's tau-b with its caveat over few runs and a bootstrap
+interval over the held-out documents: :mod:`hf_pma.analysis.rank_stats`) and their mean absolute
+error against the annealed value, all within the groups of runs that share recorded settings
+(``group``: :mod:`hf_pma.analysis.run_settings`) and across all runs; optionally fits
+``L(x) = E + A * x**(-alpha)`` across runs (:func:`scipy.optimize.curve_fit`; fewer parameters
+with few distinct x, flagged on a bound) for each kind of model, and explains every merge that is
+worse than its last snapshot (with the window a small sweep picks instead).
 
 :func:`plan_comparison` reads the runs and checks everything that can be checked (one line per
 problem, before any model is loaded); :func:`compare_runs` evaluates; :func:`compare_table`,
@@ -35,7 +38,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hf_pma.analysis.comparison import read_anneal_record
+from hf_pma.analysis.comparison import per_text, read_anneal_record
+from hf_pma.analysis.rank_stats import (
+    BOOTSTRAP_RESAMPLES,
+    bootstrap_kendall_tau,
+    kendall_tau,
+    rank_tiers,
+    shared_ranks,
+)
+from hf_pma.analysis.run_settings import group_runs, parse_group_keys, recorded_settings
 from hf_pma.core.manifest import ANNEALED_DIR
 from hf_pma.core.selection import DEFAULT_WINDOW, check_window, window_by_progress
 from hf_pma.core.strategies import merge_coefficients
@@ -126,21 +137,6 @@ def rank_runs(values: Mapping[str, float | None], higher_is_better: bool = False
     return [name for v, name in sorted(scored, key=lambda p: -p[0] if higher_is_better else p[0])]
 
 
-def kendall_tau(a: Sequence[float], b: Sequence[float]) -> dict[str, Any]:
-    """Kendall's tau-b of two paired sequences (:func:`scipy.stats.kendalltau`): ``{"tau", "p_value",
-    "n"}``; ``tau`` is ``None`` with fewer than 2 pairs or when one side is constant."""
-    from scipy.stats import kendalltau
-
-    n = len(a)
-    if n != len(b):
-        raise ValueError(f"kendall_tau needs paired values, got {n} and {len(b)}")
-    if n < 2:
-        return {"tau": None, "p_value": None, "n": n}
-    result = kendalltau(list(a), list(b))
-    tau, p = float(result.statistic), float(result.pvalue)
-    return {"tau": tau if math.isfinite(tau) else None, "p_value": p if math.isfinite(p) else None, "n": n}
-
-
 def mean_absolute_error(predicted: Sequence[float], target: Sequence[float]) -> float | None:
     """``mean(|predicted - target|)``; ``None`` for no pairs."""
     if len(predicted) != len(target):
@@ -148,11 +144,33 @@ def mean_absolute_error(predicted: Sequence[float], target: Sequence[float]) -> 
     return statistics.fmean(abs(p - t) for p, t in zip(predicted, target)) if predicted else None
 
 
+def _fit_flags(searched: Mapping[str, float], bounds: Mapping[str, tuple[float, float]], r_squared: float) -> list[str]:
+    """A parameter on a bound of the search (the least-squares optimum lies beyond what was
+    searched, so the law does not describe the points), or a curve that explains less than half
+    the spread of the points (one line each)."""
+    flags = []
+    if r_squared < 0.5:
+        flags.append(f"the law explains only {max(r_squared, 0.0):.0%} of the spread of the points")
+    for name, value in searched.items():
+        low, high = bounds[name]
+        for bound, side in ((low, "lower"), (high, "upper")):
+            if math.isfinite(bound) and abs(value - bound) <= 1e-6 * max(1.0, abs(bound)):
+                flags.append(f"{name} sits on its {side} bound {format_number(bound, '.4g')}: the law does not fit the points")
+    return flags
+
+
 def fit_power_law(x: Sequence[float], y: Sequence[float]) -> dict[str, Any]:
     """Fit ``y = E + A * x**(-alpha)`` by least squares (:func:`scipy.optimize.curve_fit`, ``A >= 0``,
-    ``0 < alpha <= 4``, ``E <= min(y)``, and ``E >= 0`` when every y is positive: a loss). Returns ``{"E", "A", "alpha", "points", "rmse"}``, or
-    ``{"error": one line, "points"}`` when the points do not allow a fit (fewer than 3 distinct
-    x, not finite, or no convergence)."""
+    ``0 < alpha <= 4``, ``E <= min(y)``, and ``E >= 0`` when every y is positive: a loss).
+
+    A fit needs more distinct x values than it has parameters (with as many, the curve passes
+    through every point by construction and tests nothing): from 4 distinct x, ``E``, ``A`` and
+    ``alpha``; with 3, the pure power law ``A * x**(-alpha)`` (``E`` fixed at 0, ``"fixed":
+    ["E"]``); with fewer, none. Returns ``{"E", "A", "alpha", "points", "distinct_x",
+    "parameters", "fixed", "degrees_of_freedom", "rmse", "r_squared", "flags"}``: ``flags`` has
+    one line per parameter sitting on a bound of the search, and one when the curve explains less
+    than half the spread of the points (``r_squared < 0.5``). ``{"error": one line, "points"}`` when the points do not allow a fit (too few
+    distinct x, not finite, or no convergence)."""
     import numpy as np
 
     points = len(x)
@@ -161,13 +179,15 @@ def fit_power_law(x: Sequence[float], y: Sequence[float]) -> dict[str, Any]:
         raise ValueError(f"fit_power_law needs paired values, got {len(xs)} and {len(ys)}")
     if not (np.isfinite(xs).all() and np.isfinite(ys).all()) or (xs <= 0).any():
         return {"error": "the values are not all finite, or an x is not positive", "points": points}
-    if len(set(xs.tolist())) < 3:
+    distinct = len(set(xs.tolist()))
+    if distinct < 3:
         return {
-            "error": f"a fit of E, A and alpha needs 3 distinct x values, got {len(set(xs.tolist()))}",
+            "error": f"a fit needs more distinct x values than parameters (A and alpha: 3 distinct x values), got {distinct}",
             "points": points,
         }
     from scipy.optimize import OptimizeWarning, curve_fit
 
+    free_e = distinct >= 4
     x0 = float(xs.min())
     u = xs / x0  # conditioned: A is fitted at x0, then rescaled
 
@@ -177,18 +197,41 @@ def fit_power_law(x: Sequence[float], y: Sequence[float]) -> dict[str, Any]:
     span = float(ys.max() - ys.min()) or 1e-3
     e_max = float(ys.min())
     e_min = 0.0 if e_max > 0 else -np.inf  # a loss is never negative: no E below 0 for positive losses
-    guess = (max(e_max - 0.5 * span, e_min if e_min > -np.inf else e_max - 0.5 * span), 1.5 * span, 0.5)
+    bounds = {"E": (e_min, e_max), "A": (0.0, np.inf), "alpha": (1e-6, 4.0)}
+    guess_e = max(e_max - 0.5 * span, e_min if e_min > -np.inf else e_max - 0.5 * span)
+    if free_e:
+        model, guess = law, (guess_e, 1.5 * span, 0.5)
+        low, high = [bounds[k][0] for k in ("E", "A", "alpha")], [bounds[k][1] for k in ("E", "A", "alpha")]
+    else:  # E = 0: the pure power law, 2 parameters for 3 points
+        model, guess = (lambda u, a, alpha: law(u, 0.0, a, alpha)), (float(ys.max()) or 1.0, 0.5)
+        low, high = [bounds[k][0] for k in ("A", "alpha")], [bounds[k][1] for k in ("A", "alpha")]
+        if not (ys > 0).all():
+            return {"error": "3 distinct x fit only A * x^(-alpha), which needs positive values", "points": points}
     try:
-        with warnings.catch_warnings():  # 3 runs, 3 parameters: no covariance, as expected
+        with warnings.catch_warnings():  # few points: no covariance, as expected
             warnings.simplefilter("ignore", OptimizeWarning)
-            (e, a_u, alpha), _ = curve_fit(
-                law, u, ys, p0=guess, bounds=([e_min, 0.0, 1e-6], [e_max, np.inf, 4.0]), maxfev=20000
-            )
+            found, _ = curve_fit(model, u, ys, p0=guess, bounds=(low, high), maxfev=20000)
     except (RuntimeError, ValueError) as err:  # no convergence, or a degenerate problem
         return {"error": f"the fit did not converge: {str(err).splitlines()[0]}", "points": points}
-    a = float(a_u) * x0 ** float(alpha)
+    e, a_u, alpha = (float(v) for v in found) if free_e else (0.0, *(float(v) for v in found))
+    a = a_u * x0**alpha
     rmse = float(np.sqrt(np.mean((law(u, e, a_u, alpha) - ys) ** 2)))
-    return {"E": float(e), "A": a, "alpha": float(alpha), "points": points, "rmse": rmse}
+    spread = float(np.mean((ys - ys.mean()) ** 2))
+    r_squared = 1.0 - rmse**2 / spread if spread > 0 else 1.0
+    fitted = {"E": e, "A": a, "alpha": alpha} if free_e else {"A": a, "alpha": alpha}
+    return {
+        "E": e,
+        "A": a,
+        "alpha": alpha,
+        "points": points,
+        "distinct_x": distinct,
+        "parameters": len(fitted),
+        "fixed": [] if free_e else ["E"],
+        "rmse": rmse,
+        "r_squared": r_squared,
+        "degrees_of_freedom": distinct - len(fitted),
+        "flags": _fit_flags({**fitted, "A": a_u}, bounds, r_squared),
+    }
 
 
 def parse_x_values(text: str) -> dict[str, float]:
@@ -228,6 +271,7 @@ class RunPlan:
     annealed_note: str | None = None
     params: int | None = None
     x: float | None = None
+    group: dict[str, Any] | None = None  # with ``group``: {"label": "seed=1", "values": {"seed": 1}}
     # The automatic window's choice (``None`` when the window was given or recorded).
     window_choice: WindowChoice | None = None
 
@@ -382,16 +426,20 @@ def plan_comparison(
     tokenizer: str | os.PathLike[str] | None = None,
     fit: str | None = None,
     x_values: Mapping[str, float] | None = None,
+    group: str | Sequence[str] | None = None,
 ) -> tuple[int, list[RunPlan]]:
     """Read the runs and plan the comparison: ``(matched tokens, one plan per run)``.
 
     ``last`` / ``window_tokens`` choose every run's merge; else each run's own window
     (``recorded_windows``: per run ``(N, T, where)``, as ``hf-pma inspect`` reads it from the
     run's records), else N = :data:`DEFAULT_WINDOW`. ``fit`` (one of :data:`FIT_AXES`) sets each
-    plan's ``x`` (``x_values``, by run name or path, override it). Every problem is one-line
+    plan's ``x`` (``x_values``, by run name or path, override it). ``group`` (``"seed"``, or
+    ``"seed,max_steps"``): runs are ranked within the groups of equal recorded values of these
+    keys (:mod:`hf_pma.analysis.run_settings`), set as each plan's ``group``. Every problem is one-line
     ``ValueError`` / ``FileNotFoundError`` raised here, before any model is loaded: fewer than
     two runs, a run given twice or without snapshots, no common tokens, different tokenizers,
-    an annealed model of another architecture, a fit without 3 distinct x values.
+    an annealed model of another architecture, a fit without 3 distinct x values, a run that
+    records no value of a ``group`` key.
     """
     if len(runs) < 2:
         raise ValueError(f"compare needs at least two runs, got {len(runs)}: for one run use hf-pma sweep")
@@ -406,6 +454,7 @@ def plan_comparison(
         raise ValueError("hf-pma compare needs scipy: pip install 'hf-pma[eval]'") from None
     last = check_window_count(last, "last", allow_none=True)
     check_window(window_tokens=window_tokens, last=None if is_auto(last) else last)
+    group_keys = parse_group_keys(group)
     if fit is not None and fit not in FIT_AXES:
         raise parameter_error("fit", f"{shown(fit)}: choose one of {', '.join(FIT_AXES)}")
     names = _run_names(runs)
@@ -446,6 +495,12 @@ def plan_comparison(
                 f"runs {escape(first)} and {escape(second)} have different tokenizers: their losses are not comparable "
                 "(compare runs of one tokenizer; bits per byte would be, but the ranking uses the loss)"
             )
+    if group_keys:
+        settings = {plan.name: recorded_settings(plan.path, plan.last) for plan in plans}
+        for found in group_runs(settings, group_keys):
+            for plan in plans:
+                if plan.name in found["runs"]:
+                    plan.group = {"label": found["label"], "values": found["values"]}
     if fit is not None:
         x_values = dict(x_values or {})
         for plan, run in zip(plans, runs):
@@ -499,7 +554,7 @@ def _why_worse(plan: RunPlan, at_tokens: int) -> str:
     share = span / at_tokens if at_tokens else 0.0
     text = (
         f"the merge of the last {len(merged)} snapshots ({plan.window_origin}) reaches back {span:,} tokens, "
-        f"{share:.0%} of the run's {at_tokens:,}"
+        f"{share:.0%} of the {at_tokens:,} tokens at which the runs are matched"
     )
     first, newest = merged[0].record.get("loss"), merged[-1].record.get("loss")
     if is_number(first) and is_number(newest) and first > newest:
@@ -546,6 +601,8 @@ def compare_runs(
     fit: str | None = None,
     eval_dataset: str | None = None,
     progress: bool = False,
+    bootstrap: int = BOOTSTRAP_RESAMPLES,
+    bootstrap_seed: int = 0,
     **option_fields: Any,
 ) -> dict[str, Any]:
     """Evaluate every planned run's last snapshot, merge and annealed model on the same texts
@@ -555,14 +612,21 @@ def compare_runs(
     ``metric`` (``task/name``; default ``lm/loss`` with texts, else the first task's accuracy)
     ranks the runs. A merge worse than its last snapshot is explained, and its smaller windows
     (N/2, N/4, ... 2) are evaluated too: the best of them, or the last snapshot, is the window
-    ``hf-pma sweep`` would pick among those. Returns the JSON-ready report (see
-    :func:`compare_table`). Under several processes the evaluations run on the main process.
+    ``hf-pma sweep`` would pick among those. Runs are ranked, and their rankings compared with
+    annealed, within each group of the plans (all together without groups); with held-out text
+    and ``lm/loss``, tau gets a percentile interval from ``bootstrap`` resamples of the documents
+    (seeded by ``bootstrap_seed``; 0: none, :func:`hf_pma.analysis.rank_stats.bootstrap_kendall_tau`).
+    Returns the JSON-ready report (see :func:`compare_table`). Under several processes the
+    evaluations run on the main process.
     """
     from hf_pma.analysis.comparison import paired_comparison
     from hf_pma.analysis.sweep import SweepEvaluator, _default_metric, lower_is_better, parse_metric
     from hf_pma.evaluation.options import EvalOptions
 
     options = EvalOptions.build(options, **option_fields)
+    for name, value in (("bootstrap", bootstrap), ("bootstrap_seed", bootstrap_seed)):
+        if not (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+            raise parameter_error(name, f"must be a non-negative integer, got {shown(value)}")
     if metric is not None:
         parse_metric(metric)
     entries: list[dict[str, Any]] = []
@@ -586,6 +650,7 @@ def compare_runs(
             "path": str(plan.path),
             "params": plan.params,
             "x": plan.x,
+            "group": plan.group,
             "last": {
                 "snapshot": plan.last.name,
                 "tokens": plan.last.tokens,
@@ -618,6 +683,9 @@ def compare_runs(
                 "value": _metric_value(results, metric),
                 "paired": None,
             }
+        for kind, label in zip(KINDS, (LAST_LABEL, MERGE_LABEL, ANNEALED_LABEL)):
+            if entry[kind] is not None:  # each document's NLL and tokens: what the bootstrap resamples
+                entry[kind]["per_text"] = _document_nll(lm.get(label), label)
         entry["comparison"] = None
         if all(details is not None for details in lm.values()):  # held-out text: the paired comparison
             record = paired_comparison(lm, LAST_LABEL, MERGE_LABEL, ANNEALED_LABEL, tokens=at_tokens)
@@ -637,7 +705,7 @@ def compare_runs(
         entries.append(entry)
         del evaluator, evaluate
         gc.collect()
-    return _report(at_tokens, entries, metric, higher, fit, eval_dataset, tasks)
+    return _report(at_tokens, entries, metric, higher, fit, eval_dataset, tasks, (bootstrap, bootstrap_seed))
 
 
 def _sweep_pick(
@@ -694,20 +762,77 @@ def _sweep_pick(
     }
 
 
-def _report(at_tokens, entries, metric, higher, fit, eval_dataset, tasks) -> dict[str, Any]:  # noqa: ANN001
+def _document_nll(details: Mapping[str, Any] | None, label: str) -> dict[str, list[Any]] | None:
+    """Each document's ``nll`` and ``tokens`` of one model's held-out LM details
+    (:func:`hf_pma.analysis.comparison.per_text`), ``None`` without held-out text."""
+    if details is None:
+        return None
+    nll, tokens = per_text(details, label)
+    return {"nll": nll, "tokens": tokens}
+
+
+def _tau_interval(
+    with_annealed: Sequence[Mapping[str, Any]], kind: str, metric: str, bootstrap: tuple[int, int]
+) -> dict[str, Any] | None:
+    """The bootstrap interval of tau(kind, annealed) over these runs, or ``{"error": why}``."""
+    resamples, seed = bootstrap
+    if not resamples:
+        return None
+    if metric != "lm/loss":
+        return {"error": f"the interval resamples held-out documents: it needs the metric lm/loss, not {metric}"}
+    texts = [(e[kind].get("per_text"), e["annealed"].get("per_text")) for e in with_annealed]
+    if any(a is None or b is None for a, b in texts):
+        return {"error": "a run has no per-document losses"}
+    try:
+        return bootstrap_kendall_tau(
+            [(a["nll"], a["tokens"]) for a, _ in texts],
+            [(b["nll"], b["tokens"]) for _, b in texts],
+            resamples=resamples,
+            seed=seed,
+        )
+    except ValueError as err:  # not the same documents
+        return {"error": str(err)}
+
+
+def _rank_and_agree(
+    entries: Sequence[Mapping[str, Any]], higher: bool, metric: str, bootstrap: tuple[int, int]
+) -> dict[str, Any]:
+    """The rankings of these runs by each kind (tied values share a rank) and the agreement of
+    merge and last with annealed: tau-b with its caveat and bootstrap interval, and the MAE."""
     values = {kind: {e["name"]: (e[kind] or {}).get("value") for e in entries} for kind in KINDS}
-    rankings = {kind: rank_runs(v, higher) for kind, v in values.items()}
+    out: dict[str, Any] = {
+        "runs": [e["name"] for e in entries],
+        "rankings": {kind: rank_runs(v, higher) for kind, v in values.items()},
+        "tiers": {kind: rank_tiers(v, higher) for kind, v in values.items()},
+        "ranks": {kind: shared_ranks(v, higher) for kind, v in values.items()},
+        "agreement": None,
+    }
     with_annealed = [e for e in entries if e["annealed"] is not None and e["annealed"]["value"] is not None]
-    agreement = None
     if with_annealed:
         ann = [e["annealed"]["value"] for e in with_annealed]
-        agreement = {"runs": [e["name"] for e in with_annealed]}
+        agreement: dict[str, Any] = {"runs": [e["name"] for e in with_annealed]}
         for kind in ("merge", "last"):
             pred = [e[kind]["value"] for e in with_annealed]
             if any(p is None for p in pred):
                 agreement[kind] = None
                 continue
-            agreement[kind] = {"kendall": kendall_tau(pred, ann), "mae": mean_absolute_error(pred, ann)}
+            kendall = kendall_tau(pred, ann)
+            kendall["interval"] = _tau_interval(with_annealed, kind, metric, bootstrap) if kendall["tau"] is not None else None
+            agreement[kind] = {"kendall": kendall, "mae": mean_absolute_error(pred, ann)}
+        out["agreement"] = agreement
+    return out
+
+
+def _report(at_tokens, entries, metric, higher, fit, eval_dataset, tasks, bootstrap) -> dict[str, Any]:  # noqa: ANN001
+    values = {kind: {e["name"]: (e[kind] or {}).get("value") for e in entries} for kind in KINDS}
+    everything = _rank_and_agree(entries, higher, metric, bootstrap)
+    groups = None
+    if any(e.get("group") for e in entries):
+        labels = list(dict.fromkeys(e["group"]["label"] for e in entries))
+        groups = []
+        for label in labels:
+            members = [e for e in entries if e["group"]["label"] == label]
+            groups.append({"label": label, "values": members[0]["group"]["values"], **_rank_and_agree(members, higher, metric, bootstrap)})
     fits = None
     if fit is not None:
         fits = {"x": fit, "law": "L(x) = E + A * x^(-alpha)"}
@@ -729,8 +854,12 @@ def _report(at_tokens, entries, metric, higher, fit, eval_dataset, tasks) -> dic
         "eval_dataset": eval_dataset,
         "tasks": tasks,
         "runs": entries,
-        "rankings": rankings,
-        "agreement": agreement,
+        "rankings": everything["rankings"],
+        "tiers": everything["tiers"],
+        "ranks": everything["ranks"],
+        "agreement": everything["agreement"],
+        "groups": groups,
+        "bootstrap": {"resamples": bootstrap[0], "seed": bootstrap[1]},
         "fit": fits,
     }
 
@@ -751,17 +880,67 @@ def _tau(agreement: Mapping[str, Any] | None, kind: str) -> str:
     found = (agreement or {}).get(kind)
     if not found:
         return "-"
-    tau = found["kendall"]["tau"]
-    return f"Kendall's tau {format_number(tau, '+.2f')}, mean absolute error {format_number(found['mae'], '.4f')}"
+    kendall = found["kendall"]
+    text = f"Kendall's tau {format_number(kendall['tau'], '+.2f')}"
+    interval = kendall.get("interval") or {}
+    if interval.get("low") is not None:
+        share = f"{interval['confidence']:.0%}"
+        text += (
+            f" ({share} bootstrap interval {format_number(interval['low'], '+.2f')} to "
+            f"{format_number(interval['high'], '+.2f')} over {interval['documents']} documents)"
+        )
+    return f"{text}, mean absolute error {format_number(found['mae'], '.4f')}"
+
+
+def _ranking_lines(ranked: Mapping[str, Any], indent: str = "") -> list[str]:
+    """``Ranking by last: a > b = c`` per kind (tied runs joined by ``=``), and the agreement with
+    annealed with tau's caveat over few runs."""
+    lines = []
+    for kind in KINDS:
+        tiers = ranked["tiers"][kind]
+        if tiers:
+            order = " > ".join(" = ".join(escape(n) for n in tier) for tier in tiers)
+            lines.append(f"{indent}Ranking by {kind}: {order}")
+    agreement = ranked.get("agreement")
+    if agreement:
+        runs = len(agreement["runs"])
+        lines.append(
+            f"{indent}Against annealed ({runs} runs): merge {_tau(agreement, 'merge')}; last {_tau(agreement, 'last')}"
+        )
+        found = next((agreement[k]["kendall"] for k in ("merge", "last") if agreement.get(k)), None)
+        if found and found.get("caveat"):
+            lines.append(f"{indent}  Caveat: {found['caveat']}.")
+    else:
+        lines.append(f"{indent}No run has an annealed model at these tokens: no rank agreement to report.")
+    return lines
+
+
+def _fit_line(kind: str, f: Mapping[str, Any]) -> str:
+    if "error" in f:
+        return f"  {kind}: no fit ({escape(f['error'])})"
+    fitted = "A, alpha (E fixed at 0: 3 distinct x are too few for E, A and alpha)" if f.get("fixed") else "E, A, alpha"
+    text = (
+        f"  {kind}: E = {f['E']:.4f}, A = {f['A']:.4g}, alpha = {f['alpha']:.4f} "
+        f"({f['points']} runs, {f.get('distinct_x', f['points'])} distinct x; fitted {fitted}; rmse {f['rmse']:.2g})"
+    )
+    for flag in f.get("flags") or []:
+        text += f"\n    FLAG: {escape(flag)}"
+    return text
 
 
 def compare_table(report: Mapping[str, Any]) -> str:
     """The comparison as text: a markdown table (one row per run: last, merge, the merge's paired
     difference from last with its standard error, annealed, the share of the annealing gain the
-    merge recovers, the rank by each), then the rankings, the agreement with annealed, the fits,
-    and one paragraph per merge worse than its last snapshot. Every name is escaped."""
+    merge recovers, the rank by each: within its group with ``group``, tied values sharing a
+    rank), then the rankings (ties joined by ``=``), the agreement with annealed (tau with its
+    bootstrap interval and caveat), per group with ``group``, the fits with their flags, and one
+    paragraph per merge worse than its last snapshot. Every name is escaped."""
     metric = report["metric"]
-    ranks = {kind: {name: i + 1 for i, name in enumerate(report["rankings"][kind])} for kind in KINDS}
+    groups = report.get("groups") or []
+    ranks = {kind: dict(report["ranks"][kind]) for kind in KINDS}
+    for group in groups:  # the rank that means something: within the run's group
+        for kind in KINDS:
+            ranks[kind].update(group["ranks"][kind])
     header = [
         "run",
         f"last {metric}",
@@ -770,7 +949,7 @@ def compare_table(report: Mapping[str, Any]) -> str:
         "merge - last (paired ± SE)",
         "annealed",
         "gain recovered",
-        "rank last / merge / annealed",
+        "rank last / merge / annealed" + (" (in group)" if groups else ""),
     ]
     rows = []
     for e in report["runs"]:
@@ -790,33 +969,20 @@ def compare_table(report: Mapping[str, Any]) -> str:
         )
     lines = [markdown_table(header, rows, align="lrrlrrrr"), ""]
     direction = "higher" if report["higher_is_better"] else "lower"
-    lines.append(f"At {report['at_tokens']:,} tokens; {metric}: {direction} is better.")
-    for kind in KINDS:
-        if report["rankings"][kind]:
-            lines.append(f"Ranking by {kind}: {' > '.join(escape(n) for n in report['rankings'][kind])}")
-    agreement = report.get("agreement")
-    if agreement:
-        runs = len(agreement["runs"])
-        lines.append(
-            f"Against annealed ({runs} runs): merge {_tau(agreement, 'merge')}; last {_tau(agreement, 'last')}"
-        )
-    else:
-        lines.append("No run has an annealed model at these tokens: no rank agreement to report.")
+    lines.append(f"At {report['at_tokens']:,} tokens; {metric}: {direction} is better; tied values share a rank.")
+    for group in groups:
+        lines.append(f"Group {escape(group['label'])} ({len(group['runs'])} runs):")
+        lines += _ranking_lines(group, indent="  ")
+    if groups:
+        lines.append(f"All {len(report['runs'])} runs together, across groups:")
+    lines += _ranking_lines(report, indent="  " if groups else "")
     for e in report["runs"]:
         if e.get("annealed_note"):
             lines.append(f"{escape(e['name'])}: {escape(e['annealed_note'])}")
     fits = report.get("fit")
     if fits:
         lines.append(f"Fit of {fits['law']} across runs, x = {fits['x']}:")
-        for kind in KINDS:
-            f = fits[kind]
-            if "error" in f:
-                lines.append(f"  {kind}: no fit ({escape(f['error'])})")
-            else:
-                lines.append(
-                    f"  {kind}: E = {f['E']:.4f}, A = {f['A']:.4g}, alpha = {f['alpha']:.4f} "
-                    f"({f['points']} runs, rmse {f['rmse']:.2g})"
-                )
+        lines += [_fit_line(kind, fits[kind]) for kind in KINDS]
     for e in report["runs"]:
         worse = e["merge_worse"]
         if not worse:

@@ -41,6 +41,7 @@ __all__ = [
     "document_losses",
     "paired_comparison",
     "paired_difference",
+    "per_text",
     "read_anneal_record",
     "token_loss",
     "write_comparison",
@@ -67,11 +68,14 @@ class PairedDifference:
         return self.mean / self.stderr if self.stderr else None
 
 
-def _per_text(lm: Mapping[str, Any], label: str) -> tuple[list[float], list[int]]:
-    per_text = lm.get("per_text") if isinstance(lm, Mapping) else None
-    if not isinstance(per_text, Mapping):
+def per_text(lm: Mapping[str, Any], label: str = "model") -> tuple[list[float], list[int]]:
+    """Each held-out document's summed NLL and scored tokens from one model's LM details (their
+    ``per_text``): what the paired comparison pairs and ``hf-pma compare``'s bootstrap resamples.
+    ``ValueError`` naming ``label`` when they are missing or not paired lists."""
+    found = lm.get("per_text") if isinstance(lm, Mapping) else None
+    if not isinstance(found, Mapping):
         raise ValueError(f"{shown(label)}: no per-document results ('per_text') to pair")
-    nll, tokens = per_text.get("nll"), per_text.get("tokens")
+    nll, tokens = found.get("nll"), found.get("tokens")
     if not isinstance(nll, Sequence) or not isinstance(tokens, Sequence) or len(nll) != len(tokens):
         raise ValueError(f"{shown(label)}: 'per_text' needs lists 'nll' and 'tokens' of the same length")
     return [float(x) for x in nll], [int(t) for t in tokens]
@@ -80,13 +84,13 @@ def _per_text(lm: Mapping[str, Any], label: str) -> tuple[list[float], list[int]
 def document_losses(lm: Mapping[str, Any], label: str = "model") -> list[float]:
     """The mean loss per token of each held-out document (``nll / tokens``) of one model's LM
     details (``evaluate_models(...)["lm"][label]``), ``nan`` for a document with no scored token."""
-    nll, tokens = _per_text(lm, label)
+    nll, tokens = per_text(lm, label)
     return [n / t if t else math.nan for n, t in zip(nll, tokens)]
 
 
 def token_loss(lm: Mapping[str, Any], label: str = "model") -> float:
     """The loss per token over all documents together (total NLL / total scored tokens)."""
-    nll, tokens = _per_text(lm, label)
+    nll, tokens = per_text(lm, label)
     total = sum(tokens)
     if not total:
         raise ValueError(f"{shown(label)}: no scored token")

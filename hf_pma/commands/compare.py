@@ -23,9 +23,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "--window-tokens; built in memory, nothing written) and its annealed model (RUN/annealed/, when it "
             "ends there), evaluated on the same held-out text (--eval-file) and tasks (--tasks). Prints and "
             "writes (-o) each run's values with the merge's paired difference from the last snapshot, the "
-            "ranking of the runs by each, the rank agreement with annealed (Kendall's tau) and the mean "
-            "absolute error; --fit fits L(x) = E + A * x^(-alpha) across runs. A merge worse than its last "
-            "snapshot is explained, with the smaller window that does better."
+            "ranking of the runs by each (tied values share a rank; within the groups of --group), the rank "
+            "agreement with annealed (Kendall's tau-b, with a bootstrap interval over the held-out documents) "
+            "and the mean absolute error; --fit fits L(x) = E + A * x^(-alpha) across runs (flagged when a "
+            "parameter sits on a bound). A merge worse than its last snapshot is explained, with the smaller "
+            "window that does better."
         ),
     )
     p.add_argument(
@@ -66,10 +68,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     direction.add_argument("--higher-is-better", dest="higher_is_better", action="store_true", default=None)
     direction.add_argument("--lower-is-better", dest="higher_is_better", action="store_false")
     p.add_argument(
+        "--group",
+        metavar="KEY[,KEY...]",
+        help="rank and compare runs only within groups of equal recorded values of these keys (e.g. seed, or "
+        "seed,max_steps): from each run's training record (pma/merged/pma_training.json: seed, learning_rate, "
+        "max_steps...) or its model's config.json",
+    )
+    p.add_argument(
+        "--bootstrap",
+        type=int,
+        default=1000,
+        metavar="N",
+        help="resamples of the held-out documents for the interval of Kendall's tau (default: 1000; 0: none)",
+    )
+    p.add_argument("--bootstrap-seed", type=int, default=0, metavar="S", help="seed of the resamples (default: 0)")
+    p.add_argument(
         "--fit",
         choices=["params", "tokens", "compute"],
-        help="fit L(x) = E + A * x^(-alpha) across the runs (at least 3) for last, merge and annealed; x from the "
-        "runs: parameters (the snapshots' tensors), tokens, or compute = 6 * params * tokens",
+        help="fit L(x) = E + A * x^(-alpha) across the runs for last, merge and annealed (from 4 distinct x; with 3, "
+        "A * x^(-alpha)); x from the runs: parameters (the snapshots' tensors), tokens, or compute = 6 * params * tokens",
     )
     p.add_argument(
         "--x", metavar="RUN=VALUE,...", help="the x of each run for --fit (by run folder name or path)"
@@ -104,6 +121,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("nothing to evaluate: give --eval-file and/or --tasks")
     if args.metric:
         parse_metric(args.metric)
+    for flag, value in (("--bootstrap", args.bootstrap), ("--bootstrap-seed", args.bootstrap_seed)):
+        if value < 0:  # one line here, not argparse's usage and line
+            raise ValueError(f"{flag} must be a non-negative integer, got {value}")
     if args.x and not args.fit:
         raise ValueError("--x gives the x of each run for --fit: give --fit too")
     x_values = parse_x_values(args.x) if args.x else None
@@ -133,6 +153,7 @@ def run(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
         fit=args.fit,
         x_values=x_values,
+        group=args.group,
     )
     texts = load_heldout(args)
 
@@ -152,6 +173,8 @@ def run(args: argparse.Namespace) -> int:
         fit=args.fit,
         eval_dataset=Path(args.eval_file).name if args.eval_file else None,
         progress=not args.quiet,
+        bootstrap=args.bootstrap,
+        bootstrap_seed=args.bootstrap_seed,
     )
     if is_main_process():  # the evaluations ran on the main process; it alone writes and prints
         if output is not None:

@@ -12,6 +12,12 @@ Strategies (i = 1 is the oldest snapshot, N the newest):
 * ``linear-decay``, ``cosine-decay``, ``1-sqrt-decay``: decay emulation after WSM
   (Tian et al. 2025, arXiv 2507.17634), see :func:`decay_emulation_weights`.
 * explicit weights: any non-negative list, normalized.
+
+A running average (the online average of :mod:`hf_pma.snapshots.online`) is a list of updates
+``M = a_i * M_i + (1 - a_i) * M``; :func:`running_average_weights` turns the ``a_i`` into each
+snapshot's weight, and :func:`ema_half_life_updates` gives the ``a_i`` of an EMA whose half-life is
+a number of tokens or a share of the tokens seen so far (horizon-free, as torchtitan's
+``half_life_fraction``), from the snapshots' token counts alone.
 """
 
 from __future__ import annotations
@@ -32,6 +38,9 @@ __all__ = [
     "merge_coefficients",
     "merge_weights",
     "gradient_weights",
+    "running_average_weights",
+    "ema_half_life_update",
+    "ema_half_life_updates",
 ]
 
 
@@ -64,6 +73,52 @@ def ema_weights(n: int, alpha: float = 0.2) -> list[float]:
     weights = [alpha * (1.0 - alpha) ** (n - i) for i in range(1, n + 1)]
     weights[0] = (1.0 - alpha) ** (n - 1)
     return weights
+
+
+def running_average_weights(update_weights: Sequence[float]) -> list[float]:
+    """The weight of each snapshot in a running average whose i-th update was
+    ``M = a_i * M_i + (1 - a_i) * M`` (``a_1 = 1``): ``w_i = a_i * prod_{k>i} (1 - a_k)``."""
+    out, keep = [], 1.0
+    for a in reversed(list(update_weights)):
+        out.append(a * keep)
+        keep *= 1.0 - a
+    return out[::-1]
+
+
+def ema_half_life_update(
+    previous: int | None,
+    tokens: int,
+    *,
+    half_life_tokens: int | None = None,
+    half_life_fraction: float | None = None,
+) -> float:
+    """``a`` of the EMA update that folds in the snapshot at ``tokens`` after the one at
+    ``previous`` (``None``: the first, ``a = 1``): the old average decays by ``2^(-dt/H)`` over the
+    ``dt = tokens - previous`` tokens between them, so ``a = 1 - 2^(-dt/H)``, with the half-life
+    ``H = half_life_tokens``, or ``H = half_life_fraction * tokens`` (a share of the tokens seen so
+    far: the average reaches back a fixed share of the run, however long it gets). Exactly one of
+    the two is given."""
+    if (half_life_tokens is None) == (half_life_fraction is None):
+        raise ValueError("give one of half_life_tokens and half_life_fraction")
+    if previous is None:
+        return 1.0
+    half_life = half_life_tokens if half_life_tokens is not None else half_life_fraction * max(tokens, 1)
+    return 1.0 - 0.5 ** (max(0, tokens - previous) / half_life)
+
+
+def ema_half_life_updates(
+    tokens: Sequence[int], *, half_life_tokens: int | None = None, half_life_fraction: float | None = None
+) -> list[float]:
+    """``a`` of each update of an EMA over snapshots taken at ``tokens`` (oldest first; see
+    :func:`ema_half_life_update`); :func:`running_average_weights` of them are the snapshots'
+    merge weights, which sum to 1."""
+    out, previous = [], None
+    for t in tokens:
+        out.append(
+            ema_half_life_update(previous, t, half_life_tokens=half_life_tokens, half_life_fraction=half_life_fraction)
+        )
+        previous = t
+    return out
 
 
 # Learning-rate decay shapes f(t) on t in [0, 1], with f(0) = 1 and f(1) = 0.

@@ -30,12 +30,12 @@ from typing import Any
 
 import yaml
 
-from hf_pma import __version__
 from hf_pma.core.outputs import check_overwrite_target
 from hf_pma.evaluation.corpus import document_id, split_documents
 from hf_pma.evaluation.task_options import TASK_KINDS, TaskOptions
 from hf_pma.utils.fs import atomic_write_json, check_output_folder, write_folder_atomically
 from hf_pma.utils.logs import get_logger
+from hf_pma.utils.version import __version__
 
 logger = get_logger(__name__)
 

@@ -29,7 +29,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from hf_pma import __version__
 from hf_pma.core.manifest import MERGE_RECORD_NAME, MODEL_SUPPORT_FILES, TOKENIZER_FILES
 from hf_pma.core.outputs import check_overwrite_target
 from hf_pma.core.selection import check_window, snapshot_intervals
@@ -76,6 +75,7 @@ from hf_pma.utils.fs import (
 from hf_pma.utils.logs import get_logger
 from hf_pma.utils.parsing import parse_dtype, parse_dtype_name, parse_size
 from hf_pma.utils.text import escape, shown
+from hf_pma.utils.version import __version__
 
 if TYPE_CHECKING:
     import torch

@@ -31,7 +31,6 @@ from typing import TYPE_CHECKING, Any
 
 from transformers.utils import logging
 
-from hf_pma import __version__
 from hf_pma.core.manifest import CARD_NAME, PLOT_NAME, PMA_SUBDIR
 from hf_pma.publishing.records import FolderRecords, label_rank, load_records, sanitize_text
 from hf_pma.utils.formatting import format_metric, format_number, metric_label
@@ -39,6 +38,7 @@ from hf_pma.utils.fs import atomic_write_text, check_output_file, hold_claim
 from hf_pma.utils.names import is_hub_id
 from hf_pma.utils.parsing import is_number
 from hf_pma.utils.text import escape, markdown_text
+from hf_pma.utils.version import __version__
 
 if TYPE_CHECKING:
     from huggingface_hub import EvalResult, ModelCard
@@ -122,13 +122,24 @@ def _fence(code: str) -> str:
     return "`" * max(3, longest + 1)
 
 
-def _strategy_text(strategy: str, alpha: Any) -> str:
-    """How the card names the merge's strategy: a known one in words (EMA with its alpha), any
-    other by its name (escaped) with "explicit weights"."""
+def _strategy_text(strategy: str, merge: dict[str, Any]) -> str:
+    """How the card names the merge's strategy: a known one in words (EMA with its alpha, or its
+    half-life in tokens or as a share of the tokens seen), any other by its name (escaped) with
+    "explicit weights"."""
     text = _STRATEGY_TEXT.get(strategy)
     if text is None:
         return f"{_md(strategy)}: explicit weights"
-    return f"{text} {_fmt_float(alpha, 'g')}" if strategy == "ema" else text
+    if strategy != "ema":
+        return text
+    fraction, tokens = merge.get("half_life_fraction"), merge.get("half_life_tokens")
+    if is_number(fraction, finite=True):
+        return (
+            f"EMA: exponential moving average whose half-life is {_fmt_float(fraction, '.3g')} of the tokens seen "
+            "at each snapshot (horizon-free)"
+        )
+    if is_number(tokens, finite=True):
+        return f"EMA: exponential moving average with a half-life of {_fmt_int(tokens)} tokens"
+    return f"{text} {_fmt_float(merge.get('alpha'), 'g')}"
 
 
 def _human(n: float) -> str:
@@ -444,7 +455,8 @@ def _merge_code(records: FolderRecords) -> str:
         f"    {base!r},",
     ]
     strategy = str(merge.get("strategy") or "sma")
-    if strategy in STRATEGIES:
+    by_alpha = strategy != "ema" or is_number(merge.get("alpha"), finite=True)
+    if strategy in STRATEGIES and by_alpha:  # an EMA by half-life: its recorded weights say it
         lines.append(f"    strategy={strategy!r},")
         if strategy == "ema" and is_number(merge.get("alpha"), finite=True):
             lines.append(f"    alpha={merge['alpha']},")
@@ -581,7 +593,7 @@ def build_model_card(
         else None,
         "base_model": base_model,
         "n_snapshots": len(sources),
-        "strategy_text": _strategy_text(strategy, merge.get("alpha")),
+        "strategy_text": _strategy_text(strategy, merge),
         "interval_text": _interval_text(merge, sources),
         "window_text": _window_text(merge),
         "tokens_span_text": f"{_fmt_int(min(tokens))} to {_fmt_int(max(tokens))}" if tokens else _MISSING,
@@ -603,7 +615,7 @@ def build_model_card(
     command = escape(training["command"]) if training.get("command") else None
     merge_code = _merge_code(records)
     template_vars |= {
-        "strategy_text": _strategy_text(strategy, merge.get("alpha")),  # escaped within
+        "strategy_text": _strategy_text(strategy, merge),  # escaped within
         "comparison_table": comparison_table((records.eval or {}).get("comparison")),  # escaped cells
         "hub_revisions": _hub_revisions(sources),  # escaped cells
         "load_id_code": repr(load_id),  # a Python literal in the snippet

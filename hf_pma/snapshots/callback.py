@@ -85,6 +85,11 @@ class PMACallback(TrainerCallback, ExportableState):
         online_alpha: EMA factor for ``online="ema"``.
         online_half_life_tokens: for ``online="ema"``: the tokens over which a snapshot's weight
             halves (replaces ``online_alpha``; the same average whatever ``interval_tokens``).
+        online_half_life_fraction: for ``online="ema"``: the half-life as a share of the tokens
+            seen so far (e.g. ``0.05``: a snapshot's weight halves over 5% of the run at each
+            snapshot): a horizon-free EMA, as torchtitan's ``half_life_fraction``, for runs that
+            keep no snapshots and need no ``max_steps``. One of it, ``online_alpha`` and
+            ``online_half_life_tokens``.
         online_window_tokens: for ``online="sma"`` or a decay kind (``"linear-decay"``,
             ``"cosine-decay"``, ``"1-sqrt-decay"``: WSM's decay emulation, which needs it):
             average over tumbling windows of this many tokens (the average restarts at each
@@ -130,6 +135,7 @@ class PMACallback(TrainerCallback, ExportableState):
     online_window_tokens = _OnTaker()
     max_disk_bytes = _OnTaker()
     online_device = _OnTaker()
+    online_half_life_fraction = _OnTaker()
     # Set by whoever owns the Trainer (e.g. PMATrainer) to gather a DeepSpeed engine.
     accelerator = _OnTaker()
 
@@ -149,6 +155,7 @@ class PMACallback(TrainerCallback, ExportableState):
         max_disk_bytes: int | str | None = None,
         sharded: bool | str = "auto",
         online_device: str = "cpu",
+        online_half_life_fraction: float | None = None,
     ) -> None:
         if output_dir is not None and not isinstance(output_dir, (str, os.PathLike)):  # the taker's pma_dir
             raise parameter_error("output_dir", f"must be a folder path or None, got {shown(output_dir, 60)}")
@@ -168,6 +175,7 @@ class PMACallback(TrainerCallback, ExportableState):
             max_disk_bytes=max_disk_bytes,
             sharded=sharded,
             online_device=online_device,
+            online_half_life_fraction=online_half_life_fraction,
         )
         # Restored by Trainer(restore_callback_states_from_checkpoint=True); read on resume anyway.
         self.resume_state: dict[str, Any] | None = None

@@ -21,7 +21,11 @@ The kinds, each one float32 copy of the weights, and the offline merge each one 
 * ``ema``: ``M = a*M_i + (1-a)*M`` from the first snapshot (``--strategy ema --alpha a``); with
   ``half_life_tokens=H``, ``a = 1 - 2^(-dt/H)`` where ``dt`` is the tokens since the previous
   snapshot, so a snapshot's weight halves every H tokens whatever the interval V (the merge
-  with the weights in ``pma_merge.json``);
+  with the weights in ``pma_merge.json``); with ``half_life_fraction=f``, the same with
+  ``H = f * t``, ``t`` the tokens seen at the snapshot folded in: a horizon-free EMA (as
+  torchtitan's ``half_life_fraction``) that reaches back a fixed share of the run however long
+  it gets, for runs that keep no snapshots and do not know their length
+  (:func:`hf_pma.core.strategies.ema_half_life_updates` gives its weights from the token counts);
 * ``linear-decay``, ``cosine-decay``, ``1-sqrt-decay`` (WSM's decay emulation; needs
   ``window_tokens=T``): inside each tumbling window, snapshot ``j`` weighs
   ``f((t_{j-1} - kT)/T) - f((t_j - kT)/T)`` (``f`` the decay shape, ``t_0 = kT``); with
@@ -39,27 +43,24 @@ from typing import Any
 
 import torch
 
-from hf_pma import __version__
 from hf_pma.core.manifest import SnapshotRecord
-from hf_pma.core.strategies import DECAY_SHAPES
+from hf_pma.core.strategies import DECAY_SHAPES, ema_half_life_update, running_average_weights
 from hf_pma.utils.parsing import check_int, is_number
 from hf_pma.utils.text import escape, shown
+from hf_pma.utils.version import __version__
 
 __all__ = ["ONLINE_DEVICES", "ONLINE_KINDS", "OnlineAverage", "effective_weights"]
 
 ONLINE_KINDS = ("sma", "ema", "linear-decay", "cosine-decay", "1-sqrt-decay")
 # Where the float32 average lives: host memory, or the device of the tensors folded in.
 ONLINE_DEVICES = ("cpu", "device")
+DEFAULT_ALPHA = 0.2  # the EMA factor when none is given
 
 
 def effective_weights(update_weights: list[float]) -> list[float]:
     """The weight of each snapshot in a running average whose i-th update was
-    ``M = a_i * M_i + (1 - a_i) * M`` (``a_1 = 1``): ``w_i = a_i * prod_{k>i} (1 - a_k)``."""
-    out, keep = [], 1.0
-    for a in reversed(update_weights):
-        out.append(a * keep)
-        keep *= 1.0 - a
-    return out[::-1]
+    ``M = a_i * M_i + (1 - a_i) * M`` (:func:`hf_pma.core.strategies.running_average_weights`)."""
+    return running_average_weights(update_weights)
 
 
 class OnlineAverage:
@@ -76,11 +77,12 @@ class OnlineAverage:
     def __init__(
         self,
         kind: str = "sma",
-        alpha: float = 0.2,
+        alpha: float = DEFAULT_ALPHA,
         *,
         half_life_tokens: int | None = None,
         window_tokens: int | None = None,
         device: str = "cpu",
+        half_life_fraction: float | None = None,
     ) -> None:
         if device not in ONLINE_DEVICES:
             raise ValueError(f"online_device must be one of {ONLINE_DEVICES}, got {shown(device, 60)}")
@@ -90,8 +92,17 @@ class OnlineAverage:
             raise ValueError(f"online_alpha must be in (0, 1], got {shown(alpha, 60)}")
         self.half_life_tokens = check_int(half_life_tokens, "online_half_life_tokens", allow_none=True)
         self.window_tokens = check_int(window_tokens, "online_window_tokens", allow_none=True)
-        if self.half_life_tokens is not None and kind != "ema":
-            raise ValueError(f"online_half_life_tokens is for online='ema', not {kind!r}")
+        if half_life_fraction is not None and not (is_number(half_life_fraction) and 0.0 < half_life_fraction <= 1.0):
+            raise ValueError(f"online_half_life_fraction must be in (0, 1], got {shown(half_life_fraction, 60)}")
+        self.half_life_fraction = float(half_life_fraction) if half_life_fraction is not None else None
+        # The horizon-free half-life is one of three ways to set the EMA's decay (alpha: other than its default).
+        given = {"online_alpha": alpha != DEFAULT_ALPHA, "online_half_life_tokens": half_life_tokens is not None}
+        if half_life_fraction is not None and any(given.values()):
+            decays = [name for name, value in given.items() if value]
+            raise ValueError(f"online_half_life_fraction and {decays[0]} each set the EMA's decay: give one")
+        for name, value in (("tokens", self.half_life_tokens), ("fraction", self.half_life_fraction)):
+            if value is not None and kind != "ema":
+                raise ValueError(f"online_half_life_{name} is for online='ema', not {kind!r}")
         if self.window_tokens is not None and kind == "ema":
             raise ValueError("online_window_tokens is for online='sma' or a decay kind; an EMA has no window")
         if kind.endswith("-decay") and self.window_tokens is None:
@@ -116,14 +127,20 @@ class OnlineAverage:
         """What defines the average (compared when a saved one is restored)."""
         return {
             "kind": self.kind,
-            "alpha": self.alpha if self.kind == "ema" and self.half_life_tokens is None else None,
+            "alpha": self.alpha if self._by_alpha else None,
             "half_life_tokens": self.half_life_tokens,
+            "half_life_fraction": self.half_life_fraction,
             "window_tokens": self.window_tokens,
         }
 
+    @property
+    def _by_alpha(self) -> bool:
+        """An EMA whose every update weighs ``alpha`` (no half-life)."""
+        return self.kind == "ema" and self.half_life_tokens is None and self.half_life_fraction is None
+
     def _next_weight(self, tokens: int | None) -> float:
         """``a`` of the next update (and the window bookkeeping: a new window restarts the average)."""
-        if tokens is None and (self.window_tokens or self.half_life_tokens):
+        if tokens is None and (self.window_tokens or self.half_life_tokens or self.half_life_fraction):
             raise ValueError("online average: a windowed or half-life average needs each snapshot's tokens")
         if self.window_tokens is not None:
             start = (max(tokens, 1) - 1) // self.window_tokens * self.window_tokens
@@ -138,9 +155,11 @@ class OnlineAverage:
         if self.kind == "sma":
             return 1.0 / (self.count + 1)
         if self.kind == "ema":
-            if self.half_life_tokens is None:
+            if self._by_alpha:
                 return self.alpha
-            return 1.0 - 0.5 ** (max(0, tokens - previous) / self.half_life_tokens)
+            return ema_half_life_update(
+                previous, tokens, half_life_tokens=self.half_life_tokens, half_life_fraction=self.half_life_fraction
+            )
         coefficient = self._decay_coefficient(previous, tokens)
         self.coef_sum += coefficient
         return coefficient / self.coef_sum if self.coef_sum > 0 else 0.0
@@ -246,8 +265,9 @@ class OnlineAverage:
         return {
             "hf_pma_version": __version__,
             "strategy": self.kind,
-            "alpha": self.alpha if self.kind == "ema" and self.half_life_tokens is None else None,
+            "alpha": self.alpha if self._by_alpha else None,
             "half_life_tokens": self.half_life_tokens,
+            "half_life_fraction": self.half_life_fraction,
             "window_tokens": self.window_tokens,
             "window_start_tokens": self.window_start,
             "weights": weights,
@@ -278,6 +298,7 @@ class OnlineAverage:
             "online_state": json.dumps(
                 {
                     "half_life_tokens": self.half_life_tokens,
+                    "half_life_fraction": self.half_life_fraction,
                     "window_tokens": self.window_tokens,
                     "update_weights": self.update_weights,
                     "window_start": self.window_start,
@@ -314,6 +335,7 @@ class OnlineAverage:
                     alpha,
                     half_life_tokens=state.get("half_life_tokens"),
                     window_tokens=state.get("window_tokens"),
+                    half_life_fraction=state.get("half_life_fraction"),
                 )
                 average.count = count
                 average.records = [SnapshotRecord.from_dict(d, f"{escape(path)}: records") for d in records]
@@ -362,7 +384,7 @@ class OnlineAverage:
         if self.count == 0:
             return
         last = self.last_tokens
-        if (self.window_tokens or self.half_life_tokens) and last is None:
+        if (self.window_tokens or self.half_life_tokens or self.half_life_fraction) and last is None:
             raise ValueError("'last_tokens' is missing")
         recorded = self.records[-1].tokens if self.records else None
         if recorded is not None and last is not None and recorded != last:

@@ -443,11 +443,17 @@ class OnlineAverageSink(SnapshotSink):
         half_life_tokens: int | None = None,
         window_tokens: int | None = None,
         online_device: str = "cpu",
+        half_life_fraction: float | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(pma_dir, **kwargs)
         self.average = OnlineAverage(
-            online, alpha, half_life_tokens=half_life_tokens, window_tokens=window_tokens, device=online_device
+            online,
+            alpha,
+            half_life_tokens=half_life_tokens,
+            window_tokens=window_tokens,
+            device=online_device,
+            half_life_fraction=half_life_fraction,
         )
         self.online_device = online_device
         self.staging = StagingBuffers()

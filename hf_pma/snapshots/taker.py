@@ -39,7 +39,6 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from hf_pma import __version__
 from hf_pma.core.manifest import PMA_SUBDIR, SnapshotRecord, snapshot_dirname
 from hf_pma.core.schedule import RunPlan, SnapshotSchedule, StepTick, plan_run, positive_int_or_none
 from hf_pma.snapshots import planning
@@ -56,6 +55,7 @@ from hf_pma.utils.fs import FolderClaim
 from hf_pma.utils.logs import notice
 from hf_pma.utils.parsing import check_int, is_number, parameter_error, parse_dtype, parse_size
 from hf_pma.utils.text import escape, shown
+from hf_pma.utils.version import __version__
 
 logger = logging.get_logger(__name__)
 
@@ -114,6 +114,8 @@ class SnapshotTaker:
             snapshot folders, saved as ``<pma_dir>/online-<kind>`` at the end.
         online_alpha: EMA factor for ``online="ema"``.
         online_half_life_tokens: for ``online="ema"``: the tokens over which a snapshot's weight halves.
+        online_half_life_fraction: for ``online="ema"``: the half-life as a share of the tokens
+            seen so far (horizon-free, e.g. 0.05).
         online_window_tokens: for ``online="sma"`` or a decay kind: tumbling windows of this many tokens.
         max_disk_bytes: the disk budget of the snapshots (bytes or ``"200GB"``); ``None``: the
             free space of the snapshot folder.
@@ -143,6 +145,7 @@ class SnapshotTaker:
         max_disk_bytes: int | str | None = None,
         sharded: bool | str = "auto",
         online_device: str = "cpu",
+        online_half_life_fraction: float | None = None,
     ) -> None:
         if not (isinstance(sharded, bool) or sharded == "auto"):  # 1 and 0 are no answer
             raise ValueError(f"sharded must be True, False or 'auto', got {sharded!r}")
@@ -163,16 +166,19 @@ class SnapshotTaker:
         if online is not None and online not in ONLINE_KINDS:
             raise ValueError(f"online must be one of {ONLINE_KINDS} or None, got {shown(online, 60)}")
         self.online = online
-        if online is None and (online_half_life_tokens is not None or online_window_tokens is not None):
+        half_life = online_half_life_tokens is not None or online_half_life_fraction is not None
+        if online is None and (half_life or online_window_tokens is not None):
             raise ValueError(
-                "online_half_life_tokens and online_window_tokens need online='sma', 'ema' or a decay kind"
+                "online_half_life_tokens, online_half_life_fraction and online_window_tokens need online='sma', "
+                "'ema' or a decay kind"
             )
         OnlineAverage(  # validates the online options together
-            online or ("ema" if online_half_life_tokens is not None else "sma"),
+            online or ("ema" if half_life else "sma"),
             online_alpha,
             half_life_tokens=online_half_life_tokens,
             window_tokens=online_window_tokens,
             device=online_device,
+            half_life_fraction=online_half_life_fraction,
         )
         if online is None and online_device != "cpu":
             raise ValueError(
@@ -181,6 +187,7 @@ class SnapshotTaker:
         self.online_device = online_device
         self.online_alpha = float(online_alpha)
         self.online_half_life_tokens = online_half_life_tokens
+        self.online_half_life_fraction = online_half_life_fraction
         self.online_window_tokens = online_window_tokens
         if online is not None and keep_last is not None:
             raise ValueError("keep_last has no effect with online averaging (no snapshots are written)")
@@ -287,6 +294,7 @@ class SnapshotTaker:
             "max_disk_bytes": self.max_disk_bytes,
             "sharded": self.sharded,
             "online_device": self.online_device,
+            "online_half_life_fraction": self.online_half_life_fraction,
         }
 
     def snapshots(self, include_excluded: bool = False) -> list[tuple[SnapshotRecord, Path]]:
@@ -723,6 +731,7 @@ class SnapshotTaker:
                 online=self.online,
                 alpha=self.online_alpha,
                 half_life_tokens=self.online_half_life_tokens,
+                half_life_fraction=self.online_half_life_fraction,
                 window_tokens=self.online_window_tokens,
                 online_device=self.online_device,
                 **common,

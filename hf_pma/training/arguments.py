@@ -167,8 +167,8 @@ class PMATrainingArguments(TrainingArguments):
     pma_online: str | None = dataclasses.field(
         default=None,
         metadata={
-            "help": "Keep a running float32 average instead of writing snapshot folders: sma, ema (pma_ema_alpha, or "
-            "pma_online_half_life_tokens), linear-decay, cosine-decay or 1-sqrt-decay (WSM's decay emulation over "
+            "help": "Keep a running float32 average instead of writing snapshot folders: sma, ema (pma_ema_alpha, "
+            "pma_online_half_life_tokens or pma_online_half_life_fraction), linear-decay, cosine-decay or 1-sqrt-decay (WSM's decay emulation over "
             "pma_online_window_tokens). Saved with every checkpoint, evaluated as eval_pma_*, written at the end to "
             "<output_dir>/pma/online-<kind> (per-rank files under FSDP / ZeRO-3)."
         },
@@ -176,6 +176,14 @@ class PMATrainingArguments(TrainingArguments):
     pma_online_half_life_tokens: int | None = dataclasses.field(
         default=None,
         metadata={"help": "pma_online=ema: the tokens over which a snapshot's weight halves (replaces pma_ema_alpha)."},
+    )
+    pma_online_half_life_fraction: float | None = dataclasses.field(
+        default=None,
+        metadata={
+            "help": "pma_online=ema: the half-life as a share of the tokens seen so far (e.g. 0.05; horizon-free, "
+            "as torchtitan's half_life_fraction: needs no max_steps). Replaces pma_ema_alpha and "
+            "pma_online_half_life_tokens."
+        },
     )
     pma_online_window_tokens: int | None = dataclasses.field(
         default=None,
@@ -298,9 +306,11 @@ class PMATrainingArguments(TrainingArguments):
         messages with the arguments' names)."""
         from hf_pma.snapshots.online import OnlineAverage
 
-        windows = self.pma_online_half_life_tokens is not None or self.pma_online_window_tokens is not None
-        if self.pma_online is None and windows:
-            raise ValueError("pma_online_half_life_tokens and pma_online_window_tokens need pma_online")
+        windows = [self.pma_online_half_life_tokens, self.pma_online_half_life_fraction, self.pma_online_window_tokens]
+        if self.pma_online is None and any(w is not None for w in windows):
+            raise ValueError(
+                "pma_online_half_life_tokens, pma_online_half_life_fraction and pma_online_window_tokens need pma_online"
+            )
         try:
             OnlineAverage(
                 "sma" if self.pma_online is None else self.pma_online,
@@ -308,6 +318,7 @@ class PMATrainingArguments(TrainingArguments):
                 half_life_tokens=self.pma_online_half_life_tokens,
                 window_tokens=self.pma_online_window_tokens,
                 device=self.pma_online_device,
+                half_life_fraction=self.pma_online_half_life_fraction,
             )
         except ValueError as err:
             raise ValueError(_argument_words(str(err))) from None

@@ -53,7 +53,13 @@ STATE_VERSION = 1
 
 # Options a resumed run must share with the run it resumes (and token_count): with another one
 # the folder would mix two kinds of snapshots, or the online average two rules.
-_RESUMED_OPTIONS = ("online", "online_alpha", "online_half_life_tokens", "online_window_tokens")
+_RESUMED_OPTIONS = (
+    "online",
+    "online_alpha",
+    "online_half_life_tokens",
+    "online_half_life_fraction",
+    "online_window_tokens",
+)
 
 
 def _check_module(model: Any, name: str) -> None:
@@ -86,6 +92,7 @@ class PMASnapshots:
         **options: the options of :class:`hf_pma.snapshots.callback.PMACallback`
             (``interval_tokens``, ``phases``, ``keep_last``, ``save_dtype``, ``max_shard_size``,
             ``async_write``, ``online``, ``online_alpha``, ``online_half_life_tokens``,
+            ``online_half_life_fraction``,
             ``online_window_tokens``, ``max_disk_bytes``, ``sharded``, ``online_device``).
 
     Nothing is written before the first :meth:`step`; :meth:`load_state_dict` (called by

@@ -54,9 +54,10 @@ def _check_online_agrees(given: PMACallback, args: PMATrainingArguments) -> None
     import dataclasses
 
     defaults = {f.name: f.default for f in dataclasses.fields(PMATrainingArguments)}
-    names = ["online", "online_half_life_tokens", "online_window_tokens", "online_device"]
+    names = ["online", "online_half_life_tokens", "online_half_life_fraction", "online_window_tokens", "online_device"]
     pairs = [(f"pma_{name}", name) for name in names]
-    if args.pma_online == "ema" and args.pma_online_half_life_tokens is None:
+    half_life = args.pma_online_half_life_tokens is not None or args.pma_online_half_life_fraction is not None
+    if args.pma_online == "ema" and not half_life:
         pairs.append(("pma_ema_alpha", "online_alpha"))
     for option, name in pairs:
         value, used = getattr(args, option), getattr(given, name)
@@ -110,6 +111,7 @@ class PMATrainer(Trainer):
             online_half_life_tokens=args.pma_online_half_life_tokens,
             online_window_tokens=args.pma_online_window_tokens,
             online_device=args.pma_online_device,
+            online_half_life_fraction=args.pma_online_half_life_fraction,
         )
         self._pma_fork_saver: SaveCheckpointAt | None = None
         if args.pma_anneal_steps or args.pma_anneal_tokens:  # the annealing check: its checkpoint
@@ -427,6 +429,7 @@ class PMATrainer(Trainer):
             "lr_scheduler_type": str(getattr(args.lr_scheduler_type, "value", args.lr_scheduler_type)),
             "lr_scheduler_kwargs": json.loads(json.dumps(args.lr_scheduler_kwargs or {}, default=str)),
             "learning_rate": args.learning_rate,
+            "seed": args.seed,  # what hf-pma compare --group seed groups by
             "warmup_steps": args.warmup_steps,
             "hardware": f"{args.world_size} x {device}",
             "world_size": args.world_size,

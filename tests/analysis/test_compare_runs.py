@@ -128,7 +128,7 @@ def test_fit_recovers_a_known_power_law():
     assert fit["alpha"] == pytest.approx(0.3, rel=1e-4)
     assert fit["points"] == 6 and fit["rmse"] < 1e-6
     # Too few distinct x, or a value that is not finite: one line, no exception.
-    assert "3 distinct x values, got 2" in fit_power_law([1.0, 1.0, 2.0], [3.0, 3.0, 2.0])["error"]
+    assert "(A and alpha: 3 distinct x values), got 2" in fit_power_law([1.0, 1.0, 2.0], [3.0, 3.0, 2.0])["error"]
     assert "not all finite" in fit_power_law([1.0, 2.0, 3.0], [1.0, math.nan, 2.0])["error"]
 
 
@@ -204,7 +204,7 @@ def test_compare_three_runs(three_runs, compared):
     # Run c's merge reaches back over weights far from its last: worse, explained, with a smaller window tried.
     worse = by["c"]["merge_worse"]
     assert by["a"]["merge_worse"] is None and worse is not None
-    assert "reaches back 5,000 tokens, 100% of the run's 5,000" in worse["explanation"]
+    assert "reaches back 5,000 tokens, 100% of the 5,000 tokens at which the runs are matched" in worse["explanation"]
     assert "training loss was 4.000 at its oldest snapshot" in worse["explanation"]
     assert [t["label"] for t in worse["smaller_windows"]] == ["sma N=2 k=1"]
     assert worse["pick"]["label"] in ("last snapshot", "sma N=2 k=1")
@@ -216,6 +216,9 @@ def test_compare_three_runs(three_runs, compared):
     assert out.with_suffix(".png").stat().st_size > 1000
     # The printed table: one row per run, the agreement line, the explanation.
     assert "| a " in result.stdout and "Against annealed (3 runs): merge Kendall's tau" in result.stdout
+    # 3 runs: tau's caveat; 3 distinct x: the fit of A and alpha only, said so.
+    assert "Caveat: over 3 runs even tau = 1 has p = 0.33" in result.stdout
+    assert report["fit"]["merge"]["fixed"] == ["E"] and "E fixed at 0: 3 distinct x are too few" in result.stdout
     assert "c: the merge is worse than the last snapshot" in result.stdout
 
 
@@ -258,6 +261,9 @@ def odd_runs(three_runs, tiny_tokenizer):
         ("x of an unknown run", "--x names zz, which is not one of the runs"),
         ("last too long", "--last 7: run a has only 5 snapshot(s)"),
         ("run twice", "is given twice"),
+        ("group key not recorded", "--group 'seed': run a records no 'seed' (in its pma/merged/pma_training.json"),
+        ("bad bootstrap", "--bootstrap must be a non-negative integer, got -1"),
+        ("bad bootstrap seed", "--bootstrap-seed must be a non-negative integer, got -3"),
     ],
 )
 def test_bad_input_is_one_line_before_any_evaluation(three_runs, odd_runs, case, message):
@@ -275,6 +281,9 @@ def test_bad_input_is_one_line_before_any_evaluation(three_runs, odd_runs, case,
         "x of an unknown run": [a, b, c, "--fit", "params", "--x", "a=1,b=2,zz=3"],
         "last too long": [a, b, "--last", "7"],
         "run twice": [a, a],
+        "group key not recorded": [a, b, "--group", "seed"],
+        "bad bootstrap": [a, b, "--bootstrap", "-1"],
+        "bad bootstrap seed": [a, b, "--bootstrap-seed", "-3"],
     }[case]
     if "--no-eval" in args:
         args = args[:2]
@@ -319,3 +328,145 @@ def test_a_window_given_in_python_is_described_with_its_parameter():
     assert origin == "last=3 (--last)"
     *_, origin = _plan_window(sources, "sma", 0.2, None, 2000, None, "a")
     assert origin == "window_tokens=2,000 (--window-tokens)"
+
+
+# ---------------------------------------------------------------- groups, ties, tau's interval and caveat
+
+
+def _record_settings(run, **settings) -> None:
+    """The run's training record, with the settings PMATrainer writes there (``seed``, ``learning_rate``)."""
+    merged = run / "pma" / "merged"
+    merged.mkdir(parents=True)
+    (merged / "pma_training.json").write_text(json.dumps({"log_history": [], **settings}))
+
+
+@pytest.fixture(scope="module")
+def grouped(three_runs, tiny_tokenizer, tmp_path_factory):
+    """Five runs in two seeds: a, b (seed 1), c, d and twin (seed 2); twin is a copy of a (the
+    same snapshots and annealed model), so a and twin tie in every ranking. Compared with
+    ``--group seed --bootstrap 200``, with ``--fit params`` over 4 distinct x."""
+    import shutil
+
+    root = tmp_path_factory.mktemp("grouped")
+    _, (a, b, _c), eval_file = three_runs
+    runs = {"a": root / "a", "b": root / "b"}
+    shutil.copytree(a, runs["a"])
+    shutil.copytree(b, runs["b"])
+    shutil.copytree(a, root / "twin")
+    runs["twin"] = root / "twin"
+    for name, seed in (("c", 3), ("d", 4)):
+        runs[name], _ = write_run(root / name, COUNT, noise_deviation(0.1, seed=seed), tokenizer=tiny_tokenizer)
+        _annealed(runs[name], 0.02 * seed)
+    for name, seed in (("a", 1), ("b", 1), ("c", 2), ("d", 2), ("twin", 2)):
+        _record_settings(runs[name], seed=seed, learning_rate=3e-3)
+    out = root / "compare.json"
+    order = [runs[n] for n in ("a", "b", "c", "d", "twin")]
+    result = run_cli(
+        "compare", *order, "--eval-file", eval_file, "--block-size", "64", "-o", out, "--group", "seed",
+        "--bootstrap", "200", "--bootstrap-seed", "5", "--fit", "params", "--x", "a=1e6,b=3e6,c=1e7,d=3e7,twin=1e8",
+        "--no-plot", "-q",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    return result, json.loads(out.read_text())
+
+
+def test_compare_ranks_within_groups_with_shared_ranks_for_ties(grouped):
+    result, report = grouped
+    by = {e["name"]: e for e in report["runs"]}
+    groups = {g["label"]: g for g in report["groups"]}
+    assert list(groups) == ["seed=1", "seed=2"]
+    assert groups["seed=1"]["runs"] == ["a", "b"] and groups["seed=2"]["runs"] == ["c", "d", "twin"]
+    assert by["c"]["group"] == {"label": "seed=2", "values": {"seed": 2}}
+    for group in groups.values():
+        for kind in ("last", "merge", "annealed"):
+            # Ranked by the group's own values, 1 = the lowest loss.
+            values = {n: by[n][kind]["value"] for n in group["runs"]}
+            assert group["ranks"][kind] == {n: 1 + sum(v < values[n] for v in values.values()) for n in values}
+    # a and twin hold the same weights: equal values, one shared rank, one tier, printed "a = twin".
+    for kind in ("last", "merge", "annealed"):
+        assert by["a"][kind]["value"] == by["twin"][kind]["value"]
+        assert report["ranks"][kind]["a"] == report["ranks"][kind]["twin"]
+        assert any(set(tier) == {"a", "twin"} for tier in report["tiers"][kind])
+    lines = result.stdout.splitlines()
+    overall = [line for line in lines if line.startswith("  Ranking by last:")][-1]
+    assert "a = twin" in overall and "a > twin" not in overall and "twin > a" not in overall
+    # The groups' sections, each with its agreement; a tau over 2 runs says what it cannot show.
+    start = lines.index("Group seed=1 (2 runs):")
+    section = lines[start : lines.index("Group seed=2 (3 runs):")]
+    assert any("Against annealed (2 runs)" in line for line in section)
+    assert any("over 2 runs tau is +1 or -1 by construction" in line for line in section)
+    assert groups["seed=1"]["agreement"]["merge"]["kendall"]["caveat"].startswith("over 2 runs")
+    assert "| rank last / merge / annealed (in group) |" in lines[0].replace("  ", " ")
+
+
+def test_compare_tau_has_the_bootstrap_interval_of_its_runs_documents(grouped):
+    from scipy.stats import kendalltau
+
+    from hf_pma.analysis.rank_stats import bootstrap_kendall_tau
+
+    _, report = grouped
+    by = {e["name"]: e for e in report["runs"]}
+    group = next(g for g in report["groups"] if g["label"] == "seed=2")
+    assert group["agreement"]["runs"] == ["c", "d", "twin"]
+    assert report["agreement"]["runs"] == ["a", "b", "c", "d", "twin"]
+    for agreement in (group["agreement"], report["agreement"]):
+        names = agreement["runs"]
+        for kind in ("merge", "last"):
+            kendall = agreement[kind]["kendall"]
+            pred, ann = [by[n][kind]["value"] for n in names], [by[n]["annealed"]["value"] for n in names]
+            assert kendall["tau"] == pytest.approx(kendalltau(pred, ann, variant="b").statistic)
+            # The interval is the bootstrap of exactly these runs' per-document losses, with the seed given.
+            expected = bootstrap_kendall_tau(
+                [(by[n][kind]["per_text"]["nll"], by[n][kind]["per_text"]["tokens"]) for n in names],
+                [(by[n]["annealed"]["per_text"]["nll"], by[n]["annealed"]["per_text"]["tokens"]) for n in names],
+                resamples=200,
+                seed=5,
+            )
+            assert kendall["interval"] == expected and expected["documents"] == 4 and expected["defined"] > 100
+            assert expected["low"] <= expected["high"]
+            # The per-document losses give back the value compared (loss per token over all documents).
+            per_text = by[names[0]][kind]["per_text"]
+            assert sum(per_text["nll"]) / sum(per_text["tokens"]) == pytest.approx(by[names[0]][kind]["value"])
+    # Over all five runs merge and last have intervals of their own (so the check above tells them apart).
+    intervals = [report["agreement"][k]["kendall"]["interval"] for k in ("merge", "last")]
+    assert (intervals[0]["low"], intervals[0]["high"]) != (intervals[1]["low"], intervals[1]["high"])
+    assert report["bootstrap"] == {"resamples": 200, "seed": 5}
+
+
+def test_compare_fit_over_four_distinct_x_fits_three_parameters(grouped):
+    result, report = grouped
+    for kind in ("last", "merge", "annealed"):
+        fit = report["fit"][kind]
+        assert fit["distinct_x"] == 5 and fit["parameters"] == 3 and fit["fixed"] == []
+        for flag in fit["flags"]:  # each flag printed under its fit
+            assert f"FLAG: {flag}" in result.stdout
+
+
+def test_recorded_settings_come_from_the_training_record_then_the_model_config(tmp_path):
+    """What --group reads: the training record's scalars win over the model config's; a record
+    that is not an object, or one reached through a link out of the run, is one line naming it."""
+    from hf_pma.analysis.run_settings import group_runs, recorded_settings
+    from hf_pma.merging.sources import resolve_sources
+
+    run, _ = write_run(tmp_path / "run", 2, noise_deviation(0.05))
+    last = resolve_sources([run])[-1]
+    settings = recorded_settings(run, last)
+    assert settings["model_type"] and settings["hidden_size"] > 0 and "seed" not in settings
+    _record_settings(run, seed=7, hidden_size=-1, log=[1, 2])
+    settings = recorded_settings(run, last)
+    assert settings["seed"] == 7 and settings["hidden_size"] == -1 and "log" not in settings  # scalars only
+    groups = group_runs({"a": {"seed": 1, "lr": 0.1}, "b": {"seed": 2, "lr": 0.1}, "c": {"seed": 1, "lr": 0.2}}, ["seed"])
+    assert [(g["label"], g["runs"]) for g in groups] == [("seed=1", ["a", "c"]), ("seed=2", ["b"])]
+    with pytest.raises(ValueError, match="^group 'lr': run b records no 'lr'"):
+        group_runs({"a": {"lr": 0.1}, "b": {}}, ["lr"])
+    record = run / "pma" / "merged" / "pma_training.json"
+    record.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="pma_training.json: expected a JSON object"):
+        recorded_settings(run, last)
+    outside = tmp_path / "elsewhere.json"
+    outside.write_text(json.dumps({"seed": 3}))
+    record.unlink()
+    record.symlink_to(outside)
+    with pytest.raises(ValueError) as err:
+        recorded_settings(run, last)
+    assert "pma_training.json" in str(err.value) and "\n" not in str(err.value)

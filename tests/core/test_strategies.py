@@ -124,3 +124,28 @@ def test_decay_shapes_differ_where_the_schedule_drops_fastest():
     assert cos == pytest.approx(cos[::-1]) and max(cos) == cos[4] > 0.1 > cos[0]
     # 1-sqrt drops fastest at the start: the oldest snapshot weighs most, then decreasing
     assert sqrt == sorted(sqrt, reverse=True) and sqrt[0] > 0.3
+
+
+# ---------------------------------------------------------------- running averages and EMA half-lives
+
+
+def test_running_average_weights_and_an_ema_half_life_as_a_share_of_the_tokens_seen():
+    from hf_pma.core.strategies import ema_half_life_update, ema_half_life_updates, running_average_weights
+
+    # Snapshots at 100, 200 and 400 tokens, half-life half the tokens seen: at 200 the old average
+    # decays over 100 tokens with H = 100 (a = 1/2); at 400 over 200 tokens with H = 200 (a = 1/2).
+    updates = ema_half_life_updates([100, 200, 400], half_life_fraction=0.5)
+    assert updates == pytest.approx([1.0, 0.5, 0.5])
+    assert running_average_weights(updates) == pytest.approx([0.25, 0.25, 0.5])
+    # Horizon-free: the weights of snapshots taken at the same shares of a run do not depend on its length.
+    short = running_average_weights(ema_half_life_updates([10 * i for i in range(1, 21)], half_life_fraction=0.05))
+    long = running_average_weights(ema_half_life_updates([1000 * i for i in range(1, 21)], half_life_fraction=0.05))
+    assert short == pytest.approx(long) and sum(long) == pytest.approx(1.0)
+    # A snapshot one half-life (5% of the tokens seen) before the newest weighs half as much per token.
+    weights = running_average_weights(ema_half_life_updates([20 * i for i in range(1, 101)], half_life_fraction=0.05))
+    assert weights[-1] / weights[-1 - 5] == pytest.approx(2.0, rel=0.1)
+    # In tokens: a = 1 - 2^(-dt/H) whatever the time, the rule the online EMA by half-life uses.
+    assert ema_half_life_update(100, 300, half_life_tokens=100) == pytest.approx(0.75)
+    assert ema_half_life_update(None, 300, half_life_tokens=100) == 1.0
+    with pytest.raises(ValueError, match="give one of half_life_tokens and half_life_fraction"):
+        ema_half_life_update(100, 300, half_life_tokens=100, half_life_fraction=0.1)

@@ -31,7 +31,7 @@ from transformers import TrainerCallback, TrainerState
 from tests.dist.online_sharded import CHECKPOINT_STEP, KINDS, STEPS, drive, online_callback
 from tests.dist.sharded_snapshots import TOKENS_PER_STEP, build
 
-DEVICES = {"sma": "cpu", "ema": "device", "1-sqrt-decay": "cpu"}
+DEVICES = {"sma": "cpu", "ema": "device", "ema-fraction": "cpu", "1-sqrt-decay": "cpu"}
 KILL_STEP = CHECKPOINT_STEP + 1
 STATE = "state"  # the callback that saves the model, the optimizer and trainer_state.json
 

@@ -31,7 +31,15 @@ from tests.dist.sharded_snapshots import LR, TOKENS_PER_STEP, build, train_step
 STEPS = 5
 CHECKPOINT_STEP = 3
 ALPHA = 0.3
-KINDS = ("sma", "ema", "1-sqrt-decay")  # the decay over one window of all STEPS snapshots
+FRACTION = 0.25  # "ema-fraction": the EMA whose half-life is this share of the tokens seen so far
+# The online averages, by name: the decay over one window of all STEPS snapshots; "ema-fraction"
+# is online="ema" with online_half_life_fraction=FRACTION.
+KINDS = ("sma", "ema", "ema-fraction", "1-sqrt-decay")
+
+
+def online_kind(name: str) -> str:
+    """The ``online`` kind of an average of this scenario (its folder is ``online-<kind>``)."""
+    return "ema" if name == "ema-fraction" else name
 
 
 class GatherCalled(AssertionError):
@@ -94,14 +102,15 @@ def eval_batch() -> torch.Tensor:
 
 def online_callback(out: Path, kind: str, folder: str, device: str = "cpu") -> PMACallback:
     """An online callback of this scenario, its average written under ``out/<folder>/pma``."""
+    decay = {"online_half_life_fraction": FRACTION} if kind == "ema-fraction" else {"online_alpha": ALPHA}
     return PMACallback(
         interval_tokens=TOKENS_PER_STEP,
         output_dir=out / folder / "pma",
         phases=("warmup", "stable", "decay"),
-        online=kind,
-        online_alpha=ALPHA,
+        online=online_kind(kind),
         online_window_tokens=STEPS * TOKENS_PER_STEP if kind.endswith("-decay") else None,
         online_device=device,
+        **decay,
     )
 
 

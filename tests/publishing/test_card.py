@@ -165,6 +165,27 @@ def test_card_notes_ema_custom_weights_and_phases(tmp_path):
     assert [r[-1] for r in _table_rows(text, first) + _table_rows(text, last)] == ["0.1000", "0.3000"]
 
 
+@pytest.mark.parametrize(
+    ("half_life", "said"),
+    [
+        ({"half_life_tokens": 4096}, "EMA: exponential moving average with a half-life of 4,096 tokens"),
+        (
+            {"half_life_fraction": 0.05},
+            "EMA: exponential moving average whose half-life is 0.05 of the tokens seen at each snapshot (horizon-free)",
+        ),
+    ],
+)
+def test_card_of_an_ema_by_half_life_names_it_and_remakes_it_by_its_weights(tmp_path, half_life, said):
+    """An online EMA by half-life records no alpha: the card names its half-life, and the snippet
+    that remakes it gives the recorded weights (``strategy='ema'`` alone would use alpha 0.2)."""
+    record = {**merge_record("ema"), "alpha": None, **half_life}
+    record["weights"] = [0.05, 0.05, 0.1, 0.2, 0.25, 0.35]
+    folder = write_merged_folder(tmp_path, merge=record, with_eval=False, with_training=False)
+    text = build_model_card(folder).text
+    assert said in text and "alpha = –" not in text
+    assert "strategy='ema'" not in text and "weights=[0.05, 0.05, 0.1, 0.2, 0.25, 0.35]" in text
+
+
 def test_eval_table_orders_models_and_pairs_stderr():
     columns, rows = eval_table({"results": {"annealed": {"lm": {"loss": 1.0}}, "PMA merge": {"lm": {"loss": 2.0}}}})
     assert columns == ["PMA merge", "annealed"]  # no last snapshot: no difference column

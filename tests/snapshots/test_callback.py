@@ -421,6 +421,49 @@ def test_online_average_equals_the_average_of_the_weights(tmp_path, kind, tiny_t
     assert (folder / "tokenizer.json").is_file()
 
 
+def test_online_ema_by_half_life_fraction_equals_the_offline_ema_of_the_recorded_tokens(tmp_path, tiny_tokenizer):
+    """A horizon-free EMA in a real Trainer: the average equals the merge of the live weights at
+    each snapshot with the weights computed offline from the token counts its record holds; the
+    record and the card say how it was made; a resumed run ends bit for bit where the uninterrupted one does."""
+    from hf_pma.core.strategies import ema_half_life_updates, running_average_weights
+    from hf_pma.publishing.card import write_model_card
+
+    common = dict(max_steps=12, save_strategy="steps", save_steps=6, processing_class=tiny_tokenizer)
+    options = dict(interval_tokens=TPS, online="ema", online_half_life_fraction=0.25)
+    callback = PMACallback(**options)
+    recorder = WeightRecorder()
+    train(tmp_path / "a", [callback, recorder], **common)
+    folder = tmp_path / "a" / "pma" / "online-ema"
+    record = read_json(folder / MERGE_RECORD_NAME)
+    tokens = [s["tokens"] for s in record["sources"]]
+    assert tokens == [recorder.tokens[step] for step in range(1, 13)]
+    weights = running_average_weights(ema_half_life_updates(tokens, half_life_fraction=0.25))
+    assert record["weights"] == pytest.approx(weights) and record["half_life_fraction"] == 0.25
+    assert record["alpha"] is None and record["strategy"] == "ema"
+    online = callback.online_state_dict()
+    for name, tensor in online.items():
+        expected = sum(w * recorder.weights[step][name].double() for w, step in zip(weights, range(1, 13)))
+        assert torch.allclose(tensor.double(), expected, atol=1e-6), name
+    assert max_weight_diff(online, AutoModelForCausalLM.from_pretrained(folder).state_dict()) < 1e-7
+    card = write_model_card(folder, plot=False).read_text()
+    assert "half-life is 0.25 of the tokens seen at each snapshot (horizon-free)" in card
+    assert "strategy='ema'" not in card  # the snippet gives the recorded weights: no alpha remakes them
+    # Stopped after the checkpoint at step 6 and resumed: the same average, bit for bit.
+    first = PMACallback(**options)
+    with pytest.raises(KeyboardInterrupt):
+        train(tmp_path / "b", [StopAt(9), first], **common)
+    resumed = PMACallback(**options)
+    train(tmp_path / "b", [resumed], resume=str(tmp_path / "b" / "checkpoint-6"), **common)
+    again = read_json(tmp_path / "b" / "pma" / "online-ema" / MERGE_RECORD_NAME)
+    assert again["weights"] == record["weights"]
+    b = resumed.online_state_dict()
+    assert all(torch.equal(online[k], b[k]) for k in online)
+    # A resume with another fraction is refused in one line.
+    other = PMACallback(**{**options, "online_half_life_fraction": 0.5})
+    with pytest.raises(ValueError, match="resume with the same online options"):
+        train(tmp_path / "b", [other], resume=str(tmp_path / "b" / "checkpoint-6"), **common)
+
+
 def test_online_average_survives_a_resume(tmp_path):
     common = dict(max_steps=12, save_strategy="steps", save_steps=6)
     straight = PMACallback(interval_tokens=2 * TPS, online="sma")

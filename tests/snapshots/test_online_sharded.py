@@ -3,7 +3,7 @@
 The scenario tests/dist/online_sharded.py runs in the shared 2-process launch ``world2``: every
 gather raises there, so a finished launch is itself the proof that no rank gathered the model.
 Here: the average equals the offline merge of the same weights' sharded snapshots (SMA, EMA,
-WSM's 1-sqrt decay emulation);
+the horizon-free EMA whose half-life is a share of the tokens seen, WSM's 1-sqrt decay emulation);
 a run resumed from a checkpoint ends with a bit-identical average; a resume at another world
 size reads the saved average by global offsets; the output folder is read by merge and consolidate.
 A run killed by SIGKILL after a checkpoint and resumed in a new launch (tests/dist/online_killed.py)
@@ -19,12 +19,17 @@ import pytest
 import torch
 
 from hf_pma.core.manifest import MERGE_RECORD_NAME, manifest_snapshots
-from hf_pma.core.strategies import decay_emulation_weights, ema_weights
+from hf_pma.core.strategies import (
+    decay_emulation_weights,
+    ema_half_life_updates,
+    ema_weights,
+    running_average_weights,
+)
 from hf_pma.merging.consolidate import consolidate_snapshot
 from hf_pma.merging.engine import merge_state_dict
 from hf_pma.snapshots.sharded import ShardedOnlineAverageSink
 from hf_pma.snapshots.sinks import OnlineAverageSink, ResumePoint, online_state_name
-from tests.dist.online_sharded import ALPHA, CHECKPOINT_STEP, KINDS, STEPS, eval_batch
+from tests.dist.online_sharded import ALPHA, CHECKPOINT_STEP, FRACTION, KINDS, STEPS, eval_batch, online_kind
 from tests.helpers.launcher import Launch, launch, rank_reports, shared_launch_job
 
 pytestmark = [pytest.mark.distributed, pytest.mark.shared_launch("world2")]
@@ -64,7 +69,7 @@ def run(shared_launch) -> Path:
 
 
 def online_folder(run: Path, which: str, kind: str) -> Path:
-    return run / f"{which}-{kind}" / "pma" / f"online-{kind}"
+    return run / f"{which}-{kind}" / "pma" / f"online-{online_kind(kind)}"
 
 
 def test_each_rank_averages_its_own_slices(run):
@@ -74,6 +79,7 @@ def test_each_rank_averages_its_own_slices(run):
             "sharded": "ShardedSnapshotSink",
             "sma": "ShardedOnlineAverageSink",
             "ema": "ShardedOnlineAverageSink",
+            "ema-fraction": "ShardedOnlineAverageSink",
             "1-sqrt-decay": "ShardedOnlineAverageSink",
         }
         assert report["online_state_dict"]  # no process holds the full average
@@ -86,11 +92,17 @@ def test_each_rank_averages_its_own_slices(run):
     assert sum(per_rank) == full and max(per_rank) < 0.75 * full
 
 
-@pytest.mark.parametrize("kind", ["sma", "ema", "1-sqrt-decay"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_online_average_equals_the_offline_merge_of_the_same_weights(run, kind):
-    snapshots = [run / "sharded" / r.path for r in manifest_snapshots(run / "sharded")]
+    records = manifest_snapshots(run / "sharded")
+    snapshots = [run / "sharded" / r.path for r in records]
     assert len(snapshots) == STEPS
-    offline = merge_state_dict(snapshots, strategy=kind, alpha=ALPHA)
+    # The horizon-free EMA's weights, offline from the snapshots' token counts alone.
+    by_fraction = running_average_weights(ema_half_life_updates([r.tokens for r in records], half_life_fraction=FRACTION))
+    if kind == "ema-fraction":
+        offline = merge_state_dict(snapshots, weights=by_fraction)
+    else:
+        offline = merge_state_dict(snapshots, strategy=kind, alpha=ALPHA)
     folder = online_folder(run, "straight", kind)
     online = merge_state_dict([folder])
     assert online.keys() == offline.keys()
@@ -100,14 +112,16 @@ def test_online_average_equals_the_offline_merge_of_the_same_weights(run, kind):
     weights = {
         "sma": [1 / STEPS] * STEPS,
         "ema": ema_weights(STEPS, ALPHA),
+        "ema-fraction": by_fraction,
         "1-sqrt-decay": decay_emulation_weights(STEPS, "1-sqrt"),
     }[kind]
     assert record["weights"] == pytest.approx(weights)
     assert [s["step"] for s in record["sources"]] == list(range(1, STEPS + 1))
     assert record["sharded"] and record["world_size"] == 2 and record["online"]
+    assert record["half_life_fraction"] == (FRACTION if kind == "ema-fraction" else None)
 
 
-@pytest.mark.parametrize("kind", ["sma", "ema", "1-sqrt-decay"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_resumed_average_is_bit_identical_to_the_uninterrupted_one(run, kind):
     assert {r["resumed_counts"][kind] for r in rank_reports(run, 2)} == {STEPS}
     checkpoint = run / f"run-{kind}" / f"checkpoint-{CHECKPOINT_STEP}"
@@ -136,15 +150,12 @@ def test_a_run_killed_by_sigkill_and_resumed_ends_with_the_uninterrupted_average
     )
     for kind in KINDS:  # the ema average was kept on the "device" (the CPU here), the others on the host
         straight = merge_state_dict([online_folder(run, "straight", kind)])
-        resumed = merge_state_dict([folder / f"killed-{kind}" / "pma" / f"online-{kind}"])
+        resumed = merge_state_dict([online_folder(folder, "killed", kind)])
         assert straight.keys() == resumed.keys(), kind
         assert all(torch.equal(straight[k], resumed[k]) for k in straight), kind
         a, b = (
             json.loads((f / MERGE_RECORD_NAME).read_text())
-            for f in (
-                online_folder(run, "straight", kind),
-                folder / f"killed-{kind}" / "pma" / f"online-{kind}",
-            )
+            for f in (online_folder(run, "straight", kind), online_folder(folder, "killed", kind))
         )
         assert a["weights"] == b["weights"] and [s["step"] for s in b["sources"]] == list(range(1, STEPS + 1))
 

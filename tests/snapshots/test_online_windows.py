@@ -65,6 +65,22 @@ def test_ema_by_half_life_in_tokens_does_not_depend_on_the_interval():
     )
 
 
+def test_ema_by_half_life_fraction_equals_the_offline_merge_with_the_weights_of_its_token_counts():
+    from hf_pma.core.strategies import ema_half_life_updates, running_average_weights
+
+    taken = snapshots([50, 100, 250, 300, 500, 900])
+    average = fold(OnlineAverage("ema", half_life_fraction=0.2), taken)
+    # The weights come from the recorded token counts alone, offline.
+    offline = running_average_weights(ema_half_life_updates([r.tokens for r in average.records], half_life_fraction=0.2))
+    assert average.weights() == pytest.approx(offline) and sum(offline) == pytest.approx(1.0)
+    assert_close(average, merged(taken, offline))
+    record = average.merge_record(None, "float32")
+    assert record["half_life_fraction"] == 0.2 and record["alpha"] is None and record["half_life_tokens"] is None
+    assert average.options["half_life_fraction"] == 0.2
+    # Not the same as any fixed half-life in tokens: the half-life grows with the run.
+    assert average.weights() != pytest.approx(fold(OnlineAverage("ema", half_life_tokens=100), taken).weights())
+
+
 def test_tumbling_sma_window_averages_the_snapshots_of_the_current_window():
     taken = snapshots([64 * i for i in range(1, 7)])  # windows of 256: (0, 256], (256, 512]
     average = fold(OnlineAverage("sma", window_tokens=256), taken)
@@ -90,6 +106,7 @@ def test_decay_emulation_over_a_window_equals_the_offline_wsm_weights(shape):
     "options",
     [
         {"kind": "ema", "half_life_tokens": 100},
+        {"kind": "ema", "half_life_fraction": 0.25},
         {"kind": "sma", "window_tokens": 192},
         {"kind": "cosine-decay", "window_tokens": 256},
     ],
@@ -119,6 +136,18 @@ def test_restored_average_with_other_options_is_refused(tmp_path):
     ("kwargs", "message"),
     [
         ({"kind": "sma", "half_life_tokens": 10}, "online_half_life_tokens is for online='ema'"),
+        ({"kind": "sma", "half_life_fraction": 0.05}, "online_half_life_fraction is for online='ema'"),
+        ({"kind": "ema", "half_life_fraction": 0.0}, r"online_half_life_fraction must be in \(0, 1\], got 0.0"),
+        ({"kind": "ema", "half_life_fraction": 1.5}, r"online_half_life_fraction must be in \(0, 1\], got 1.5"),
+        ({"kind": "ema", "half_life_fraction": True}, r"online_half_life_fraction must be in \(0, 1\], got True"),
+        (
+            {"kind": "ema", "half_life_fraction": 0.05, "half_life_tokens": 100},
+            "^online_half_life_fraction and online_half_life_tokens each set the EMA's decay: give one$",
+        ),
+        (
+            {"kind": "ema", "half_life_fraction": 0.05, "alpha": 0.3},
+            "^online_half_life_fraction and online_alpha each set the EMA's decay: give one$",
+        ),
         ({"kind": "ema", "window_tokens": 10}, "an EMA has no window"),
         ({"kind": "linear-decay"}, "give online_window_tokens"),
         ({"kind": "sma", "window_tokens": 0}, "online_window_tokens must be a positive"),
@@ -169,6 +198,16 @@ def test_an_unsharded_runs_average_resumes_in_a_sharded_run(tmp_path):
             {"online": "ema", "online_alpha": True},
             "online_alpha must be in (0, 1], got True",
             "pma_ema_alpha must be in (0, 1], got True",
+        ),
+        (
+            {"online": "ema", "online_half_life_fraction": 0.05, "online_half_life_tokens": 1000},
+            "online_half_life_fraction and online_half_life_tokens each set the EMA's decay: give one",
+            "pma_online_half_life_fraction and pma_online_half_life_tokens each set the EMA's decay: give one",
+        ),
+        (
+            {"online_half_life_fraction": 0.05},
+            "online_half_life_tokens, online_half_life_fraction and online_window_tokens need online=",
+            "pma_online_half_life_tokens, pma_online_half_life_fraction and pma_online_window_tokens need pma_online",
         ),
         (
             {"online_device": "device"},

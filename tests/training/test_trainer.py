@@ -54,6 +54,7 @@ def test_merged_eval_sits_beside_live_eval_and_equals_independent_evaluation(set
     assert (merged / "tokenizer.json").is_file() and (merged / "README.md").is_file()
     training = json.loads((merged / "pma_training.json").read_text())
     assert training["pma_evals"] and training["total_tokens"] == trainer.state.num_input_tokens_seen
+    assert training["seed"] == trainer.args.seed and training["learning_rate"] == trainer.args.learning_rate
 
     # Evaluate the merged folder with a plain Trainer: the same loss as eval_pma_loss.
     _model, tokenizer, _train, evaluation, collator = setup
@@ -208,7 +209,7 @@ def test_a_run_that_keeps_diverging_stops_with_a_clear_error(setup, tmp_path):
         ({"pma_online": "online_x"}, r"^pma_online must be one of .* got 'online_x'$"),
         ({"pma_online": "sma", "pma_online_half_life_tokens": 100}, "^pma_online_half_life_tokens is for pma_online='ema'"),
         ({"pma_online": "1-sqrt-decay"}, "give pma_online_window_tokens$"),
-        ({"pma_online_window_tokens": 100}, "^pma_online_half_life_tokens and pma_online_window_tokens need pma_online$"),
+        ({"pma_online_window_tokens": 100}, "^pma_online_half_life_tokens, pma_online_half_life_fraction and pma_online_window_tokens need pma_online$"),
         ({"pma_online": "sma", "pma_online_device": "cuda"}, "^pma_online_device must be one of"),
         ({"pma_online": "sma", "pma_keep_last": 20}, "^pma_keep_last has no effect with pma_online"),
         ({"pma_online": "sma", "pma_spike_recovery": True}, "^pma_spike_recovery restores a merge of the snapshots"),
