@@ -110,14 +110,17 @@ def is_auto(value: Any) -> bool:
     return isinstance(value, str) and value.strip().lower() == AUTO
 
 
-def check_window_count(value: Any, name: str = "window", allow_none: bool = False) -> int | str | None:
-    """``"auto"``, or a positive number of snapshots (``"8"`` read as 8); else a one-line
-    ``ValueError`` naming ``name``."""
+def check_window_count(
+    value: Any, name: str = "window", allow_none: bool = False, text: bool = False
+) -> int | str | None:
+    """``"auto"``, or a positive number of snapshots; else a one-line ``ValueError`` naming
+    ``name``. With ``text`` (a value parsed from a command line or a config file), ``"8"`` reads
+    as 8; from Python a string other than ``"auto"`` is refused (``"10"`` is no count)."""
     if value is None and allow_none:
         return None
     if is_auto(value):
         return AUTO
-    if isinstance(value, str) and value.strip().isdigit():
+    if text and isinstance(value, str) and value.strip().isdigit():
         value = int(value.strip())
     if is_int(value, 1):
         return int(value)

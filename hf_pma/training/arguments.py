@@ -259,7 +259,7 @@ class PMATrainingArguments(TrainingArguments):
         for name in ("pma_interval_tokens", "pma_window_tokens", "pma_keep_last"):
             check_int(getattr(self, name), name, allow_none=True)
         for name in ("pma_window", "pma_recovery_snapshots"):
-            setattr(self, name, check_window_count(getattr(self, name), name))
+            setattr(self, name, check_window_count(getattr(self, name), name, text=True))
         check_int(self.pma_spike_window, "pma_spike_window")
         check_int(self.pma_max_recoveries, "pma_max_recoveries", 0)
         validate_strategy(self.pma_strategy, self.pma_ema_alpha)

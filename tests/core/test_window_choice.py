@@ -108,8 +108,14 @@ def test_auto_is_read_in_any_case(value):
 
 
 @pytest.mark.parametrize("value,expected", [(8, 8), ("8", 8), (" 3 ", 3)])
-def test_counts_are_read(value, expected):
-    assert check_window_count(value) == expected
+def test_counts_are_read_from_text(value, expected):
+    assert check_window_count(value, text=True) == expected
+
+
+def test_from_python_a_count_is_an_int():
+    assert check_window_count(8) == 8
+    with pytest.raises(ValueError, match="^window must be 'auto' or a positive number of snapshots, got '8'"):
+        check_window_count("8")
 
 
 @pytest.mark.parametrize("value", [0, -2, True, 2.5, "x", "", None, [3]])

@@ -461,7 +461,7 @@ def test_swapped_checks_its_arguments_first_and_restores_on_errors(tmp_path):
     before = {k: v.clone() for k, v in model.state_dict().items()}
     for pma in runs.values():
         for last in (0, -1, True, "2", 1.5):
-            with pytest.raises(ValueError, match="^last must be a positive integer"):
+            with pytest.raises(ValueError, match="^last must be 'auto' or a positive number of snapshots"):
                 with pma.swapped(last=last):
                     pass
         with pytest.raises(ValueError, match="^model must be a torch.nn.Module"):

@@ -195,11 +195,12 @@ def test_a_run_that_keeps_diverging_stops_with_a_clear_error(setup, tmp_path):
 @pytest.mark.parametrize(
     "overrides, match",
     [
-        ({"pma_window": 0}, "pma_window must be a positive integer"),
+        ({"pma_window": 0}, "pma_window must be 'auto' or a positive number of snapshots"),
+        ({"pma_window": "ten"}, "pma_window must be 'auto' or a positive number of snapshots, got 'ten'"),
         ({"pma_window_tokens": 0}, "pma_window_tokens must be a positive integer"),
         ({"pma_strategy": "median"}, "unknown merge strategy 'median'"),
         ({"pma_ema_alpha": 1.5, "pma_strategy": "ema"}, "alpha"),
-        ({"pma_keep_last": 3}, r"pma_keep_last \(3\) is smaller than pma_window \(10\)"),
+        ({"pma_keep_last": 3, "pma_window": 10}, r"pma_keep_last \(3\) is smaller than pma_window \(10\)"),
         ({"pma_phases": ["stable", "cooldown"]}, "cooldown"),
         ({"pma_spike_factor": 0.5}, "pma_spike_factor must be greater than 1"),
         ({"pma_init_from": ["./no/such/folder"]}, r"pma_init_from: ./no/such/folder does not exist"),
