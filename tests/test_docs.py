@@ -119,6 +119,14 @@ def test_readme_links_every_manual_page():
     assert missing == set(), f"README.md links pages that do not exist: {sorted(missing)}"
 
 
+def test_the_home_page_lists_every_manual_page():
+    """docs/index.md's table of the manual names every page of the nav (the API pages through
+    api/index.md), so that a new page is not missing from the home page."""
+    listed = set(re.findall(r"^\| \[[^]]+\]\(([^)#\s]+\.md)\)", (DOCS / "index.md").read_text(), re.M))
+    manual = {p for p in _nav_pages(_config()["nav"]) if not p.startswith("api/")} | {"api/index.md"}
+    assert manual - {"index.md"} - listed == set(), f"docs/index.md's table misses {sorted(manual - listed - {'index.md'})}"
+
+
 def test_readme_is_a_front_page():
     lines = README.read_text().splitlines()
     assert len(lines) <= 250, f"README.md has {len(lines)} lines: move the details to docs/"

@@ -248,8 +248,10 @@ class PMATrainingArguments(TrainingArguments):
             # Checked first: the Trainer's own set-up of DeepSpeed comes next.
             raise ValueError(
                 "pma_eval=True is not supported with DeepSpeed ZeRO-3: its parameters are partitioned placeholders "
-                "that merged evaluation cannot swap weights into; set pma_eval=False (snapshots, PMA-init and the "
-                "final merge still work), or train with FSDP, which merged evaluation supports by local slice"
+                "that merged evaluation of snapshots cannot swap weights into (and the online average's swap into "
+                "ZeRO-3 partitions is not tested inside a Trainer); set pma_eval=False (snapshots, the online "
+                "average, PMA-init and the final merge still work; evaluate the merge with hf-pma eval), or train "
+                "with FSDP, which merged evaluation supports by local slice"
             )
         super().__post_init__()
         self._check_pma_arguments()
