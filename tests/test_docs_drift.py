@@ -4,6 +4,7 @@ README is read on GitHub, so it is checked here rather than generated at build t
 
 from __future__ import annotations
 
+import inspect
 import re
 
 import pytest
@@ -267,3 +268,32 @@ def test_the_sweep_prediction_summary_quotes_the_benchmarks_results():
     for window, *cells in rows:
         sweep, ladder = by_window[window]
         assert tuple(cells) == (*sweep[:2], *sweep[2:], *ladder[:2], *ladder[2:]), window
+
+
+def test_the_callback_pages_worked_example_of_the_automatic_v_is_what_the_planner_chooses():
+    """callback.md's example (100B tokens, 4M-token steps, WSD 1,000 + 20,000 + 4,000 steps) is
+    what the automatic V gives, through the planner the callback uses (the schedule probed step
+    by step), for the default phases and for ``phases=["stable"]``."""
+    import torch
+    from transformers import get_wsd_schedule
+
+    from hf_pma.core.schedule import choose_interval, plan_run
+    from hf_pma.snapshots.callback import PMACallback
+    from hf_pma.snapshots.lr_probe import planned_lrs
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    schedule = get_wsd_schedule(optimizer, num_warmup_steps=1000, num_stable_steps=20000, num_decay_steps=4000)
+    lrs, stride = planned_lrs(schedule, 25000)
+    default_phases = inspect.signature(PMACallback.__init__).parameters["phases"].default
+    text = " ".join((REPO_ROOT / "docs" / "callback.md").read_text().split())
+    assert "100B tokens in 4M-token steps (25,000 steps)" in text
+    for phases, words in ((default_phases, "With the default phases (stable and decay), "), (["stable"], 'With `phases=["stable"]`, ')):
+        plan = plan_run(25000, phases, lrs, 1e-3, stride, warmup_steps=1000)
+        choice = choose_interval(4_000_000, 25000, plan.selected_steps())
+        steps = choice.interval_tokens // 4_000_000
+        said = f"{words}{plan.selected_steps():,} steps snapshot"
+        assert said in text, said
+        v = f"auto V = {choice.interval_tokens / 1e9:g}B tokens ("
+        assert v in text[text.index(said) :][:200] and f"every {steps} steps" in text[text.index(said) :][:250]
+        if phases is default_phases:  # the last 10 snapshots of the default choice
+            assert f"the last 10 snapshots span {10 * choice.interval_tokens / 1e9:g}B tokens" in text
