@@ -44,6 +44,7 @@ from hf_pma.io.guarded import read_json
 from hf_pma.training.saving import save_full_model
 from hf_pma.utils.distributed import run_on_main_process
 from hf_pma.utils.fs import atomic_write_json
+from hf_pma.utils.logs import notice
 from hf_pma.utils.names import scheduler_name
 from hf_pma.utils.parsing import check_int, is_int
 from hf_pma.utils.text import escape, shown
@@ -323,7 +324,8 @@ def anneal_from_checkpoint(
         callbacks=list(callbacks) if callbacks else None,
         **extra,
     )
-    logger.warning(
+    notice(
+        logger,
         f"Annealed fork: from {escape(checkpoint.name)} (step {start}), {decay_type} decay of the LR to 0 "
         f"over {steps} steps, to step {start + steps}"
     )

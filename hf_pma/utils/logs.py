@@ -102,17 +102,21 @@ def notice(logger: logging.Logger, message: str) -> None:
     """Log information a user must see: at INFO where ``logger`` shows INFO, else at WARNING.
 
     A plain script shows warnings only (Python's and transformers' default), so what a user must
-    know (where the snapshots go, what the first one cost) is promoted to WARNING there; once the
-    user shows hf-pma's INFO (:func:`enable_logging`, ``logging.basicConfig(level=logging.INFO)``)
-    it is an INFO line like the others. Nothing is logged when transformers' verbosity is above
-    WARNING (``transformers.logging.set_verbosity_error()``: the user asked for quiet).
+    know (where the snapshots go, what the first one cost) passes there at WARNING's level, but
+    is named what it is: the record's ``levelname`` stays ``INFO`` (no ``[WARNING|...]`` line
+    for news that is no warning). Once the user shows hf-pma's INFO (:func:`enable_logging`,
+    ``logging.basicConfig(level=logging.INFO)``) it is an INFO line like the others. Nothing is
+    logged when transformers' verbosity is above WARNING (``set_verbosity_error()``: quiet).
     """
     from transformers.utils import logging as hf_logging
 
     if logger.isEnabledFor(logging.INFO):
-        logger.info(message)
-    elif hf_logging.get_verbosity() <= logging.WARNING:
-        logger.warning(message)
+        logger.info(message, stacklevel=2)
+    elif hf_logging.get_verbosity() <= logging.WARNING and logger.isEnabledFor(logging.WARNING):
+        path, line, function, _ = logger.findCaller(stacklevel=2)
+        record = logger.makeRecord(logger.name, logging.WARNING, path, line, message, None, None, function)
+        record.levelname = logging.getLevelName(logging.INFO)
+        logger.handle(record)
 
 
 class _QuietThreadFilter(logging.Filter):

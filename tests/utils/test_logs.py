@@ -113,6 +113,7 @@ def test_quiet_info_drops_only_the_calling_threads_records():
 
 
 def test_notice_is_a_warning_for_plain_scripts_and_info_where_info_is_shown(caplog):
+    """Shown at WARNING's level where only warnings are, but named INFO: news is no warning."""
     logger = logging.getLogger("hf_pma.test_notice")
     with caplog.at_level(logging.WARNING, logger="hf_pma"):
         notice(logger, "one")
@@ -125,8 +126,9 @@ def test_notice_is_a_warning_for_plain_scripts_and_info_where_info_is_shown(capl
             notice(logger, "three")
     finally:
         hf_logging.set_verbosity(previous)
-    got = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == logger.name]
-    assert got == [("WARNING", "one"), ("INFO", "two")]
+    got = [(r.levelno, r.levelname, r.getMessage()) for r in caplog.records if r.name == logger.name]
+    assert got == [(logging.WARNING, "INFO", "one"), (logging.INFO, "INFO", "two")]
+    assert {r.filename for r in caplog.records if r.name == logger.name} == {"test_logs.py"}  # the caller's line
 
 
 def test_a_level_the_script_set_survives_the_pmatrainer_it_builds(tmp_path, monkeypatch):
