@@ -321,7 +321,7 @@ def run_sweep(
     ``duplicate_of`` when it repeats an earlier combination's merge), ``skipped``, ``metric``,
     ``higher_is_better`` and ``best`` (a combination's label).
     """
-    from tqdm.auto import tqdm
+    from hf_pma.utils.logs import progress_bar
 
     sources = _source_list(run)
     tokens = [s.tokens for s in sources]
@@ -365,7 +365,7 @@ def run_sweep(
 
     done: dict[tuple, tuple[str, dict[str, Any]]] = {((len(sources) - 1, 1.0),): (BASELINE_LABEL, baseline)}
     entries = []
-    for combo in tqdm(combos, desc="Sweep", unit="merge", disable=not progress):
+    for combo in progress_bar(combos, desc="Sweep", unit="merge", disable=not progress):
         key = combo.key()
         duplicate_of = None
         if key in done:
