@@ -297,3 +297,18 @@ def test_the_callback_pages_worked_example_of_the_automatic_v_is_what_the_planne
         assert v in text[text.index(said) :][:200] and f"every {steps} steps" in text[text.index(said) :][:250]
         if phases is default_phases:  # the last 10 snapshots of the default choice
             assert f"the last 10 snapshots span {10 * choice.interval_tokens / 1e9:g}B tokens" in text
+
+
+DROPS_SNAPSHOTS = r"\bsnapshots\b[^;]*\bare (dropped|deleted)\b|\b(drops?|deletes?) (the |its )?(later )?snapshots"
+
+
+def test_no_page_says_a_resume_drops_snapshots():
+    """A resume sets later snapshots aside (kept on disk and in the manifest, excluded from merges,
+    until the run passes them): no sentence of the manual says it drops or deletes them."""
+    wrong = []
+    for page in sorted((REPO_ROOT / "docs").rglob("*.md")):
+        text = " ".join(page.read_text().split())
+        for sentence in re.split(r"(?<=[.;:])\s", text):
+            if re.search(r"\bresum", sentence) and re.search(DROPS_SNAPSHOTS, sentence, re.I):
+                wrong.append(f"{page.name}: {sentence[:120]}")
+    assert wrong == [], wrong
