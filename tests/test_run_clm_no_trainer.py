@@ -80,7 +80,7 @@ def test_the_page_gives_three_blocks_each_before_named_lines_at_their_indentatio
     assert [anchors for anchors, _ in inserts] == [
         ("# Potentially load in the weights and states from a previous save",),
         ("# Checks if the accelerator has performed an optimization step behind the scenes",),
-        ("if args.with_tracking:", "accelerator.end_training()"),
+        ("accelerator.end_training()",),
     ]
     # As printed: main()'s body, the training loop's body (for epoch, for batch: 12 spaces), main()'s body.
     assert [len(_indent(code)) for _, code in inserts] == [4, 12, 4]
