@@ -312,3 +312,22 @@ def test_no_page_says_a_resume_drops_snapshots():
             if re.search(r"\bresum", sentence) and re.search(DROPS_SNAPSHOTS, sentence, re.I):
                 wrong.append(f"{page.name}: {sentence[:120]}")
     assert wrong == [], wrong
+
+
+def test_the_default_runs_time_and_the_suites_size_are_each_said_one_way():
+    """How long the default run took is the measured "**M min S s** end to end" (the same in the
+    README and the quickstart), and no page, nor the config, gives it another way ("about N
+    minutes"); the suite's test count and time are said in the README's Tests section only."""
+    config = REPO_ROOT / "scripts" / "configs" / "tiny.yaml"
+    places = [REPO_ROOT / "README.md", config, *sorted((REPO_ROOT / "docs").rglob("*.md"))]
+    measured, other, counts = set(), [], []
+    for path in places:
+        text = " ".join(path.read_text().split())
+        measured |= set(re.findall(r"\*\*(\d+ min \d+ s)\*\* end to end", text))
+        for sentence in re.split(r"(?<=[.;])\s", text):
+            if re.search(r"default run|test suite|the suite|tiny\.yaml|Llama on 3 MB", sentence):
+                other += [f"{path.name}: {m}" for m in re.findall(r"(?:about|~) ?\d+ min(?:utes?)?\b", sentence)]
+        counts += [f"{path.name}: {m}" for m in re.findall(r"\b[\d,]{3,} tests\b", text)]
+    assert len(measured) == 1, f"the default run's time is given as {sorted(measured)}"
+    assert other == [], f"times given another way: {other}"
+    assert [c.split(":")[0] for c in counts] == ["README.md"], counts
