@@ -355,6 +355,51 @@ def test_output_shown_is_checked_or_an_example():
     assert not unlabelled, f"fenced blocks without a language: {unlabelled}"
 
 
+PLAIN_RULE = re.compile(r"^-{3,}(  +-{3,})+$", re.M)  # text_table's rule under its header
+
+
+def test_example_outputs_are_shown_as_the_commands_print_them():
+    """hf-pma prints its tables as markdown (``markdown_table``: eval, sweep, compare, the card), but
+    for ``hf-pma inspect``'s listing and diagnostics (``text_table``), and sizes in binary units
+    (``format_bytes``: KiB, MiB, GiB): an output block shows a plain table only after a paragraph
+    about ``inspect``, and no size in MB or GB."""
+    wrong = []
+    for page, example in _output_blocks():
+        shown, before = str(example.parsed), example.document.text[: example.start]
+        paragraph = before.rstrip().rsplit("\n\n", 1)[-1]
+        if PLAIN_RULE.search(shown) and "inspect" not in paragraph and "geometry" not in paragraph:
+            wrong.append(f"{page}:{example.line}: a plain table where the command prints markdown")
+        if re.search(r"\d (MB|GB|KB)\b", shown):
+            wrong.append(f"{page}:{example.line}: MB/GB where the command prints MiB/GiB")
+    assert wrong == [], wrong
+
+
+OUTPUT_FLAGS = {"-o", "--output", "--best", "--plot", "--output-dir"}
+
+
+def test_pages_name_their_own_outputs():
+    """A user runs the pages one after the other in one folder: no two pages (nor two commands of
+    one page, unless the second says ``--overwrite``) write an output of the same name (an
+    ``hf-pma`` output option, or a script's ``output_dir="..."``), run blocks and others alike."""
+    writers: dict[str, list[tuple[str, int, bool]]] = {}
+    for page in ["README.md", *ALL_PAGES]:
+        for example in SYBIL.parse(REPO_ROOT / page):
+            source = str(example.parsed)
+            names = [(m, False) for m in re.findall(r'output_dir="([^"]+)"', source)]
+            if example.region.lexemes["arguments"] == "bash":
+                for words in _commands(source):
+                    names += [(words[i + 1].rstrip("/"), "--overwrite" in words)
+                              for i, w in enumerate(words[:-1]) if w in OUTPUT_FLAGS]  # fmt: skip
+            for name, overwrite in names:
+                writers.setdefault(name, []).append((page, example.line, overwrite))
+    reused = {
+        name: where
+        for name, where in writers.items()
+        if len({page for page, _, _ in where}) > 1 or sum(not overwrite for _, _, overwrite in where) > 1
+    }
+    assert reused == {}, f"outputs written by more than one command: {reused}"
+
+
 # --- The records format.md shows are those the callback example writes -------------------------
 
 VARYING = {"time", "created", "loss", "step_loss", "hf_pma_version"}  # differ from run to run
