@@ -50,6 +50,7 @@ _LAZY = {
     "check_decay_type": "hf_pma.training.annealing",
     "save_full_model": "hf_pma.training.saving",
     "stdlib_documents": "hf_pma.training.pretrain_data",
+    "read_documents": "hf_pma.training.pretrain_data",
     "train_bpe_tokenizer": "hf_pma.training.pretrain_data",
     "pack_dataset": "hf_pma.training.pretrain_data",
     "full_batches": "hf_pma.training.pretrain_data",
@@ -112,6 +113,7 @@ if TYPE_CHECKING:  # what _LAZY says, for type checkers and IDEs (nothing is imp
     from hf_pma.training.pretrain_data import (
         full_batches,
         pack_dataset,
+        read_documents,
         stdlib_documents,
         train_bpe_tokenizer,
     )
@@ -163,6 +165,7 @@ __all__ = [
     "check_decay_type",
     "save_full_model",
     "stdlib_documents",
+    "read_documents",
     "train_bpe_tokenizer",
     "pack_dataset",
     "full_batches",

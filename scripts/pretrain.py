@@ -54,17 +54,16 @@ from hf_pma import (
     fits_context,
     full_batches,
     is_main_process,
-    load_documents,
     make_tasks_from_split,
     pack_dataset,
     parse_with_config,
+    read_documents,
     redact,
     resolve_token,
     results_table,
     run_on_main_process,
     save_full_model,
     split_documents,
-    stdlib_documents,
     train_bpe_tokenizer,
     warn_if_fewer_processes,
 )
@@ -124,7 +123,8 @@ class DataArguments:
 
 @dataclasses.dataclass
 class ComparisonArguments:
-    """The annealed model that the merge is compared with, at the same tokens."""
+    """The annealed model that the merge is compared with, at the same tokens (the library's
+    ``pma_anneal_*`` options, in this script's words: ``ANNEAL_SPELLING``)."""
 
     anneal_steps: int = _arg(0, "Annealed fork: the last N steps again, LR decayed to 0. 0: none.")
     anneal_decay_type: str = _arg("linear", "Shape of the fork's decay: linear, cosine or 1-sqrt.")
@@ -133,6 +133,10 @@ class ComparisonArguments:
         if self.anneal_steps < 0:
             raise ValueError(f"anneal_steps must be 0 or positive, got {self.anneal_steps}")
         check_decay_type(self.anneal_decay_type, "anneal_decay_type")
+
+
+ANNEAL_SPELLING = {"pma_anneal_steps": "--anneal_steps", "pma_anneal_tokens": "--anneal_steps (in steps)",
+                   "pma_anneal_decay": "--anneal_decay_type"}  # fmt: skip
 
 
 class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
@@ -146,7 +150,7 @@ def parse_arguments(argv: list[str]) -> tuple:
     parser = HfArgumentParser(
         dataclass_types, description=__doc__.split("\n\n")[0], epilog=USAGE_NOTE, formatter_class=_Formatter
     )
-    model_args, data, comparison, args = parse_with_config(parser, argv, DEFAULT_CONFIG)
+    model_args, data, comparison, args = parse_with_config(parser, argv, DEFAULT_CONFIG, spelled=ANNEAL_SPELLING)
     if data.token_budget:  # the global batch is known: processes x per device x accumulation
         batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size
         args.max_steps = max(1, data.token_budget // (batch * data.block_size))
@@ -156,25 +160,6 @@ def parse_arguments(argv: list[str]) -> tuple:
         args.pma_anneal_steps, args.pma_anneal_decay = comparison.anneal_steps, comparison.anneal_decay_type
         args.check_annealing()
     return model_args, data, comparison, args
-
-
-def read_documents(data: DataArguments) -> tuple[list[str], str]:
-    """The corpus as a list of documents, and a name for it (for the card)."""
-    name, column, limit = data.dataset_name, data.text_column, data.max_documents
-    if data.train_files:
-        return load_documents(data.train_files, text_column=column)[:limit], "local files"
-    if not name:
-        return stdlib_documents(max_bytes=data.default_corpus_bytes), "local:python-stdlib"
-    import datasets
-
-    split = {"split": data.dataset_split, "streaming": data.streaming}
-    ds = datasets.load_dataset(name, data.dataset_config_name, **split)
-    if data.streaming and limit is None:
-        raise ValueError("--streaming needs --max_documents (documents to read, train and held-out together)")
-    if column not in (ds.column_names or []):
-        raise ValueError(f"{name} has no column {column!r} (columns: {ds.column_names})")
-    rows = ds.take(limit) if data.streaming else ds
-    return [row[column] for _, row in zip(range(limit or len(ds)), rows)], name
 
 
 def build_tokenizer(model_args: ModelArguments, train_docs: list[str], cache_dir: Path):
@@ -246,7 +231,10 @@ def main(argv: list[str] | None = None) -> int:
             if old.exists():
                 logger.warning(f"--overwrite_output_dir: deleting the earlier run's {old}")
                 shutil.rmtree(old)
-    docs, corpus_name = read_documents(data)
+    docs, corpus_name = read_documents(
+        data.train_files, data.dataset_name, data.dataset_config_name, data.dataset_split, data.streaming,
+        data.text_column, data.max_documents, data.default_corpus_bytes,
+    )  # fmt: skip
     train_docs, heldout = split_documents(docs, eval_fraction=data.eval_fraction, seed=args.seed)
     cache_dir = Path(os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface")) / "hf_pma/tokenizers"
     tokenizer = run_on_main_process(build_tokenizer, model_args, train_docs, cache_dir)
@@ -254,9 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     train_ds = full_batches(pack_dataset(train_docs, tokenizer, data.block_size), global_batch)
     # The Trainer's evaluations read evenly spread blocks of the final evaluation's text: comparable.
     texts = [doc[: data.max_eval_chars] for doc in heldout[: data.max_eval_texts]]
-    eval_ds = pack_dataset(texts, tokenizer, data.block_size)
-    count = min(len(eval_ds), data.max_eval_blocks)
-    eval_ds = eval_ds.select([i * len(eval_ds) // count for i in range(count)])
+    eval_ds = pack_dataset(texts, tokenizer, data.block_size, max_blocks=data.max_eval_blocks)
     model = build_model(model_args, tokenizer, data.block_size)
     logger.info(
         f"{corpus_name}: {len(train_docs)} train / {len(heldout)} held-out documents, {len(train_ds)} blocks of "
@@ -287,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
         tasks, include = ",".join(names), out / "tasks"
     # The last snapshot, the merge and the annealed model on the same held-out documents: the
     # record, the paired comparison and the card (every process calls it; the main one evaluates).
-    results = trainer.annealing_check(texts, tasks=tasks, include_path=include, block_size=data.block_size)
+    kwargs = {"tasks": tasks, "include_path": include, "block_size": data.block_size, "live": out / "final"}
+    results = trainer.annealing_check(texts, **kwargs)
     if is_main_process():
         if push_merged:
             url = trainer.push_merged_to_hub(repo_id=args.hub_model_id, revision=args.pma_push_revision)

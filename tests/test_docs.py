@@ -14,6 +14,7 @@ import inspect
 import os
 import pkgutil
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -58,21 +59,47 @@ def _dedent_block(block: str) -> str:
     return "\n".join(x[indent:] for x in lines)
 
 
-def test_docs_build_strict(tmp_path):
-    """``mkdocs build --strict`` succeeds offline: no broken link, reference or API page."""
+def _build(root: Path, site: Path) -> subprocess.CompletedProcess:
+    """``mkdocs build --strict`` of the project at ``root``, as CI runs it: without ``-q``, under
+    which mkdocs 1.6 does not count warnings, so that a broken link or anchor fails the build."""
     env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "-q", "-d", str(tmp_path / "site")],
-        cwd=REPO_ROOT,
+    return subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(site)],
+        cwd=root,
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
     )
+
+
+def test_docs_build_strict(tmp_path):
+    """``mkdocs build --strict`` succeeds offline: no broken link, anchor, reference or API page."""
+    proc = _build(REPO_ROOT, tmp_path / "site")
     assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
+    assert "WARNING" not in proc.stderr, proc.stderr
     assert (tmp_path / "site" / "api" / "snapshots" / "index.html").is_file()
     html = (tmp_path / "site" / "cli" / "index.html").read_text()
     assert "usage: hf-pma merge" in html  # the CLI reference is rendered from the parsers
+    assert 'href="../security/"' in (tmp_path / "site" / "changelog" / "index.html").read_text()
+
+
+def test_docs_build_fails_on_a_broken_link_or_anchor(tmp_path):
+    """The build of :func:`test_docs_build_strict`, on a copy of the docs with one broken link and
+    one broken anchor (and CHANGELOG.md linking a page that does not exist), fails naming each."""
+    copy = tmp_path / "copy"
+    shutil.copytree(DOCS, copy / "docs")
+    shutil.copy(REPO_ROOT / "mkdocs.yml", copy / "mkdocs.yml")
+    for name in ("hf_pma", "benchmarks", "scripts", "README.md"):
+        (copy / name).symlink_to(REPO_ROOT / name)
+    changelog = (REPO_ROOT / "CHANGELOG.md").read_text()
+    (copy / "CHANGELOG.md").write_text(changelog + "\n- [Gone](docs/no-such-page.md)\n")
+    quickstart = copy / "docs" / "quickstart.md"
+    quickstart.write_text(quickstart.read_text() + "\n[a page](no-such-page.md) and [a section](merging.md#no-such-anchor)\n")
+    proc = _build(copy, tmp_path / "site")
+    assert proc.returncode != 0
+    for broken in ("no-such-page.md', but the target", "#no-such-anchor", "changelog.md' contains a link 'no-such-page.md'"):
+        assert broken in proc.stderr, proc.stderr
 
 
 def test_every_page_is_in_the_nav():
@@ -90,6 +117,14 @@ def test_readme_links_every_manual_page():
     assert manual - linked == set(), f"README.md does not link these docs pages: {sorted(manual - linked)}"
     missing = {p for p in linked if not (DOCS / p).is_file()}
     assert missing == set(), f"README.md links pages that do not exist: {sorted(missing)}"
+
+
+def test_the_home_page_lists_every_manual_page():
+    """docs/index.md's table of the manual names every page of the nav (the API pages through
+    api/index.md), so that a new page is not missing from the home page."""
+    listed = set(re.findall(r"^\| \[[^]]+\]\(([^)#\s]+\.md)\)", (DOCS / "index.md").read_text(), re.M))
+    manual = {p for p in _nav_pages(_config()["nav"]) if not p.startswith("api/")} | {"api/index.md"}
+    assert manual - {"index.md"} - listed == set(), f"docs/index.md's table misses {sorted(manual - listed - {'index.md'})}"
 
 
 def test_readme_is_a_front_page():

@@ -6,6 +6,7 @@ here rather than generated at build time."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import re
 
@@ -273,3 +274,66 @@ def test_the_sweep_prediction_summary_quotes_the_benchmarks_results():
     for window, *cells in rows:
         sweep, ladder = by_window[window]
         assert tuple(cells) == (*sweep[:2], *sweep[2:], *ladder[:2], *ladder[2:]), window
+
+
+def test_the_callback_pages_worked_example_of_the_automatic_v_is_what_the_planner_chooses():
+    """callback.md's example (100B tokens, 4M-token steps, WSD 1,000 + 20,000 + 4,000 steps) is
+    what the automatic V gives, through the planner the callback uses (the schedule probed step
+    by step), for the default phases and for ``phases=["stable"]``."""
+    import torch
+    from transformers import get_wsd_schedule
+
+    from hf_pma.core.schedule import choose_interval, plan_run
+    from hf_pma.snapshots.callback import PMACallback
+    from hf_pma.snapshots.lr_probe import planned_lrs
+
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    schedule = get_wsd_schedule(optimizer, num_warmup_steps=1000, num_stable_steps=20000, num_decay_steps=4000)
+    lrs, stride = planned_lrs(schedule, 25000)
+    default_phases = inspect.signature(PMACallback.__init__).parameters["phases"].default
+    text = " ".join((REPO_ROOT / "docs" / "callback.md").read_text().split())
+    assert "100B tokens in 4M-token steps (25,000 steps)" in text
+    for phases, words in ((default_phases, "With the default phases (stable and decay), "), (["stable"], 'With `phases=["stable"]`, ')):
+        plan = plan_run(25000, phases, lrs, 1e-3, stride, warmup_steps=1000)
+        choice = choose_interval(4_000_000, 25000, plan.selected_steps())
+        steps = choice.interval_tokens // 4_000_000
+        said = f"{words}{plan.selected_steps():,} steps snapshot"
+        assert said in text, said
+        v = f"auto V = {choice.interval_tokens / 1e9:g}B tokens ("
+        assert v in text[text.index(said) :][:200] and f"every {steps} steps" in text[text.index(said) :][:250]
+        if phases is default_phases:  # the last 10 snapshots of the default choice
+            assert f"the last 10 snapshots span {10 * choice.interval_tokens / 1e9:g}B tokens" in text
+
+
+DROPS_SNAPSHOTS = r"\bsnapshots\b[^;]*\bare (dropped|deleted)\b|\b(drops?|deletes?) (the |its )?(later )?snapshots"
+
+
+def test_no_page_says_a_resume_drops_snapshots():
+    """A resume sets later snapshots aside (kept on disk and in the manifest, excluded from merges,
+    until the run passes them): no sentence of the manual says it drops or deletes them."""
+    wrong = []
+    for page in sorted((REPO_ROOT / "docs").rglob("*.md")):
+        text = " ".join(page.read_text().split())
+        for sentence in re.split(r"(?<=[.;:])\s", text):
+            if re.search(r"\bresum", sentence) and re.search(DROPS_SNAPSHOTS, sentence, re.I):
+                wrong.append(f"{page.name}: {sentence[:120]}")
+    assert wrong == [], wrong
+
+
+def test_the_default_runs_time_and_the_suites_size_are_each_said_one_way():
+    """How long the default run took is the measured "**M min S s** end to end" (the same in the
+    README and the quickstart), and no page, nor the config, gives it another way ("about N
+    minutes"); the suite's test count and time are said in the README's Tests section only."""
+    config = REPO_ROOT / "scripts" / "configs" / "tiny.yaml"
+    places = [REPO_ROOT / "README.md", config, *sorted((REPO_ROOT / "docs").rglob("*.md"))]
+    measured, other, counts = set(), [], []
+    for path in places:
+        text = " ".join(path.read_text().split())
+        measured |= set(re.findall(r"\*\*(\d+ min \d+ s)\*\* end to end", text))
+        for sentence in re.split(r"(?<=[.;])\s", text):
+            if re.search(r"default run|test suite|the suite|tiny\.yaml|Llama on 3 MB", sentence):
+                other += [f"{path.name}: {m}" for m in re.findall(r"(?:about|~) ?\d+ min(?:utes?)?\b", sentence)]
+        counts += [f"{path.name}: {m}" for m in re.findall(r"\b[\d,]{3,} tests\b", text)]
+    assert len(measured) == 1, f"the default run's time is given as {sorted(measured)}"
+    assert other == [], f"times given another way: {other}"
+    assert [c.split(":")[0] for c in counts] == ["README.md"], counts

@@ -1,7 +1,7 @@
 """The manual runs: every Python snippet and shell command block of README.md and docs/ is
-executed, page by page and in order, in a temporary working folder that holds a small default
-run (``runs/pma-tiny``: snapshots, its merge, final and annealed models, tasks; see
-:func:`doc_folder`).
+executed, page by page and in order, in a temporary working folder that holds what users have
+there (:func:`doc_folder`): a short real default run of ``scripts/pretrain.py``
+(``runs/pma-tiny``), a user's Trainer checkpoints (``out/``) and a folder of text files.
 
 A block that cannot run here is marked so in the Markdown source, visibly, right before it::
 
@@ -35,15 +35,12 @@ import shutil
 from pathlib import Path
 
 import pytest
-import torch
 from sybil import Sybil
 from sybil.parsers.markdown import CodeBlockParser
 
 from hf_pma import cli
-from hf_pma.core.manifest import PMA_SUBDIR, SnapshotRecord, write_manifest
 from tests.helpers.cli import run_cli
-from tests.helpers.data import sample_text, write_small_tasks
-from tests.helpers.models import make_tiny_model, save_model_folder
+from tests.helpers.data import sample_text
 from tests.helpers.repo import REPO_ROOT
 
 # How the pages spell the command: the parser's program name, or ``-m`` and the CLI's module.
@@ -51,59 +48,29 @@ PROG, CLI_MODULE = cli.build_parser().prog, cli.__name__
 NOT_RUN = re.compile(r"<!--\s*not run:\s*(.*?)\s*-->", re.S)
 RUN_LANGUAGES = ("python", "bash")
 
-# The default run, small: the names of scripts/configs/tiny.yaml (V = 20,480 tokens, the newest
-# 10 snapshots kept, the last one at 1,024,000 tokens, the merge of the last 8).
-INTERVAL, KEPT, LAST = 20480, 10, 1_024_000
-
-
-def _snapshot(i: int, tokens: int, tokenizer=None):
-    model = make_tiny_model(seed=0)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(i)
-        for p in model.parameters():
-            p.add_(0.02 * torch.randn(p.shape, generator=g))
-    return model
-
-
 @pytest.fixture(scope="module")
-def doc_folder(tmp_path_factory, tiny_tokenizer) -> Path:
-    """What the pages' commands read, made once: ``runs/pma-tiny`` as the default run leaves it
-    (tokenizer, ``pma/`` with the newest 10 snapshots and the merge of the last 8, ``final/``,
-    ``annealed/``, ``tasks/`` with ``heldout.jsonl`` and the generated tasks), ``out/checkpoint-*``
-    (Trainer checkpoints), ``data/`` (a folder of text files) and ``heldout.jsonl``."""
-    from hf_pma import merge_checkpoints
+def doc_folder(tmp_path_factory) -> Path:
+    """What the pages' commands read, made once and the way users make it: ``runs/pma-tiny`` by a
+    real run of ``scripts/pretrain.py`` with the default's names
+    (:func:`tests.helpers.pretrain_runs.docs_default_run`: snapshots, merge, ``final/``,
+    ``annealed/``, ``tasks/``, and nothing the script does not write), ``out/checkpoint-*`` by a
+    user's plain ``Trainer`` script (a checkpoint every 10 steps), ``data/`` (a folder of text
+    files) and ``heldout.jsonl`` (the run's held-out file, copied as a user would)."""
+    from transformers import Trainer, TrainingArguments
+
+    from tests.helpers.pretrain_runs import docs_default_run
+    from tests.helpers.training import lm_setup, quiet_args
 
     root = tmp_path_factory.mktemp("docs-run")
-    run = root / "runs" / "pma-tiny"
-    pma = run / PMA_SUBDIR
-    pma.mkdir(parents=True)
-    tiny_tokenizer.save_pretrained(run)
-    records = []
-    for i in range(KEPT):
-        tokens = LAST - (KEPT - 1 - i) * INTERVAL
-        step = tokens // 1024
-        record = SnapshotRecord(
-            path=f"snapshot-{tokens}",
-            tokens=tokens,
-            step=step,
-            lr=3e-3,
-            loss=4.0 - 0.01 * i,
-            phase="stable",
-            extra={"interval_tokens": INTERVAL},
-        )
-        save_model_folder(pma / record.path, _snapshot(i, tokens), extra=record.to_dict())
-        records.append(record)
-    write_manifest(pma, records, interval_tokens=INTERVAL)
-    merge_checkpoints([pma], pma / "merged", last=8)
-    for name, seed in (("final", 1), ("annealed", 2)):
-        save_model_folder(run / name, make_tiny_model(seed=seed), tiny_tokenizer)
-    tasks = write_small_tasks(run / "tasks")
-    shutil.copy(tasks / "heldout.jsonl", root / "heldout.jsonl")
-    for step in (100, 200, 300, 400, 500):  # Trainer checkpoints: out/checkpoint-<step>
-        checkpoint = save_model_folder(
-            root / "out" / f"checkpoint-{step}", _snapshot(step, step), tiny_tokenizer
-        )
-        (checkpoint / "trainer_state.json").write_text(f'{{"global_step": {step}, "log_history": []}}')
+    run = docs_default_run(root)
+    shutil.copy(run / "tasks" / "heldout.jsonl", root / "heldout.jsonl")
+    model, tokenizer, train, _, collator = lm_setup()
+    arguments = quiet_args(max_steps=50, save_strategy="steps", save_steps=10, learning_rate=1e-3)
+    user_trainer = Trainer(
+        model, TrainingArguments(output_dir=str(root / "out"), **arguments), train_dataset=train,
+        data_collator=collator, processing_class=tokenizer,
+    )  # fmt: skip
+    user_trainer.train()
     data = root / "data"
     data.mkdir()
     lines = sample_text(30_000).splitlines()
@@ -353,6 +320,51 @@ def test_output_shown_is_checked_or_an_example():
             wrong.append(f"{page}:{example.line}")
     assert not wrong, f"output blocks neither checked nor said to be an example: {wrong}"
     assert not unlabelled, f"fenced blocks without a language: {unlabelled}"
+
+
+PLAIN_RULE = re.compile(r"^-{3,}(  +-{3,})+$", re.M)  # text_table's rule under its header
+
+
+def test_example_outputs_are_shown_as_the_commands_print_them():
+    """hf-pma prints its tables as markdown (``markdown_table``: eval, sweep, compare, the card), but
+    for ``hf-pma inspect``'s listing and diagnostics (``text_table``), and sizes in binary units
+    (``format_bytes``: KiB, MiB, GiB): an output block shows a plain table only after a paragraph
+    about ``inspect``, and no size in MB or GB."""
+    wrong = []
+    for page, example in _output_blocks():
+        shown, before = str(example.parsed), example.document.text[: example.start]
+        paragraph = before.rstrip().rsplit("\n\n", 1)[-1]
+        if PLAIN_RULE.search(shown) and "inspect" not in paragraph and "geometry" not in paragraph:
+            wrong.append(f"{page}:{example.line}: a plain table where the command prints markdown")
+        if re.search(r"\d (MB|GB|KB)\b", shown):
+            wrong.append(f"{page}:{example.line}: MB/GB where the command prints MiB/GiB")
+    assert wrong == [], wrong
+
+
+OUTPUT_FLAGS = {"-o", "--output", "--best", "--plot", "--output-dir"}
+
+
+def test_pages_name_their_own_outputs():
+    """A user runs the pages one after the other in one folder: no two pages (nor two commands of
+    one page, unless the second says ``--overwrite``) write an output of the same name (an
+    ``hf-pma`` output option, or a script's ``output_dir="..."``), run blocks and others alike."""
+    writers: dict[str, list[tuple[str, int, bool]]] = {}
+    for page in ["README.md", *ALL_PAGES]:
+        for example in SYBIL.parse(REPO_ROOT / page):
+            source = str(example.parsed)
+            names = [(m, False) for m in re.findall(r'output_dir="([^"]+)"', source)]
+            if example.region.lexemes["arguments"] == "bash":
+                for words in _commands(source):
+                    names += [(words[i + 1].rstrip("/"), "--overwrite" in words)
+                              for i, w in enumerate(words[:-1]) if w in OUTPUT_FLAGS]  # fmt: skip
+            for name, overwrite in names:
+                writers.setdefault(name, []).append((page, example.line, overwrite))
+    reused = {
+        name: where
+        for name, where in writers.items()
+        if len({page for page, _, _ in where}) > 1 or sum(not overwrite for _, _, overwrite in where) > 1
+    }
+    assert reused == {}, f"outputs written by more than one command: {reused}"
 
 
 # --- The records format.md shows are those the callback example writes -------------------------

@@ -35,51 +35,78 @@ STEPS = 12
 CHECKPOINT_EVERY = 4
 KILL_AFTER_STATE = 8  # the killed run dies right after saving step_8; it resumes from step_4
 
-_INSERT = re.compile(r"\*\*\d\. Before the line `(?P<anchor>[^`]+)`\*\*.*?```python\n(?P<code>.*?)```", re.S)
+# "**N. Before the line `A`**" or "**N. Before the lines `A` / `B`**" (consecutive lines), then the block.
+_INSERT = re.compile(
+    r"\*\*\d\. Before the lines? `(?P<anchor>[^`]+)`(?: / `(?P<next>[^`]+)`)?\*\*.*?```python\n(?P<code>.*?)```", re.S
+)
 
 
-def docs_inserts() -> list[tuple[str, str]]:
-    """``(anchor line, code)`` for each "Before the line `...`" block of the page's lines to add."""
+def docs_inserts() -> list[tuple[tuple[str, ...], str]]:
+    """``(anchor lines, code as printed)`` for each "Before the line(s) `...`" block of the page's
+    lines to add: the code keeps the indentation the page prints it with."""
     section = PAGE.read_text().split("## The lines to add", 1)[1].split("\n## ", 1)[0]
-    return [(m["anchor"], textwrap.dedent(m["code"])) for m in _INSERT.finditer(section)]
+    return [(tuple(a for a in (m["anchor"], m["next"]) if a), m["code"]) for m in _INSERT.finditer(section)]
 
 
-def apply_inserts(script: str, inserts: list[tuple[str, str]]) -> str:
-    """The script with each block inserted before its anchor line, at the anchor's indentation."""
+def _indent(text: str) -> str:
+    first = next(line for line in text.splitlines() if line.strip())
+    return first[: len(first) - len(first.lstrip())]
+
+
+def apply_inserts(script: str, inserts: list[tuple[tuple[str, ...], str]]) -> str:
+    """The script with each block pasted as printed before its anchor lines (found once, in a
+    row); a block not printed at its anchor's indentation is an error: pasted as printed it
+    would not run."""
     lines = script.splitlines(keepends=True)
-    for anchor, code in inserts:
-        found = [i for i, line in enumerate(lines) if line.strip() == anchor]
+    for anchors, code in inserts:
+        found = [
+            i for i in range(len(lines))
+            if [line.strip() for line in lines[i : i + len(anchors)]] == list(anchors)
+        ]  # fmt: skip
         if len(found) != 1:
-            raise AssertionError(f"the anchor {anchor!r} is on {len(found)} lines of the script, not one")
+            raise AssertionError(f"the anchor {anchors!r} is on {len(found)} lines of the script, not one")
         at = found[0]
-        indent = lines[at][: len(lines[at]) - len(lines[at].lstrip())]
-        lines[at:at] = [textwrap.indent(code, indent)]
+        if _indent(code) != _indent(lines[at]):
+            raise AssertionError(
+                f"the block before {anchors[0]!r} is printed at {len(_indent(code))} spaces, the line at "
+                f"{len(_indent(lines[at]))}"
+            )
+        lines[at:at] = [code]
     return "".join(lines)
 
 
-def test_the_page_gives_three_blocks_each_before_a_named_line():
+def test_the_page_gives_three_blocks_each_before_named_lines_at_their_indentation():
     inserts = docs_inserts()
-    assert [anchor for anchor, _ in inserts] == [
-        "# Potentially load in the weights and states from a previous save",
-        "# Checks if the accelerator has performed an optimization step behind the scenes",
-        "accelerator.end_training()",
+    assert [anchors for anchors, _ in inserts] == [
+        ("# Potentially load in the weights and states from a previous save",),
+        ("# Checks if the accelerator has performed an optimization step behind the scenes",),
+        ("accelerator.end_training()",),
     ]
+    # As printed: main()'s body, the training loop's body (for epoch, for batch: 12 spaces), main()'s body.
+    assert [len(_indent(code)) for _, code in inserts] == [4, 12, 4]
     assert "PMASnapshots(" in inserts[0][1] and "register_for_checkpointing(pma)" in inserts[0][1]
     assert inserts[1][1].strip() == "pma.step(batch=batch)"
     assert inserts[2][1].strip() == "pma.end()"
-    for anchor, code in inserts:
-        compile(code, anchor, "exec")  # dedented: each block is whole Python
+    for anchors, code in inserts:
+        compile(textwrap.dedent(code), anchors[0], "exec")  # each block is whole Python
 
 
-def test_apply_inserts_puts_each_block_before_its_one_anchor_at_its_indentation():
-    script = "def main():\n    a = 1\n    for b in c:\n        # here\n        d()\n    accelerator.end_training()\n"
-    patched = apply_inserts(script, [("# here", "x(b)\n"), ("accelerator.end_training()", "y()\n")])
+def test_apply_inserts_pastes_each_block_as_printed_before_its_one_anchor():
+    script = (
+        "def main():\n    a = 1\n    for b in c:\n        # here\n        d()\n"
+        "    if t:\n        accelerator.end_training()\n"
+    )
+    patched = apply_inserts(
+        script, [(("# here",), "        x(b)\n"), (("if t:", "accelerator.end_training()"), "    y()\n")]
+    )
     assert patched == (
         "def main():\n    a = 1\n    for b in c:\n        x(b)\n        # here\n        d()\n    y()\n"
-        "    accelerator.end_training()\n"
+        "    if t:\n        accelerator.end_training()\n"
     )
     with pytest.raises(AssertionError, match="on 0 lines"):
-        apply_inserts(script, [("# not there", "x()\n")])
+        apply_inserts(script, [(("# not there",), "x()\n")])
+    with pytest.raises(AssertionError, match="printed at 0 spaces, the line at 8"):
+        apply_inserts(script, [(("# here",), "x(b)\n")])
 
 
 # ----------------------------------------------------------------------------- the real script

@@ -934,7 +934,8 @@ def compare_table(report: Mapping[str, Any]) -> str:
     merge recovers, the rank by each: within its group with ``group``, tied values sharing a
     rank), then the rankings (ties joined by ``=``), the agreement with annealed (tau with its
     bootstrap interval and caveat), per group with ``group``, the fits with their flags, and one
-    paragraph per merge worse than its last snapshot. Every name is escaped."""
+    paragraph per merge worse than its last snapshot, and, when lm-eval tasks were evaluated, every
+    metric of every model (:func:`all_metrics_table`). Every name is escaped."""
     metric = report["metric"]
     groups = report.get("groups") or []
     ranks = {kind: dict(report["ranks"][kind]) for kind in KINDS}
@@ -997,7 +998,24 @@ def compare_table(report: Mapping[str, Any]) -> str:
                 f"to sweep the run: {escape(worse['sweep_command'])}"
             )
         lines.append(text)
+    if report.get("tasks"):
+        lines += ["", f"Every metric at {report['at_tokens']:,} tokens (held-out text and tasks):", ""]
+        lines.append(all_metrics_table(report))
     return "\n".join(lines)
+
+
+def all_metrics_table(report: Mapping[str, Any]) -> str:
+    """Every metric (held-out text and lm-eval tasks) of each run's last snapshot, merge and
+    annealed model, as a markdown table (one row per ``task/metric``, one column per model;
+    names escaped)."""
+    from hf_pma.evaluation.records import results_table
+
+    results = {}
+    for e in report["runs"]:
+        for kind in KINDS:
+            if e.get(kind) is not None and e[kind].get("results") is not None:
+                results[f"{escape(e['name'])} {kind}"] = e[kind]["results"]
+    return results_table(results)
 
 
 def plot_fit(report: Mapping[str, Any], output_path: str | os.PathLike[str], dpi: int = 110) -> Path:

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 
 from hf_pma.merging.sources import CheckpointSource, CheckpointTensors, open_all, resolve_sources
+from hf_pma.utils.logs import progress_bar
 
 __all__ = ["GramMatrix", "compute_gram"]
 
@@ -106,7 +106,7 @@ def compute_gram(
         work = torch.empty(k, chunk, dtype=torch.float64)
         buf = torch.empty(chunk * 8, dtype=torch.uint8)
         total = sum(n for _, n in tensors)
-        with tqdm(total=total, desc="Gram matrix", unit="elem", unit_scale=True, disable=not progress) as bar:
+        with progress_bar(total=total, desc="Gram matrix", unit="elem", unit_scale=True, disable=not progress) as bar:
             for name, numel in tensors:
                 for start in range(0, numel, chunk):
                     stop = min(numel, start + chunk)

@@ -336,7 +336,7 @@ def run_sweep(
     ``duplicate_of`` when it repeats an earlier combination's merge), ``skipped``, ``metric``,
     ``higher_is_better`` and ``best`` (a combination's label).
     """
-    from tqdm.auto import tqdm
+    from hf_pma.utils.logs import progress_bar
 
     sources = _source_list(run)
     tokens = [s.tokens for s in sources]
@@ -385,7 +385,7 @@ def run_sweep(
 
     done: dict[tuple, tuple[str, dict[str, Any]]] = {((len(sources) - 1, 1.0),): (BASELINE_LABEL, baseline)}
     entries = []
-    for combo in tqdm(combos, desc="Sweep", unit="merge", disable=not progress):
+    for combo in progress_bar(combos, desc="Sweep", unit="merge", disable=not progress):
         key = combo.key()
         duplicate_of = None
         if key in done:
@@ -458,22 +458,34 @@ def _metric_columns(report: Mapping[str, Any]) -> list[str]:
 
 def sweep_table(report: Mapping[str, Any]) -> str:
     """A markdown table: one row per combination (the baseline first), one column per metric,
-    with the change of the ranking metric against the last snapshot; ``*`` marks the best."""
+    with the change of the ranking metric against the last snapshot; ``*`` marks the best: the
+    best merge, or the last snapshot when no merge beats it. Then which is best, and the
+    combinations skipped (too few snapshots), with why."""
     columns = _metric_columns(report)
+    last_is_best = report.get("best_beats_last") is False
     header = ["merge", "snapshots", *columns, f"Δ {report['metric']}", "note"]
-    rows = [[BASELINE_LABEL, report["baseline"]["snapshot"],
-             *(format_number(_metric_value(report["baseline"]["results"], c)) for c in columns), "", ""]]
+    rows = [[("* " if last_is_best else "") + BASELINE_LABEL, report["baseline"]["snapshot"],
+             *(format_number(_metric_value(report["baseline"]["results"], c)) for c in columns), "",
+             "best" if last_is_best else ""]]
     for e in report["combinations"]:
         span = e["snapshots"][0] if len(e["snapshots"]) == 1 else f"{e['snapshots'][0]}..{e['snapshots'][-1]}"
         best = e["label"] == report["best"]
-        note = ("best " if best else "") + (f"= {e['duplicate_of']}" if e["duplicate_of"] else "")
-        rows.append([("* " if best else "") + e["label"], span,
+        note = (("best merge " if last_is_best else "best ") if best else "") + (
+            f"= {e['duplicate_of']}" if e["duplicate_of"] else ""
+        )
+        rows.append([("* " if best and not last_is_best else "") + e["label"], span,
                      *(format_number(_metric_value(e["results"], c)) for c in columns),
                      format_number(e["delta"], "+.4f"), note.strip()])
     direction = "higher" if report["higher_is_better"] else "lower"
     footer = f"{report['metric']}: {direction} is better; best merge: {report['best']}"
-    if report.get("best_beats_last") is False:
-        footer += " (no merge beats the last snapshot: keep the last snapshot)"
+    if last_is_best:
+        footer = (
+            f"{report['metric']}: {direction} is better; best: the last snapshot (the best merge, "
+            f"{report['best']}, does not beat it: keep the last snapshot)"
+        )
+    skipped = [f"{s['strategy']} N={s['window']} k={s['every']} ({s['reason']})" for s in report.get("skipped", [])]
+    if skipped:
+        footer += f"\nskipped {len(skipped)}: " + "; ".join(skipped)
     return markdown_table(header, rows, align="ll" + "r" * (len(columns) + 1) + "l") + "\n\n" + footer
 
 

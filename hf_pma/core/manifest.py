@@ -47,6 +47,7 @@ from hf_pma.utils.text import escape, shown
 
 __all__ = [
     "TOKENIZER_FILES",
+    "tokenizer_candidates",
     "check_eval_comparison",
     "check_eval_results",
     "MANIFEST_NAME",
@@ -856,3 +857,19 @@ def check_eval_comparison(comparison: Any, what: str = "comparison") -> None:
             value = row.get(key)
             if value is not None and not _is_number(value):
                 raise ValueError(f"{where}[{shown(key, 60)}] should be a number, found {shown(value, 60)}")
+
+
+def tokenizer_candidates(folder: str | os.PathLike[str]) -> list[Path]:
+    """Where the tokenizer of a model folder may be, in order: the folder itself, and, only for a
+    folder of a run, the run folder (where the Trainer and ``scripts/pretrain.py`` save the
+    tokenizer): ``<run>`` for ``<run>/pma/NAME`` (a snapshot, the run's merge), for ``<run>/NAME``
+    beside the run's ``manifest.json``, and for a Trainer ``<run>/checkpoint-N``. Never a folder
+    above otherwise: a ``tokenizer.json`` that someone put in the parent of a merged folder is not
+    its tokenizer. The one rule of ``hf-pma merge`` (what it copies) and ``hf-pma eval`` (what it loads)."""
+    folder = Path(folder)
+    parent = folder.absolute().parent
+    if parent.name == PMA_SUBDIR:
+        return [folder, parent.parent]
+    if (parent / MANIFEST_NAME).is_file() or re.fullmatch(r"checkpoint-\d+", folder.name):
+        return [folder, parent]
+    return [folder]

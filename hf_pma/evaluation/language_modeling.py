@@ -14,10 +14,10 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from tqdm.auto import tqdm
 from transformers.utils import logging
 
 from hf_pma.utils.distributed import require_unsharded_model, run_on_main_process
+from hf_pma.utils.logs import progress_bar
 
 logger = logging.get_logger(__name__)
 
@@ -168,7 +168,7 @@ def _evaluate_language_modeling(
     model.eval()
     try:
         with torch.inference_mode():
-            for first in tqdm(
+            for first in progress_bar(
                 range(0, len(windows), batch_size),
                 desc="Held-out LM",
                 unit="batch",

@@ -13,10 +13,9 @@ the folder (:func:`check_loadable_folder`)."""
 from __future__ import annotations
 
 import os
-import re
 from pathlib import Path
 
-from hf_pma.core.manifest import EVAL_RECORD_NAME, MANIFEST_NAME, PMA_SUBDIR
+from hf_pma.core.manifest import EVAL_RECORD_NAME, MANIFEST_NAME, PMA_SUBDIR, tokenizer_candidates
 from hf_pma.io.guarded import check_file, read_json
 from hf_pma.io.safetensors import SafetensorsReader
 from hf_pma.utils.fs import check_output_file
@@ -86,22 +85,8 @@ _FOUND_ON_HUB: set[tuple[str, str]] = set()
 _HUB_FOLDERS: dict[tuple[str, str], str] = {}
 
 
-def _tokenizer_candidates(folder: Path) -> list[Path]:
-    """Where the tokenizer of a model folder may be: the folder itself, and, only for a folder of a
-    run, the run folder (where the Trainer saves the tokenizer): ``<run>`` for ``<run>/pma/NAME``
-    (a snapshot, the run's merge), for ``<run>/NAME`` beside the run's ``manifest.json``, and for a
-    Trainer ``<run>/checkpoint-N``. Never a folder above otherwise: a ``tokenizer.json`` that
-    someone put in the parent of a merged folder is not its tokenizer."""
-    parent = folder.absolute().parent
-    if parent.name == PMA_SUBDIR:
-        return [folder, parent.parent]
-    if (parent / MANIFEST_NAME).is_file() or re.fullmatch(r"checkpoint-\d+", folder.name):
-        return [folder, parent]
-    return [folder]
-
-
 def _find_tokenizer_folder(folder: Path) -> Path | None:
-    for candidate in _tokenizer_candidates(folder):
+    for candidate in tokenizer_candidates(folder):
         if any((candidate / name).is_file() for name in _TOKENIZER_FILES):
             return candidate
     return None

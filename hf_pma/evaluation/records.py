@@ -18,11 +18,17 @@ from hf_pma.utils.distributed import run_on_main_process
 from hf_pma.utils.formatting import MISSING, format_metric, markdown_table, metric_label
 from hf_pma.utils.fs import atomic_write_json, hold_claim
 from hf_pma.utils.logs import get_logger
-from hf_pma.utils.text import escape
+from hf_pma.utils.text import escape, shown
 
 logger = get_logger(__name__)
 
 __all__ = ["EVAL_RECORD_NAME", "write_eval_record", "read_eval_record", "results_table"]
+
+
+def _other_documents(earlier: Any, new: Any) -> bool:
+    """Whether results on the held-out set ``new`` are on other documents than a record's
+    (``earlier``); a record or an update that names none is taken to be on the same."""
+    return earlier is not None and new is not None and str(earlier) != str(new)
 
 
 def write_eval_record(
@@ -39,7 +45,10 @@ def write_eval_record(
     results are merged into an existing record: models, tasks and metrics are added or updated,
     everything else is kept (the other models' results, the metrics not given again, the record's
     other keys such as ``comparison``, and its ``eval_dataset`` unless a new one is given).
-    ``update=False`` starts afresh. Under several processes only the main process writes.
+    A record is of one held-out set: results on another ``eval_dataset`` than the record's start
+    it afresh, and the log says that the earlier results and their ``comparison`` (computed on
+    the other documents) were dropped. ``update=False`` starts afresh. Under several processes
+    only the main process writes.
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -53,7 +62,15 @@ def write_eval_record(
         with hold_claim(folder, what="--record folder"):
             record: dict[str, Any] = {"results": {}, "eval_dataset": None}
             if update and path.is_file():
-                record.update(read_eval_record(folder))  # every key kept (e.g. "comparison")
+                earlier = read_eval_record(folder)
+                if _other_documents(earlier.get("eval_dataset"), eval_dataset):
+                    logger.warning(
+                        f"{escape(path)} held results on {shown(earlier['eval_dataset'])}; these are on "
+                        f"{shown(eval_dataset)}: the record now holds only them (the earlier results and their "
+                        "comparison, computed on other documents, are dropped)"
+                    )
+                else:
+                    record.update(earlier)  # every key kept (e.g. "comparison")
             merged = {str(k): {str(t): dict(m) for t, m in v.items()} for k, v in record["results"].items()}
             for label, tasks in results.items():
                 for task, metrics in tasks.items():

@@ -22,6 +22,7 @@ from hf_pma.core.manifest import (
     find_manifest,
     missing_snapshot_error,
     read_snapshot_record,
+    tokenizer_candidates,
 )
 from hf_pma.io.guarded import UnsafeFileError, read_json
 from hf_pma.io.safetensors import CheckpointFormatError
@@ -230,9 +231,10 @@ def tokenizer_folder(
 ) -> Path | None:
     """The folder whose tokenizer files a merge of ``sources`` copies: ``tokenizer`` when the user
     names one (``FileNotFoundError`` when it holds no tokenizer), else the newest source's own
-    folder when it holds one, else the run folder the user named that holds that source (a
-    snapshot's run, where the Trainer saves the tokenizer); ``None`` when none does. The lookup
-    never climbs above the folders the user named."""
+    folder when it holds one, else the folder the user named that holds that source, else the
+    run folder of that source by :func:`hf_pma.core.manifest.tokenizer_candidates` (``<run>`` for
+    ``<run>/pma/snapshot-N``: ``hf-pma merge OUTPUT_DIR/pma`` finds the tokenizer the Trainer saved
+    in ``OUTPUT_DIR``), the rule ``hf-pma eval`` loads by; ``None`` when none does."""
     if tokenizer is not None:
         folder = Path(tokenizer)
         if not folder.is_dir() or not any(file_present(folder / n) for n in TOKENIZER_FILES):
@@ -241,7 +243,7 @@ def tokenizer_folder(
             )
         return folder
     newest = sources[-1]
-    for folder in (newest.path, newest.root):
+    for folder in (newest.path, newest.root, *tokenizer_candidates(newest.path)[1:]):
         if folder is not None and any(file_present(folder / n) for n in TOKENIZER_FILES):
             return folder
     return None

@@ -47,10 +47,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Protocol
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from hf_pma.io.safetensors import DTYPE_ITEMSIZE, FLOAT_DTYPES, TORCH_NAMES
 from hf_pma.merging.casts import FINITE_MAX, decode_float, encode_float
+from hf_pma.utils.logs import progress_bar
 from hf_pma.utils.text import shown
 
 __all__ = [
@@ -344,7 +344,7 @@ def run_chunks(
     lock = threading.Lock()
     stop = threading.Event()
     errors: list[BaseException] = []
-    bar = tqdm(desc=desc, unit="B", unit_scale=True, disable=not progress)
+    bar = progress_bar(desc=desc, unit="B", unit_scale=True, disable=not progress)
 
     def pull() -> ChunkTask | None:
         with lock:

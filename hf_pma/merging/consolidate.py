@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from hf_pma.core.manifest import MERGE_RECORD_NAME, SNAPSHOT_RECORD_NAME
 from hf_pma.io.safetensors import SafetensorsWriter
@@ -37,7 +36,7 @@ from hf_pma.utils.fs import (
     remove_stale_temporaries,
     temporary_path,
 )
-from hf_pma.utils.logs import get_logger
+from hf_pma.utils.logs import get_logger, progress_bar
 from hf_pma.utils.parsing import parse_dtype, parse_dtype_name, parse_size
 
 if TYPE_CHECKING:
@@ -99,7 +98,7 @@ def _consolidate_into(
         read_buf = np.empty(_CHUNK_ELEMS * 8, dtype=np.uint8)
         decoded = np.empty(_CHUNK_ELEMS, dtype=np.float32)
         cast_buf = np.empty(_CHUNK_ELEMS * 8, dtype=np.uint8)
-        bar = tqdm(total=len(plans), desc="Consolidating", unit="tensor", disable=not progress)
+        bar = progress_bar(total=len(plans), desc="Consolidating", unit="tensor", disable=not progress)
         for shard in shards:
             writer = SafetensorsWriter(
                 tmp / shard.filename, [(p.name, p.out_dtype, p.shape) for p in shard.plans]

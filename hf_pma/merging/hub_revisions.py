@@ -38,8 +38,6 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-from tqdm.auto import tqdm
-
 from hf_pma.core.manifest import MAX_RECORD_INT, MODEL_SUPPORT_FILES
 from hf_pma.utils.formatting import format_bytes
 from hf_pma.utils.fs import free_bytes
@@ -52,7 +50,7 @@ from hf_pma.utils.hub_client import (
     hub_failure_line,
     install_hub_client,
 )
-from hf_pma.utils.logs import get_logger
+from hf_pma.utils.logs import get_logger, progress_bar
 from hf_pma.utils.names import parse_hub_id
 from hf_pma.utils.parsing import is_int, parameter_error
 from hf_pma.utils.text import escape, shown
@@ -717,7 +715,7 @@ def download_revisions(
     disable = (
         True if progress is False or are_progress_bars_disabled() else (None if progress is None else False)
     )
-    bar = tqdm(revisions, desc="Downloading revisions", unit="revision", disable=disable)
+    bar = progress_bar(revisions, desc="Downloading revisions", unit="revision", disable=disable)
     session = get_session()
     out = []
     for r in bar:

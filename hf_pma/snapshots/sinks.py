@@ -188,13 +188,14 @@ class SnapshotSink:
         self.worker.submit(lambda: self._write(taken), label=self._label(taken))
 
     def before_checkpoint(self) -> None:
-        """A Trainer checkpoint is about to be written: the snapshot in flight lands first.
+        """A checkpoint (the Trainer's, or a loop's ``save_state``) is about to be written: the
+        snapshot in flight lands first.
 
         A checkpoint must not get ahead of the snapshots before it: a crash after it would
         resume without them.
         """
         if self.worker.busy:
-            self.worker.wait(reason="the Trainer checkpoint", warn=False)
+            self.worker.wait(reason="the checkpoint", warn=False)
         self.worker.raise_if_failed()
 
     def save_checkpoint(self, checkpoint_dir: Path) -> None:

@@ -56,6 +56,9 @@ from hf_pma.utils.text import escape
 
 logger = logging.get_logger(__name__)
 
+# A wait shorter than this (it prints as 0.00 s) is a write that was finishing: no warning.
+MIN_REPORTED_WAIT_S = 0.005
+
 __all__ = [
     "SnapshotWriteError",
     "SnapshotJob",
@@ -378,7 +381,9 @@ class BackgroundWorker:
                 self._thread.join()
                 waited = time.perf_counter() - start
                 self.total_wait_s += waited
-                if reason:
+                if reason and waited < MIN_REPORTED_WAIT_S:  # the write was finishing: nothing to change
+                    logger.debug(f"hf-pma: {reason} waited {waited:.3f}s for {self._label} to finish writing")
+                elif reason:
                     # A warning the first time; after that the time budget has said what to change.
                     log = logger.warning if warn and not self._warned_wait else logger.info
                     self._warned_wait = self._warned_wait or warn

@@ -44,6 +44,7 @@ from hf_pma.io.guarded import read_json
 from hf_pma.training.saving import save_full_model
 from hf_pma.utils.distributed import run_on_main_process
 from hf_pma.utils.fs import atomic_write_json
+from hf_pma.utils.logs import notice
 from hf_pma.utils.names import scheduler_name
 from hf_pma.utils.parsing import check_int, is_int
 from hf_pma.utils.text import escape, shown
@@ -323,7 +324,8 @@ def anneal_from_checkpoint(
         callbacks=list(callbacks) if callbacks else None,
         **extra,
     )
-    logger.warning(
+    notice(
+        logger,
         f"Annealed fork: from {escape(checkpoint.name)} (step {start}), {decay_type} decay of the LR to 0 "
         f"over {steps} steps, to step {start + steps}"
     )
@@ -359,6 +361,19 @@ def anneal_from_checkpoint(
     return out
 
 
+def _live_model(trainer: Any, live: str | os.PathLike[str] | None) -> Path:
+    """The live model at the end of training: ``live`` if the caller saved it there, else saved
+    now (every process joins) to ``<output_dir>/final``."""
+    if live is not None:
+        if not Path(live).is_dir():
+            raise ValueError(f"live={escape(live)} is not a folder: save the live model there first, or leave it out")
+        return Path(live)
+    final = Path(trainer.args.output_dir) / "final"
+    save_full_model(trainer, final)
+    logger.info(f"saved the live model at the end of training to {escape(final)} for the comparison")
+    return final
+
+
 def annealing_check(
     trainer: Any,
     texts: Sequence[str],
@@ -368,6 +383,7 @@ def annealing_check(
     include_path: str | os.PathLike[str] | None = None,
     block_size: int | None = None,
     eval_dataset: str | None = None,
+    live: str | os.PathLike[str] | None = None,
 ) -> dict[str, Any]:
     """Evaluate the last snapshot, the merge and the annealed model of a finished
     :class:`~hf_pma.PMATrainer` run on the same held-out ``texts`` (and lm-eval ``tasks``), write
@@ -375,10 +391,13 @@ def annealing_check(
     card. Call it on every process (the evaluation runs on the main process).
 
     ``annealed``: the annealed model's folder (default: the trainer's fork, if any). Without one,
-    a run with a decaying schedule contributes its final live model (saved to
-    ``<output_dir>/final``) as the annealed model. When the last snapshot is not at the end of
-    the run and there is a fork, the live model at the end (``<output_dir>/final``) stands in for
-    it. Returns ``evaluate_models``' report with ``comparison`` added (``None`` without ``texts``:
+    a run with a decaying schedule contributes its live model at the end as the annealed model.
+    When the last snapshot is not at the end of the run and there is a fork, the live model at
+    the end stands in for the last snapshot. That live model is ``live`` (a folder you saved it
+    to, e.g. with :func:`~hf_pma.training.saving.save_full_model`), else it is saved to
+    ``<output_dir>/final`` when the comparison needs it. Everything is checked before anything
+    is saved or evaluated: the merge, the snapshots, ``texts``, the fork's record, ``live``.
+    Returns ``evaluate_models``' report with ``comparison`` added (``None`` without ``texts``:
     the paired comparison is of held-out documents).
     """
     from hf_pma.evaluation.evaluator import evaluate_models
@@ -386,25 +405,29 @@ def annealing_check(
 
     if trainer.pma_merged_dir is None:
         raise ValueError("no merged model: train with pma_merge_at_end (and at least one snapshot) first")
-    out = Path(trainer.args.output_dir)
+    if isinstance(texts, (str, bytes)) or not all(isinstance(t, str) for t in texts):
+        raise ValueError("texts must be a list of held-out documents (strings)")
+    if not texts and not tasks:
+        raise ValueError("nothing to compare on: give held-out texts and/or tasks")
     annealed = annealed if annealed is not None else getattr(trainer, "pma_annealed_dir", None)
     snapshots = trainer.pma_callback.snapshots()
     if not snapshots:
         raise ValueError("no snapshot to compare with")
+    fork = read_anneal_record(annealed) if annealed is not None else None
     record, last = snapshots[-1]
+    at_end = record.step == trainer.state.global_step
     models: dict[str, Any] = {"last snapshot": last, "PMA merge": trainer.pma_merged_dir}
-    if annealed is not None and record.step != trainer.state.global_step:
+    if annealed is not None and not at_end:
         logger.warning(
             f"the last snapshot is at step {record.step}, not at the end of the run (step "
-            f"{trainer.state.global_step}): comparing with the final live model instead (make max_steps x tokens "
-            "per step a multiple of pma_interval_tokens to compare with a snapshot)"
+            f"{trainer.state.global_step}): comparing with the live model at the end instead (make max_steps x "
+            "tokens per step a multiple of pma_interval_tokens to compare with a snapshot)"
         )
-        models = {"live model at the end": out / "final", "PMA merge": trainer.pma_merged_dir}
+        models = {"live model at the end": _live_model(trainer, live), "PMA merge": trainer.pma_merged_dir}
     if annealed is not None:
         models["annealed"] = annealed
     elif scheduler_name(trainer.args) not in CONSTANT_SCHEDULES:
-        models["annealed"] = out / "final"  # with WSD the final live model is the annealed one
-    fork = read_anneal_record(annealed) if annealed is not None else None  # checked before evaluating
+        models["annealed"] = _live_model(trainer, live)  # with WSD the live model at the end is the annealed one
     results = evaluate_models(
         [str(p) for p in models.values()],
         labels=list(models),

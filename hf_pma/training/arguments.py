@@ -7,6 +7,7 @@ YAML/JSON files like any other training argument.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -73,16 +74,32 @@ def read_arguments_file(path: str | os.PathLike[str], parser: Any) -> dict[str, 
 
 
 def parse_with_config(
-    parser: Any, argv: list[str], default_config: str | os.PathLike[str] | None = None
+    parser: Any,
+    argv: list[str],
+    default_config: str | os.PathLike[str] | None = None,
+    spelled: dict[str, str] | None = None,
 ) -> tuple[Any, ...]:
     """``parser.parse_args_into_dataclasses(argv)`` (an ``HfArgumentParser``) over a config file:
     a YAML/JSON file given as the first argument, else ``default_config``, sets the defaults,
-    and the flags after it change them. Without either, the dataclasses' own defaults."""
+    and the flags after it change them. Without either, the dataclasses' own defaults.
+
+    ``spelled`` maps options the script takes under another name to that name (``{"pma_anneal_steps":
+    "--anneal_steps"}``): one spelling per option. Given as a flag or in the config file, such an
+    option is a one-line ``ValueError`` naming the script's spelling, and ``--help`` hides it.
+    """
+    spelled = spelled or {}
+    for action in parser._actions:
+        if action.dest in spelled:
+            action.help = argparse.SUPPRESS
     config = default_config
     if argv and argv[0].endswith(CONFIG_SUFFIXES) and not argv[0].startswith("-"):
         config, argv = argv[0], argv[1:]
-    if config is not None:
-        parser.set_defaults(**read_arguments_file(config, parser))
+    values = read_arguments_file(config, parser) if config is not None else {}
+    given = [a[2:].split("=", 1)[0] for a in argv if a.startswith("--")] + list(values)
+    for name in given:
+        if name in spelled:
+            raise ValueError(f"{name}: this script takes {spelled[name]} instead (one spelling per option)")
+    parser.set_defaults(**values)
     return tuple(parser.parse_args_into_dataclasses(argv))
 
 
@@ -249,8 +266,10 @@ class PMATrainingArguments(TrainingArguments):
             # Checked first: the Trainer's own set-up of DeepSpeed comes next.
             raise ValueError(
                 "pma_eval=True is not supported with DeepSpeed ZeRO-3: its parameters are partitioned placeholders "
-                "that merged evaluation cannot swap weights into; set pma_eval=False (snapshots, PMA-init and the "
-                "final merge still work), or train with FSDP, which merged evaluation supports by local slice"
+                "that merged evaluation of snapshots cannot swap weights into (and the online average's swap into "
+                "ZeRO-3 partitions is not tested inside a Trainer); set pma_eval=False (snapshots, the online "
+                "average, PMA-init and the final merge still work; evaluate the merge with hf-pma eval), or train "
+                "with FSDP, which merged evaluation supports by local slice"
             )
         super().__post_init__()
         self._check_pma_arguments()

@@ -19,7 +19,7 @@ from hf_pma.utils.fs import write_folder_atomically
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["stdlib_documents", "train_bpe_tokenizer", "pack_dataset", "full_batches"]
+__all__ = ["stdlib_documents", "read_documents", "train_bpe_tokenizer", "pack_dataset", "full_batches"]
 
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")
 
@@ -49,6 +49,38 @@ def stdlib_documents(max_bytes: int = 8_000_000, min_chars: int = 500) -> list[s
 
 
 _SKIPPED_FOLDERS = frozenset({"test", "tests", "idlelib", "site-packages", "dist-packages", "lib2to3"})
+
+
+def read_documents(
+    train_files: Sequence[str] | None = None,
+    dataset_name: str | None = None,
+    dataset_config_name: str | None = None,
+    dataset_split: str = "train",
+    streaming: bool = False,
+    text_column: str = "text",
+    max_documents: int | None = None,
+    default_corpus_bytes: int = 8_000_000,
+) -> tuple[list[str], str]:
+    """A pre-training corpus as a list of documents, and a name for it (for the card): local
+    ``train_files`` (files or folders, :func:`~hf_pma.evaluation.corpus.load_documents`), else
+    the ``datasets`` dataset ``dataset_name`` (streamed with ``streaming``, which needs
+    ``max_documents``), else the default corpus (:func:`stdlib_documents`). ``max_documents``
+    keeps the first ones. One-line ``ValueError`` for a missing column or an unbounded stream."""
+    from hf_pma.evaluation.corpus import load_documents
+
+    if train_files:
+        return load_documents(list(train_files), text_column=text_column)[:max_documents], "local files"
+    if not dataset_name:
+        return stdlib_documents(max_bytes=default_corpus_bytes), "local:python-stdlib"
+    if streaming and max_documents is None:
+        raise ValueError("--streaming needs --max_documents (documents to read, train and held-out together)")
+    import datasets
+
+    ds = datasets.load_dataset(dataset_name, dataset_config_name, split=dataset_split, streaming=streaming)
+    if text_column not in (ds.column_names or []):
+        raise ValueError(f"{dataset_name} has no column {text_column!r} (columns: {ds.column_names})")
+    rows = ds.take(max_documents) if streaming else ds
+    return [row[text_column] for _, row in zip(range(max_documents or len(ds)), rows)], dataset_name
 
 
 def _stdlib_sources(root: Path) -> list[Path]:
@@ -101,16 +133,21 @@ def train_bpe_tokenizer(texts: Sequence[str], vocab_size: int = 4096, cache_dir:
     return tokenizer
 
 
-def pack_dataset(texts: Sequence[str], tokenizer, block_size: int, add_eos: bool = True):
+def pack_dataset(
+    texts: Sequence[str], tokenizer, block_size: int, add_eos: bool = True, max_blocks: int | None = None
+):
     """Tokenize ``texts``, join them with EOS and cut the stream into ``block_size`` blocks.
 
     Returns a ``datasets.Dataset`` with one ``input_ids`` column; the incomplete last block is
-    dropped, so every block is full and needs no padding or attention mask.
+    dropped, so every block is full and needs no padding or attention mask. ``max_blocks`` keeps
+    at most that many, spread evenly over the stream (an evaluation set that samples every text).
     """
     import datasets
 
     if block_size < 2:
         raise ValueError(f"block_size must be at least 2, got {block_size}")
+    if max_blocks is not None and (not isinstance(max_blocks, int) or max_blocks < 1):
+        raise ValueError(f"max_blocks must be a positive number of blocks, got {max_blocks!r}")
     eos = [tokenizer.eos_token_id] if add_eos and tokenizer.eos_token_id is not None else []
 
     def tokenize_and_pack(batch: dict[str, list[str]]) -> dict[str, list[list[int]]]:
@@ -125,6 +162,8 @@ def pack_dataset(texts: Sequence[str], tokenizer, block_size: int, add_eos: bool
     packed = raw.map(tokenize_and_pack, batched=True, batch_size=256, remove_columns=["text"])
     if len(packed) == 0:
         raise ValueError(f"the texts hold fewer tokens than one block of {block_size}")
+    if max_blocks is not None and max_blocks < len(packed):
+        packed = packed.select([i * len(packed) // max_blocks for i in range(max_blocks)])
     return packed
 
 

@@ -356,7 +356,7 @@ class PMATrainer(Trainer):
         """Evaluate the last snapshot, the merge and the annealed model on the same held-out
         ``texts`` and write the paired comparison into the merged folder's ``pma_eval.json`` and
         card: :func:`hf_pma.training.annealing.annealing_check` (its keywords: ``annealed``,
-        ``tasks``, ``include_path``, ``block_size``, ``eval_dataset``). Call it on every process."""
+        ``tasks``, ``include_path``, ``block_size``, ``eval_dataset``, ``live``). Call it on every process."""
         return annealing_check(self, texts, **kwargs)
 
     def merge_snapshots(self, output_dir: str | Path | None = None, last: int | str | None = None) -> Path | None:

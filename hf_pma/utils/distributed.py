@@ -226,7 +226,8 @@ def run_on_main_process(
             _INSIDE.reset(token)
         payload = _picklable(payload)
     else:
-        logger.info(f"rank {rank}: waiting for the main process to finish evaluating")
+        # Checks at start-up run here as well as evaluations: say which work, at DEBUG (every rank but one).
+        logger.debug(f"rank {rank}: waiting for the main process to run {getattr(fn, '__qualname__', fn)}")
     box = [payload]
     dist.broadcast_object_list(box, src=0, group=group)
     status, value = box[0]

@@ -11,6 +11,8 @@ alone does not show them. The CLI, the scripts and :class:`hf_pma.PMATrainer` ca
 * :func:`quiet_info`: the INFO lines of ``save_pretrained`` ("Configuration saved in ...") are
   dropped while hf-pma writes its own folders, in the writing thread only.
 * :func:`set_cli_verbosity`: the ``-q``/``-v`` levels of the ``hf-pma`` command.
+* :func:`progress_bar`: every progress bar of hf-pma (a ``tqdm``): redrawn often on a terminal,
+  rarely into a file or a pipe, where each redraw is one more carriage-return update in a log.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ __all__ = [
     "enable_logging",
     "get_logger",
     "notice",
+    "progress_bar",
     "quiet_info",
     "set_cli_verbosity",
     "set_transformers_verbosity",
@@ -102,17 +105,40 @@ def notice(logger: logging.Logger, message: str) -> None:
     """Log information a user must see: at INFO where ``logger`` shows INFO, else at WARNING.
 
     A plain script shows warnings only (Python's and transformers' default), so what a user must
-    know (where the snapshots go, what the first one cost) is promoted to WARNING there; once the
-    user shows hf-pma's INFO (:func:`enable_logging`, ``logging.basicConfig(level=logging.INFO)``)
-    it is an INFO line like the others. Nothing is logged when transformers' verbosity is above
-    WARNING (``transformers.logging.set_verbosity_error()``: the user asked for quiet).
+    know (where the snapshots go, what the first one cost) passes there at WARNING's level, but
+    is named what it is: the record's ``levelname`` stays ``INFO`` (no ``[WARNING|...]`` line
+    for news that is no warning). Once the user shows hf-pma's INFO (:func:`enable_logging`,
+    ``logging.basicConfig(level=logging.INFO)``) it is an INFO line like the others. Nothing is
+    logged when transformers' verbosity is above WARNING (``set_verbosity_error()``: quiet).
     """
     from transformers.utils import logging as hf_logging
 
     if logger.isEnabledFor(logging.INFO):
-        logger.info(message)
-    elif hf_logging.get_verbosity() <= logging.WARNING:
-        logger.warning(message)
+        logger.info(message, stacklevel=2)
+    elif hf_logging.get_verbosity() <= logging.WARNING and logger.isEnabledFor(logging.WARNING):
+        path, line, function, _ = logger.findCaller(stacklevel=2)
+        record = logger.makeRecord(logger.name, logging.WARNING, path, line, message, None, None, function)
+        record.levelname = logging.getLevelName(logging.INFO)
+        logger.handle(record)
+
+
+# Seconds between redraws of a progress bar whose output is not a terminal (a log file, a pipe).
+PROGRESS_INTERVAL_NOT_A_TERMINAL_S = 60.0
+
+
+def progress_bar(iterable: Any = None, **kwargs: Any) -> Any:
+    """A ``tqdm.auto.tqdm`` progress bar (same arguments) that writes to a log as well as to a
+    terminal: into a file or a pipe (stderr, or ``file=``, not a terminal) it redraws at most
+    every :data:`PROGRESS_INTERVAL_NOT_A_TERMINAL_S` seconds instead of ten times a second, so a
+    long job leaves a few updates in its log, not thousands. The one way hf-pma makes a bar."""
+    from tqdm.auto import tqdm
+
+    stream = kwargs.get("file") or sys.stderr
+    isatty = getattr(stream, "isatty", None)
+    if not (callable(isatty) and isatty()):
+        kwargs.setdefault("mininterval", PROGRESS_INTERVAL_NOT_A_TERMINAL_S)
+        kwargs.setdefault("maxinterval", max(PROGRESS_INTERVAL_NOT_A_TERMINAL_S, kwargs["mininterval"]))
+    return tqdm(iterable, **kwargs)
 
 
 class _QuietThreadFilter(logging.Filter):

@@ -222,6 +222,27 @@ def test_compare_three_runs(three_runs, compared):
     assert "c: the merge is worse than the last snapshot" in result.stdout
 
 
+def test_task_results_reach_the_printed_table(compared):
+    """``compare --tasks``: each model's task metrics are printed, not only written to the JSON
+    (the report of the real comparison, with a task's results as lm-eval's flat form gives them)."""
+    import copy
+
+    from hf_pma.analysis.compare_runs import compare_table
+
+    _, report, _ = compared
+    assert "py_syntax" not in compare_table(report)  # no tasks: the table as before
+    with_tasks = copy.deepcopy(report)
+    with_tasks["tasks"] = ["py_syntax"]
+    for n, e in enumerate(with_tasks["runs"]):
+        for k, kind in enumerate(("last", "merge", "annealed")):
+            e[kind]["results"]["py_syntax"] = {"acc": 0.25 + 0.1 * n + 0.01 * k, "acc_stderr": 0.05}
+    printed = compare_table(with_tasks)
+    row = next(line for line in printed.splitlines() if line.startswith("| py_syntax/"))
+    assert "0.4500 ± 0.0500" in row and row.count("±") == 9  # run c's last; 3 runs x 3 models
+    header = next(line for line in printed.splitlines() if line.startswith("| metric"))
+    assert "a last" in header and "c annealed" in header
+
+
 def test_compare_annealed_at_other_tokens_is_left_out_and_last_window(three_runs):
     """At 3000 tokens no annealed model ends there: left out, said, no agreement; --last 2 merges 2."""
     root, runs, eval_file = three_runs

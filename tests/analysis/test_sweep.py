@@ -125,12 +125,15 @@ def test_sweep_numbers_equal_separately_merged_and_evaluated_models(tmp_path, ti
     beats = best["value"] < report["baseline"]["value"]
     assert report["best_beats_last"] is beats
     footer = sweep_table(report).splitlines()[-1]
-    assert f"best merge: {best['label']}" in footer
-    assert ("no merge beats the last snapshot" in footer) is (not beats)
-    assert (
-        "no merge beats the last snapshot"
-        in sweep_table({**report, "best_beats_last": False}).splitlines()[-1]
-    )
+    assert (f"best merge: {best['label']}" if beats else f"the best merge, {best['label']}, does not") in footer
+    assert ("does not beat it: keep the last snapshot" in footer) is (not beats)
+    # Where no merge beats the last snapshot, the last snapshot is the row marked best, and no
+    # merge row is: no "keep the last snapshot" beside a merge marked "best".
+    table = sweep_table({**report, "best_beats_last": False})
+    marked = [row for row in markdown_rows(table) if row[0].startswith("* ")]
+    assert marked == [row for row in markdown_rows(table) if row[0] == "* last snapshot"] and len(marked) == 1
+    assert marked[0][-1] == "best" and "best: the last snapshot" in table.splitlines()[-1]
+    assert next(r for r in markdown_rows(table) if r[0] == best["label"])[-1].startswith("best merge")
 
 
 def test_sweep_errors_are_clear(tmp_path, tiny_tokenizer):
@@ -204,8 +207,10 @@ def test_sweep_cli_with_tasks_writes_table_json_heatmap_and_best(tmp_path, tiny_
     assert (tmp_path / "sweep.png").stat().st_size > 5_000
     rows = markdown_rows(out.stdout)
     assert rows[0][:3] == ["merge", "snapshots", "pma_next_line/acc"]
-    assert [row[0] for row in rows if row[0].startswith("* ")] == [f"* {report['best']}"]
+    assert [row[0] for row in rows if row[0].startswith("* ")] in ([f"* {report['best']}"], ["* last snapshot"])
     assert "higher is better" in out.stdout
+    # The skipped combinations are printed with why, not only logged.
+    assert "skipped 2: sma N=3 k=2 (needs 5 snapshots, the run has 4); wma N=3 k=2 (needs 5" in out.stdout
     # The best merge on disk: its record says how it was chosen, and evaluated on its own it
     # gives the sweep's numbers.
     best = next(c for c in report["combinations"] if c["label"] == report["best"])

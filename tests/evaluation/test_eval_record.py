@@ -25,28 +25,23 @@ LM = {
 TABLE_ROW = "| PMA merge | 3.3500 | -0.3167 ± 0.0928 (3.4 SE) | 50% |"
 
 
-def test_the_cards_comparison_survives_an_extra_eval_record(tmp_path, tiny_tokenizer):
+def _eval_into_record(merged, heldout, results):
+    return run_cli(
+        "eval", merged, "--labels", "PMA merge", "--eval-file", heldout, "--block-size", "32",
+        "--record", merged, "-q", "--output", results,
+    )  # fmt: skip
+
+
+def test_the_cards_comparison_survives_an_extra_eval_record_on_the_same_documents(tmp_path, tiny_tokenizer):
     merged = write_merged_folder(tmp_path, tiny_tokenizer)
-    write_comparison(merged, paired_comparison(LM, tokens=6144))
-    assert TABLE_ROW in build_model_card(merged).text
     heldout = tmp_path / "heldout.txt"
     heldout.write_text(sample_text(600))
+    record = json.loads((merged / "pma_eval.json").read_text())
+    (merged / "pma_eval.json").write_text(json.dumps({**record, "eval_dataset": "heldout.txt"}))
+    write_comparison(merged, paired_comparison(LM, tokens=6144))
+    assert TABLE_ROW in build_model_card(merged).text
 
-    done = run_cli(
-        "eval",
-        merged,
-        "--labels",
-        "PMA merge",
-        "--eval-file",
-        heldout,
-        "--block-size",
-        "32",
-        "--record",
-        merged,
-        "-q",
-        "--output",
-        tmp_path / "results.json",
-    )
+    done = _eval_into_record(merged, heldout, tmp_path / "results.json")
     assert done.returncode == 0, done.stderr
     record = json.loads((merged / "pma_eval.json").read_text())
     assert "comparison" in record and record["eval_dataset"] == "heldout.txt"
@@ -57,6 +52,22 @@ def test_the_cards_comparison_survives_an_extra_eval_record(tmp_path, tiny_token
     )  # kept
     assert record["results"]["annealed"] == EVAL_RECORD["results"]["annealed"]  # kept
     assert TABLE_ROW in build_model_card(merged).text  # the card's matched table is still there
+
+
+def test_an_eval_record_on_other_documents_drops_the_comparison_and_says_so(tmp_path, tiny_tokenizer):
+    """The card never shows a comparison computed on other documents next to these results."""
+    merged = write_merged_folder(tmp_path, tiny_tokenizer)
+    write_comparison(merged, paired_comparison(LM, tokens=6144))
+    heldout = tmp_path / "other.txt"
+    heldout.write_text(sample_text(600))
+    done = _eval_into_record(merged, heldout, tmp_path / "results.json")
+    assert done.returncode == 0, done.stderr
+    assert "the earlier results and their comparison, computed on other documents, are dropped" in done.stderr
+    record = json.loads((merged / "pma_eval.json").read_text())
+    assert record["eval_dataset"] == "other.txt" and set(record) == {"results", "eval_dataset"}
+    assert set(record["results"]) == {"PMA merge"}
+    card = build_model_card(merged).text
+    assert TABLE_ROW not in card and "same held-out documents" not in card.lower()
 
 
 def test_write_eval_record_adds_models_and_metrics(tmp_path, tiny_tokenizer):

@@ -228,6 +228,20 @@ def test_the_merge_takes_the_runs_tokenizer_and_names_it(tmp_path, tiny_tokenize
     assert done.returncode == 0 and _record(tmp_path / "m2")["tokenizer"] == "../own"
     done = run_cli("merge", run, "--tokenizer", run / PMA_SUBDIR, "-o", tmp_path / "x")
     assert done.returncode == 2 and "holds no tokenizer" in done.stderr and not (tmp_path / "x").exists()
+    # OUTPUT_DIR/pma named (as without-trainer.md does): the tokenizer of the run folder above it,
+    # by the rule hf-pma eval loads by, so that the merge evaluates as it is.
+    done = run_cli("merge", run / PMA_SUBDIR, "--last", "2", "-o", tmp_path / "m3", "-q")
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "m3" / "tokenizer.json").read_bytes() == (run / "tokenizer.json").read_bytes()
+    assert resolve_model(tmp_path / "m3")[1] == str(tmp_path / "m3")
+    # ...but a tokenizer above a folder of snapshots that is no run's pma/ is not taken.
+    loose = tmp_path / "loose"
+    loose.mkdir()
+    (run / PMA_SUBDIR).rename(loose / "snaps")
+    tiny_tokenizer.save_pretrained(loose)
+    done = run_cli("merge", loose / "snaps", "--last", "2", "-o", tmp_path / "m4", "-q")
+    assert done.returncode == 0, done.stderr
+    assert not (tmp_path / "m4" / "tokenizer.json").exists()
 
 
 def test_eval_never_takes_a_tokenizer_from_a_folder_above(tmp_path, tiny_tokenizer):

@@ -516,6 +516,25 @@ def test_gathered_copy_is_detached_and_safetensors_writer_round_trips(tmp_path):
         write_safetensors(tmp_path / "y.safetensors", {"z": torch.zeros(2, dtype=torch.complex64)})
 
 
+def test_a_wait_too_short_to_show_is_no_warning(caplog, monkeypatch):
+    """A write that was finishing (a wait that prints as 0.00 s) logs at DEBUG, not WARNING."""
+    import logging
+    import threading
+
+    from hf_pma.snapshots import writer
+
+    worker = writer.BackgroundWorker()
+    release = threading.Event()
+    monkeypatch.setattr(writer, "MIN_REPORTED_WAIT_S", 60.0)  # every real wait here is "too short"
+    worker.submit(lambda: release.wait(5), "first")
+    threading.Timer(0.2, release.set).start()
+    with caplog.at_level(logging.DEBUG, logger="hf_pma"):
+        worker.submit(lambda: None, "second")
+    worker.wait()
+    waits = [r for r in caplog.records if "second waited" in r.getMessage()]
+    assert [r.levelname for r in waits] == ["DEBUG"]
+
+
 def test_background_worker_one_task_in_flight_waits_logged_failures_raised(caplog):
     import logging
     import threading

@@ -157,3 +157,28 @@ def test_the_options_are_checked_when_parsed(tmp_path):
     with pytest.raises(ValueError, match="needs save_only_model=False"):
         args(pma_anneal_steps=4, save_only_model=True)
     assert args(pma_anneal_steps=4).pma_anneal_steps == 4
+
+
+def test_the_check_of_a_trainer_script_saves_the_live_model_it_compares(tmp_path, setup):
+    """A user's PMATrainer script (no ``final/`` of its own) whose last snapshot is not at the
+    end: the check saves the live model itself and compares it; a bad input is refused before
+    anything is saved."""
+    model, tokenizer, train, evaluation, collator = setup
+    per_step = 4 * len(train[0]["input_ids"])
+    trainer = _trainer(
+        setup, tmp_path / "run", cls=PMATrainer, args_cls=PMATrainingArguments,
+        lr_scheduler_type="constant_with_warmup", pma_interval_tokens=3 * per_step, pma_window=2,
+        pma_eval=False, pma_async_write=False, pma_anneal_steps=4,
+    )  # fmt: skip
+    trainer.train()
+    out = tmp_path / "run"
+    texts = [tokenizer.decode(block["input_ids"]) for block in evaluation[:4]]
+    with pytest.raises(ValueError, match="texts must be a list"):
+        trainer.annealing_check("one string")
+    with pytest.raises(ValueError, match="live=.* is not a folder"):
+        trainer.annealing_check(texts, live=tmp_path / "nowhere")
+    assert not (out / "final").exists() and not (out / "pma" / "merged" / "pma_eval.json").exists()
+    trainer.annealing_check(texts, block_size=32)  # the last snapshot is at step 9 of 10
+    assert (out / "final" / "model.safetensors").is_file()
+    comparison = json.loads((out / "pma" / "merged" / "pma_eval.json").read_text())["comparison"]
+    assert set(comparison["models"]) == {"live model at the end", "PMA merge", "annealed"}

@@ -4,6 +4,7 @@ Hub stand-in, and two processes under ``accelerate launch`` (gloo on CPU)."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -139,6 +140,30 @@ def test_flags_change_the_embedded_default_and_a_config_file_replaces_it(tmp_pat
     own.write_text("output_dir: x\nanneal_steps: 10\nlr_scheduler_type: constant\n")
     with pytest.raises(ValueError, match="anneal_steps needs max_steps"):
         pretrain.parse_arguments([str(own)])
+
+
+def test_one_spelling_per_option(tmp_path, capsys, monkeypatch):
+    """The script's fork options are --anneal_*: the library's --pma_anneal_* spelling of the same
+    options is refused in one line, as a flag or in a config file, and --help does not show it."""
+    pretrain = load_pretrain_script(monkeypatch)
+    for argv, name in (
+        (["--pma_anneal_steps", "100"], "pma_anneal_steps: this script takes --anneal_steps instead"),
+        (["--pma_anneal_decay=cosine"], "pma_anneal_decay: this script takes --anneal_decay_type instead"),
+        (["--pma_anneal_tokens", "4096"], "pma_anneal_tokens: this script takes --anneal_steps (in steps)"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(name)):
+            pretrain.parse_arguments(argv)
+    own = tmp_path / "own.yaml"
+    own.write_text("output_dir: x\npma_anneal_steps: 10\n")
+    assert pretrain.main([str(own)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["pretrain.py: error: pma_anneal_steps: this script takes --anneal_steps instead (one spelling per option)"]
+    with pytest.raises(SystemExit):
+        pretrain.parse_arguments(["--help"])
+    shown = capsys.readouterr().out
+    assert "--anneal_steps" in shown and "--anneal_decay_type" in shown and "--pma_anneal" not in shown
+    _, _, comparison, args = pretrain.parse_arguments(["--anneal_steps", "100", "--anneal_decay_type", "cosine"])
+    assert (args.pma_anneal_steps, args.pma_anneal_decay) == (100, "cosine")
 
 
 def test_bad_arguments_fail_before_training(tmp_path, capsys, monkeypatch):

@@ -206,6 +206,10 @@ def test_a_run_that_keeps_diverging_stops_with_a_clear_error(setup, tmp_path):
         ({"pma_init_from": ["./no/such/folder"]}, r"pma_init_from: ./no/such/folder does not exist"),
         ({"pma_save_dtype": "int8"}, "pma_save_dtype"),
         ({"deepspeed": {"zero_optimization": {"stage": 3}}}, "pma_eval=True is not supported with DeepSpeed ZeRO-3"),
+        (  # the online average too: its swap into ZeRO-3 partitions is tested outside a Trainer only
+            {"deepspeed": {"zero_optimization": {"stage": 3}}, "pma_online": "sma"},
+            "pma_eval=True is not supported with DeepSpeed ZeRO-3",
+        ),
         ({"pma_online": "wma"}, r"^pma_online must be one of \("),
         ({"pma_online": "online_x"}, r"^pma_online must be one of .* got 'online_x'$"),
         ({"pma_online": "sma", "pma_online_half_life_tokens": 100}, "^pma_online_half_life_tokens is for pma_online='ema'"),

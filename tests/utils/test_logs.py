@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -113,6 +114,7 @@ def test_quiet_info_drops_only_the_calling_threads_records():
 
 
 def test_notice_is_a_warning_for_plain_scripts_and_info_where_info_is_shown(caplog):
+    """Shown at WARNING's level where only warnings are, but named INFO: news is no warning."""
     logger = logging.getLogger("hf_pma.test_notice")
     with caplog.at_level(logging.WARNING, logger="hf_pma"):
         notice(logger, "one")
@@ -125,8 +127,9 @@ def test_notice_is_a_warning_for_plain_scripts_and_info_where_info_is_shown(capl
             notice(logger, "three")
     finally:
         hf_logging.set_verbosity(previous)
-    got = [(r.levelname, r.getMessage()) for r in caplog.records if r.name == logger.name]
-    assert got == [("WARNING", "one"), ("INFO", "two")]
+    got = [(r.levelno, r.levelname, r.getMessage()) for r in caplog.records if r.name == logger.name]
+    assert got == [(logging.WARNING, "INFO", "one"), (logging.INFO, "INFO", "two")]
+    assert {r.filename for r in caplog.records if r.name == logger.name} == {"test_logs.py"}  # the caller's line
 
 
 def test_a_level_the_script_set_survives_the_pmatrainer_it_builds(tmp_path, monkeypatch):
@@ -209,3 +212,52 @@ def test_cli_respects_omp_num_threads():
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
     assert out.stdout.split() == ["None", "1"], out.stderr
+
+
+def _redraws(make, updates: int = 2000, tick: float = 0.2) -> int:
+    """The carriage-return redraws a bar writes over ``updates`` updates, ``tick`` seconds apart
+    on a clock of its own (no real time passes)."""
+    import io
+
+    log = io.StringIO()
+    bar = make(total=updates, file=log)
+    clock = iter(bar.start_t + tick * n for n in range(1, 10 * updates))
+    bar._time = lambda: next(clock)
+    for _ in range(updates):
+        bar.update(1)
+    bar.close()
+    return log.getvalue().count("\r")
+
+
+def test_progress_bars_into_a_file_or_pipe_redraw_rarely():
+    """Into a file (not a terminal) 2,000 updates over 400 s leave a few redraws, where tqdm's
+    own pace writes one per update; on a terminal it keeps tqdm's own pace."""
+    import io
+
+    from tqdm.auto import tqdm
+
+    from hf_pma.utils.logs import PROGRESS_INTERVAL_NOT_A_TERMINAL_S, progress_bar
+
+    assert _redraws(tqdm) > 1000  # what a log got before
+    assert _redraws(progress_bar) <= 10  # 400 s / 60 s, and the last
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    with progress_bar(total=1, file=Terminal()) as bar:
+        assert bar.mininterval == 0.1  # tqdm's default
+    with progress_bar(total=1, file=io.StringIO()) as bar:
+        assert bar.mininterval == bar.maxinterval == PROGRESS_INTERVAL_NOT_A_TERMINAL_S
+
+
+def test_every_progress_bar_of_hf_pma_is_made_by_progress_bar():
+    """One mechanism: no module of hf_pma makes a tqdm bar but hf_pma.utils.logs."""
+    from tests.helpers.repo import REPO_ROOT
+
+    makers = [
+        str(p.relative_to(REPO_ROOT))
+        for p in (REPO_ROOT / "hf_pma").rglob("*.py")
+        if p.name != "logs.py" and re.search(r"^\s*(from tqdm|import tqdm)", p.read_text(), re.M)
+    ]
+    assert makers == [], f"these modules make tqdm bars of their own (use hf_pma.utils.logs.progress_bar): {makers}"
