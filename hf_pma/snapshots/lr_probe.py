@@ -12,7 +12,7 @@ from transformers.utils import logging
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["first_group_value", "peak_lr", "planned_lrs", "MAX_PROBED_STEPS"]
+__all__ = ["first_group_value", "step_lr", "peak_lr", "planned_lrs", "MAX_PROBED_STEPS"]
 
 # Schedules with more steps than this are probed at a stride.
 MAX_PROBED_STEPS = 100_000
@@ -25,6 +25,18 @@ def first_group_value(param_groups: Any, key: str) -> float | None:
     except (AttributeError, IndexError, KeyError, TypeError):
         return None
     return float(value) if value is not None else None
+
+
+def step_lr(param_groups: Any) -> Any:
+    """``param_groups[0]["lr"]`` as it is: a float, or a one-element tensor left unread (reading a
+    device tensor would make the step wait for the device); ``None`` when absent."""
+    try:
+        value = param_groups[0].get("lr")
+    except (AttributeError, IndexError, KeyError, TypeError):
+        return None
+    if value is None or hasattr(value, "numel"):
+        return value
+    return float(value)
 
 
 def peak_lr(optimizer: Any, lr_scheduler: Any, learning_rate: float | None = None) -> float:

@@ -338,6 +338,8 @@ class BackgroundWorker:
         self.submitted = 0
         # Seconds each completed task took, in order.
         self.task_seconds: list[float] = []
+        # (start, end) clock readings (time.perf_counter) of every task, end None while it runs.
+        self.spans: list[tuple[float, float | None]] = []
         self._warned_wait = False
 
     @property
@@ -353,8 +355,13 @@ class BackgroundWorker:
 
     def _timed(self, task: Callable[[], Any]) -> None:
         start = time.perf_counter()
-        task()
-        self.task_seconds.append(time.perf_counter() - start)
+        self.spans.append((start, None))
+        try:
+            task()
+        finally:
+            end = time.perf_counter()
+            self.spans[-1] = (start, end)
+        self.task_seconds.append(end - start)
         self.tasks_done += 1
 
     def raise_if_failed(self) -> None:

@@ -384,7 +384,7 @@ class PMASnapshots:
             "version": STATE_VERSION,
             "tokens": self.tokens,
             "global_step": self.global_step,
-            "schedule": self.taker.schedule.state(),
+            "schedule": self.taker.schedule_state(),
             "options": {**self.taker.options(), "token_count": self.token_count},
         }
 

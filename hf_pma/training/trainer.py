@@ -109,6 +109,7 @@ class PMATrainer(Trainer):
             online_half_life_tokens=args.pma_online_half_life_tokens,
             online_window_tokens=args.pma_online_window_tokens,
             online_device=args.pma_online_device,
+            max_overhead=args.pma_max_overhead,
         )
         self._pma_fork_saver: SaveCheckpointAt | None = None
         if args.pma_anneal_steps or args.pma_anneal_tokens:  # the annealing check: its checkpoint
