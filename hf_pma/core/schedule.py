@@ -208,6 +208,26 @@ class RunPlan:
         :data:`MIN_CONSTANT_SHARE` of the planned steps."""
         return self.stable_steps >= max(MIN_CONSTANT_STEPS, MIN_CONSTANT_SHARE * self.planned_steps)
 
+    def selected_runs(self, after_step: int = 0) -> list[tuple[int, int]]:
+        """The planned optimizer steps in the phases that snapshot, after step ``after_step``, as
+        runs of consecutive steps ``(first, last)`` (1-based, inclusive)."""
+        if self.phases is None:
+            first = max(after_step, self.warmup_steps) + 1
+            return [(first, self.planned_steps)] if "stable" in self.selected and first <= self.planned_steps else []
+        runs: list[tuple[int, int]] = []
+        for k, phase in enumerate(self.phases):
+            if phase not in self.selected:
+                continue
+            first = max(k * self.stride + 1, after_step + 1)
+            last = min((k + 1) * self.stride, self.planned_steps)
+            if first > last:
+                continue
+            if runs and runs[-1][1] == first - 1:
+                runs[-1] = (runs[-1][0], last)
+            else:
+                runs.append((first, last))
+        return runs
+
     def selected_steps(self, after_step: int = 0) -> int:
         """Planned steps in the phases that snapshot (after optimizer step ``after_step``)."""
         return self._count(self.selected, after_step)

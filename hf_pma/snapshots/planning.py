@@ -52,26 +52,45 @@ __all__ = [
 
 
 def planned_snapshots(
-    plan: RunPlan, interval_tokens: int | None, tokens_per_step: int | None, after_step: int
+    plan: RunPlan,
+    interval_tokens: int | None,
+    tokens_per_step: int | None,
+    after_step: int,
+    tokens: int | None = None,
+    first_step: int = 0,
 ) -> tuple[int | None, str]:
     """How many snapshots the run takes after optimizer step ``after_step``, and where that figure
     comes from; ``None`` when unknown (an interval given, before the first step's tokens are known).
+
+    Exact for steps of ``tokens_per_step`` tokens: a step in a phase that snapshots takes one when
+    its tokens reach the next multiple of V (:func:`hf_pma.core.schedule.crossed_boundary`), so a
+    run of such steps takes as many snapshots as it crosses multiples, at most one a step.
 
     Args:
         plan: the planned run (the phase of every planned step).
         interval_tokens: V in use (``None``: the automatic interval, not chosen yet).
         tokens_per_step: the global tokens of one optimizer step (``None``: not known yet).
         after_step: the optimizer steps already done.
+        tokens: the global tokens after ``after_step`` (default ``after_step * tokens_per_step``).
+        first_step: no snapshot before this optimizer step (the steps a cost budget measures first).
     """
     if tokens_per_step is None or interval_tokens is None:
         if interval_tokens is None:
             count = plan.intended_snapshots()
             return count, f"the automatic interval aims at {count}"
         return None, "unknown before the first step"
+    base = after_step * tokens_per_step if tokens is None else tokens
+    count = 0
+    for first, last in plan.selected_runs(after_step):
+        first = max(first, first_step)
+        if first > last:
+            continue
+        start = base + (first - 1 - after_step) * tokens_per_step
+        end = base + (last - after_step) * tokens_per_step
+        count += min(last - first + 1, end // interval_tokens - start // interval_tokens)
     remaining = plan.selected_steps(after_step)
     if tokens_per_step >= interval_tokens:
-        return remaining, f"{remaining} steps snapshot, at most one snapshot a step"
-    count = remaining * tokens_per_step // interval_tokens
+        return count, f"{remaining} steps snapshot, at most one snapshot a step"
     return (
         count,
         f"{remaining} steps snapshot, {interval_tokens:,} tokens apart at {tokens_per_step:,} a step",
@@ -164,15 +183,17 @@ def _percent(share: float) -> str:
     return f"{percent:.1f}%" if percent < 10 else f"{percent:.0f}%"
 
 
-def widened_message(widened: WidenedInterval, estimate: OverheadEstimate, budget: float) -> str:
-    """The one line that says the automatic interval was widened, and whether the budget is met."""
+def widened_message(widened: WidenedInterval, estimate: OverheadEstimate, budget: float, snapshots: int) -> str:
+    """The one line that says the automatic interval was widened, the run's ``snapshots`` from now
+    on (those taken included), and whether the budget is met."""
     before = estimate.steps_between
     after = widened.steps_between
     line = (
         f"hf-pma: the first snapshots cost {_percent(estimate.share(before))} "
         f"(± {_percent(estimate.share_margin(before))}) of training time at every {before:g} steps, above "
         f"max_overhead={_percent(budget)}: widened interval_tokens to {widened.interval_tokens:,} (every {after:g} "
-        f"steps: about {_percent(estimate.share(after))} ± {_percent(estimate.share_margin(after))})"
+        f"steps: about {_percent(estimate.share(after))} ± {_percent(estimate.share_margin(after))}; "
+        f"{snapshots} snapshots in all)"
     )
     if not widened.budget_met:
         line += (

@@ -656,7 +656,7 @@ class SnapshotTaker:
         # Without planned steps the plan ends here: the disk projection counts no step ahead.
         max_steps = int(planned_steps) if planned_steps is not None else step
         self._plan_step0 = step
-        probe = planned_lrs(lr_scheduler, max_steps)
+        probe = planned_lrs(lr_scheduler, max_steps, self._world_size)
         self._plan = plan_run(
             max_steps,
             self.phases,
@@ -820,7 +820,12 @@ class SnapshotTaker:
         in both cases before the first snapshot is written.
         """
         count, what = planning.planned_snapshots(
-            self._plan, self.interval_tokens, tokens_per_step, max(0, self._step - 1)
+            self._plan,
+            self.interval_tokens,
+            tokens_per_step,
+            max(0, self._step - 1),
+            tokens=self._tokens - tokens_per_step if tokens_per_step is not None else None,
+            first_step=self._first_snapshot_step(),
         )
         listed = self._sink.snapshots() if self._step > 0 else []
         folders = self._sink.kept_on_disk(len(listed) + count if count is not None else None)
@@ -835,7 +840,9 @@ class SnapshotTaker:
         """Main process, before a snapshot is written: does it fit, do the rest still fit?"""
         size = self._sink.last_written_bytes() or self._sink.snapshot_bytes(model)
         listed = self._sink.snapshots()
-        count, _ = planning.planned_snapshots(self._plan, self.interval_tokens, tick.step_tokens, self._step)
+        count, _ = planning.planned_snapshots(
+            self._plan, self.interval_tokens, tick.step_tokens, self._step, tokens=self._tokens
+        )
         count = count or 0
         extra = planning.extra_folders(self._sink.kept_on_disk(len(listed) + 1 + count), len(listed))
         self._disk.check_next(size, extra, count, sum(r.num_bytes or 0 for r, _ in listed))
@@ -886,9 +893,20 @@ class SnapshotTaker:
             and self._step - self._plan_step0 < BASELINE_STEPS
         )
 
+    def _first_snapshot_step(self) -> int:
+        """The first optimizer step that may snapshot (:meth:`_waits_for_baseline`)."""
+        return self._plan_step0 + BASELINE_STEPS if self._budgeted() and not self._taken else 0
+
     def _budgeted(self) -> bool:
-        """Whether the automatic interval is kept under ``max_overhead`` (widened when needed)."""
-        return self.max_overhead is not None and self.interval_choice is not None and self.requested_interval_tokens is None
+        """Whether the automatic interval is still to be reviewed against ``max_overhead`` (widened
+        when needed); once reviewed (recorded in ``interval_choice``), a resumed run keeps it."""
+        choice = self.interval_choice
+        return (
+            self.max_overhead is not None
+            and self.requested_interval_tokens is None
+            and choice is not None
+            and not choice.get("cost_reviewed")
+        )
 
     def _review_cost(self, tokens_per_step: int) -> None:
         """Every process, after each snapshot until done: once :data:`COST_REVIEW_SNAPSHOTS`
@@ -910,6 +928,8 @@ class SnapshotTaker:
         interval, why = decision
         if interval is not None and interval != self.interval_tokens:
             self.schedule.widen(interval, why)
+        if self._budgeted():
+            self.schedule.interval_choice = {**self.schedule.interval_choice, "cost_reviewed": True}
             if self._is_main:
                 self._sink.update_manifest(**self._manifest_fields())
 
@@ -927,7 +947,11 @@ class SnapshotTaker:
             if widened.interval_tokens > self.interval_tokens:
                 interval = widened.interval_tokens
                 why = widened.to_record()
-                notice(logger, planning.widened_message(widened, estimate, self.max_overhead))
+                later, _ = planning.planned_snapshots(
+                    self._plan, interval, tokens_per_step, self._step, tokens=self._tokens
+                )
+                total = len(self._taken) + (later or 0)
+                notice(logger, planning.widened_message(widened, estimate, self.max_overhead, total))
         self._say_cost(estimate, interval, tokens_per_step)
         return interval, why
 
@@ -936,7 +960,9 @@ class SnapshotTaker:
         self._cost_reported = True
         steps_between = interval_tokens / tokens_per_step
         run_steps = max(1, (self._plan.planned_steps if self._plan else self._step) - self._plan_step0)
-        remaining, _ = planning.planned_snapshots(self._plan, interval_tokens, tokens_per_step, self._step)
+        remaining, _ = planning.planned_snapshots(
+            self._plan, interval_tokens, tokens_per_step, self._step, tokens=self._tokens
+        )
         total = len(self._taken) + (remaining or 0)
         costs = self.snapshot_costs
         writes = [c.write_s for c in costs if c.write_s]

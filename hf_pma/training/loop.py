@@ -37,7 +37,7 @@ from transformers.utils import logging
 
 from hf_pma.core.manifest import MAX_RECORD_INT, SnapshotRecord
 from hf_pma.core.schedule import check_schedule_state, positive_int_or_none
-from hf_pma.snapshots.lr_probe import first_group_value
+from hf_pma.snapshots.lr_probe import first_group_value, step_lr
 from hf_pma.snapshots.taker import TOKEN_COUNTS, SnapshotTaker, TakenSnapshot
 from hf_pma.training.recovery import SpikeRecovery
 from hf_pma.utils.distributed import unwrap_model
@@ -255,8 +255,8 @@ class PMASnapshots:
                 "tokens",
                 f"would bring the run's count past {MAX_RECORD_INT:,} (the largest count a manifest holds)",
             )
-        step_lr = lr if lr is not None else self._step_lr
-        if not self._begun and step_lr is None and self.lr_scheduler is None:
+        used_lr = lr if lr is not None else self._step_lr
+        if not self._begun and used_lr is None and self.lr_scheduler is None:
             raise ValueError(
                 "PMASnapshots.step(): no learning rate is known for the first optimizer step (pass lr=, or give "
                 "the optimizer or lr_scheduler at construction)"
@@ -265,7 +265,7 @@ class PMASnapshots:
             self._begin(model)
         taker = self.taker
         taker.commit()
-        taker.optimizer_step(step_lr)
+        taker.optimizer_step(used_lr)
         self._step_lr = None
         self._global_step += 1
         self._tokens += step_tokens
@@ -446,7 +446,7 @@ class PMASnapshots:
     # ------------------------------------------------------------------ internals
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._step_lr = first_group_value(optimizer.param_groups, "lr")
+        self._step_lr = step_lr(optimizer.param_groups)  # a tensor LR is not read here (no sync)
 
     def _count(self, batch: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> int:
         if isinstance(batch, Mapping):

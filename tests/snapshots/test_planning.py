@@ -79,11 +79,11 @@ def test_a_costly_automatic_interval_is_widened_in_multiples_down_to_ten_snapsho
     # No constant phase (linear): the steps that snapshot count instead (100: at most 10 steps apart).
     linear = planning.widened_interval(_estimate(0.05), 0.01, 300, 100, LINEAR)
     assert linear.constant_steps == 100 and linear.interval_tokens == 900  # 3 steps x 3 <= 10
-    line = planning.widened_message(widened, _estimate(0.05), 0.01)
+    line = planning.widened_message(widened, _estimate(0.05), 0.01, 14)
     assert line.startswith("hf-pma: the first snapshots cost 25% (± 0.0%) of training time at every 2 steps")
-    assert "widened interval_tokens to 600 (every 6 steps: about 8.3%" in line
+    assert "widened interval_tokens to 600 (every 6 steps: about 8.3% ± 0.0%; 14 snapshots in all)" in line
     assert "needs every 50 steps, but the 60-step constant phase must keep at least 10 snapshots" in line
-    assert "cannot be met" not in planning.widened_message(met, _estimate(0.002), 0.01)
+    assert "cannot be met" not in planning.widened_message(met, _estimate(0.002), 0.01, 40)
 
 
 def test_the_cost_line_projects_the_run_from_what_the_first_snapshots_measured():
