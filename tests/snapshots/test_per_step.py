@@ -160,3 +160,36 @@ def test_the_first_snapshots_host_buffers_are_allocated_at_train_begin(tmp_path)
     assert reserved and set(reserved) <= set(seen[4])
     assert all(seen[4][name] == ptr for name, ptr in reserved.items())
     assert seen[8] == seen[4]
+
+
+class _Losses(torch.nn.Module):
+    """A module whose training forward returns the loss it is given (as a model's output does)."""
+
+    def forward(self, loss, num_items_in_batch=None):
+        return {"loss": loss * 1.0}
+
+
+@pytest.mark.parametrize("scaled", [False, True])
+def test_a_long_window_is_summed_on_the_device_with_the_same_result(monkeypatch, scaled):
+    from hf_pma.snapshots import loss as loss_module
+    from hf_pma.snapshots.loss import StepLossTracker
+
+    def window(limit: int):
+        monkeypatch.setattr(loss_module, "MAX_HELD_LOSSES", limit)
+        module, tracker = _Losses(), StepLossTracker()
+        tracker.attach(module)
+        generator = torch.Generator().manual_seed(0)
+        with torch.enable_grad():
+            for _ in range(10):  # 10 steps of 3 micro-batches
+                for _ in range(3):
+                    value = torch.rand((), generator=generator, requires_grad=True)
+                    module(value, num_items_in_batch=7 if scaled else None)
+                tracker.end_step()
+        held = tracker._held
+        return tracker.take_window(), held
+
+    kept, held_all = window(10_000)
+    folded, held_few = window(4)  # folded every 2 steps (6 losses)
+    assert held_all == 30 and held_few < 6
+    assert folded.steps == kept.steps == 10
+    assert folded.mean == pytest.approx(kept.mean, rel=1e-6) and folded.last == pytest.approx(kept.last, rel=1e-6)
