@@ -148,7 +148,7 @@ class PMATrainingArguments(TrainingArguments):
     pma_max_overhead: float | None = dataclasses.field(
         default=0.01,
         metadata={
-            "help": "Share of training time snapshots may cost (0.01: 1%), measured from the step times over the "
+            "help": "Share of training time snapshots may cost (0.01: one percent), measured from the step times over the "
             "first snapshots; the automatic interval is widened when they cost more. None: no budget."
         },
     )
