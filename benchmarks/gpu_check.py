@@ -474,7 +474,7 @@ def _switch(callback: Any, layout: dict[str, int], warmup_blocks: int, deadline:
     attached again and its schedule told the tokens seen meanwhile (the steps without it are not
     its to snapshot); switching off, the hook is detached and the write in flight waited for (no
     write runs in a block without the callback). Past ``deadline`` (``time.monotonic``), training
-    stops at the end of the pair that runs."""
+    stops at the end of the pair that runs (two pairs at least: an interval needs them)."""
     from transformers import TrainerCallback
 
     taker = callback.taker
@@ -517,7 +517,7 @@ def _switch(callback: Any, layout: dict[str, int], warmup_blocks: int, deadline:
             role = block_role(state.global_step, layout, warmup_blocks)
             following = block_role(state.global_step + 1, layout, warmup_blocks)
             ends_pair = role is not None and (following is None or following[0] != role[0])
-            if ends_pair and time.monotonic() > deadline:
+            if ends_pair and role[0] >= 1 and time.monotonic() > deadline:  # two pairs at least
                 control.should_training_stop = True
 
         def on_log(self, args, state, control, **kwargs):
@@ -640,6 +640,8 @@ def run_ab(args: argparse.Namespace, workdir: Path, interval: int, pairs: int, s
     trainer.train()
     step_ms = steps.step_ms()
     pairs_ms = pair_means(step_ms, layout, args.warmup_blocks)
+    if len(pairs_ms) < 2:
+        raise RuntimeError(f"the A/B at every {interval} steps completed {len(pairs_ms)} pair(s); it needs 2")
     every, snapshots = [], []
     on_ms = 0.0
     for (a, b, snapshot) in after.stretches:

@@ -270,3 +270,13 @@ def test_a_cpu_run_interleaves_blocks_with_and_without_the_callback(gpu_check, t
     rows = {row[0]: row[1:] for row in markdown_rows(capsys.readouterr().out)}
     assert rows["blocked by PMACallback (CPU clock), every 4"][0].endswith("% of the time with it")
     assert rows["pinned staging reuse, every 2"] == ["-", "no GPU"]
+
+
+def test_past_its_time_an_ab_stops_after_two_pairs(gpu_check, tmp_path):
+    """``--time-limit`` spent at once: the A/B stops at the end of its second pair (the fewest an
+    interval needs), not after the 5 pairs asked for."""
+    argv = "--cpu --parts train --hidden 64 --heads 4 --layers 1 --intermediate 128 --vocab 256"
+    argv += " --seq 16 --batch 2 --intervals 2 --pairs 5 --min-ab-steps 0 --time-limit 0.001"
+    assert gpu_check.main([*argv.split(), "--out", str(tmp_path)]) == 0
+    (ab,) = json.loads((tmp_path / "results.json").read_text())["train"]
+    assert ab["pairs"] == 2 and ab["steps_run"] == 1 + 2 * 5  # offset, warm-up block, 2 pairs
