@@ -1,4 +1,4 @@
-"""Disk and time budgets of a run's snapshots, checked before the first step and as snapshots land.
+"""Disk and cost budgets of a run's snapshots, checked before the first step and as snapshots land.
 
 * :class:`DiskBudget`: the bytes the snapshots will take (one snapshot's size in the saved dtype
   x the snapshots kept) against the free space of the snapshot folder, or against

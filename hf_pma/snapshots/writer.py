@@ -386,7 +386,7 @@ class BackgroundWorker:
                 waited = time.perf_counter() - start
                 self.total_wait_s += waited
                 if reason:
-                    # A warning the first time; after that the time budget has said what to change.
+                    # A warning the first time; after that the cost line has said what to change.
                     log = logger.warning if warn and not self._warned_wait else logger.info
                     self._warned_wait = self._warned_wait or warn
                     log(f"hf-pma: {reason} waited {waited:.2f}s for {self._label} to finish writing")

@@ -16,7 +16,7 @@ Three lines in a loop such as transformers' ``run_clm_no_trainer.py``::
     pma.end()
 
 The snapshots, the manifest, the folder claim, the off-thread writes, the sharded and online
-sinks and the disk and time budgets are those of :class:`hf_pma.snapshots.callback.PMACallback`:
+sinks and the disk and cost budgets are those of :class:`hf_pma.snapshots.callback.PMACallback`:
 both front doors drive the same engine, :class:`hf_pma.snapshots.taker.SnapshotTaker` (no
 ``Trainer`` object is involved here), so every ``hf-pma`` command reads the folder it writes.
 A loss spike is caught and undone with :meth:`PMASnapshots.check_for_spike` and a
@@ -85,7 +85,8 @@ class PMASnapshots:
         **options: the options of :class:`hf_pma.snapshots.callback.PMACallback`
             (``interval_tokens``, ``phases``, ``keep_last``, ``save_dtype``, ``max_shard_size``,
             ``async_write``, ``online``, ``online_alpha``, ``online_half_life_tokens``,
-            ``online_window_tokens``, ``max_disk_bytes``, ``sharded``, ``online_device``).
+            ``online_window_tokens``, ``max_disk_bytes``, ``sharded``, ``online_device``,
+            ``max_overhead``).
 
     Nothing is written before the first :meth:`step`; :meth:`load_state_dict` (called by
     ``accelerator.load_state``) must come before it. :attr:`taker` is the snapshot engine
