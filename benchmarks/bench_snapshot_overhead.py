@@ -18,16 +18,24 @@ Two kinds of numbers:
   ``blocked share`` is the blocked time over the training time of the run without snapshots.
 
 ``--zero-arg`` adds (or, with ``--configs`` empty, only runs) the zero-argument row: a plain
-``TrainingArguments`` run (Transformers' defaults: linear schedule, lr 5e-5) with
-``PMACallback()`` against the same run without it, as paired runs (the order alternates within
-each pair), reporting the median of the per-pair overheads over ``--pairs`` pairs.
+``TrainingArguments`` run (Transformers' defaults: linear schedule, lr 5e-5; ``--zero-arg-scheduler
+constant`` for a constant one) with ``PMACallback()`` against the same run without it, as paired
+runs (the order alternates from pair to pair), reporting the median of the per-pair overheads over
+``--pairs`` pairs with their range, the 1-minute load average around them, and the cost line the
+callback printed in each run with it (its "x% of training time in this run", and the ratio of
+that estimate to the pair's measured slowdown: the estimate is honest when the ratio is near 1).
+
+    python benchmarks/bench_snapshot_overhead.py --configs --zero-arg --zero-arg-steps 90 \
+        --zero-arg-scheduler constant --hidden 64 --layers 2 --vocab 512 --pairs 7
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import platform
+import re
 import shutil
 import statistics
 import sys
@@ -124,20 +132,48 @@ def run(config: str, args: argparse.Namespace, workdir: Path) -> dict[str, float
     }
 
 
-def run_plain(with_callback: bool, args: argparse.Namespace, workdir: Path) -> tuple[float, int]:
-    """A plain ``TrainingArguments`` run (defaults only) with or without ``PMACallback()``:
-    wall seconds of ``trainer.train()`` and the snapshots taken."""
+class CostLines(logging.Handler):
+    """The cost line PMACallback logs ("... x% (± y%) of training time in this run ...")."""
+
+    PATTERN = re.compile(r"snapshots cost ([0-9.]+)% \(± ([0-9.]+)%\) of training time in this run")
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "of training time" in message:
+            self.lines.append(message)
+
+    def estimate(self) -> tuple[float, float] | None:
+        """(percent, ± percent) of the last cost line, ``None`` without one."""
+        for line in reversed(self.lines):
+            found = self.PATTERN.search(line)
+            if found:
+                return float(found.group(1)), float(found.group(2))
+        return None
+
+
+def run_plain(with_callback: bool, args: argparse.Namespace, workdir: Path) -> tuple[float, int, CostLines]:
+    """A plain ``TrainingArguments`` run (defaults but the scheduler) with or without
+    ``PMACallback()``: wall seconds of ``trainer.train()``, the snapshots taken, the cost lines."""
     out = workdir / "plain"
     shutil.rmtree(out, ignore_errors=True)
     training_args = TrainingArguments(
         output_dir=str(out),
         max_steps=args.zero_arg_steps,
         per_device_train_batch_size=args.batch,
+        lr_scheduler_type=args.zero_arg_scheduler,
         report_to="none",
+        use_cpu=True,
         disable_tqdm=True,
         seed=0,
     )
     callback = PMACallback() if with_callback else None
+    lines = CostLines()
+    hf_logger = logging.getLogger("hf_pma")
+    hf_logger.addHandler(lines)
     trainer = Trainer(
         model=make_model(args),
         args=training_args,
@@ -146,43 +182,63 @@ def run_plain(with_callback: bool, args: argparse.Namespace, workdir: Path) -> t
     )
     trainer.remove_callback(PrinterCallback)
     start = time.perf_counter()
-    trainer.train()
+    try:
+        trainer.train()
+    finally:
+        hf_logger.removeHandler(lines)
     wall = time.perf_counter() - start
     taken = len(callback.snapshots()) if callback is not None else 0
     shutil.rmtree(out, ignore_errors=True)
-    return wall, taken
+    return wall, taken, lines
 
 
 def zero_argument_row(args: argparse.Namespace, workdir: Path) -> None:
-    """Paired runs of a plain Trainer with and without ``PMACallback()``; prints the row."""
-    overheads, pairs, taken = [], [], 0
+    """Paired runs of a plain Trainer with and without ``PMACallback()``; prints the row, each
+    pair's estimate against its measured slowdown, and the load average around the pairs."""
+    overheads, pairs, taken, estimates, loads, lines = [], [], 0, [], [os.getloadavg()[0]], []
     for i in range(args.pairs):
         order = (False, True) if i % 2 == 0 else (True, False)
         walls = {}
         for with_callback in order:
-            walls[with_callback], count = run_plain(with_callback, args, workdir)
+            walls[with_callback], count, cost = run_plain(with_callback, args, workdir)
+            loads.append(os.getloadavg()[0])
+            if with_callback:
+                estimates.append(cost.estimate())
+                lines = cost.lines or lines
             taken = count or taken
         pairs.append((walls[False], walls[True]))
         overheads.append((walls[True] - walls[False]) / walls[False])
+        said = estimates[-1]
         print(
-            f"  pair {i + 1}: without {walls[False]:.2f}s  with {walls[True]:.2f}s",
+            f"  pair {i + 1}: without {walls[False]:.2f}s  with {walls[True]:.2f}s  measured "
+            f"{100 * overheads[-1]:+.1f}%  printed {f'{said[0]:.1f}% ± {said[1]:.1f}%' if said else 'nothing'}",
             file=sys.stderr,
             flush=True,
         )
     without = statistics.median(p[0] for p in pairs)
     with_cb = statistics.median(p[1] for p in pairs)
+    measured = 100 * statistics.median(overheads)
+    printed = [e[0] for e in estimates if e is not None]
     print(
-        f"\nZero-argument PMACallback() on a plain TrainingArguments run (linear schedule), "
-        f"{args.zero_arg_steps} steps of {args.batch}x{args.seq} tokens, {args.pairs} paired runs"
+        f"\nZero-argument PMACallback() on a plain TrainingArguments run ({args.zero_arg_scheduler} schedule), "
+        f"{args.zero_arg_steps} steps of {args.batch}x{args.seq} tokens, {args.pairs} paired runs, "
+        f"{torch.get_num_threads()} torch thread(s), 1-minute load average {min(loads):.1f}-{max(loads):.1f} "
+        f"on {os.cpu_count()} cores"
     )
     print(
-        "| configuration | snapshots | median wall without (s) | median wall with (s) | median overhead (pairs) | target |"
+        "| configuration | snapshots | median wall without (s) | median wall with (s) | measured slowdown (median of pairs) "
+        "| printed cost (median) | printed / measured |"
     )
-    print("|---|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    ratio = statistics.median(printed) / measured if printed and measured > 0 else float("nan")
     print(
-        f"| PMACallback() (zero arguments) | {taken} | {without:.1f} | {with_cb:.1f} | "
-        f"{100 * statistics.median(overheads):+.1f}% (range {100 * min(overheads):+.1f}% to {100 * max(overheads):+.1f}%) | <= 3% |"
+        f"| PMACallback() (zero arguments) | {taken} | {without:.2f} | {with_cb:.2f} | "
+        f"{measured:+.1f}% (range {100 * min(overheads):+.1f}% to {100 * max(overheads):+.1f}%) | "
+        f"{f'{statistics.median(printed):.1f}% (range {min(printed):.1f}% to {max(printed):.1f}%)' if printed else '-'} | "
+        f"{ratio:.2f} |"
     )
+    for line in lines:
+        print(f"\n    {line}")
 
 
 def main() -> None:
@@ -210,6 +266,9 @@ def main() -> None:
     parser.add_argument("--configs", nargs="*", default=list(DEFAULT_CONFIGS), choices=CONFIGS)
     parser.add_argument("--zero-arg", action="store_true", help="add the zero-argument PMACallback() row")
     parser.add_argument("--zero-arg-steps", type=int, default=600, help="steps of the zero-argument runs")
+    parser.add_argument(
+        "--zero-arg-scheduler", default="linear", help="lr_scheduler_type of the zero-argument runs (linear: the default)"
+    )
     parser.add_argument("--pairs", type=int, default=5, help="paired runs for the zero-argument row")
     parser.add_argument(
         "--workdir", type=Path, default=None, help="where snapshots go (default: a temporary folder)"
@@ -219,6 +278,9 @@ def main() -> None:
     from transformers.utils import logging
 
     logging.set_verbosity_error()
+    from hf_pma.utils.logs import get_logger
+
+    get_logger("hf_pma").setLevel(20)  # the cost lines (INFO and up) reach the handler
     torch.set_num_threads(args.threads)
     params = sum(p.numel() for p in make_model(args).parameters())
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="bench-pma-"))

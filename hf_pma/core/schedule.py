@@ -208,6 +208,26 @@ class RunPlan:
         :data:`MIN_CONSTANT_SHARE` of the planned steps."""
         return self.stable_steps >= max(MIN_CONSTANT_STEPS, MIN_CONSTANT_SHARE * self.planned_steps)
 
+    def selected_runs(self, after_step: int = 0) -> list[tuple[int, int]]:
+        """The planned optimizer steps in the phases that snapshot, after step ``after_step``, as
+        runs of consecutive steps ``(first, last)`` (1-based, inclusive)."""
+        if self.phases is None:
+            first = max(after_step, self.warmup_steps) + 1
+            return [(first, self.planned_steps)] if "stable" in self.selected and first <= self.planned_steps else []
+        runs: list[tuple[int, int]] = []
+        for k, phase in enumerate(self.phases):
+            if phase not in self.selected:
+                continue
+            first = max(k * self.stride + 1, after_step + 1)
+            last = min((k + 1) * self.stride, self.planned_steps)
+            if first > last:
+                continue
+            if runs and runs[-1][1] == first - 1:
+                runs[-1] = (runs[-1][0], last)
+            else:
+                runs.append((first, last))
+        return runs
+
     def selected_steps(self, after_step: int = 0) -> int:
         """Planned steps in the phases that snapshot (after optimizer step ``after_step``)."""
         return self._count(self.selected, after_step)
@@ -393,8 +413,8 @@ class StepTick:
 
     previous_tokens: int
     tokens: int
-    lr: float
-    phase: str
+    lr: float | None  # None: not read yet (an LR on the device, read at the next step that may snapshot)
+    phase: str | None  # None with it: no snapshot can be due
 
     @property
     def step_tokens(self) -> int:
@@ -462,13 +482,28 @@ class SnapshotSchedule:
         if self.tracker is not None and state.get("phase"):
             self.tracker.load_state(state["phase"])
 
-    def advance(self, tokens: int, lr: float) -> StepTick:
-        """Record one optimizer step that ended at ``tokens`` after using ``lr``."""
+    def advance(self, tokens: int, lr: float | None, earlier_lrs: Sequence[float] = ()) -> StepTick:
+        """Record one optimizer step that ended at ``tokens`` after using ``lr``.
+
+        ``lr`` ``None``: its value is not read yet; the phase is left as it is and the tick can
+        take no snapshot, so the caller must read it before a step that crosses a multiple of V
+        (:func:`crossed_boundary`) and pass the values it held back, oldest first, as ``earlier_lrs``
+        (they only move the phase tracker on, as if given step by step).
+        """
         if self.tracker is None:
             raise RuntimeError("SnapshotSchedule.begin() must be called before advance()")
-        tick = StepTick(self.tokens, int(tokens), float(lr), self.tracker.update(lr))
+        self.catch_up(earlier_lrs)
+        if lr is None:
+            tick = StepTick(self.tokens, int(tokens), None, None)
+        else:
+            tick = StepTick(self.tokens, int(tokens), float(lr), self.tracker.update(lr))
         self.tokens = tick.tokens
         return tick
+
+    def catch_up(self, lrs: Sequence[float]) -> None:
+        """Move the phase tracker on by the LRs of steps recorded with ``lr=None``, oldest first."""
+        for value in lrs:
+            self.tracker.update(value)
 
     def choose_automatically(self, tokens_per_step: int, plan: RunPlan) -> IntervalChoice:
         """Choose V from the first step's tokens and the planned run (:class:`RunPlan`), and use it."""
@@ -482,9 +517,26 @@ class SnapshotSchedule:
         self.interval_choice = {**choice.to_dict(), "auto": True, "probed_schedule": plan.phases is not None}
         return choice
 
+    def widen(self, interval_tokens: int, why: dict[str, Any]) -> None:
+        """Use a wider automatic interval from now on (snapshots cost more than planned): a
+        multiple of the one in use, so the snapshots after it stay on the same grid. ``why``
+        (JSON) is recorded under ``interval_choice["widened"]``."""
+        if self.interval_choice is None or self.interval_tokens is None:
+            raise RuntimeError("only an automatic interval is widened")
+        if interval_tokens % self.interval_tokens:
+            raise ValueError(f"a widened interval must be a multiple of {self.interval_tokens}, got {interval_tokens}")
+        self.interval_choice = {
+            **self.interval_choice,
+            "interval_tokens": int(interval_tokens),
+            "widened": {"from_interval_tokens": self.interval_tokens, **why},
+        }
+        self.interval_tokens = int(interval_tokens)
+
     def due(self, tick: StepTick) -> int | None:
         """The token boundary a snapshot is due at after ``tick``, or ``None``."""
         if self.interval_tokens is None:
             raise RuntimeError("no interval yet: call choose_automatically() first")
         boundary = crossed_boundary(tick.previous_tokens, tick.tokens, self.interval_tokens)
+        if boundary is not None and tick.phase is None:
+            raise RuntimeError("a step that crosses a multiple of the interval was recorded without its LR")
         return boundary if boundary is not None and tick.phase in self.phases else None

@@ -1,4 +1,4 @@
-"""Disk and time budgets of a run's snapshots, checked before the first step and as snapshots land.
+"""Disk and cost budgets of a run's snapshots, checked before the first step and as snapshots land.
 
 * :class:`DiskBudget`: the bytes the snapshots will take (one snapshot's size in the saved dtype
   x the snapshots kept) against the free space of the snapshot folder, or against
@@ -6,39 +6,36 @@
   :class:`SnapshotBudgetError` naming both numbers and the knobs, before anything is written.
   As snapshots land the check is repeated with their real size (one ``statvfs`` call): a warning
   when the rest of the run no longer fits, an error when the next snapshot does not.
-* :class:`TimeBudget`: the cost of a snapshot (seconds the training thread was blocked,
-  seconds of writing, bytes; the second snapshot's, since the first also allocates the host
-  buffers) against the training time between snapshots; a warning, with the interval that
-  would do, when snapshots take more than :data:`TIME_SHARE_LIMIT` of it.
+* The cost budget: the share of training time snapshots may take (``max_overhead``, default
+  :data:`DEFAULT_MAX_OVERHEAD`), checked by :func:`check_max_overhead`; the cost itself is
+  measured from the step times (:mod:`hf_pma.snapshots.overhead`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from pathlib import Path
 
 from transformers.utils import logging
 
 from hf_pma.utils.formatting import format_bytes
 from hf_pma.utils.fs import free_bytes
-from hf_pma.utils.logs import notice
+from hf_pma.utils.text import shown
 
 logger = logging.get_logger(__name__)
 
 __all__ = [
     "SnapshotBudgetError",
-    "TIME_SHARE_LIMIT",
+    "DEFAULT_MAX_OVERHEAD",
+    "check_max_overhead",
     "human_bytes",
     "free_bytes",
     "DiskBudget",
-    "SnapshotCost",
-    "TimeBudget",
 ]
 
-# Snapshots should cost at most this share of the training time.
-TIME_SHARE_LIMIT = 0.05
+# Snapshots should cost at most this share of the training time (max_overhead's default).
+DEFAULT_MAX_OVERHEAD = 0.01
 # Margin kept free beside the snapshots (filesystem metadata, config and tokenizer files).
 _MARGIN = 0.02
 
@@ -50,6 +47,18 @@ _KNOBS = (
 
 class SnapshotBudgetError(ValueError):
     """The snapshots of a run would not fit on disk (raised before they are written)."""
+
+
+def check_max_overhead(value: object, name: str = "max_overhead") -> float | None:
+    """``value`` as a share of training time in (0, 1), or ``None`` (no budget); a one-line
+    ``ValueError`` naming ``name`` otherwise."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < 1:
+        raise ValueError(
+            f"{name} must be a share of training time between 0 and 1 (0.01 is 1%) or None, got {shown(value, 60)}"
+        )
+    return float(value)
 
 
 # The old names of the byte formatter and the free-space probe, which live in hf_pma.utils.
@@ -128,80 +137,3 @@ class DiskBudget:
                 f"{format_bytes(free)} is left in {self.folder}; the run will stop when the next one does not fit. "
                 f"Free space, or change {_KNOBS}."
             )
-
-
-@dataclasses.dataclass
-class SnapshotCost:
-    """What one snapshot cost: training-thread seconds blocked, writer seconds, bytes written.
-
-    ``first_blocked_s``: the first snapshot's blocked seconds when this cost is a later
-    snapshot's (the first pays one-time costs: host buffers are allocated then); ``None`` when
-    this is the run's only snapshot.
-    """
-
-    blocked_s: float
-    write_s: float
-    num_bytes: int
-    first_blocked_s: float | None = None
-
-
-class TimeBudget:
-    """Training time between snapshots vs what a snapshot costs; warns past :data:`TIME_SHARE_LIMIT`."""
-
-    def __init__(self, limit: float = TIME_SHARE_LIMIT) -> None:
-        self.limit = limit
-        self.blocked_s = 0.0
-        self.reported = False
-        self._start = time.perf_counter()
-        self._steps = 0
-
-    def step_done(self) -> None:
-        """Count one optimizer step."""
-        self._steps += 1
-
-    def add_blocked(self, seconds: float) -> None:
-        """Add seconds the training thread spent on snapshots."""
-        self.blocked_s += seconds
-
-    def step_seconds(self) -> float | None:
-        """Mean training seconds per step so far, snapshot time excluded."""
-        if self._steps == 0:
-            return None
-        return max(0.0, time.perf_counter() - self._start - self.blocked_s) / self._steps
-
-    def report(self, cost: SnapshotCost, steps_between: float, tokens_per_step: int, async_write: bool) -> str:
-        """Log what a snapshot costs against the steps between snapshots; warn when too costly.
-
-        Returns the message logged.
-        """
-        self.reported = True
-        step_s = self.step_seconds() or 0.0
-        interval_s = step_s * steps_between
-        # What the training thread loses per snapshot: its own copy, plus the write when
-        # synchronous, or the part of an asynchronous write that outlasts the interval.
-        lost = cost.blocked_s + (cost.write_s if not async_write else max(0.0, cost.write_s - interval_s))
-        share = lost / interval_s if interval_s > 0 else math.inf
-        blocked = f"{cost.blocked_s:.2f}s of blocked training"
-        if cost.first_blocked_s is None:
-            what = f"the only snapshot cost {blocked}"
-        else:
-            what = f"a snapshot costs {blocked} (the first {cost.first_blocked_s:.2f}s, with one-time set-up)"
-        message = (
-            f"hf-pma: {what}, {cost.write_s:.2f}s of "
-            f"{'background ' if async_write else ''}writing, {format_bytes(cost.num_bytes)}; snapshots come every "
-            f"{steps_between:.1f} steps of {step_s:.3f}s ({interval_s:.1f}s): {100 * share:.1f}% of training time"
-        )
-        if share <= self.limit:
-            notice(logger, message)  # what a user must know, shown to a plain script too
-            return message
-        steps_needed = max(lost / (self.limit * step_s) if step_s > 0 else math.inf, cost.write_s / step_s if step_s > 0 else 0)
-        if math.isfinite(steps_needed):
-            advice = (
-                f"; an interval_tokens of at least {math.ceil(steps_needed) * tokens_per_step:,} "
-                f"({math.ceil(steps_needed)} steps) keeps snapshots under {100 * self.limit:.0f}%"
-            )
-        else:
-            advice = ""
-        message = f"{message}, above {100 * self.limit:.0f}%{advice} (or use keep_last/save_dtype='bfloat16' to write less)"
-        logger.warning(message)
-        return message

@@ -32,7 +32,8 @@ from transformers.utils import logging
 
 from hf_pma.core.manifest import SnapshotRecord
 from hf_pma.core.schedule import check_schedule_state
-from hf_pma.snapshots.lr_probe import first_group_value
+from hf_pma.snapshots.budget import DEFAULT_MAX_OVERHEAD
+from hf_pma.snapshots.lr_probe import step_lr
 from hf_pma.snapshots.sinks import ONLINE_STATE_NAME, SnapshotSink
 from hf_pma.snapshots.taker import SnapshotTaker, TakenSnapshot
 from hf_pma.snapshots.writer import SnapshotWriter
@@ -107,16 +108,20 @@ class PMACallback(TrainerCallback, ExportableState):
             weights are copied on a side stream and folded in off the training thread) or
             ``"device"`` (a float32 copy on the weights' device, no host copy); see
             :class:`hf_pma.snapshots.sinks.OnlineAverageSink`.
+        max_overhead: the share of training time snapshots may cost (default ``0.01``: 1 %),
+            measured from the step times over the run's first snapshots (the copy, and the
+            background write competing for the CPU). With the automatic interval, V is widened
+            (whole steps, said in one line) when they cost more, keeping at least 10 snapshots in
+            the constant phase; with a given V, a warning says which V would do. ``None``: no budget.
 
     The tokens come from the Trainer's ``state.num_input_tokens_seen``; counting is turned on
     (``"all"``) when ``include_num_input_tokens_seen`` is ``"no"``, and ``"non_padding"`` is
     respected when set.
 
     Guards for the zero-argument default: one warning at train begin when the schedule has no
-    constant-LR phase (PMA's premise), the disk budget above, and once the second snapshot is
-    written what a snapshot costs (blocked and write seconds, bytes; the second, since the
-    first also allocates the host buffers) against the training time between snapshots, with a
-    warning and the interval that would do when it exceeds 5%.
+    constant-LR phase (PMA's premise), the disk budget above, and the cost budget
+    (``max_overhead``): after the third snapshot, one line says what snapshots cost this run's
+    training time, measured from its step times, with its uncertainty.
     """
 
     # The options, as attributes (they live on the taker).
@@ -136,6 +141,7 @@ class PMACallback(TrainerCallback, ExportableState):
     max_disk_bytes = _OnTaker()
     online_device = _OnTaker()
     online_half_life_fraction = _OnTaker()
+    max_overhead = _OnTaker()
     # Set by whoever owns the Trainer (e.g. PMATrainer) to gather a DeepSpeed engine.
     accelerator = _OnTaker()
 
@@ -156,6 +162,7 @@ class PMACallback(TrainerCallback, ExportableState):
         sharded: bool | str = "auto",
         online_device: str = "cpu",
         online_half_life_fraction: float | None = None,
+        max_overhead: float | None = DEFAULT_MAX_OVERHEAD,
     ) -> None:
         if output_dir is not None and not isinstance(output_dir, (str, os.PathLike)):  # the taker's pma_dir
             raise parameter_error("output_dir", f"must be a folder path or None, got {shown(output_dir, 60)}")
@@ -176,6 +183,7 @@ class PMACallback(TrainerCallback, ExportableState):
             sharded=sharded,
             online_device=online_device,
             online_half_life_fraction=online_half_life_fraction,
+            max_overhead=max_overhead,
         )
         # Restored by Trainer(restore_callback_states_from_checkpoint=True); read on resume anyway.
         self.resume_state: dict[str, Any] | None = None
@@ -262,7 +270,7 @@ class PMACallback(TrainerCallback, ExportableState):
         """JSON state stored in ``trainer_state.json`` at each checkpoint."""
         options = self.taker.options()
         options["output_dir"] = options.pop("pma_dir")
-        return {"args": options, "attributes": {"resume_state": self.schedule.state()}}
+        return {"args": options, "attributes": {"resume_state": self.taker.schedule_state()}}
 
     # ------------------------------------------------------------------ Trainer events -> taker calls
 
@@ -297,7 +305,7 @@ class PMACallback(TrainerCallback, ExportableState):
 
     def on_optimizer_step(self, args, state, control, optimizer=None, **kwargs):
         # The LR this optimizer step used (the scheduler steps right after this event).
-        self.taker.optimizer_step(first_group_value(getattr(optimizer, "param_groups", None), "lr"))
+        self.taker.optimizer_step(step_lr(getattr(optimizer, "param_groups", None)))
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
         self.taker.step_end(

@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import itertools
 import math
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +22,10 @@ import torch
 
 from hf_pma.io.torch_adapters import SAFETENSORS_FROM_DTYPE, is_dtensor, local_tensor
 from hf_pma.utils.distributed import sharding_kind, unwrap_model
+from hf_pma.utils.logs import get_logger
 from hf_pma.utils.parsing import parse_dtype
+
+logger = get_logger(__name__)
 
 __all__ = [
     "unwrap_model",
@@ -100,6 +104,49 @@ def _copy_to_cpu(
     return out
 
 
+def host_buffer_plan(
+    state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None
+) -> list[tuple[str, tuple[int, ...], torch.dtype, bool]]:
+    """What :func:`_copy_to_cpu` will allocate for ``state_dict``: ``(name, shape, dtype, pinned)``
+    per tensor, aliases (tied weights) once, under their first name. Reads shapes only."""
+    plan, seen = [], set()
+    for name, tensor in state_dict.items():
+        if not isinstance(tensor, torch.Tensor):
+            continue
+        key = (_storage_ptr(tensor), tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        if key in seen:
+            continue
+        seen.add(key)
+        target = dtype if (dtype is not None and tensor.is_floating_point()) else tensor.dtype
+        plan.append((name, tuple(tensor.shape), target, tensor.device.type == "cuda"))
+    return plan
+
+
+class HostBufferReservation:
+    """Host buffers allocated on a background thread from train begin, so that the first snapshot
+    only copies into them (allocating, and pinning from CUDA, would otherwise block the training
+    thread at the first snapshot). :meth:`buffers` waits for the thread and hands the buffers over
+    once; the caller reuses them as if an earlier snapshot had left them."""
+
+    def __init__(self, plan: Sequence[tuple[str, tuple[int, ...], torch.dtype, bool]]) -> None:
+        self._result: dict[str, torch.Tensor] = {}
+        self._thread = threading.Thread(target=self._allocate, args=(list(plan),), name="hf-pma-buffers", daemon=True)
+        self._thread.start()
+
+    def _allocate(self, plan: list[tuple[str, tuple[int, ...], torch.dtype, bool]]) -> None:
+        try:
+            for name, shape, dtype, pinned in plan:
+                self._result[name] = torch.empty(shape, dtype=dtype, device="cpu", pin_memory=pinned)
+        except Exception as err:  # no memory now: the first snapshot allocates what is missing
+            logger.debug(f"hf-pma: host buffers not reserved at train begin ({err})")
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        """The buffers allocated (waiting for the thread); ``{}`` once handed over."""
+        self._thread.join()
+        result, self._result = self._result, {}
+        return result
+
+
 # ---------------------------------------------------------------------------------------------
 # Which slices does this rank hold?
 # ---------------------------------------------------------------------------------------------
@@ -167,6 +214,22 @@ class StagingBuffers:
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
         self._stream: Any | None = None  # the side stream (CUDA), made at the first stage
+        self._reservation: HostBufferReservation | None = None
+
+    def reserve(self, slices: Sequence[LocalSlice], dtype: torch.dtype | None = None) -> None:
+        """Allocate the buffers of ``slices`` on a background thread now (train begin), so that the
+        first :meth:`stage` only copies."""
+        plan = []
+        for s in slices:
+            source = s.tensor
+            target = dtype if (dtype is not None and source.is_floating_point()) else source.dtype
+            plan.append((s.name, (s.numel,), target, source.device.type == "cuda"))
+        self._reservation = HostBufferReservation(plan)
+
+    def _take_reservation(self) -> None:
+        if self._reservation is not None:
+            self._buffers.update(self._reservation.buffers())
+            self._reservation = None
 
     @property
     def num_bytes(self) -> int:
@@ -175,6 +238,7 @@ class StagingBuffers:
 
     def release(self) -> None:
         """Free the buffers (the next ``stage`` allocates again)."""
+        self._take_reservation()
         self._buffers = {}
 
     def _side_stream(self, device: torch.device) -> Any:
@@ -184,6 +248,7 @@ class StagingBuffers:
 
     def stage(self, slices: Sequence[LocalSlice], dtype: torch.dtype | None = None) -> StagedShard:
         """Copy ``slices`` (cast to ``dtype`` when floating) into the host buffers."""
+        self._take_reservation()
         device = next((s.tensor.device for s in slices if s.tensor.device.type == "cuda"), None)
         current = side = None
         if device is not None:

@@ -7,8 +7,9 @@ logs what they return; none of them reads a file, a model or a clock, so each is
   comes from (the automatic interval's aim, or the planned steps in the selected phases).
 * :func:`check_disk_plan` and :func:`extra_folders`: the disk budget of those snapshots
   (:class:`hf_pma.snapshots.budget.DiskBudget` does the arithmetic and the free-space reading).
-* :func:`cost_to_report`: which snapshot's cost says what every snapshot costs (the second: the
-  first also allocates the host buffers).
+* :func:`widened_interval`: the automatic interval that keeps snapshots under the cost budget.
+* :func:`cost_message`, :func:`widened_message`, :func:`unmeasured_cost_message`: what the
+  snapshots were measured to cost (:mod:`hf_pma.snapshots.overhead`), in one line.
 * The messages: :func:`no_constant_phase_warning`, :func:`interval_choice_message`,
   :func:`announce_message`, :func:`uneven_spacing_message`, :func:`end_message`,
   :func:`small_interval_warning`.
@@ -16,12 +17,17 @@ logs what they return; none of them reads a file, a model or a clock, so each is
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import os
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
-from hf_pma.core.schedule import IntervalChoice, RunPlan, snapshot_spacing
-from hf_pma.snapshots.budget import DiskBudget, SnapshotBudgetError, SnapshotCost
+from hf_pma.core.schedule import SNAPSHOTS_PER_WINDOW, IntervalChoice, RunPlan, snapshot_spacing
+from hf_pma.snapshots.budget import DiskBudget, SnapshotBudgetError
+from hf_pma.snapshots.overhead import MIN_CLEAN_STEPS, OverheadEstimate
 from hf_pma.utils.formatting import format_bytes
 from hf_pma.utils.text import command_line, escape
 
@@ -29,7 +35,11 @@ __all__ = [
     "planned_snapshots",
     "check_disk_plan",
     "extra_folders",
-    "cost_to_report",
+    "WidenedInterval",
+    "widened_interval",
+    "widened_message",
+    "cost_message",
+    "unmeasured_cost_message",
     "no_constant_phase_warning",
     "interval_choice_message",
     "destination",
@@ -42,26 +52,45 @@ __all__ = [
 
 
 def planned_snapshots(
-    plan: RunPlan, interval_tokens: int | None, tokens_per_step: int | None, after_step: int
+    plan: RunPlan,
+    interval_tokens: int | None,
+    tokens_per_step: int | None,
+    after_step: int,
+    tokens: int | None = None,
+    first_step: int = 0,
 ) -> tuple[int | None, str]:
     """How many snapshots the run takes after optimizer step ``after_step``, and where that figure
     comes from; ``None`` when unknown (an interval given, before the first step's tokens are known).
+
+    Exact for steps of ``tokens_per_step`` tokens: a step in a phase that snapshots takes one when
+    its tokens reach the next multiple of V (:func:`hf_pma.core.schedule.crossed_boundary`), so a
+    run of such steps takes as many snapshots as it crosses multiples, at most one a step.
 
     Args:
         plan: the planned run (the phase of every planned step).
         interval_tokens: V in use (``None``: the automatic interval, not chosen yet).
         tokens_per_step: the global tokens of one optimizer step (``None``: not known yet).
         after_step: the optimizer steps already done.
+        tokens: the global tokens after ``after_step`` (default ``after_step * tokens_per_step``).
+        first_step: no snapshot before this optimizer step (the steps a cost budget measures first).
     """
     if tokens_per_step is None or interval_tokens is None:
         if interval_tokens is None:
             count = plan.intended_snapshots()
             return count, f"the automatic interval aims at {count}"
         return None, "unknown before the first step"
+    base = after_step * tokens_per_step if tokens is None else tokens
+    count = 0
+    for first, last in plan.selected_runs(after_step):
+        first = max(first, first_step)
+        if first > last:
+            continue
+        start = base + (first - 1 - after_step) * tokens_per_step
+        end = base + (last - after_step) * tokens_per_step
+        count += min(last - first + 1, end // interval_tokens - start // interval_tokens)
     remaining = plan.selected_steps(after_step)
     if tokens_per_step >= interval_tokens:
-        return remaining, f"{remaining} steps snapshot, at most one snapshot a step"
-    count = remaining * tokens_per_step // interval_tokens
+        return count, f"{remaining} steps snapshot, at most one snapshot a step"
     return (
         count,
         f"{remaining} steps snapshot, {interval_tokens:,} tokens apart at {tokens_per_step:,} a step",
@@ -102,27 +131,141 @@ def extra_folders(kept_on_disk: int | None, listed: int) -> int:
     return max(0, (kept_on_disk or 0) - listed - 1)
 
 
-def cost_to_report(
-    blocked_s: Sequence[float], write_s: Sequence[float], num_bytes: int, at_end: bool = False
-) -> SnapshotCost | None:
-    """The cost that says what every snapshot costs, or ``None`` when it is not known yet.
+@dataclasses.dataclass(frozen=True)
+class WidenedInterval:
+    """A wider automatic interval for snapshots that cost more than the budget (:func:`widened_interval`)."""
 
-    The second snapshot's once it is written (the first also pays one-time costs: pinned host
-    buffers are allocated then); at the end of a run with a single snapshot, that one's.
+    interval_tokens: int
+    steps_between: float
+    needed_steps: int  # the fewest steps between snapshots that meet the budget
+    max_steps: float  # the most that keeps SNAPSHOTS_PER_WINDOW snapshots in the constant phase
+    constant_steps: int  # the planned constant phase (or the steps that snapshot, without one)
+    budget_met: bool
 
-    Args:
-        blocked_s: per snapshot taken, the seconds the training thread was blocked.
-        write_s: per completed write (or online fold), its seconds, in order.
-        num_bytes: the bytes of the last snapshot written.
-        at_end: whether training has ended (a single snapshot is then reported).
+    def to_record(self) -> dict[str, Any]:
+        """JSON for the manifest's ``interval_choice["widened"]``."""
+        return {
+            "steps_between": self.steps_between,
+            "needed_steps": self.needed_steps,
+            "max_steps": self.max_steps,
+            "constant_steps": self.constant_steps,
+            "budget_met": self.budget_met,
+        }
+
+
+def widened_interval(
+    estimate: OverheadEstimate, budget: float, interval_tokens: int, tokens_per_step: int, plan: RunPlan
+) -> WidenedInterval:
+    """The automatic interval that keeps snapshots under ``budget`` of the training time: a whole
+    multiple of ``interval_tokens`` (the snapshots stay on one grid, whole steps apart), at most
+    the one that still leaves :data:`~hf_pma.core.schedule.SNAPSHOTS_PER_WINDOW` snapshots in the
+    planned constant phase (the steps that snapshot when the schedule has none): the merge window
+    needs them. ``budget_met`` says whether that limit left the budget unmet."""
+    steps_now = interval_tokens / tokens_per_step
+    needed = estimate.steps_for(budget)
+    constant = plan.stable_steps if plan.has_constant_phase else plan.selected_steps()
+    most = constant / SNAPSHOTS_PER_WINDOW
+    wanted = max(1, math.ceil(needed / steps_now))
+    allowed = max(1, math.floor(most / steps_now))
+    factor = min(wanted, allowed)
+    return WidenedInterval(
+        interval_tokens=factor * interval_tokens,
+        steps_between=factor * steps_now,
+        needed_steps=needed,
+        max_steps=most,
+        constant_steps=constant,
+        budget_met=wanted <= allowed,
+    )
+
+
+def _percent(share: float) -> str:
+    percent = 100 * share
+    return f"{percent:.1f}%" if percent < 10 else f"{percent:.0f}%"
+
+
+def widened_message(widened: WidenedInterval, estimate: OverheadEstimate, budget: float, snapshots: int) -> str:
+    """The one line that says the automatic interval was widened, the run's ``snapshots`` from now
+    on (those taken included), and whether the budget is met."""
+    before = estimate.steps_between
+    after = widened.steps_between
+    line = (
+        f"hf-pma: the first snapshots cost {_percent(estimate.share(before))} "
+        f"(± {_percent(estimate.share_margin(before))}) of training time at every {before:g} steps, above "
+        f"max_overhead={_percent(budget)}: widened interval_tokens to {widened.interval_tokens:,} (every {after:g} "
+        f"steps: about {_percent(estimate.share(after))} ± {_percent(estimate.share_margin(after))}; "
+        f"{snapshots} snapshots in all)"
+    )
+    if not widened.budget_met:
+        line += (
+            f"; {_percent(budget)} needs every {widened.needed_steps:,} steps, but the {widened.constant_steps:,}-step "
+            f"constant phase must keep at least {SNAPSHOTS_PER_WINDOW} snapshots for the merge window (every "
+            f"{widened.max_steps:g} steps at most): the budget cannot be met in this run"
+        )
+    return line
+
+
+def cost_message(
+    estimate: OverheadEstimate,
+    *,
+    steps_between: float,
+    tokens_per_step: int,
+    run_steps: int,
+    snapshots: int,
+    setup_s: float,
+    blocked_s: Sequence[float],
+    write_s: float,
+    num_bytes: int | None,
+    budget: float | None,
+    automatic: bool,
+) -> tuple[str, bool]:
+    """The cost line of a run, from what its first snapshots measured, and whether it is over
+    ``budget`` (then a warning; with a given V it says which V would do).
+
+    The headline is this run's training time with snapshots against without, projected from the
+    measurement: the set-up at train begin, what each snapshot adds to the steps (``snapshots``
+    of them, the first interval's own figure for the first), and the wait for the last write at
+    the end; ``± `` the interval of about 95 %.
     """
-    if not blocked_s or not write_s:
-        return None
-    which = 1 if len(blocked_s) > 1 and len(write_s) > 1 else 0
-    if which == 0 and not at_end:
-        return None
-    return SnapshotCost(
-        blocked_s[which], write_s[which], num_bytes, first_blocked_s=blocked_s[0] if which else None
+    base = run_steps * estimate.step_s
+    first = estimate.first_extra_s if estimate.first_extra_s is not None else estimate.extra_s
+    known = 1 + estimate.intervals if estimate.first_extra_s is not None else estimate.intervals
+    later = max(0, snapshots - known)
+    added = setup_s + first + estimate.extra_s * (max(known - 1, 0) + later) + write_s
+    run_share = added / base if base > 0 else math.inf
+    run_margin = 2 * estimate.extra_se_s * max(1, snapshots - 1) / base if base > 0 else math.inf
+    share = estimate.share(steps_between)
+    blocked = statistics.median(blocked_s[1:] or blocked_s) if blocked_s else 0.0
+    size = f", {format_bytes(num_bytes)}" if num_bytes else ""
+    message = (
+        f"hf-pma: snapshots cost {_percent(run_share)} (± {_percent(run_margin)}) of training time in this run: "
+        f"each adds {estimate.extra_s:.3f}s (± {2 * estimate.extra_se_s:.3f}s) to steps of {estimate.step_s:.3f}s "
+        f"({blocked:.3f}s of it blocked copying the weights, the rest the {write_s:.2f}s background write competing "
+        f"for the CPU{size}), {_percent(share)} (± {_percent(estimate.share_margin(steps_between))}) at a snapshot "
+        f"every {steps_between:g} steps, plus {setup_s:.2f}s of set-up; measured over {estimate.intervals} "
+        f"interval(s) and {estimate.clean_steps} steps without snapshot work"
+    )
+    over = budget is not None and share > budget
+    if over and not automatic:
+        steps = estimate.steps_for(budget)
+        message += (
+            f"; above max_overhead={_percent(budget)}: an interval_tokens of at least {steps * tokens_per_step:,} "
+            f"({steps:,} steps) keeps snapshots under it (or use keep_last/save_dtype='bfloat16' to write less)"
+        )
+    elif over:
+        message += f"; above max_overhead={_percent(budget)}"
+    return message, over
+
+
+def unmeasured_cost_message(costs: Sequence[Any], num_bytes: int | None, async_write: bool) -> str:
+    """The cost line of a run too short to measure its step times against (fewer than three
+    snapshots, or too few steps without snapshot work): what its snapshots blocked and wrote."""
+    blocked = sum(c.blocked_s for c in costs)
+    written = sum(c.write_s or 0.0 for c in costs)
+    size = f", {format_bytes(num_bytes)} each" if num_bytes else ""
+    return (
+        f"hf-pma: {len(costs)} snapshot(s) cost {blocked:.2f}s of blocked training and {written:.2f}s of "
+        f"{'background ' if async_write else ''}writing{size}; too few to measure what they add to the step time "
+        f"(that needs 3 snapshots and {MIN_CLEAN_STEPS} steps without snapshot work)"
     )
 
 

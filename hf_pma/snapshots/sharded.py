@@ -261,6 +261,15 @@ class ShardedSnapshotSink(DiskSnapshotSink):
                 layout=self.kind, sharded=True, world_size=self.world_size, shard_layout=self.layout, **fields
             )
 
+    def warm_up(self, model: torch.nn.Module) -> None:
+        """Every rank: the one-time costs before the first snapshot, and this rank's staging
+        buffers allocated on a background thread (:meth:`StagingBuffers.reserve`)."""
+        super().warm_up(model)
+        self.staging.reserve(local_slices(model, self.rank), self.save_dtype)
+
+    def _copies_full_weights(self, model: torch.nn.Module) -> bool:
+        return False  # each rank stages its own slices
+
     def take(self, model: torch.nn.Module, record: SnapshotRecord) -> None:
         """Every rank: copy this rank's slices to the host buffers (after its previous write)."""
         from hf_pma.snapshots.writer import model_metadata

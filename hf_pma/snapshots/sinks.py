@@ -41,11 +41,13 @@ from hf_pma.core.manifest import (
     snapshot_path,
 )
 from hf_pma.snapshots.gather import (
+    HostBufferReservation,
     LocalSlice,
     StagedShard,
     StagingBuffers,
     full_state_dict_bytes,
     gather_full_state_dict,
+    host_buffer_plan,
     sharding_kind,
     unwrap_model,
 )
@@ -127,6 +129,7 @@ class SnapshotSink:
         self.worker = BackgroundWorker(enabled=async_write, name=f"hf-pma-{self.kind}")
         self._taken: Any | None = None
         self._buffers: dict[str, torch.Tensor] | None = None
+        self._reservation: HostBufferReservation | None = None  # the buffers allocated from train begin
 
     # -- life cycle ---------------------------------------------------------------------------
 
@@ -147,9 +150,20 @@ class SnapshotSink:
     def warm_up(self, model: torch.nn.Module) -> None:
         """Pay one-time costs before the first snapshot (main process), so that its measured cost
         is what every snapshot costs: ``transformers`` builds its weight-conversion tables on
-        first use (about a second)."""
-        if self.is_main:
-            strip_for_save(model, {})
+        first use (about a second), and the host buffers the weights are copied into are
+        allocated (pinned from CUDA) on a background thread
+        (:class:`hf_pma.snapshots.gather.HostBufferReservation`), not at the first snapshot."""
+        if not self.is_main:
+            return
+        strip_for_save(model, {})
+        if self._copies_full_weights(model):
+            plan = host_buffer_plan(unwrap_model(model).state_dict(), self.save_dtype)
+            self._reservation = HostBufferReservation(plan)
+
+    def _copies_full_weights(self, model: torch.nn.Module) -> bool:
+        """Whether :meth:`take` copies the full unsharded weights into host buffers on the main
+        process alone (what :meth:`warm_up` reserves); sinks that stage otherwise say ``False``."""
+        return sharding_kind(model) is None and type(model).__name__ != "DeepSpeedEngine"
 
     def take(self, model: torch.nn.Module, record: SnapshotRecord) -> None:
         """Copy the weights of ``model`` for ``record`` now (every process: gathering is collective).
@@ -162,6 +176,8 @@ class SnapshotSink:
             raise RuntimeError("SnapshotSink.take() called twice without commit()")
         if self.is_main:
             self.worker.wait(reason=f"snapshot at {record.tokens:,} tokens")
+            if self._buffers is None and self._reservation is not None:
+                self._buffers, self._reservation = self._reservation.buffers(), None
         state_dict = gather_full_state_dict(
             model,
             accelerator=self.accelerator,
@@ -214,6 +230,9 @@ class SnapshotSink:
         self.commit()
         self.worker.wait()
         self._buffers = None
+        if self._reservation is not None:
+            self._reservation.buffers()  # the thread ends before the buffers are dropped
+            self._reservation = None
 
     # -- budgets --------------------------------------------------------------------------------
 
@@ -512,6 +531,18 @@ class OnlineAverageSink(SnapshotSink):
     def update_manifest(self, **fields: Any) -> None:
         """No manifest is written; the interval goes into the final merge record."""
         self._interval_tokens = fields.get("interval_tokens", self._interval_tokens)
+
+    def _copies_full_weights(self, model: torch.nn.Module) -> bool:
+        return False  # staged (StagingBuffers), or gathered from a sharded model
+
+    def warm_up(self, model: torch.nn.Module) -> None:
+        """The one-time costs, and (``"cpu"``, an unsharded model) the staging buffers reserved."""
+        super().warm_up(model)
+        if self.is_main and self.online_device == "cpu" and sharding_kind(model) is None:
+            state_dict = strip_for_save(model, unwrap_model(model).state_dict())
+            self.staging.reserve(
+                [LocalSlice(n, t, (0,) * t.dim(), tuple(t.shape), tuple(t.shape)) for n, t in state_dict.items()]
+            )
 
     def take(self, model: torch.nn.Module, record: SnapshotRecord) -> None:
         """Every process: the weights of ``record`` go into the average (main process): staged to

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import os
 import time
 from collections.abc import Iterable
@@ -40,13 +41,21 @@ import torch
 from transformers.utils import logging
 
 from hf_pma.core.manifest import PMA_SUBDIR, SnapshotRecord, snapshot_dirname
-from hf_pma.core.schedule import RunPlan, SnapshotSchedule, StepTick, plan_run, positive_int_or_none
+from hf_pma.core.schedule import (
+    RunPlan,
+    SnapshotSchedule,
+    StepTick,
+    crossed_boundary,
+    plan_run,
+    positive_int_or_none,
+)
 from hf_pma.snapshots import planning
-from hf_pma.snapshots.budget import DiskBudget, SnapshotBudgetError, TimeBudget
+from hf_pma.snapshots.budget import DEFAULT_MAX_OVERHEAD, DiskBudget, SnapshotBudgetError, check_max_overhead
 from hf_pma.snapshots.gather import sharding_kind, unwrap_model
 from hf_pma.snapshots.loss import StepLossTracker
 from hf_pma.snapshots.lr_probe import peak_lr, planned_lrs
 from hf_pma.snapshots.online import ONLINE_KINDS, OnlineAverage
+from hf_pma.snapshots.overhead import BASELINE_STEPS, OverheadMeter
 from hf_pma.snapshots.sharded import ShardedOnlineAverageSink, ShardedSnapshotSink
 from hf_pma.snapshots.sinks import DiskSnapshotSink, OnlineAverageSink, ResumePoint, SnapshotSink
 from hf_pma.snapshots.writer import SnapshotWriter
@@ -63,6 +72,9 @@ __all__ = ["SnapshotTaker", "TakenSnapshot", "TOKEN_COUNTS"]
 
 # How the tokens of a step are counted: every input position, or the attention mask's ones.
 TOKEN_COUNTS = ("all", "non_padding")
+# Snapshots of a run after which their measured cost is said (and the automatic V reviewed):
+# the first interval may hold one-time costs, the second is the steady state.
+COST_REVIEW_SNAPSHOTS = 3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +135,11 @@ class SnapshotTaker:
             (and for PEFT models); ``True``/``False`` force it.
         online_device: where the online average lives: ``"cpu"`` (host memory, folded in off the
             training thread) or ``"device"`` (a float32 copy beside the weights).
+        max_overhead: the share of training time snapshots may cost (default ``0.01``, 1 %),
+            measured from the step times over the first snapshots. With the automatic interval,
+            V is widened (whole steps) when they cost more, keeping at least
+            :data:`~hf_pma.core.schedule.SNAPSHOTS_PER_WINDOW` snapshots in the constant phase;
+            with a given V, a warning says which V would do. ``None``: no budget (V is kept).
 
     The options are those of :class:`hf_pma.snapshots.callback.PMACallback`, which documents
     them in full. ``accelerator`` (an attribute) is the ``accelerate.Accelerator`` that gathers
@@ -146,6 +163,7 @@ class SnapshotTaker:
         sharded: bool | str = "auto",
         online_device: str = "cpu",
         online_half_life_fraction: float | None = None,
+        max_overhead: float | None = DEFAULT_MAX_OVERHEAD,
     ) -> None:
         if not (isinstance(sharded, bool) or sharded == "auto"):  # 1 and 0 are no answer
             raise ValueError(f"sharded must be True, False or 'auto', got {sharded!r}")
@@ -196,6 +214,7 @@ class SnapshotTaker:
         )
         if self.max_disk_bytes is not None and self.max_disk_bytes < 1:
             raise ValueError(f"max_disk_bytes must be a positive size, got {max_disk_bytes!r}")
+        self.max_overhead = check_max_overhead(max_overhead, "max_overhead")
 
         # Set by whoever owns the training (PMATrainer, PMASnapshots) to gather a DeepSpeed engine.
         self.accelerator: Any | None = None
@@ -215,7 +234,11 @@ class SnapshotTaker:
         self._plan: RunPlan | None = None
         self._plan_step0 = 0
         self._disk: DiskBudget | None = None
-        self._time: TimeBudget | None = None
+        self._meter: OverheadMeter | None = None
+        self._begin_s = 0.0  # seconds begin() took (set-up the training waits for)
+        self._cost_reported = False
+        self._cost_reviewed = False  # the automatic V was reviewed against the cost budget
+        self._lr_backlog: list[torch.Tensor] = []  # tensor LRs of steps not read yet (no sync per step)
         self._disk_checked = False
         self._taken: list[_Taken] = []  # per snapshot of this run
         self._options: dict[str, Any] = {}  # of begin(): token count, loss averaging, scheduler
@@ -295,6 +318,7 @@ class SnapshotTaker:
             "sharded": self.sharded,
             "online_device": self.online_device,
             "online_half_life_fraction": self.online_half_life_fraction,
+            "max_overhead": self.max_overhead,
         }
 
     def snapshots(self, include_excluded: bool = False) -> list[tuple[SnapshotRecord, Path]]:
@@ -417,6 +441,7 @@ class SnapshotTaker:
                 by a global token count adds up over processes).
         """
         _check_begin_arguments(locals())
+        started = time.perf_counter()
         output = Path(output_dir) if output_dir is not None else None
         if self.requested_pma_dir is None and output is None:
             raise ValueError(
@@ -450,10 +475,22 @@ class SnapshotTaker:
         except BaseException:
             self._release_folder()
             raise
+        now = time.perf_counter()
+        self._begin_s = now - started
+        self._meter = OverheadMeter(now)
 
-    def optimizer_step(self, lr: float | None) -> None:
-        """An optimizer step ran with learning rate ``lr`` (before the scheduler moves it on)."""
-        if lr is not None and not (is_number(lr, finite=True) and lr >= 0):
+    def optimizer_step(self, lr: float | torch.Tensor | None) -> None:
+        """An optimizer step ran with learning rate ``lr`` (before the scheduler moves it on).
+
+        A one-element tensor (an optimizer that keeps its LR on the device) is copied, not read:
+        its value is read at the next step that may snapshot, with those of the steps before it
+        in one transfer, so that steps between snapshots never wait for the device.
+        """
+        if isinstance(lr, torch.Tensor):
+            if lr.numel() != 1:
+                raise parameter_error("lr", f"must be a number or a one-element tensor, got a tensor of shape {tuple(lr.shape)}")
+            lr = lr.detach().clone()  # the scheduler overwrites the optimizer's tensor in place
+        elif lr is not None and not (is_number(lr, finite=True) and lr >= 0):
             raise parameter_error("lr", f"must be a finite number >= 0 or None, got {shown(lr, 60)}")
         self._step_lr = lr
 
@@ -483,19 +520,20 @@ class SnapshotTaker:
         check_int(tokens, "tokens", self._tokens)  # a global count only grows
         if epoch is not None and not is_number(epoch, finite=True):
             raise parameter_error("epoch", f"must be a number or None, got {shown(epoch, 60)}")
+        self._meter.step_end(time.perf_counter())
         self._sink.raise_if_failed()
-        self._time.step_done()
         self._losses.end_step()
         self._step, self._tokens = int(step), int(tokens)
         lr, self._step_lr = self._step_lr, None
         if lr is None and self._lr_scheduler is not None:
-            lr = float(self._lr_scheduler.get_last_lr()[0])
+            lr = self._lr_scheduler.get_last_lr()[0]
+            lr = lr.detach().clone() if isinstance(lr, torch.Tensor) else float(lr)
         if lr is None:
             raise ValueError(
                 f"hf-pma: no learning rate is known for optimizer step {step} (no optimizer reported it, and no "
                 "lr_scheduler was given to read it from)"
             )
-        tick = self.schedule.advance(self._tokens, lr)
+        tick = self._advance(lr, checkpoint_follows)
         if tick.step_tokens == 0 and tick.previous_tokens == self.schedule.tokens_at_begin:
             raise ValueError(
                 f"hf-pma: no input tokens were counted in optimizer step {step}: snapshots need every step's "
@@ -530,11 +568,13 @@ class SnapshotTaker:
             self._first_step_tokens = tick.step_tokens
         elif self._first_step_tokens is not None and tick.step_tokens != self._first_step_tokens:
             self._say_steps_vary(tick.step_tokens)
-        self._report_cost(tick.step_tokens)
         self._warn_small_interval(tick.step_tokens)
         boundary = self.schedule.due(tick)
+        if boundary is not None and self._waits_for_baseline():
+            boundary = None
         if boundary is not None:
             self._take(model, tick, boundary, epoch, log_follows, checkpoint_follows)
+            self._review_cost(tick.step_tokens)
         if checkpoint_follows and self._pending is None:
             self._sink.before_checkpoint()
 
@@ -581,9 +621,7 @@ class SnapshotTaker:
             self._sink.reached(self._tokens)
             if self.interval_tokens is not None and self.schedule.tokens > self.schedule.tokens_at_begin:
                 steps = max(1, self._step - self._plan_step0)
-                self._report_cost(
-                    max(1, (self.schedule.tokens - self.schedule.tokens_at_begin) // steps), at_end=True
-                )
+                self._report_cost(max(1, (self.schedule.tokens - self.schedule.tokens_at_begin) // steps), at_end=True)
             if self._is_main and isinstance(self._sink, DiskSnapshotSink):
                 listed = self._sink.snapshots()
                 if listed:
@@ -626,7 +664,7 @@ class SnapshotTaker:
         # Without planned steps the plan ends here: the disk projection counts no step ahead.
         max_steps = int(planned_steps) if planned_steps is not None else step
         self._plan_step0 = step
-        probe = planned_lrs(lr_scheduler, max_steps)
+        probe = planned_lrs(lr_scheduler, max_steps, self._world_size)
         self._plan = plan_run(
             max_steps,
             self.phases,
@@ -637,7 +675,8 @@ class SnapshotTaker:
         )
         self._sink = self._make_sink(processing_class, model)
         self._disk = DiskBudget(self._pma_dir, self.max_disk_bytes)
-        self._time = TimeBudget()
+        self._cost_reported = self._cost_reviewed = False
+        self._lr_backlog = []
         self._disk_checked = False
         self._first_step_tokens = None
         self._taken = []
@@ -790,7 +829,12 @@ class SnapshotTaker:
         in both cases before the first snapshot is written.
         """
         count, what = planning.planned_snapshots(
-            self._plan, self.interval_tokens, tokens_per_step, max(0, self._step - 1)
+            self._plan,
+            self.interval_tokens,
+            tokens_per_step,
+            max(0, self._step - 1),
+            tokens=self._tokens - tokens_per_step if tokens_per_step is not None else None,
+            first_step=self._first_snapshot_step(),
         )
         listed = self._sink.snapshots() if self._step > 0 else []
         folders = self._sink.kept_on_disk(len(listed) + count if count is not None else None)
@@ -805,24 +849,162 @@ class SnapshotTaker:
         """Main process, before a snapshot is written: does it fit, do the rest still fit?"""
         size = self._sink.last_written_bytes() or self._sink.snapshot_bytes(model)
         listed = self._sink.snapshots()
-        count, _ = planning.planned_snapshots(self._plan, self.interval_tokens, tick.step_tokens, self._step)
+        count, _ = planning.planned_snapshots(
+            self._plan, self.interval_tokens, tick.step_tokens, self._step, tokens=self._tokens
+        )
         count = count or 0
         extra = planning.extra_folders(self._sink.kept_on_disk(len(listed) + 1 + count), len(listed))
         self._disk.check_next(size, extra, count, sum(r.num_bytes or 0 for r, _ in listed))
 
-    def _report_cost(self, tokens_per_step: int, at_end: bool = False) -> None:
-        """Once the second snapshot of this run is written (or at the end, after a single one):
-        what a snapshot costs against the time between snapshots (:func:`planning.cost_to_report`)."""
-        if self._time.reported or not self._taken or not self._is_main:
-            return
-        cost = planning.cost_to_report(
-            [t.blocked_s for t in self._taken],
-            self._sink.worker.task_seconds,
-            self._sink.last_written_bytes() or 0,
-            at_end=at_end,
+    def schedule_state(self) -> dict[str, Any]:
+        """:meth:`SnapshotSchedule.state` with every step's LR read (what a checkpoint stores)."""
+        if self._lr_backlog:
+            self.schedule.catch_up(self._read_lr_backlog())
+        return self.schedule.state()
+
+    def _advance(self, lr: float | torch.Tensor, checkpoint_follows: bool) -> StepTick:
+        """The schedule moves on by this step; an LR tensor is read only when this step may
+        snapshot (it crosses a multiple of V, or V is not chosen yet) or a checkpoint follows,
+        together with those of the steps before it (one transfer)."""
+        if isinstance(lr, torch.Tensor):
+            self._lr_backlog.append(lr)
+            interval = self.interval_tokens
+            if not (
+                interval is None
+                or checkpoint_follows
+                or crossed_boundary(self.schedule.tokens, self._tokens, interval) is not None
+            ):
+                return self.schedule.advance(self._tokens, None)
+            lr = None
+        earlier = self._read_lr_backlog()
+        if lr is None:
+            lr = earlier.pop()
+        return self.schedule.advance(self._tokens, lr, earlier)
+
+    def _read_lr_backlog(self) -> list[float]:
+        """The LR tensors held back, read in one transfer (oldest first), checked, then dropped."""
+        if not self._lr_backlog:
+            return []
+        values = torch.stack([t.reshape(()).float() for t in self._lr_backlog]).tolist()
+        self._lr_backlog = []
+        for value in values:
+            if not (math.isfinite(value) and value >= 0):
+                raise parameter_error("lr", f"must be a finite number >= 0, got {value!r} from the optimizer")
+        return values
+
+    def _waits_for_baseline(self) -> bool:
+        """Under a cost budget with the automatic interval, this run takes no snapshot in its first
+        :data:`~hf_pma.snapshots.overhead.BASELINE_STEPS` steps: the start-up step and a few clean
+        ones give the step time without snapshots that later steps are compared with."""
+        return (
+            self._budgeted()
+            and not self._taken
+            and self._step - self._plan_step0 < BASELINE_STEPS
         )
-        if cost is not None:
-            self._time.report(cost, self.interval_tokens / tokens_per_step, tokens_per_step, self.async_write)
+
+    def _first_snapshot_step(self) -> int:
+        """The first optimizer step that may snapshot (:meth:`_waits_for_baseline`)."""
+        return self._plan_step0 + BASELINE_STEPS if self._budgeted() and not self._taken else 0
+
+    def _budgeted(self) -> bool:
+        """Whether the automatic interval is still to be reviewed against ``max_overhead`` (widened
+        when needed); once reviewed (recorded in ``interval_choice``), a resumed run keeps it."""
+        choice = self.interval_choice
+        return (
+            self.max_overhead is not None
+            and self.requested_interval_tokens is None
+            and choice is not None
+            and not choice.get("cost_reviewed")
+        )
+
+    def _review_cost(self, tokens_per_step: int) -> None:
+        """Every process, after each snapshot until done: once :data:`COST_REVIEW_SNAPSHOTS`
+        snapshots of this run show what one costs (main process: :class:`OverheadMeter`), say it,
+        and with the automatic interval under a budget widen V when they cost more (every process
+        takes the main process's decision)."""
+        if self._cost_reviewed or len(self._taken) < COST_REVIEW_SNAPSHOTS:
+            return
+        decision: tuple[int | None, dict[str, Any] | None] | None = None
+        if self._is_main:
+            decision = self._cost_decision(tokens_per_step)
+        if self._distributed():
+            payload = [decision]
+            torch.distributed.broadcast_object_list(payload, src=0)
+            decision = payload[0]
+        if decision is None:  # too few clean steps yet: the next snapshot tries again
+            return
+        self._cost_reviewed = True
+        interval, why = decision
+        if interval is not None and interval != self.interval_tokens:
+            self.schedule.widen(interval, why)
+        if self._budgeted():
+            self.schedule.interval_choice = {**self.schedule.interval_choice, "cost_reviewed": True}
+            if self._is_main:
+                self._sink.update_manifest(**self._manifest_fields())
+
+    def _cost_decision(self, tokens_per_step: int) -> tuple[int | None, dict[str, Any] | None] | None:
+        """Main process: the measured cost said (once), and the interval to use from now on."""
+        estimate = self._meter.estimate(self._sink.worker.spans)
+        if estimate is None:
+            return None
+        steps_now = self.interval_tokens / tokens_per_step
+        interval, why = self.interval_tokens, None
+        if self._budgeted() and estimate.share(steps_now) > self.max_overhead:
+            widened = planning.widened_interval(
+                estimate, self.max_overhead, self.interval_tokens, tokens_per_step, self._plan
+            )
+            if widened.interval_tokens > self.interval_tokens:
+                interval = widened.interval_tokens
+                why = widened.to_record()
+                later, _ = planning.planned_snapshots(
+                    self._plan, interval, tokens_per_step, self._step, tokens=self._tokens
+                )
+                total = len(self._taken) + (later or 0)
+                notice(logger, planning.widened_message(widened, estimate, self.max_overhead, total))
+        self._say_cost(estimate, interval, tokens_per_step)
+        return interval, why
+
+    def _say_cost(self, estimate: Any, interval_tokens: int, tokens_per_step: int) -> None:
+        """Main process: the cost line (:func:`planning.cost_message`), a warning over the budget."""
+        self._cost_reported = True
+        steps_between = interval_tokens / tokens_per_step
+        run_steps = max(1, (self._plan.planned_steps if self._plan else self._step) - self._plan_step0)
+        remaining, _ = planning.planned_snapshots(
+            self._plan, interval_tokens, tokens_per_step, self._step, tokens=self._tokens
+        )
+        total = len(self._taken) + (remaining or 0)
+        costs = self.snapshot_costs
+        writes = [c.write_s for c in costs if c.write_s]
+        message, over = planning.cost_message(
+            estimate,
+            steps_between=steps_between,
+            tokens_per_step=tokens_per_step,
+            run_steps=run_steps,
+            snapshots=total,
+            setup_s=self._begin_s,
+            blocked_s=[c.blocked_s for c in costs],
+            write_s=writes[-1] if writes else 0.0,
+            num_bytes=self._sink.last_written_bytes(),
+            budget=self.max_overhead,
+            automatic=self.interval_choice is not None,
+        )
+        if over:
+            logger.warning(message)
+        else:
+            notice(logger, message)
+
+    def _report_cost(self, tokens_per_step: int, at_end: bool = False) -> None:
+        """At the end of a run whose cost was not said yet (fewer snapshots than a review needs):
+        what was measured, or the blocked and write seconds of its snapshots."""
+        if self._cost_reported or not self._taken or not self._is_main:
+            return
+        estimate = self._meter.estimate(self._sink.worker.spans)
+        if estimate is not None:
+            self._say_cost(estimate, self.interval_tokens, tokens_per_step)
+            return
+        self._cost_reported = True
+        costs = self.snapshot_costs
+        notice(logger, planning.unmeasured_cost_message(costs, self._sink.last_written_bytes(), self.async_write))
 
     def _say_steps_vary(self, step_tokens: int) -> None:
         """Once, when an optimizer step's tokens differ from the first step's: V counts tokens, so
@@ -876,7 +1058,7 @@ class SnapshotTaker:
         start = time.perf_counter()
         self._sink.take(model, record)
         blocked = time.perf_counter() - start
-        self._time.add_blocked(blocked)
+        self._meter.snapshot_taken()
         self._taken.append(_Taken(record, blocked))
         if self._is_main:
             self._recheck_disk(model, tick)
@@ -895,7 +1077,6 @@ class SnapshotTaker:
             # logged since the previous snapshot. It averages the logging window.
             record.loss = self._last_loss[1]
             record.extra.update(loss_source="logs", loss_logged_at_step=self._last_loss[0])
-        start = time.perf_counter()
         submitted = self._sink.worker.submitted
         self._sink.commit()
         taken = self._taken[-1]
@@ -904,7 +1085,6 @@ class SnapshotTaker:
             taken.task = submitted
         if checkpoint_follows:
             self._sink.before_checkpoint()
-        self._time.add_blocked(time.perf_counter() - start)
 
 
 def _check_begin_arguments(given: dict[str, Any]) -> None:

@@ -341,6 +341,8 @@ class BackgroundWorker:
         self.submitted = 0
         # Seconds each completed task took, in order.
         self.task_seconds: list[float] = []
+        # (start, end) clock readings (time.perf_counter) of every task, end None while it runs.
+        self.spans: list[tuple[float, float | None]] = []
         self._warned_wait = False
 
     @property
@@ -356,8 +358,13 @@ class BackgroundWorker:
 
     def _timed(self, task: Callable[[], Any]) -> None:
         start = time.perf_counter()
-        task()
-        self.task_seconds.append(time.perf_counter() - start)
+        self.spans.append((start, None))
+        try:
+            task()
+        finally:
+            end = time.perf_counter()
+            self.spans[-1] = (start, end)
+        self.task_seconds.append(end - start)
         self.tasks_done += 1
 
     def raise_if_failed(self) -> None:
@@ -384,7 +391,7 @@ class BackgroundWorker:
                 if reason and waited < MIN_REPORTED_WAIT_S:  # the write was finishing: nothing to change
                     logger.debug(f"hf-pma: {reason} waited {waited:.3f}s for {self._label} to finish writing")
                 elif reason:
-                    # A warning the first time; after that the time budget has said what to change.
+                    # A warning the first time; after that the cost line has said what to change.
                     log = logger.warning if warn and not self._warned_wait else logger.info
                     self._warned_wait = self._warned_wait or warn
                     log(f"hf-pma: {reason} waited {waited:.2f}s for {self._label} to finish writing")

@@ -21,6 +21,7 @@ from transformers.utils import logging
 from hf_pma.core.schedule import check_phases
 from hf_pma.core.strategies import validate_strategy
 from hf_pma.core.window_choice import check_window_count, is_auto
+from hf_pma.snapshots.budget import check_max_overhead
 from hf_pma.utils.names import parse_hub_id, scheduler_name
 from hf_pma.utils.parsing import check_int, parse_size
 from hf_pma.utils.text import shown
@@ -170,6 +171,13 @@ class PMATrainingArguments(TrainingArguments):
         },
     )
     pma_async_write: bool = dataclasses.field(default=True, metadata={"help": "Write snapshots in a background thread."})
+    pma_max_overhead: float | None = dataclasses.field(
+        default=0.01,
+        metadata={
+            "help": "Share of training time snapshots may cost (0.01: one percent), measured from the step times over the "
+            "first snapshots; the automatic interval is widened when they cost more. None: no budget."
+        },
+    )
     pma_eval: bool = dataclasses.field(
         default=True, metadata={"help": "Evaluate the merge of the last pma_window snapshots at every evaluation (eval_pma_*)."}
     )
@@ -308,6 +316,7 @@ class PMATrainingArguments(TrainingArguments):
             )
         if not (self.pma_spike_factor > 1.0):
             raise ValueError(f"pma_spike_factor must be greater than 1, got {self.pma_spike_factor!r}")
+        check_max_overhead(self.pma_max_overhead, "pma_max_overhead")
         if self.pma_max_disk_bytes is not None and parse_size(self.pma_max_disk_bytes, "pma_max_disk_bytes") < 1:
             raise ValueError(f"pma_max_disk_bytes must be a positive size, got {self.pma_max_disk_bytes!r}")
         if self.pma_save_dtype is not None and self.pma_save_dtype not in ("float32", "bfloat16", "float16"):

@@ -16,7 +16,7 @@ Three lines in a loop such as transformers' ``run_clm_no_trainer.py``::
     pma.end()
 
 The snapshots, the manifest, the folder claim, the off-thread writes, the sharded and online
-sinks and the disk and time budgets are those of :class:`hf_pma.snapshots.callback.PMACallback`:
+sinks and the disk and cost budgets are those of :class:`hf_pma.snapshots.callback.PMACallback`:
 both front doors drive the same engine, :class:`hf_pma.snapshots.taker.SnapshotTaker` (no
 ``Trainer`` object is involved here), so every ``hf-pma`` command reads the folder it writes.
 A loss spike is caught and undone with :meth:`PMASnapshots.check_for_spike` and a
@@ -38,7 +38,7 @@ from transformers.utils import logging
 from hf_pma.core.manifest import MAX_RECORD_INT, SnapshotRecord
 from hf_pma.core.schedule import check_schedule_state, positive_int_or_none
 from hf_pma.core.window_choice import check_window_count, choose_window, is_auto, point_from_record
-from hf_pma.snapshots.lr_probe import first_group_value
+from hf_pma.snapshots.lr_probe import first_group_value, step_lr
 from hf_pma.snapshots.taker import TOKEN_COUNTS, SnapshotTaker, TakenSnapshot
 from hf_pma.training.recovery import SpikeRecovery
 from hf_pma.utils.distributed import unwrap_model
@@ -93,7 +93,8 @@ class PMASnapshots:
             (``interval_tokens``, ``phases``, ``keep_last``, ``save_dtype``, ``max_shard_size``,
             ``async_write``, ``online``, ``online_alpha``, ``online_half_life_tokens``,
             ``online_half_life_fraction``,
-            ``online_window_tokens``, ``max_disk_bytes``, ``sharded``, ``online_device``).
+            ``online_window_tokens``, ``max_disk_bytes``, ``sharded``, ``online_device``,
+            ``max_overhead``).
 
     Nothing is written before the first :meth:`step`; :meth:`load_state_dict` (called by
     ``accelerator.load_state``) must come before it. :attr:`taker` is the snapshot engine
@@ -263,8 +264,8 @@ class PMASnapshots:
                 "tokens",
                 f"would bring the run's count past {MAX_RECORD_INT:,} (the largest count a manifest holds)",
             )
-        step_lr = lr if lr is not None else self._step_lr
-        if not self._begun and step_lr is None and self.lr_scheduler is None:
+        used_lr = lr if lr is not None else self._step_lr
+        if not self._begun and used_lr is None and self.lr_scheduler is None:
             raise ValueError(
                 "PMASnapshots.step(): no learning rate is known for the first optimizer step (pass lr=, or give "
                 "the optimizer or lr_scheduler at construction)"
@@ -273,7 +274,7 @@ class PMASnapshots:
             self._begin(model)
         taker = self.taker
         taker.commit()
-        taker.optimizer_step(step_lr)
+        taker.optimizer_step(used_lr)
         self._step_lr = None
         self._global_step += 1
         self._tokens += step_tokens
@@ -399,7 +400,7 @@ class PMASnapshots:
             "version": STATE_VERSION,
             "tokens": self.tokens,
             "global_step": self.global_step,
-            "schedule": self.taker.schedule.state(),
+            "schedule": self.taker.schedule_state(),
             "options": {**self.taker.options(), "token_count": self.token_count},
         }
 
@@ -461,7 +462,7 @@ class PMASnapshots:
     # ------------------------------------------------------------------ internals
 
     def _after_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self._step_lr = first_group_value(optimizer.param_groups, "lr")
+        self._step_lr = step_lr(optimizer.param_groups)  # a tensor LR is not read here (no sync)
 
     def _count(self, batch: Mapping[str, Any] | Iterable[Mapping[str, Any]]) -> int:
         if isinstance(batch, Mapping):

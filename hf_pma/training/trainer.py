@@ -112,6 +112,7 @@ class PMATrainer(Trainer):
             online_window_tokens=args.pma_online_window_tokens,
             online_device=args.pma_online_device,
             online_half_life_fraction=args.pma_online_half_life_fraction,
+            max_overhead=args.pma_max_overhead,
         )
         self._pma_fork_saver: SaveCheckpointAt | None = None
         if args.pma_anneal_steps or args.pma_anneal_tokens:  # the annealing check: its checkpoint

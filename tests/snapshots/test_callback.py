@@ -142,7 +142,7 @@ def test_counting_is_turned_on_when_off(tmp_path):
 
 
 def test_automatic_interval_is_chosen_from_the_planned_schedule(tmp_path):
-    callback = PMACallback()
+    callback = PMACallback(max_overhead=None)  # the choice itself, before any cost review
     train(
         tmp_path,
         [callback],
@@ -340,12 +340,14 @@ def test_resume_gives_the_snapshot_list_of_an_uninterrupted_run(tmp_path, crash_
         restore_callback_states_from_checkpoint=restore_state,
         logging_steps=1,
     )
-    straight = PMACallback(interval_tokens=interval)
+    # No cost budget: the automatic V is the planned one, whatever these steps cost.
+    budget = {"max_overhead": None}
+    straight = PMACallback(interval_tokens=interval, **budget)
     train(tmp_path / "straight", [straight], **common)
     expected = manifest_list(tmp_path / "straight" / "pma")
     assert len(expected) >= 5
 
-    first = PMACallback(interval_tokens=interval)
+    first = PMACallback(interval_tokens=interval, **budget)
     with pytest.raises(KeyboardInterrupt):
         train(tmp_path / "crashed", [StopAt(crash_step), first], **common)
     first.wait()  # the process would have finished (or lost) that write before dying
@@ -353,7 +355,7 @@ def test_resume_gives_the_snapshot_list_of_an_uninterrupted_run(tmp_path, crash_
     before = [s for _, s, _ in manifest_list(pma_dir)]
     assert (max(before) > 8) == (crash_step == 11)
 
-    second = PMACallback(interval_tokens=interval)
+    second = PMACallback(interval_tokens=interval, **budget)
     trainer = train(
         tmp_path / "crashed", [second], resume=str(tmp_path / "crashed" / "checkpoint-8"), **common
     )

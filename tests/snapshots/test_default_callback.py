@@ -10,7 +10,7 @@ import pytest
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_pma import PMATrainer, PMATrainingArguments
-from hf_pma.core.manifest import manifest_snapshots
+from hf_pma.core.manifest import manifest_snapshots, read_manifest
 from hf_pma.core.schedule import SNAPSHOTS_PER_WINDOW, WINDOWS_PER_STABLE_PHASE
 from hf_pma.snapshots.budget import DiskBudget, SnapshotBudgetError, human_bytes
 from hf_pma.snapshots.callback import PMACallback
@@ -66,7 +66,9 @@ def test_zero_argument_callback_takes_about_the_intended_count_and_warns_without
         assert args.lr_scheduler_type == "linear" and args.learning_rate > 0
     else:
         args = None
-    callback = PMACallback()
+    # The count the automatic V aims at, before the cost budget widens it (these tiny CPU steps
+    # exceed 1%; test_a_costly_automatic_interval_is_widened... below).
+    callback = PMACallback(max_overhead=None)
     with caplog.at_level(logging.WARNING, logger="hf_pma"):
         train(tmp_path, [callback], args=args, **overrides)
     taken = len(manifest_snapshots(tmp_path / "pma"))
@@ -130,60 +132,85 @@ def test_disk_budget_recheck_as_snapshots_land(tmp_path, caplog):
         real.check_plan(2**62, folders=1, snapshots=1, what="a test")
 
 
-def test_a_snapshots_cost_is_the_second_snapshots_and_is_logged_against_the_interval(tmp_path, caplog):
-    callback = PMACallback(interval_tokens=3 * SEQ * BATCH, async_write=False)
+def test_the_cost_line_says_what_the_first_snapshots_measured(tmp_path, caplog):
+    callback = PMACallback(interval_tokens=3 * SEQ * BATCH, async_write=False, max_overhead=None)
     with caplog.at_level(logging.INFO, logger="hf_pma"):
         train(tmp_path, [callback], max_steps=12, lr_scheduler_type="constant")
-    cost = [m for m in messages(caplog) if "snapshot cost" in m]
-    assert len(cost) == 1
+    cost = [m for m in messages(caplog) if "of training time" in m]
+    assert len(callback.snapshot_costs) == 4 and len(cost) == 1  # said once, after the third snapshot
     first = callback.snapshots()[0][0]
-    assert human_bytes(first.num_bytes) in cost[0] and "every 3.0 steps" in cost[0]
-    assert "% of training time" in cost[0]
-    # The first snapshot pays one-time costs (host buffers): the second's is what every snapshot costs.
-    blocked = [cost.blocked_s for cost in callback.snapshot_costs]
-    assert len(blocked) == 4
-    assert cost[0].startswith(f"hf-pma: a snapshot costs {blocked[1]:.2f}s of blocked training (the first {blocked[0]:.2f}s")
+    assert cost[0].startswith("hf-pma: snapshots cost ") and "of training time in this run: each adds" in cost[0]
+    assert human_bytes(first.num_bytes) in cost[0] and "at a snapshot every 3 steps" in cost[0]
+    assert "measured over 1 interval(s)" in cost[0] and "above" not in cost[0]
 
 
-def test_a_run_with_one_snapshot_reports_its_cost_at_the_end(tmp_path, caplog):
+def test_a_run_with_one_snapshot_says_what_it_blocked_and_wrote_at_the_end(tmp_path, caplog):
     callback = PMACallback(interval_tokens=4 * SEQ * BATCH, async_write=True)
     with caplog.at_level(logging.INFO, logger="hf_pma"):
         train(tmp_path, [callback], max_steps=6, lr_scheduler_type="constant")
-    cost = [m for m in messages(caplog) if "snapshot cost" in m]
+    cost = [m for m in messages(caplog) if "snapshot(s) cost" in m]
     assert len(callback.snapshots()) == 1 and len(cost) == 1
-    assert cost[0].startswith(f"hf-pma: the only snapshot cost {callback.snapshot_costs[0].blocked_s:.2f}s of blocked training")
+    assert cost[0].startswith(f"hf-pma: 1 snapshot(s) cost {callback.snapshot_costs[0].blocked_s:.2f}s of blocked training")
+    assert "too few to measure what they add to the step time" in cost[0]
 
 
-def test_the_time_share_is_the_steady_cost_not_the_first_snapshots(caplog, monkeypatch):
-    import types
+@pytest.fixture
+def slow_copy(monkeypatch):
+    """Every snapshot blocks the training thread 0.3 s more (far above 1% of these steps)."""
+    import time
 
-    from hf_pma.snapshots import budget as budget_module
-    from hf_pma.snapshots.budget import SnapshotCost, TimeBudget
+    from hf_pma.snapshots import sinks
 
-    clock = types.SimpleNamespace(now=100.0)
-    monkeypatch.setattr(budget_module, "time", types.SimpleNamespace(perf_counter=lambda: clock.now))
+    real = sinks.gather_full_state_dict
 
-    def after_ten_steps_of_one_second() -> TimeBudget:
-        budget = TimeBudget()
-        for _ in range(10):
-            clock.now += 1.0
-            budget.step_done()
-        assert budget.step_seconds() == 1.0
-        return budget
+    def slow(*args, **kwargs):
+        time.sleep(0.3)
+        return real(*args, **kwargs)
 
-    # A first snapshot of 1000 s (pinned buffers) beside a steady cost of 1% of the 10 s interval.
-    budget = after_ten_steps_of_one_second()
-    cost = SnapshotCost(blocked_s=0.1, write_s=0.0, num_bytes=2**20, first_blocked_s=1000.0)
+    monkeypatch.setattr(sinks, "gather_full_state_dict", slow)
+
+
+def test_a_costly_automatic_interval_is_widened_keeping_ten_snapshots_in_the_constant_phase(tmp_path, caplog, slow_copy):
+    callback = PMACallback()
     with caplog.at_level(logging.INFO, logger="hf_pma"):
-        message = budget.report(cost, steps_between=10, tokens_per_step=64, async_write=True)
-    assert budget.reported and "1.0% of training time" in message and "above 5%" not in message
-    assert "(the first 1000.00s, with one-time set-up)" in message
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
-    # A steady cost above the limit warns, with the interval that would do (2 s / 5% = 40 steps).
-    costly = SnapshotCost(blocked_s=2.0, write_s=0.0, num_bytes=2**20, first_blocked_s=2.0)
-    message = after_ten_steps_of_one_second().report(costly, steps_between=10, tokens_per_step=64, async_write=True)
-    assert "20.0% of training time, above 5%" in message
-    assert "an interval_tokens of at least 2,560 (40 steps)" in message
+        train(tmp_path, [callback], lr_scheduler_type="constant")
+    step = SEQ * BATCH
+    # 60 constant steps: 40 snapshots would be 2 steps apart; 10 in the phase allow 6 at most.
+    widened = [m for m in messages(caplog) if "widened interval_tokens" in m]
+    assert len(widened) == 1 and f"widened interval_tokens to {6 * step:,} (every 6 steps" in widened[0]
+    assert "the 60-step constant phase must keep at least 10 snapshots" in widened[0]
+    steps = [r.step for r, _ in callback.snapshots()]
+    # Steps 1-3 give the step time without snapshots; 3 snapshots 2 steps apart show the cost.
+    assert steps == [4, 6, 8, 12, 18, 24, 30, 36, 42, 48, 54, 60]
+    manifest = read_manifest(tmp_path / "pma")
+    assert manifest["interval_tokens"] == 6 * step and callback.interval_tokens == 6 * step
+    record = manifest["interval_choice"]["widened"]
+    assert record["from_interval_tokens"] == 2 * step and record["budget_met"] is False
+    cost = [m for m in messages(caplog) if "of training time in this run" in m]
+    assert len(cost) == 1 and "at a snapshot every 6 steps" in cost[0]
+
+
+def test_a_given_interval_is_kept_and_a_warning_says_which_would_do(tmp_path, caplog, slow_copy):
+    callback = PMACallback(interval_tokens=4 * SEQ * BATCH)
+    with caplog.at_level(logging.INFO, logger="hf_pma"):
+        train(tmp_path, [callback], max_steps=16, lr_scheduler_type="constant")
+    assert [r.step for r, _ in callback.snapshots()] == [4, 8, 12, 16]
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING and "of training time" in r.getMessage()]
+    assert len(warned) == 1 and "above max_overhead=1.0%: an interval_tokens of at least" in warned[0]
+
+
+def test_without_a_budget_the_automatic_interval_is_kept(tmp_path, slow_copy):
+    callback = PMACallback(max_overhead=None)
+    train(tmp_path, [callback], max_steps=12, lr_scheduler_type="constant")
+    assert [r.step for r, _ in callback.snapshots()] == list(range(1, 13))  # 12 steps < 40: every step
+
+
+@pytest.mark.parametrize("bad", [0, 1, 1.5, -0.1, "1%", True])
+def test_max_overhead_is_a_share_between_zero_and_one(bad):
+    with pytest.raises(ValueError, match="^max_overhead must be a share of training time"):
+        PMACallback(max_overhead=bad)
+    with pytest.raises(ValueError, match="^pma_max_overhead must be a share of training time"):
+        PMATrainingArguments(output_dir="unused", pma_max_overhead=bad)
 
 
 def test_pmatrainer_applies_the_disk_budget(tmp_path):

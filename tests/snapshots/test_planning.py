@@ -1,13 +1,15 @@
-"""hf_pma.snapshots.planning: the planned snapshot count, the disk plan, which cost to report and
+"""hf_pma.snapshots.planning: the planned snapshot count, the disk plan, the widened interval and
 the messages, as pure functions (no model, no training)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from hf_pma.core.schedule import choose_interval, plan_run
 from hf_pma.snapshots import planning
 from hf_pma.snapshots.budget import DiskBudget, human_bytes
+from hf_pma.snapshots.overhead import OverheadEstimate
 
 PEAK = 1e-3
 # 100 planned steps: 10 of warmup, 60 at the peak LR, 30 of decay.
@@ -56,16 +58,49 @@ def test_disk_plan_fits_or_says_why_not(tmp_path: Path):
     )
 
 
-def test_the_reported_cost_is_the_second_snapshots_or_the_only_ones_at_the_end():
-    assert planning.cost_to_report([], [], 0) is None
-    assert planning.cost_to_report([0.5], [], 10) is None  # not written yet
-    assert planning.cost_to_report([0.5], [1.0], 10) is None  # one snapshot: wait for a second, or the end
-    only = planning.cost_to_report([0.5], [1.0], 10, at_end=True)
-    assert (only.blocked_s, only.write_s, only.num_bytes, only.first_blocked_s) == (0.5, 1.0, 10, None)
-    # Two taken, one written: the second's write is not known yet.
-    assert planning.cost_to_report([0.5, 0.1], [1.0], 10) is None
-    second = planning.cost_to_report([0.5, 0.1, 0.2], [1.0, 0.3], 10)
-    assert (second.blocked_s, second.write_s, second.first_blocked_s) == (0.1, 0.3, 0.5)
+def _estimate(extra_s: float, step_s: float = 0.1, extra_se_s: float = 0.0) -> OverheadEstimate:
+    return OverheadEstimate(
+        step_s=step_s, step_se_s=0.0, clean_steps=10, extra_s=extra_s, extra_se_s=extra_se_s, intervals=2,
+        steps_between=2.0,
+    )
+
+
+def test_a_costly_automatic_interval_is_widened_in_multiples_down_to_ten_snapshots_in_the_constant_phase():
+    # 0.05 s per snapshot on 0.1 s steps: 1% needs 50 steps apart; WSD's 60 constant steps allow 6.
+    widened = planning.widened_interval(_estimate(0.05), 0.01, 200, 100, WSD)
+    assert (widened.interval_tokens, widened.steps_between, widened.needed_steps) == (600, 6, 50)
+    assert widened.max_steps == 6 and widened.constant_steps == 60 and not widened.budget_met
+    # 0.002 s per snapshot: 1% needs 2 steps apart, met by widening 1 -> 2 (a multiple of the V in use).
+    met = planning.widened_interval(_estimate(0.002), 0.01, 100, 100, WSD)
+    assert (met.interval_tokens, met.budget_met) == (200, True)
+    # The uncertainty counts: the upper end of the interval must be under the budget.
+    sure = planning.widened_interval(_estimate(0.002, extra_se_s=0.001), 0.01, 100, 100, WSD)
+    assert sure.needed_steps == 4 and sure.interval_tokens == 400
+    # No constant phase (linear): the steps that snapshot count instead (100: at most 10 steps apart).
+    linear = planning.widened_interval(_estimate(0.05), 0.01, 300, 100, LINEAR)
+    assert linear.constant_steps == 100 and linear.interval_tokens == 900  # 3 steps x 3 <= 10
+    line = planning.widened_message(widened, _estimate(0.05), 0.01, 14)
+    assert line.startswith("hf-pma: the first snapshots cost 25% (± 0.0%) of training time at every 2 steps")
+    assert "widened interval_tokens to 600 (every 6 steps: about 8.3% ± 0.0%; 14 snapshots in all)" in line
+    assert "needs every 50 steps, but the 60-step constant phase must keep at least 10 snapshots" in line
+    assert "cannot be met" not in planning.widened_message(met, _estimate(0.002), 0.01, 40)
+
+
+def test_the_cost_line_projects_the_run_from_what_the_first_snapshots_measured():
+    estimate = dataclasses.replace(_estimate(0.05, extra_se_s=0.01), first_extra_s=0.2, intervals=1)
+    message, over = planning.cost_message(
+        estimate, steps_between=5, tokens_per_step=100, run_steps=100, snapshots=20, setup_s=0.5,
+        blocked_s=[0.3, 0.01, 0.02], write_s=0.04, num_bytes=2**20, budget=0.01, automatic=False,
+    )
+    # 0.5 s set-up + 0.2 s (first) + 0.05 s x 19 + 0.04 s (the last write) over 100 steps of 0.1 s.
+    assert message.startswith("hf-pma: snapshots cost 17% (± 3.8%) of training time in this run: each adds 0.050s")
+    assert "10% (± 4.0%) at a snapshot every 5 steps, plus 0.50s of set-up" in message and over
+    assert "an interval_tokens of at least 7,000 (70 steps) keeps snapshots under it" in message
+    quiet, over = planning.cost_message(
+        estimate, steps_between=5, tokens_per_step=100, run_steps=100, snapshots=20, setup_s=0.5,
+        blocked_s=[0.3], write_s=0.04, num_bytes=None, budget=None, automatic=True,
+    )
+    assert not over and "above" not in quiet
 
 
 def test_the_messages():
