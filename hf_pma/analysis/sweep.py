@@ -133,8 +133,6 @@ def plan_sweep(
     if not windows and not window_tokens:
         raise ValueError("give at least one window value (a count N, auto, or a number of tokens T)")
     auto = any(is_auto(n) for n in windows)
-    if auto and auto_count is None:
-        raise ValueError("the automatic window needs its count (auto_count): choose it from the run's records")
     windows = _positive_ints([n for n in windows if not is_auto(n)], "window") if len(windows) > auto else []
     every = _positive_ints(every, "every")
     strategies = list(dict.fromkeys(strategies))
@@ -145,6 +143,10 @@ def plan_sweep(
     if count < 1:
         raise ValueError("the run has no snapshot")
     combos, skipped = [], []
+    if auto and auto_count is None:
+        skipped.append({"window": "auto", "every": 1, "strategy": ", ".join(strategies),
+                        "reason": "no count chosen from the run's records (auto_count)"})
+        auto = False
     for strategy in strategies:
         if auto:
             indices = tuple(range(count - auto_count, count))

@@ -96,6 +96,8 @@ def compared(three_runs):
         "params",
         "--x",
         "a=1e6,b=3e6,c=1e7",
+        "--last",
+        str(COUNT),  # every snapshot: the mechanics (the automatic default: its own test)
         "-q",
     )
     assert result.returncode == 0, result.stderr
@@ -154,8 +156,7 @@ def test_compare_three_runs(three_runs, compared):
     assert report["at_tokens"] == COUNT * 1000 and report["metric"] == "lm/loss"
     by = {e["name"]: e for e in report["runs"]}
     assert list(by) == ["a", "b", "c"]
-    # The run records no window: the default N=10, cut to the 5 snapshots there are.
-    assert by["a"]["merge"]["window"] == COUNT and "the default N=10: the run records no window" in by["a"]["merge"]["window_origin"]
+    assert by["a"]["merge"]["window"] == COUNT and by["a"]["merge"]["window_origin"] == f"last={COUNT} (--last)"
     assert by["a"]["last"]["snapshot"] == "snapshot-5000"
 
     # The numbers equal the same models merged to disk and evaluated on their own.
@@ -345,9 +346,9 @@ def test_a_window_given_in_python_is_described_with_its_parameter():
     from hf_pma.merging.checkpoint_source import CheckpointSource
 
     sources = [CheckpointSource(Path(f"s{i}"), "", [], tokens=1000 * i) for i in range(1, 6)]
-    *_, origin = _plan_window(sources, "sma", 0.2, 3, None, None, "a")
+    *_, origin, _choice = _plan_window(sources, "sma", 0.2, 3, None, None, "a")
     assert origin == "last=3 (--last)"
-    *_, origin = _plan_window(sources, "sma", 0.2, None, 2000, None, "a")
+    *_, origin, _choice = _plan_window(sources, "sma", 0.2, None, 2000, None, "a")
     assert origin == "window_tokens=2,000 (--window-tokens)"
 
 
@@ -385,6 +386,7 @@ def grouped(three_runs, tiny_tokenizer, tmp_path_factory):
     result = run_cli(
         "compare", *order, "--eval-file", eval_file, "--block-size", "64", "-o", out, "--group", "seed",
         "--bootstrap", "200", "--bootstrap-seed", "5", "--fit", "params", "--x", "a=1e6,b=3e6,c=1e7,d=3e7,twin=1e8",
+        "--last", str(COUNT),
         "--no-plot", "-q",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
@@ -491,3 +493,19 @@ def test_recorded_settings_come_from_the_training_record_then_the_model_config(t
     with pytest.raises(ValueError) as err:
         recorded_settings(run, last)
     assert "pma_training.json" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_without_a_window_each_run_gets_the_automatic_one_with_its_reason(three_runs):
+    """No --last, no --window-tokens and no window recorded: each run's merge is the automatic
+    window chosen from its own records (here the loss still falls: the last snapshot alone)."""
+    from hf_pma.analysis.compare_runs import plan_comparison
+
+    _, runs, _ = three_runs
+    _, plans = plan_comparison(runs)
+    for plan in plans:
+        assert plan.window_choice is not None and plan.merge_indices == [COUNT - 1]
+        assert plan.window_origin.startswith("auto window: the last snapshot alone") and "(the default)" in plan.window_origin
+    _, plans = plan_comparison(runs, last="auto")
+    assert all("(--last auto)" in plan.window_origin for plan in plans)
+    with pytest.raises(ValueError, match="^last must be 'auto' or a positive number of snapshots"):
+        plan_comparison(runs, last="ten")

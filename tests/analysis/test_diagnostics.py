@@ -262,9 +262,9 @@ def test_inspect_uses_the_runs_own_window_shows_one_distance_for_sma_and_reads_t
     run, _ = write_run(tmp_path / "run", 6, noise_deviation())
     merged = run / "pma" / "merged"
     merged.mkdir()
-    # No record: the documented default (10, shrunk to the run's 6).
-    out = _inspect(run, "-q")
-    assert "Window: 6 snapshots (the default: the run records no merge window)" in out
+    # No record: the automatic window (the loss still falls: the last snapshot alone).
+    out = " ".join(_inspect(run, "-q").split())
+    assert "Window: 1 snapshots (auto window: the last snapshot alone:" in out
     # The training record's pma_window.
     (merged / "pma_training.json").write_text(json.dumps({"pma_window": 5}))
     out = _inspect(run, "-q")

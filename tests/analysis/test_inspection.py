@@ -43,9 +43,9 @@ def test_the_library_gives_what_the_command_prints(tmp_path):
 
 def test_window_defaults_and_errors_in_library_words(tmp_path):
     run, _ = write_run(tmp_path / "run", 3, noise_deviation())
-    report = diagnose_window(run, progress=False)  # the default window shrinks to the 3 snapshots
-    assert DEFAULT_WINDOW > 3 and len(report.window.indices) == 3
-    assert report.origin == "the default: the run records no merge window"
+    report = diagnose_window(run, progress=False)  # the automatic window: the loss still falls
+    assert len(report.window.indices) == 1 and report.origin.startswith("auto window: the last snapshot alone")
+    assert len(diagnose_window(run, progress=False, every=2).window.indices) == min(DEFAULT_WINDOW, 2)
     with pytest.raises(FileNotFoundError, match="reference model .*nowhere does not exist"):
         diagnose_window(run, reference=tmp_path / "nowhere", progress=False)
     with pytest.raises(ValueError, match="unknown merge strategy 'median'"):

@@ -79,7 +79,7 @@ def test_cli_merge_explicit_weights_and_errors(tmp_path):
 def test_a_run_is_merged_over_its_automatic_window_and_whole_only_when_asked(tmp_path):
     from tests.helpers.snapshot_runs import noise_deviation, write_run
 
-    run, _ = write_run(tmp_path / "run", 4, noise_deviation())  # its loss still falls: too early
+    run, _ = write_run(tmp_path / "run", 10, noise_deviation())  # its loss still falls: too early
     auto = run_cli("merge", run, "-o", tmp_path / "auto", "-q")
     assert auto.returncode == 0, auto.stderr
     assert "auto window: the last snapshot alone" in auto.stdout and "too early" in auto.stdout
@@ -87,14 +87,14 @@ def test_a_run_is_merged_over_its_automatic_window_and_whole_only_when_asked(tmp
     assert record["num_sources"] == 1 and record["window"]["auto"]["rule"] == "too-early"
     whole = run_cli("merge", run, "-o", tmp_path / "all", "--last", "all", "-q")
     assert whole.returncode == 0, whole.stderr
-    assert "merging all 4 sources" in whole.stderr and "--last auto" in whole.stderr
+    assert "merging all 10 sources" in whole.stderr and "--last auto" in whole.stderr
     assert json.loads((tmp_path / "all" / "pma_merge.json").read_text())["window"].get("auto") is None
     windowed = run_cli("merge", run, "-o", tmp_path / "end", "--last", "2", "-q")
     assert windowed.returncode == 0 and "merging all" not in windowed.stderr, windowed.stderr
     assert "auto window" not in windowed.stdout
     listed = run_cli("merge", *sorted((run / "pma").glob("snapshot-*")), "-o", tmp_path / "listed", "-q")
     assert listed.returncode == 0 and "merging all" not in listed.stderr, listed.stderr
-    assert json.loads((tmp_path / "listed" / "pma_merge.json").read_text())["num_sources"] == 4
+    assert json.loads((tmp_path / "listed" / "pma_merge.json").read_text())["num_sources"] == 10
     bad = run_cli("merge", run, "-o", tmp_path / "bad", "--last", "some")
     assert bad.returncode == 2 and "'auto' or a positive number" in bad.stderr
 
