@@ -31,11 +31,13 @@ from hf_pma.utils.fs import (
     process_start_ticks,
     recorded_holder_state,
 )
+from tests.helpers.cli import hf_pma_command, run_cli
 from tests.helpers.data import TokenDataset, pad_collate, sample_text
 from tests.helpers.launcher import launch
 from tests.helpers.models import make_tiny_model, save_model_folder
 from tests.helpers.pma_records import merge_record
 from tests.helpers.snapshot_runs import noise_deviation, write_run
+from tests.helpers.repo import REPO_ROOT
 from tests.helpers.training import make_args
 
 TRAIN = Path(__file__).parent / "dist" / "one_writer_train.py"
@@ -521,3 +523,86 @@ def test_a_forked_child_that_outlives_its_killed_parent_does_not_keep_the_claim(
     finally:
         if child_pid.exists():
             os.kill(int(child_pid.read_text()), signal.SIGKILL)
+
+
+# ---------------------------------------------------------------- eval: readers and record writers
+
+
+EVAL_ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO_ROOT)}
+
+
+def _eval_command(model: Path, heldout: Path, label: str, out: Path, *extra: object) -> list[str]:
+    return [
+        hf_pma_command(), "eval", str(model), "--labels", label, "--eval-file", str(heldout), "--block-size", "32",
+        "-o", str(out), "-q", *map(str, extra),
+    ]
+
+
+@pytest.mark.slow
+def test_eval_record_writers_in_several_processes_keep_every_result(tmp_path, tiny_tokenizer):
+    model = tmp_path / "model"
+    save_model_folder(model, make_tiny_model(seed=1), tiny_tokenizer)
+    record = tmp_path / "merged"
+    record.mkdir()
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text(sample_text(400))
+    labels = [f"run {i}" for i in range(3)]
+    evals = [
+        subprocess.Popen(
+            _eval_command(model, heldout, label, tmp_path / f"{i}.json", "--record", record),
+            stderr=subprocess.PIPE, text=True, env=EVAL_ENV,
+        )
+        for i, label in enumerate(labels)
+    ]
+    errors = [e.communicate(timeout=600)[1] for e in evals]
+    assert [e.returncode for e in evals] == [0] * 3, errors
+    assert sorted(read_eval_record(record)["results"]) == labels
+    assert sorted(os.listdir(record)) == ["pma_eval.json"] and not claim_path(record).exists()
+
+
+MERGE_REPLACING = """
+import shutil, sys, time
+from pathlib import Path
+from hf_pma.utils.fs import claim_output, publish_folder, temporary_path
+out, new, ready, go = Path(sys.argv[1]), sys.argv[2], Path(sys.argv[3]), Path(sys.argv[4])
+with claim_output(out, overwrite=True):  # as merge --overwrite does: claimed, written aside, published
+    tmp = temporary_path(out)
+    shutil.copytree(new, tmp)
+    ready.touch()
+    while not go.exists():
+        time.sleep(0.002)
+    publish_folder(tmp, out, replace=True)
+"""
+
+
+@pytest.mark.slow
+def test_an_eval_of_a_merge_being_replaced_reads_one_version_of_it(tmp_path, tiny_tokenizer):
+    """The model folder is read under its shared claim: an eval that starts while a merge replaces
+    the folder waits for it (saying so), then evaluates the new model, never a mix of the two."""
+    out, new = tmp_path / "merged", tmp_path / "new"
+    save_model_folder(out, make_tiny_model(seed=1), tiny_tokenizer)
+    save_model_folder(new, make_tiny_model(seed=2), tiny_tokenizer)
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text(sample_text(400))
+    ready, go = tmp_path / "ready", tmp_path / "go"
+    merge = python(MERGE_REPLACING, out, new, ready, go)
+    try:
+        wait_for(ready, merge)
+        reader = subprocess.Popen(
+            _eval_command(out, heldout, "merged", tmp_path / "during.json"),
+            stderr=subprocess.PIPE, text=True, env=EVAL_ENV,
+        )
+        waited = next((line for line in reader.stderr if "waiting up to" in line), None)
+    finally:
+        go.touch()
+        merge.wait(timeout=60)
+    rest = reader.communicate(timeout=600)[1]
+    assert merge.returncode == 0 and reader.returncode == 0, rest
+    assert waited is not None and (
+        f"model folder {out} is being written by another process (host {_host()}, pid {merge.pid}); waiting up to 30s"
+        in waited
+    )
+    done = run_cli(*_eval_command(new, heldout, "merged", tmp_path / "new.json")[1:])
+    assert done.returncode == 0, done.stderr
+    during, direct = (json.loads((tmp_path / n).read_text())["results"] for n in ("during.json", "new.json"))
+    assert during == direct

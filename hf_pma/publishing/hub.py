@@ -30,7 +30,7 @@ from hf_pma.io.guarded import JSON_LIMITS, open_file, opened, read_bytes, read_j
 from hf_pma.io.safetensors import SafetensorsReader
 from hf_pma.io.sharded import sharded_weight_files
 from hf_pma.publishing.records import find_local_paths, find_tokens, load_records
-from hf_pma.utils.fs import check_output_file
+from hf_pma.utils.fs import check_output_file, read_claim
 from hf_pma.utils.hub_client import install_hub_client
 from hf_pma.utils.logs import get_logger
 from hf_pma.utils.names import check_revision_name, is_hub_id
@@ -335,7 +335,9 @@ def push_folder_to_hub(
     # more files than this process may open is one line here, not a repo created and left empty.
     _allow_open_files(len(files), folder)
     try:
-        open_handles([f for f in files if not (needs_card and f in (CARD_NAME, PLOT_NAME))])
+        # Opened under the folder's shared claim: one version of it, even if a merge replaces it.
+        with read_claim(folder, what="folder to push"):
+            open_handles([f for f in files if not (needs_card and f in (CARD_NAME, PLOT_NAME))])
     except BaseException:
         stack.close()
         raise
