@@ -36,8 +36,8 @@ from tests.helpers.data import TokenDataset, pad_collate, sample_text
 from tests.helpers.launcher import launch
 from tests.helpers.models import make_tiny_model, save_model_folder
 from tests.helpers.pma_records import merge_record
-from tests.helpers.snapshot_runs import noise_deviation, write_run
 from tests.helpers.repo import REPO_ROOT
+from tests.helpers.snapshot_runs import noise_deviation, write_run
 from tests.helpers.training import make_args
 
 TRAIN = Path(__file__).parent / "dist" / "one_writer_train.py"
