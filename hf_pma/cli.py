@@ -11,9 +11,13 @@ parameter an error names as its flag (``--last must be ...``), in one place: :fu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from hf_pma import __version__
 
@@ -77,19 +81,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     fit_cpu_threads()  # a shared CPU: the cores others leave free (OMP_NUM_THREADS overrides)
     try:
-        return int(args.func(args) or 0)
+        with stop_on_signals():
+            return int(args.func(args) or 0)
     except (ValueError, OSError, ConnectionError) as err:  # OSError: FileNotFound, FileExists, Permission, NoSpace, ELOOP ...
         # Bad input: one clear line, no traceback (use -v for the traceback).
         if getattr(args, "verbose", False):
             return write_traceback()
         write_error_line(args.command, f"error: {hub_error_line(err) or flag_words(err, parser, args.command)}")
         return 2
-    except KeyboardInterrupt:
-        # Ctrl-C: the ``finally`` blocks on the way up have removed what was half written.
+    except KeyboardInterrupt as err:
+        # Ctrl-C, SIGTERM, SIGHUP: the ``finally`` blocks on the way up have removed what was half
+        # written (temporaries, claims); the status is the shell's 128 + the signal's number.
         if getattr(args, "verbose", False):
             raise
-        write_error_line(args.command, "interrupted")
-        return INTERRUPTED
+        signum = getattr(err, "signum", signal.SIGINT)
+        write_error_line(args.command, "interrupted" + ("" if signum == signal.SIGINT else f" by {signal.Signals(signum).name}"))
+        return 128 + int(signum)
     except Exception as err:
         line = hub_error_line(err)
         if getattr(args, "verbose", False):
@@ -122,6 +129,45 @@ def flag_words(err: BaseException, parser: argparse.ArgumentParser, command: str
 
 # The exit code of a command stopped by Ctrl-C (SIGINT): 128 + 2, as a shell reports it.
 INTERRUPTED = 130
+# The signals that end a command the way Ctrl-C does: the terminal's, a job scheduler's (SLURM
+# and Kubernetes send SIGTERM before SIGKILL), a closed terminal's.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Stopped(KeyboardInterrupt):
+    """A command stopped by ``signum`` (a ``KeyboardInterrupt``, so that every clean-up that
+    runs on Ctrl-C runs on SIGTERM and SIGHUP too)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Turn :data:`STOP_SIGNALS` into :class:`Stopped` in the main thread while the block runs.
+
+    Only the first one raises: a second signal (Ctrl-C pressed twice, a scheduler's repeated
+    SIGTERM) is ignored, so that the clean-up it started (a temporary folder removed, a claim
+    released) is not cut short; SIGKILL still ends the process at once. Outside the main thread
+    (a command run by a library user's thread) the handlers are left as they are."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    stopping: list[int] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        if stopping:
+            return
+        stopping.append(signum)
+        raise Stopped(signum)
+
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
 
 
 def write_error_line(command: str, text: str) -> None:

@@ -8,9 +8,11 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -36,8 +38,9 @@ from hf_pma.utils.fs import (
     remove_stale_temporaries,
     temporary_path,
 )
-from tests.helpers.models import make_tiny_model
-from tests.helpers.snapshot_runs import noise_deviation, write_run
+from tests.helpers.cli import run_cli
+from tests.helpers.models import make_tiny_model, save_model_folder
+from tests.helpers.snapshot_runs import copy_run, noise_deviation, write_run
 from tests.helpers.training import TRAIN_SMALL_TPS, StopAt, train_small
 
 TPS = TRAIN_SMALL_TPS
@@ -321,3 +324,91 @@ def test_start_up_cleanup_touches_only_hf_pmas_leftovers(tmp_path, caplog):
     assert all(p.read_text() == "the user's" for p in users) and odd.is_dir()
     logged = " ".join(r.getMessage() for r in caplog.records)
     assert all(str(p) in logged for p in ours)
+
+
+# ---------------------------------------------------------------- every way a command ends
+
+PAUSE_AT = Path(__file__).parent / "dist" / "pause_at.py"
+# (command, the stage it is stopped at, the signal): every command that writes, stopped while it
+# holds a claim, a temporary folder, or reads under a shared claim.
+STOPS = [
+    ("merge", "hf_pma.merging.engine:remove_stale_temporaries", signal.SIGTERM),  # claimed, nothing written
+    ("merge", "hf_pma.io.safetensors:SafetensorsWriter.write_at", signal.SIGHUP),  # writing the temporary
+    ("merge", "hf_pma.merging.engine:publish_folder", signal.SIGTERM),  # written, not yet published
+    ("merge --overwrite", "hf_pma.merging.engine:publish_folder", signal.SIGINT),  # replacing an earlier merge
+    ("eval --record", "hf_pma.evaluation.loading:_load_model_for_eval", signal.SIGTERM),  # reading, shared claim
+    ("eval --record", "hf_pma.evaluation.records:atomic_write_json", signal.SIGHUP),  # the record's claim held
+    ("consolidate", "hf_pma.merging.consolidate:write_shard_index", signal.SIGTERM),  # shards written
+    ("sweep --best", "hf_pma.evaluation.records:write_eval_record", signal.SIGTERM),  # the best merge's records
+]
+
+
+def _leftovers(root: Path) -> list[str]:
+    """Claims and temporaries of hf-pma anywhere under ``root``."""
+    return sorted(
+        str(Path(folder, name).relative_to(root))
+        for folder, dirs, files in os.walk(root)
+        for name in dirs + files
+        if name.endswith(".claim") or parse_temporary(name) is not None
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "command, stage, signum", STOPS, ids=[f"{c.split()[0]}-{s.split(':')[1]}-{g.name}" for c, s, g in STOPS]
+)
+def test_a_signal_at_any_stage_ends_in_one_line_with_128_plus_the_signal_and_leaves_nothing(
+    small_run, tmp_path, tiny_tokenizer, command, stage, signum
+):
+    run = copy_run(small_run, tmp_path / "run")
+    snapshots = [str(run / PMA_SUBDIR / f"snapshot-{t}") for t in (1000, 2000, 3000)]
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    out = tmp_path / "out"
+    name = command.split()[0]
+    if name == "merge":
+        args = [*snapshots, "-o", out, "--workers", "1"]
+        if "--overwrite" in command:
+            assert run_cli("merge", *snapshots[:2], "-o", out, "-q").returncode == 0
+            args.append("--overwrite")
+    elif name == "eval":
+        save_model_folder(out, make_tiny_model(seed=1), tiny_tokenizer)
+        args = [out, "--eval-file", heldout, "--block-size", "32", "--record", out, "-o", tmp_path / "results.json"]
+    elif name == "consolidate":
+        from tests.helpers.sharded_files import LAYOUTS, write_sharded
+
+        model = make_tiny_model(seed=0)
+        model.save_pretrained(tmp_path / "full")
+        state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        args = [write_sharded(tmp_path / "dcp", state, LAYOUTS["rows-2"], config_from=tmp_path / "full"), "-o", out]
+    else:
+        tiny_tokenizer.save_pretrained(run)
+        args = [run, "--eval-file", heldout, "--block-size", "32", "--window", "2", "-o", tmp_path / "sweep.json",
+                "--no-plot", "--best", out]
+    before = sorted(os.listdir(out)) if out.exists() else None
+    proc = subprocess.Popen(
+        [sys.executable, str(PAUSE_AT), stage, name, *map(str, args), "-q"],
+        stdin=subprocess.PIPE, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+    )
+    try:
+        for line in proc.stderr:
+            if line.startswith("PAUSED "):
+                break
+        else:
+            pytest.fail(f"never paused at {stage}; exit {proc.wait()}")
+        proc.send_signal(signum)
+        proc.stdin.close()  # a paused worker thread goes on (and stops at its next chunk)
+        assert proc.wait(timeout=120) == 128 + signum
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = proc.stderr.read()
+    ending = "interrupted" if signum == signal.SIGINT else f"interrupted by {signal.Signals(signum).name}"
+    assert "Traceback" not in err and err.strip().splitlines() == [f"hf-pma {name}: {ending}"], err
+    assert _leftovers(tmp_path) == []
+    if name in ("merge", "consolidate"):
+        assert (sorted(os.listdir(out)) if out.exists() else None) == before  # an earlier merge is still whole
+    if name == "eval":
+        assert sorted(os.listdir(out)) == before and not (tmp_path / "results.json").exists()
