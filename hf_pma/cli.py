@@ -72,6 +72,9 @@ def _add_verbosity_flags(sub: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``hf-pma``; returns the process exit code."""
+    from hf_pma.utils.text import flush_out, prepare_standard_streams
+
+    prepare_standard_streams()  # closed fds on /dev/null; stdout writes what it cannot encode escaped
     parser = build_parser()
     args = parser.parse_args(argv)
     from hf_pma.utils.logs import set_cli_verbosity
@@ -82,7 +85,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     fit_cpu_threads()  # a shared CPU: the cores others leave free (OMP_NUM_THREADS overrides)
     try:
         with stop_on_signals():
-            return int(args.func(args) or 0)
+            status = int(args.func(args) or 0)
+            flush_out()  # a reader of stdout that is gone (| head) costs nothing: the work is done
+            return status
     except (ValueError, OSError, ConnectionError) as err:  # OSError: FileNotFound, FileExists, Permission, NoSpace, ELOOP ...
         # Bad input: one clear line, no traceback (use -v for the traceback).
         if getattr(args, "verbose", False):
@@ -178,6 +183,8 @@ def write_error_line(command: str, text: str) -> None:
     from hf_pma.utils.secrets import redact
     from hf_pma.utils.text import escape
 
+    if sys.stderr is None:  # closed at start (2>&-)
+        return
     sys.stderr.write(escape(redact(f"hf-pma {command}: {text}")) + "\n")
     sys.stderr.flush()
 

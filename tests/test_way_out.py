@@ -412,3 +412,39 @@ def test_a_signal_at_any_stage_ends_in_one_line_with_128_plus_the_signal_and_lea
         assert (sorted(os.listdir(out)) if out.exists() else None) == before  # an earlier merge is still whole
     if name == "eval":
         assert sorted(os.listdir(out)) == before and not (tmp_path / "results.json").exists()
+
+
+OUTPUT_ENDS = {
+    "ascii-stdout": {"env": {"PYTHONIOENCODING": "ascii"}},
+    "c-locale": {"env": {"LC_ALL": "C", "LANG": "C"}},
+    "reader-gone": {"close_reader": True},  # `hf-pma merge ... | head -0`
+    "stdout-closed": {"close_fd": 1},  # `hf-pma merge ... >&-`
+    "stdin-and-stdout-closed": {"close_fd": (0, 1)},
+}
+
+
+@pytest.mark.parametrize("case", list(OUTPUT_ENDS))
+def test_a_merge_that_succeeded_stays_a_success_whatever_its_stdout(small_run, tmp_path, case):
+    """A merge into a non-ASCII folder whose stdout cannot encode the name, is closed, or whose
+    reader is gone: exit 0, nothing on stderr, the merge complete (one output path: write_out)."""
+    how = OUTPUT_ENDS[case]
+    out = tmp_path / "fusión-模型"
+    closing = how.get("close_fd", ())
+    closing = (closing,) if isinstance(closing, int) else closing
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from hf_pma.cli import main; sys.exit(main())", "merge",
+         *(str(small_run / PMA_SUBDIR / f"snapshot-{t}") for t in (1000, 2000, 3000)), "-o", str(out), "-q"],
+        stdout=subprocess.PIPE if "close_fd" not in how else None,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **how.get("env", {})},
+        preexec_fn=(lambda: [os.close(fd) for fd in closing]) if closing else None,
+    )
+    if how.get("close_reader"):
+        proc.stdout.close()
+    stdout, stderr = (b"", proc.stderr.read()) if proc.stdout is None or proc.stdout.closed else proc.communicate()[:2]
+    assert proc.wait(timeout=300) == 0, stderr.decode(errors="replace")
+    assert stderr == b""
+    assert (out / "pma_merge.json").is_file() and any(out.glob("*.safetensors"))
+    assert _leftovers(tmp_path) == []
+    if case == "ascii-stdout":
+        assert stdout.decode("ascii").endswith("-> " + str(out).encode("ascii", "backslashreplace").decode() + "\n")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 from hf_pma.commands import (
@@ -172,5 +171,7 @@ def run(args: argparse.Namespace) -> int:
 
         write_lines(results_table(report["results"]))  # its cells are escaped
         write_line(f"results: {output}")
-        sys.stdout.flush()
+        from hf_pma.utils.text import flush_out
+
+        flush_out()
     return 0
