@@ -448,3 +448,67 @@ def test_a_merge_that_succeeded_stays_a_success_whatever_its_stdout(small_run, t
     assert _leftovers(tmp_path) == []
     if case == "ascii-stdout":
         assert stdout.decode("ascii").endswith("-> " + str(out).encode("ascii", "backslashreplace").decode() + "\n")
+
+
+# ---------------------------------------------------------------- limits
+
+LIMITED = """
+import resource, sys
+soft, hard = int(sys.argv[1]), int(sys.argv[2])
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard if hard > 0 else resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+from hf_pma.cli import main
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def run_of_40(tmp_path_factory):
+    run, _ = write_run(tmp_path_factory.mktemp("forty") / "run", 40, noise_deviation())
+    return run
+
+
+@pytest.mark.parametrize("command", ["merge", "sweep"])
+def test_a_low_soft_open_file_limit_is_raised_for_a_40_snapshot_merge(run_of_40, tmp_path, command):
+    """Soft limit 40, hard limit as it is: every snapshot's file is held open
+    together, so the soft limit is raised first (as push did, one helper now)."""
+    out = tmp_path / "merged"
+    args = ["merge", run_of_40, "-o", out] if command == "merge" else [
+        "sweep", run_of_40, "--eval-file", _heldout(tmp_path), "--block-size", "32", "--window", "40", "--strategy",
+        "sma", "-o", tmp_path / "sweep.json", "--no-plot", "--tokenizer", _tokenizer_folder(tmp_path),
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", LIMITED, "40", "0", *map(str, args), "-q"], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    if command == "merge":
+        assert len(json.loads((out / "pma_merge.json").read_text())["sources"]) == 40
+    else:
+        assert json.loads((tmp_path / "sweep.json").read_text())["best"] is not None
+    assert _leftovers(tmp_path) == []
+
+
+def test_an_open_file_hard_limit_below_the_merge_is_one_line_before_any_work(run_of_40, tmp_path):
+    out = tmp_path / "merged"
+    done = subprocess.run(
+        [sys.executable, "-c", LIMITED, "64", "64", "merge", str(run_of_40), "-o", str(out), "-q"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 2 and the_error(done.stderr) == (
+        "hf-pma merge: error: the 40 sources hold 40 weight files to read together, more than this process may open "
+        "at once (ulimit -n 64): raise the limit or use fewer sources"
+    ), done.stderr
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def _heldout(tmp_path: Path) -> Path:
+    path = tmp_path / "heldout.txt"
+    path.write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    return path
+
+
+def _tokenizer_folder(tmp_path: Path) -> Path:
+    from tests.helpers.models import train_tiny_tokenizer
+
+    folder = tmp_path / "tokenizer"
+    train_tiny_tokenizer().save_pretrained(folder)
+    return folder
