@@ -512,3 +512,32 @@ def _tokenizer_folder(tmp_path: Path) -> Path:
     folder = tmp_path / "tokenizer"
     train_tiny_tokenizer().save_pretrained(folder)
     return folder
+
+
+def test_workers_beyond_what_the_cores_can_use_are_capped_before_any_thread_starts(
+    small_run, tmp_path, monkeypatch, caplog
+):
+    """``--workers 20000`` on a 0.5 MB merge started 20,000 threads (664 MB, 5 s): capped to 4 per
+    usable core, and never more than the chunks to merge; the output is the same bytes."""
+    import threading
+
+    from hf_pma.merging.chunks import WORKERS_PER_CORE, default_workers
+
+    started = []
+    start = threading.Thread.start
+
+    def counted(self):
+        if self.name.startswith("hf-pma-merge-"):
+            started.append(self.name)
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", counted)
+    snapshots = [small_run / PMA_SUBDIR / f"snapshot-{t}" for t in (1000, 2000, 3000)]
+    with caplog.at_level(logging.INFO, logger="hf_pma"):
+        assert main(["merge", *map(str, snapshots), "-o", str(tmp_path / "many"), "--workers", "20000"]) == 0
+    cap = WORKERS_PER_CORE * default_workers()
+    assert 1 <= len(started) <= cap
+    assert f"workers=20,000 capped to {cap} ({WORKERS_PER_CORE} per usable core" in caplog.text
+    assert main(["merge", *map(str, snapshots), "-o", str(tmp_path / "one"), "--workers", "1", "-q"]) == 0
+    for one in (tmp_path / "one").glob("*.safetensors"):
+        assert one.read_bytes() == (tmp_path / "many" / one.name).read_bytes()
