@@ -541,3 +541,63 @@ def test_workers_beyond_what_the_cores_can_use_are_capped_before_any_thread_star
     assert main(["merge", *map(str, snapshots), "-o", str(tmp_path / "one"), "--workers", "1", "-q"]) == 0
     for one in (tmp_path / "one").glob("*.safetensors"):
         assert one.read_bytes() == (tmp_path / "many" / one.name).read_bytes()
+
+
+# ---------------------------------------------------------------- a full disk at every write
+
+
+def _fill(folder: Path) -> None:
+    """Fill ``folder``'s filesystem to the last byte."""
+    fd = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError:
+        pass
+    try:
+        while True:
+            os.write(fd, b"\0")
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("full", ["output", "record", "both"])
+def test_eval_record_on_a_full_disk_keeps_the_evaluation(tmp_path, small_filesystem, tiny_tokenizer, full):
+    """The ``-o`` file and the record are each written whole or not at all, one not stopping the
+    other; the table is printed whatever fails, then one line names what failed and what was kept.
+    The record's claim is released and nothing temporary stays, on either disk."""
+    model = save_model_folder(tmp_path / "model", make_tiny_model(seed=1), tiny_tokenizer)
+    heldout = _heldout(tmp_path)
+    output = (small_filesystem if full in ("output", "both") else tmp_path) / "results.json"
+    record = (small_filesystem if full in ("record", "both") else tmp_path) / "merged"
+    record.mkdir()
+    earlier = {"results": {"earlier": {"lm": {"loss": 1.0}}}, "eval_dataset": None}
+    (record / "pma_eval.json").write_text(json.dumps(earlier))
+    _fill(small_filesystem)
+    done = run_cli(
+        "eval", model, "--labels", "new", "--eval-file", heldout, "--block-size", "32", "--record", record,
+        "-o", output, "-q",
+    )
+    assert done.returncode == 2
+    errors = [line for line in done.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr
+    error = errors[0]
+    assert [c.strip() for c in done.stdout.splitlines()[0].split("|")[1:3]] == ["metric", "new"], done.stdout
+    failed_paths = {"output": [output], "record": [record / "pma_eval.json"], "both": [output, record / "pma_eval.json"]}
+    for path in failed_paths[full]:
+        assert f"no space left on the device to write {path}" in error
+    assert error.endswith(
+        "the results are printed above"
+        + {"output": f" and recorded in {record / 'pma_eval.json'}", "record": f" and written to {output}", "both": ""}[full]
+    ), error
+    new = json.loads((record / "pma_eval.json").read_text())
+    if full == "output":
+        assert not output.exists() and sorted(new["results"]) == ["earlier", "new"]
+    else:
+        assert new == earlier  # the old record, whole
+    if full == "record":
+        assert sorted(json.loads(output.read_text())["results"]) == ["new"]
+    for root in (tmp_path, small_filesystem):
+        assert _leftovers(root) == []

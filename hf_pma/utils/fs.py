@@ -716,9 +716,16 @@ def _claim_key(path: Path) -> str:
 def _write_claim_record(fd: int) -> None:
     # Written over, then cut to its length: never truncated to 0 first, which makes ext4 flush
     # the file at close (its guard for files replaced by truncation), milliseconds per claim.
+    # On a full disk the lock holds without it (a waiter is told "one that has not said which").
     data = json.dumps(_claim_identity()).encode()
-    os.pwrite(fd, data, 0)
-    os.ftruncate(fd, len(data))
+    try:
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
+    except OSError as err:
+        if err.errno not in _NO_SPACE_ERRNOS:
+            raise
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
 
 
 def _is_current_claim(fd: int, path: Path) -> bool:
