@@ -9,8 +9,10 @@ import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -606,3 +608,43 @@ def test_an_eval_of_a_merge_being_replaced_reads_one_version_of_it(tmp_path, tin
     assert done.returncode == 0, done.stderr
     during, direct = (json.loads((tmp_path / n).read_text())["results"] for n in ("during.json", "new.json"))
     assert during == direct
+
+
+AS_ANOTHER_USER = """
+import fcntl, os, sys
+from hf_pma.utils.fs import FolderClaim, OutputBusyError  # imported first: the interpreter lives under /root
+os.setgid(65534); os.setuid(65534)  # nobody
+try:
+    claim = FolderClaim(sys.argv[1], what="merged folder").acquire()
+except OutputBusyError as err:
+    print(err)
+    sys.exit(3)
+print("held" if claim.held else "not held")
+"""
+
+
+def test_another_users_claim_file_is_neither_gone_around_nor_lockable_by_them(tmp_path_factory):
+    """A claim file is its owner's only (0600): another user can neither lock it (and hold the
+    folder forever) nor take the folder as unclaimed; they are told the file to remove once the
+    owner's job is done. Needs root, as CI runs."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to run a process as another user")
+    shared = Path(tempfile.mkdtemp(prefix="hf-pma-shared-"))  # a group folder: everyone may write
+    try:
+        shared.chmod(0o777)
+        folder = shared / "merged"
+        with FolderClaim(folder, what="merged folder") as mine:
+            assert mine.held and stat.S_IMODE(claim_path(folder).stat().st_mode) == 0o600
+            done = subprocess.run(
+                [sys.executable, "-c", AS_ANOTHER_USER, str(folder)], capture_output=True, text=True, timeout=120,
+                env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, cwd="/",
+            )
+        assert done.returncode == 3, done.stdout + done.stderr
+        assert done.stdout.strip() == (
+            f"merged folder {folder}: its claim file {claim_path(folder)} belongs to another user (Permission "
+            f"denied); that user's job holds it or left it: once it is done, remove {claim_path(folder)}, or choose "
+            "another folder"
+        )
+        assert not claim_path(folder).exists()
+    finally:
+        shutil.rmtree(shared)

@@ -958,12 +958,19 @@ def _open_claim(path: Path, final_dir: Path, what: str = "output folder", shared
     flags = os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     try:
         try:
-            fd = os.open(path, flags | os.O_RDWR | os.O_CREAT, 0o644)
+            # Readable by its owner only: another user could otherwise lock it (even read-only) and hold it.
+            fd = os.open(path, flags | os.O_RDWR | os.O_CREAT, 0o600)
         except OSError as err:
             if not shared or err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
                 raise
             fd = os.open(path, flags | os.O_RDONLY)  # ENOENT: no claim there, none could be made
     except OSError as err:
+        if err.errno in (errno.EACCES, errno.EPERM) and os.path.lexists(path) and os.access(path.parent, os.W_OK | os.X_OK):
+            # Not a read-only place: another user's claim file, which this job must not go around.
+            raise OutputBusyError(
+                f"{what} {escape(final_dir)}: its claim file {escape(path)} belongs to another user ({err.strerror}); "
+                f"that user's job holds it or left it: once it is done, remove {escape(path)}, or choose another folder"
+            ) from None
         if err.errno == errno.ELOOP or (err.errno == errno.EMLINK and path.is_symlink()):
             raise FileExistsError(refused.format("a symbolic link")) from None
         if err.errno in (errno.EISDIR, errno.ENXIO):
