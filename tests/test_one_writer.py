@@ -393,10 +393,12 @@ def test_many_processes_taking_a_claim_thousands_of_times_lose_no_update(tmp_pat
 
 def test_without_file_locks_a_claim_fails_closed_in_one_line_naming_the_claim_file(tmp_path):
     """Where ``flock`` fails (ENOLCK: Lustre without -o flock, NFS without lockd) no writer goes on
-    by the record alone: each stops at its first claim, nothing of the counter is touched."""
-    procs, errors = race_on_claim(tmp_path, {"writer-0": 50, "writer-1": 50}, "--no-flock")
+    by the record alone: each stops at its first claim, nothing of the counter is touched. A reader
+    goes on unclaimed: no writer of hf-pma's can replace the folder there either."""
+    procs, errors = race_on_claim(tmp_path, {"writer-0": 50, "writer-1": 50, "reader-0": 50}, "--no-flock")
     claim = claim_path(tmp_path / "folder")
-    for proc, err in zip(procs, errors):
+    assert procs[2].returncode == 0, errors[2]
+    for proc, err in zip(procs[:2], errors[:2]):
         assert proc.returncode == 1
         assert err.strip().splitlines()[-1] == (
             f"hf_pma.utils.fs.NoFileLocksError: cannot claim counter folder {tmp_path / 'folder'}: the "

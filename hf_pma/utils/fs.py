@@ -866,9 +866,15 @@ class FolderClaim:
                 return self
         try:
             fd = _acquire_claim(self.path, self.folder, wait=wait, what=self.what, busy=self.busy, shared=self.shared)
+        except NoFileLocksError:
+            if not self.shared:
+                raise  # a writer never goes on unclaimed
+            # A reader may: no writer of hf-pma's can claim a folder there either, so none replaces it meanwhile.
+            _logger().debug(f"hf-pma: {escape(self.folder)} read without a claim (no file locks there)")
+            return self
         except OSError as err:
-            if isinstance(err, (FileExistsError, NoFileLocksError)) or err.errno not in _UNCLAIMABLE_ERRNOS:
-                raise  # held by another process, a planted claim file, no file locks: refused
+            if isinstance(err, FileExistsError) or err.errno not in _UNCLAIMABLE_ERRNOS:
+                raise  # held by another process, a planted claim file: refused
             _logger().debug(f"hf-pma: no claim on {escape(self.folder)} ({escape(err)})")
             return self  # not held: a folder in a place that cannot be written, or not there yet
         try:
