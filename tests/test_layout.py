@@ -209,6 +209,7 @@ def test_tests_run_the_command_through_the_one_helper():
         tests / "test_cli.py",  # fresh interpreters that report what importing the command loads
         tests / "test_install.py",  # the console script of a freshly built wheel
         tests / "merging" / "test_exclusive_outputs.py",  # two merges racing each other (Popen)
+        tests / "test_one_writer.py",  # eval --record processes racing each other and a merge (Popen)
         Path(__file__).resolve(),
     }
     offenders = []
@@ -236,6 +237,7 @@ OPENS_ALLOWED = {
     "hf_pma/evaluation/corpus.py": "the user's own held-out text named on the command line (--eval-file)",
     "hf_pma/merging/hub_revisions.py": "creates the Hub cache files it downloads (O_NOFOLLOW) and their pointers",
     "hf_pma/snapshots/sinks.py": "creates (O_EXCL, O_NOFOLLOW) and removes a probe that checks the folder is writable",
+    "hf_pma/utils/text.py": "opens /dev/null onto a standard stream that is closed, or whose reader is gone",
 }
 
 

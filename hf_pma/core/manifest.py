@@ -58,6 +58,7 @@ __all__ = [
     "EVAL_RECORD_NAME",
     "TRAINING_RECORD_NAME",
     "ANNEALED_DIR",
+    "ANNEAL_IN_PROGRESS",
     "ANNEAL_RECORD_NAME",
     "PLOT_NAME",
     "CARD_NAME",
@@ -106,6 +107,8 @@ TRAINING_RECORD_NAME = "pma_training.json"
 # The annealed fork of a run (the annealing check): <output_dir>/annealed/ and its record there.
 ANNEALED_DIR = "annealed"
 ANNEAL_RECORD_NAME = "pma_anneal.json"
+# The key of the record a fork writes before its first byte (replaced by the whole record at its end).
+ANNEAL_IN_PROGRESS = "in_progress"
 PLOT_NAME = "pma_training.png"
 CARD_NAME = "README.md"
 # The files of a tokenizer: a merge copies them from one folder, named in its record.

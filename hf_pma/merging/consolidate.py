@@ -20,6 +20,7 @@ import numpy as np
 from hf_pma.core.manifest import MERGE_RECORD_NAME, SNAPSHOT_RECORD_NAME
 from hf_pma.io.safetensors import SafetensorsWriter
 from hf_pma.merging.casts import decode_float, encode_float
+from hf_pma.merging.checkpoint_source import open_all
 from hf_pma.merging.engine import (
     _check_output,
     _copy_support_files,
@@ -90,7 +91,7 @@ def _consolidate_into(
 ) -> None:
     remove_stale_temporaries(output_dir.parent, output_dir.name)  # of a killed earlier run
     tmp = temporary_path(output_dir)
-    tensors = source.open_raw()
+    (tensors,) = open_all([source], raw=True)  # every rank's shard file at once: the open-file limit raised
     try:
         plans = plan_tensors(tensors.infos, out_dtype)
         shards = plan_output_shards(plans, max_bytes, "model")

@@ -44,6 +44,7 @@ from hf_pma.io.safetensors import (
 )
 from hf_pma.merging.checkpoint_source import (
     CheckpointSource,
+    allow_open_sources,
     open_all,
     recorded_interval,
     tokenizer_folder,
@@ -847,6 +848,7 @@ class _MergeJob:
         if self.rank != 0:
             return None
         _check_output(self.output_dir, self.sources, self.overwrite)
+        allow_open_sources(self.sources)  # before any work: one line when even the hard limit is too low
         self.claim.enter_context(claim_output(self.output_dir, self.overwrite))
         remove_stale_temporaries(self.output_dir.parent, self.output_dir.name)  # of a killed earlier merge
         tmp = temporary_path(self.output_dir)
