@@ -159,7 +159,6 @@ def test_the_options_are_checked_when_parsed(tmp_path):
     assert args(pma_anneal_steps=4).pma_anneal_steps == 4
 
 
-<<<<<<< HEAD
 def test_the_check_of_a_trainer_script_saves_the_live_model_it_compares(tmp_path, setup):
     """A user's PMATrainer script (no ``final/`` of its own) whose last snapshot is not at the
     end: the check saves the live model itself and compares it; a bad input is refused before
@@ -183,7 +182,8 @@ def test_the_check_of_a_trainer_script_saves_the_live_model_it_compares(tmp_path
     assert (out / "final" / "model.safetensors").is_file()
     comparison = json.loads((out / "pma" / "merged" / "pma_eval.json").read_text())["comparison"]
     assert set(comparison["models"]) == {"live model at the end", "PMA merge", "annealed"}
-=======
+
+
 def test_a_fork_stopped_between_its_weights_and_its_record_is_redone_not_refused(tmp_path, setup, monkeypatch):
     """The fork marks its folder as its own (an in-progress pma_anneal.json) before its first byte:
     stopped after its weights, before its record (SIGKILL there runs no clean-up either), the next
@@ -211,4 +211,3 @@ def test_a_fork_stopped_between_its_weights_and_its_record_is_redone_not_refused
     assert anneal_from_checkpoint(run, checkpoint, steps=STEPS - FORK_AT) == out
     record = read_anneal_record(out)
     assert (record["start_step"], record["end_step"]) == (FORK_AT, STEPS) and "in_progress" not in record
->>>>>>> wt-36a
