@@ -60,7 +60,7 @@ from hf_pma.snapshots.writer import (
     write_folder_atomically,
     write_model_folder,
 )
-from hf_pma.utils.fs import is_library_folder
+from hf_pma.utils.fs import is_library_folder, temporary_path
 from hf_pma.utils.text import escape
 
 logger = logging.get_logger(__name__)
@@ -492,7 +492,7 @@ class OnlineAverageSink(SnapshotSink):
             )
         try:
             self.pma_dir.mkdir(parents=True, exist_ok=True)
-            probe = self.pma_dir / f".tmp-write-check-{os.getpid()}"
+            probe = temporary_path(self.pma_dir / "write-check")  # a leftover is a stale temporary, removed as one
             os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))  # never through a link
             probe.unlink()
         except OSError as err:
