@@ -121,6 +121,15 @@ def test_no_output_file_replaces_or_joins_a_run_a_model_a_merge_or_tasks(folders
     assert _tree_digest(folders["root"]) == before
 
 
+def test_a_runs_own_folder_takes_outputs_even_with_the_final_model_at_its_top(folders, tmp_path, capsys):
+    run = shutil.copytree(folders["run"], tmp_path / "run", symlinks=True)
+    for name in ("config.json", "model.safetensors"):  # run_clm and TRL save the final model there
+        shutil.copy(folders["model"] / name, run / name)
+    assert main(["inspect", str(run), "--no-diagnostics", "-o", str(run / "inspect.json"), "-q"]) == 0
+    line = _refused(capsys, ["inspect", str(run), "--no-diagnostics", "-o", str(run / "config.json")])
+    assert "config.json is a name hf-pma or transformers reads" in line
+
+
 def test_no_output_folder_takes_a_read_name_or_goes_into_a_model(folders, capsys):
     f = folders
     before = _tree_digest(f["root"])

@@ -169,7 +169,10 @@ def _lists_snapshots(path: Path) -> bool:
 def folder_kind(folder: str | os.PathLike[str]) -> str | None:
     """What hf-pma or transformers reads ``folder`` as, by the files directly inside it: ``"a model
     folder (it holds config.json)"``, ``"a run's record folder (...)"``, ...; ``None`` for a folder
-    that holds none of them (or is missing). Only names are looked at, and a manifest's top level."""
+    that holds none of them (or is missing), and for a run's own folder (``RUN``, holding
+    ``pma/manifest.json``: where ``sweep`` writes by default, even when the Trainer saved the final
+    model at its top; its files keep their protected names). Only names are looked at, and a
+    manifest's top level."""
     folder = Path(folder)
     try:
         with os.scandir(folder) as entries:
@@ -177,6 +180,8 @@ def folder_kind(folder: str | os.PathLike[str]) -> str | None:
     except OSError:
         return None
     lowered = {name.lower(): name for name in names}
+    if _lists_snapshots(folder / "pma" / "manifest.json"):
+        return None  # a run's own folder (RUN/sweep.json), even with the final model at its top (run_clm, TRL)
     if "manifest.json" in lowered and _lists_snapshots(folder / lowered["manifest.json"]):
         return f"a run's record folder (it holds the run manifest {lowered['manifest.json']})"
     for name in ("trainer_state.json", "pma.json", "pma_merge.json", "pma_anneal.json", "tasks_info.json"):
