@@ -257,3 +257,16 @@ def test_every_record_hf_pma_reads_is_protected():
     # Outputs of the commands' own defaults stay allowed.
     assert not any(is_read_file_name(n) for n in ("eval_results.json", "sweep.json", "sweep.png", "results.json"))
     assert re.fullmatch(r"[a-z_.*\-0-9]+", "".join(HF_PMA_RECORD_NAMES))
+
+
+def test_the_online_average_never_replaces_what_the_user_put_beside_it(tmp_path):
+    from hf_pma.snapshots.callback import PMACallback
+
+    train_small(tmp_path / "run", [PMACallback(interval_tokens=2 * TRAIN_SMALL_TPS, online="sma")])
+    folder = tmp_path / "run" / "pma" / "online-sma"
+    listed = json.loads((folder / "pma_merge.json").read_text())["files"]
+    assert sorted(listed) == sorted(p.name for p in folder.iterdir())
+    (folder / "notes.txt").write_text("the user's")
+    with pytest.raises(FileExistsError, match=r"it holds what hf-pma did not write \(notes.txt\)"):
+        train_small(tmp_path / "run", [PMACallback(interval_tokens=2 * TRAIN_SMALL_TPS, online="sma")])
+    assert (folder / "notes.txt").read_text() == "the user's"

@@ -38,6 +38,7 @@ __all__ = [
     "OWN_FILES_KEY",
     "LATER_RECORDS",
     "check_overwrite_target",
+    "not_all_own",
     "foreign_entries",
     "listing_manifest",
     "record_own_files",
@@ -166,7 +167,7 @@ def check_overwrite_target(
         why = f"it is a snapshot of the run in {escape(output_dir.parent)}; {choose}"
     elif not is_library_folder(output_dir, tuple(markers)):
         why = f"hf-pma did not write it (no {' or '.join(markers)} inside, or it is a link); remove it yourself or {choose}"
-    elif (problem := _not_all_own(output_dir, markers)) is not None:
+    elif (problem := not_all_own(output_dir, markers)) is not None:
         why = f"{problem}; {choose}"
     else:
         return
@@ -174,9 +175,14 @@ def check_overwrite_target(
     raise parameter_error("overwrite", f"refuses to replace {escape(output_dir)}: {why}", FileExistsError)
 
 
-def _not_all_own(output_dir: Path, markers: Sequence[str]) -> str | None:
-    """Why not everything in ``output_dir`` is hf-pma's by its record, in a few words; ``None`` when it is."""
-    marker = next(m for m in markers if (output_dir / m).is_file())
+def not_all_own(output_dir: str | os.PathLike[str], markers: Sequence[str]) -> str | None:
+    """Why not everything in ``output_dir`` (a folder holding one of the records ``markers``) is
+    hf-pma's by that record (:func:`recorded_files`, :data:`LATER_RECORDS`), in a few words that
+    name what is foreign; ``None`` when everything is."""
+    output_dir = Path(output_dir)
+    marker = next((m for m in markers if (output_dir / m).is_file()), None)
+    if marker is None:
+        return f"it holds no {' or '.join(markers)}, so anything in it may be the user's: remove it yourself"
     own = recorded_files(output_dir, marker)
     if own is None:
         return f"its record {marker} does not list the files hf-pma wrote, so anything in it may be the user's: remove it yourself"

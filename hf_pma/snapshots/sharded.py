@@ -50,6 +50,7 @@ import torch
 from transformers.utils import logging
 
 from hf_pma.core.manifest import SHARDED_TMP_MARKER, SHARDED_TMP_PREFIX, SnapshotRecord, add_snapshot
+from hf_pma.core.outputs import record_own_files
 from hf_pma.io.guarded import parse_json
 from hf_pma.io.safetensors import SafetensorsWriter
 from hf_pma.io.sharded import (
@@ -736,7 +737,7 @@ class ShardedOnlineAverageSink(OnlineAverageSink):
             write_metadata_files(tmp, config, generation_config, self.processing_class)
             record = self.average.merge_record(self._interval_tokens, str(dtype).removeprefix("torch.") if dtype else None)
             record.update(sharded=True, world_size=self.world_size, layout=layout)
-            (tmp / MERGE_RECORD_NAME).write_text(json.dumps(record, indent=2) + "\n")
+            (tmp / MERGE_RECORD_NAME).write_text(json.dumps(record_own_files(tmp, record, MERGE_RECORD_NAME), indent=2) + "\n")
             self._check_target()
             publish_folder(tmp, self.target)
 
