@@ -135,6 +135,7 @@ def test_no_output_folder_takes_a_read_name_or_goes_into_a_model(folders, capsys
     before = _tree_digest(f["root"])
     targets = {
         "inside a model": f["model"] / "merged",
+        "in a new folder inside a model": f["model"] / "new" / "merged",
         "inside a merge": f["merged"] / "again",
         "inside a checkpoint": f["run"] / "checkpoint-4" / "merged",
         "a tokenizer name": f["root"] / "empty" / "tokenizer.json",

@@ -206,7 +206,10 @@ def output_place_problem(path: str | os.PathLike[str], file: bool = True) -> str
     path = Path(path)
     if is_read_file_name(path.name):
         return f"{path.name} is a name hf-pma or transformers reads (a record, weights, config or tokenizer file)"
-    kind = folder_kind(path.absolute().parent)
+    parent = path.absolute().parent
+    while not parent.exists() and parent != parent.parent:  # an output folder's missing parents are made inside it
+        parent = parent.parent
+    kind = folder_kind(parent)
     if kind is None or (not file and kind.startswith(("a run's record folder", "a folder of generated tasks"))):
         return None
-    return f"its folder {path.parent} is {kind}"
+    return f"its folder {parent} is {kind}"
