@@ -26,9 +26,9 @@ PWNED = "../../../PWNED"
 REFS_GOOD = ("step100", "step200")
 REFS_BAD = ("step300\x1b[2J\x1b]0;owned\x07", "step\u202e004")
 BAD_NAME = "modeling_\x1b]0;owned\x07.py"
-# Answers bounded in total: one byte every DRIP_S seconds (body, or headers), a gzip bomb, an
-# answer that announces 512 MiB.
-BOUNDED = ("drip", "drip_headers", "bomb", "huge")
+# Answers bounded in total: one byte every DRIP_S seconds (body, or headers), redirects to itself
+# each a little under the timeout, a gzip bomb, an answer that announces 512 MiB.
+BOUNDED = ("drip", "drip_headers", "redirects", "bomb", "huge")
 
 
 def _files(folder):
@@ -348,6 +348,12 @@ def test_an_answer_sent_one_byte_at_a_time_ends_at_the_deadline(bounded, server,
     # The deadline is the whole answer's, not a gap between reads: a few bytes, not the answer.
     assert 0 < server.sent[(f"evil/{name}-model", "api")] < DRIP_BYTES // 100
     assert bounded["outside"] == []
+
+
+def test_redirects_share_their_requests_deadline(bounded, server):
+    line = _error_line(bounded["results"]["redirects"], "merge")
+    assert f"the Hub at {server.url} did not answer within 2 s" in line, line
+    assert server.sent[("evil/redirects-model", "api")] <= 3  # 0.9 s each: not 20 hops (18 s)
 
 
 @pytest.mark.parametrize("name", ["bomb", "huge"])

@@ -6,7 +6,7 @@ wraps the transport of ``huggingface_hub``'s shared HTTP client (:func:`hf_pma.u
 so that every answer, whoever asked for it (hf-pma, ``huggingface_hub``, transformers, datasets):
 
 * **ends by a deadline.** Its clock starts when the request has been sent (an upload's body
-  does not count) and covers the headers and the body: ``READ`` seconds of the Hub timeout
+  does not count) and covers the headers and the body, and the redirects it follows: ``READ`` seconds of the Hub timeout
   (``HF_PMA_HUB_TIMEOUT``, ``--hub-timeout``) for an API answer; for a file download (a
   ``/resolve/`` request, and the redirects it follows) the deadline moves on by one second for
   every :data:`MIN_DOWNLOAD_RATE` bytes received, so a large file arriving at any useful speed
@@ -50,6 +50,7 @@ MIN_DOWNLOAD_RATE = 64 * 2**10
 # How much one inflating step may produce (memory held at once, whatever the ratio).
 _INFLATE_STEP = 1 << 20
 _DOWNLOAD = "hf_pma_download"  # request extension marking a file download (kept across redirects)
+_ANSWER = "hf_pma_answer"  # request extension: the answer's deadline, shared with its redirects
 _HEADS_KEPT = 4096
 
 _current = threading.local()
@@ -220,10 +221,12 @@ class BoundedTransport(httpx2.BaseTransport):
 
     def handle_request(self, request: Any) -> Any:
         download = _is_download(request)
-        if download:
-            request.extensions = {**request.extensions, _DOWNLOAD: True}
+        # One deadline for a request and the redirects it follows (httpx2 passes the extensions on).
+        answer = request.extensions.get(_ANSWER)
+        if not isinstance(answer, _Answer):
+            answer = _Answer(float(self._read_timeout()), MIN_DOWNLOAD_RATE if download else None)
+        request.extensions = {**request.extensions, _ANSWER: answer, **({_DOWNLOAD: True} if download else {})}
         request.headers["Accept-Encoding"] = "identity"
-        answer = _Answer(float(self._read_timeout()), MIN_DOWNLOAD_RATE if download else None)
         previous = getattr(_current, "answer", None)
         _current.answer = answer
         try:

@@ -48,7 +48,9 @@ A hostile Hub, per repo: ``server.hostile[repo_id]`` is a dict of what that repo
 * ``"bomb": True``: API answers are a gzip body of ``BOMB_COMPRESSED`` bytes (about 509 KB) that
   inflates to ``BOMB_INFLATED`` (512 MiB) of zeros, announced with ``Content-Encoding: gzip``;
 * ``"huge": True``: API answers announce ``BOMB_INFLATED`` bytes and send zeros until the client
-  hangs up.
+  hangs up;
+* ``"redirects": True``: API answers wait ``REDIRECT_WAIT_S`` seconds, then redirect to the same
+  URL (each within any read timeout; ``server.sent[(repo_id, "api")]`` counts the redirects).
 """
 
 from __future__ import annotations
@@ -80,6 +82,7 @@ ENDLESS_CAP = 256 * 2**20
 # A dripping answer's pace, and how long it drips at most.
 DRIP_S = 0.5
 DRIP_BYTES = 4096
+REDIRECT_WAIT_S = 0.9
 # The gzip bomb: 512 MiB of zeros, compressed (made once per process, on first use).
 BOMB_INFLATED = 512 * 2**20
 _bomb: list[bytes] = []
@@ -310,7 +313,7 @@ class HubServer:
             handler.close_connection = True
             return
         mode = self.hostile.get(repo_name, {})
-        if kind in ("info", "revision", "refs", "tree") and {"drip", "drip_headers", "bomb", "huge"} & set(mode):
+        if kind in ("info", "revision", "refs", "tree") and {"drip", "drip_headers", "bomb", "huge", "redirects"} & set(mode):
             self._serve_hostile_api(handler, repo_name, mode)
             return
         # Reads need no token unless the repo is private (a missing repo answers 404 RepoNotFound).
@@ -527,6 +530,16 @@ class HubServer:
                     handler.wfile.write(head[i : i + 1])
                     handler.wfile.flush()
                     self._count_sent(repo_id, 1)
+                return
+            if mode.get("redirects"):
+                if self._stopping.wait(REDIRECT_WAIT_S):
+                    return
+                handler.send_response(302)
+                handler.send_header("Location", handler.path)
+                handler.send_header("Content-Length", "0")
+                handler.send_header("Connection", "close")
+                handler.end_headers()
+                self._count_sent(repo_id, 1)
                 return
             handler.send_response(200)
             handler.send_header("Content-Type", "application/json")
