@@ -71,3 +71,32 @@ def test_eval_works_offline_with_a_read_only_hf_home(model_and_text, tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     assert sorted(p.relative_to(hf_home) for p in hf_home.rglob("*")) == before
     assert json.loads((tmp_path / "eval.json").read_text())["results"]
+
+
+def test_metrics_lm_eval_loads_by_name_never_come_from_the_shared_modules_cache(tmp_path, monkeypatch):
+    """lm-eval loads a metric it does not ship with ``evaluate.load(name)``: offline, the newest
+    copy in ``HF_HOME/modules``. hf-pma runs lm-eval inside ``private_modules_cache``."""
+    import sys
+
+    import evaluate
+    from evaluate import config as evaluate_config
+
+    from hf_pma.evaluation.harness import private_modules_cache
+
+    shared, marker = tmp_path / "modules", tmp_path / "PLANTED-METRIC-RAN"
+    planted = shared / "evaluate_modules" / "metrics" / "evaluate-metric--planted" / ("0" * 64)
+    planted.mkdir(parents=True)
+    (planted / "planted.py").write_text(f"open({str(marker)!r}, 'w').write('ran')\n")
+    monkeypatch.setattr(evaluate_config, "HF_MODULES_CACHE", shared)
+    monkeypatch.setattr(evaluate_config, "HF_EVALUATE_OFFLINE", True)
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    with private_modules_cache() as folder:
+        assert folder != shared
+        with pytest.raises(Exception):  # noqa: B017 - evaluate's own error: the metric is not cached here
+            evaluate.load("planted")
+    assert not marker.exists()
+    assert not folder.exists() and str(folder) not in sys.path
+    assert evaluate_config.HF_MODULES_CACHE == shared
+    with pytest.raises(Exception):  # noqa: B017 - the plant is real: outside the block it runs (then fails)
+        evaluate.load("planted")
+    assert marker.read_text() == "ran"
