@@ -230,6 +230,7 @@ OPENS_ALLOWED = {
     "hf_pma/io/guarded.py": "the one way in",
     "hf_pma/io/safetensors.py": "SafetensorsWriter creates its output file inside a temporary folder hf-pma made",
     "hf_pma/utils/fs.py": "the one way out: fsyncs and claims of files and folders hf-pma creates",
+    "hf_pma/utils/read_files.py": "the way out's bounded look (no link, regular file) at a manifest's top level",
     "hf_pma/evaluation/generated_tasks.py": "writes the task files it generates into its own folder",
     "hf_pma/utils/distributed.py": "a probe file the ranks write into a folder they share",
     "hf_pma/training/arguments.py": "the user's own training-arguments file named on the command line",

@@ -27,6 +27,7 @@ from hf_pma.core.manifest import (
 )
 from hf_pma.snapshots.callback import PMACallback
 from hf_pma.snapshots.gather import gather_full_state_dict
+from hf_pma.snapshots.sharded import mark_sharded_tmp_dir, sharded_tmp_dir
 from hf_pma.snapshots.writer import prepare_snapshot, write_snapshot
 from hf_pma.utils.fs import (
     RUN_MANIFESTS,
@@ -308,20 +309,27 @@ def test_resume_drops_set_aside_snapshots_the_run_passed_without_retaking_them(r
 def test_start_up_cleanup_touches_only_hf_pmas_leftovers(tmp_path, caplog):
     pma = tmp_path / PMA_SUBDIR
     pma.mkdir()
+    # Names that earlier development versions gave temporaries (no released version wrote them),
+    # and hf-pma's sharded temporary name without the mark its ranks write first: the user's.
     users = [pma / ".tmp-notes", pma / ".deleting-draft", pma / ".tmp-snapshot-5-extra"]
+    users += [pma / ".tmp-snapshot-32-99-0", pma / ".deleting-snapshot-32-99", pma / ".manifest.json.x1y2.tmp"]
     for path in users:
         path.write_text("the user's")
-    ours = [pma / ".tmp-snapshot-32-99-0", pma / ".tmp-snapshot-64", pma / ".manifest.json.x1y2.tmp"]
+    unmarked = pma / ".tmp-snapshot-128"
+    unmarked.mkdir()
+    (unmarked / "notes.txt").write_text("the user's")
+    ours = [sharded_tmp_dir(pma, "snapshot-64")]  # as a rank makes it, cut before its file was complete
     ours[0].mkdir()
-    (ours[0] / "model.safetensors").write_text("half")
-    ours[1].mkdir()
-    ours[2].write_text("{")
-    odd = pma / ".tmp-snapshot-96"  # hf-pma's name, but holding a folder of someone's: left
+    mark_sharded_tmp_dir(ours[0])
+    (ours[0] / "shard-00001-model-00001-of-00001.safetensors.partial").write_text("half")
+    odd = pma / ".tmp-snapshot-96"  # marked, but holding a folder of someone's: left
     (odd / "sub").mkdir(parents=True)
+    mark_sharded_tmp_dir(odd)
     with caplog.at_level(logging.INFO, logger="hf_pma"):
         removed = clean_incomplete(pma)
     assert sorted(removed) == sorted(ours)
     assert all(p.read_text() == "the user's" for p in users) and odd.is_dir()
+    assert (unmarked / "notes.txt").read_text() == "the user's"
     logged = " ".join(r.getMessage() for r in caplog.records)
     assert all(str(p) in logged for p in ours)
 

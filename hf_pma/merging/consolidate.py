@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hf_pma.core.manifest import MERGE_RECORD_NAME, SNAPSHOT_RECORD_NAME
+from hf_pma.core.outputs import record_own_files
 from hf_pma.io.safetensors import SafetensorsWriter
 from hf_pma.merging.casts import decode_float, encode_float
 from hf_pma.merging.checkpoint_source import open_all
@@ -127,7 +128,7 @@ def _consolidate_into(
         record["extra"] = extra
         if out_dtype is not None:
             record["dtype"] = out_dtype
-        atomic_write_json(tmp / SNAPSHOT_RECORD_NAME, record)
+        atomic_write_json(tmp / SNAPSHOT_RECORD_NAME, record_own_files(tmp, record, SNAPSHOT_RECORD_NAME))
         publish_folder(tmp, output_dir, replace=overwrite)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

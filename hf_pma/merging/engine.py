@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from hf_pma.core.manifest import MERGE_RECORD_NAME, MODEL_SUPPORT_FILES, TOKENIZER_FILES
-from hf_pma.core.outputs import check_overwrite_target
+from hf_pma.core.outputs import check_overwrite_target, record_own_files
 from hf_pma.core.selection import check_window, snapshot_intervals
 from hf_pma.core.strategies import merge_coefficients, validate_strategy
 from hf_pma.core.window_choice import WindowChoice, check_window_count, is_auto
@@ -893,7 +893,8 @@ class _MergeJob:
         record = self.record(
             self.sources, self.coefs, out_dtype=",".join(out_dtypes), output_dir=self.output_dir
         )
-        atomic_write_json(self.tmp / MERGE_RECORD_NAME, record)
+        # The record lists every file written, so a later --overwrite replaces only hf-pma's own.
+        atomic_write_json(self.tmp / MERGE_RECORD_NAME, record_own_files(self.tmp, record, MERGE_RECORD_NAME))
         publish_folder(self.tmp, self.output_dir, replace=self.overwrite)
 
     def close(self) -> None:

@@ -286,8 +286,8 @@ def push_folder_to_hub(
         records = load_records(folder, require_merge=False)
         if needs_card:
             build_model_card(folder, repo_id=repo_id, records=records)
-            check_output_file(folder / CARD_NAME, "the model card")
-            check_output_file(folder / PLOT_NAME, "the training plot")
+            check_output_file(folder / CARD_NAME, "the model card", record=True)
+            check_output_file(folder / PLOT_NAME, "the training plot", record=True)
     if CARD_NAME not in files and not needs_card:
         logger.warning(
             f"{escape(folder.name)} has no {CARD_NAME} and no {MERGE_RECORD_NAME}: pushing it without a model card"

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from hf_pma.utils.parsing import is_int
+from hf_pma.utils.read_files import output_place_problem, peek_json
 from hf_pma.utils.text import escape, shown
 
 __all__ = [
@@ -85,9 +86,6 @@ TEMP_KINDS = ("tmp", "deleting")
 # A temporary written from another host is only removed once nothing in it changed for this
 # long: its pid cannot be checked from here, and a live writer touches its files far more often.
 FOREIGN_STALE_AFTER_S = 6 * 3600
-# Names of earlier hf-pma versions (``.tmp-<name>-<pid>-<n>``, ``.deleting-<name>-<pid>``),
-# recognised by clean_incomplete inside a PMA folder only.
-LEGACY_PREFIXES = (".tmp-", ".deleting-")
 _NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _counter = itertools.count()
 # Temporary and claim names embed the target's name in at most NAME_MAX less this many bytes:
@@ -1102,13 +1100,18 @@ def _busy_message(what: str, final_dir: Path, busy: str, holder: str, wait: floa
     return f"{what} {escape(final_dir)} {busy} ({holder}){waited}; wait for it to finish or choose another folder"
 
 
-def check_output_file(path: str | os.PathLike[str], what: str = "output file") -> None:
+def check_output_file(path: str | os.PathLike[str], what: str = "output file", *, record: bool = False) -> None:
     """Check, before any work, that the file ``path`` can be written (atomically replaced) later.
 
-    ``FileExistsError`` when ``path`` is a folder, a symbolic link (it would be replaced by a
-    regular file, and what it names left as it was) or another special file, or lies inside a
-    snapshot folder listed in a run's manifest (:func:`listed_snapshot_of`: rotation deletes such
-    a folder, or keeps it forever once it holds a file that is not hf-pma's);
+    The one check of every output file (``-o``, ``--plot`` of every command, and the records
+    hf-pma keeps in a folder). ``FileExistsError`` when ``path`` is a folder, a symbolic link (it
+    would be replaced by a regular file, and what it names left as it was) or another special
+    file, or lies inside a snapshot folder listed in a run's manifest (:func:`listed_snapshot_of`:
+    rotation deletes such a folder, or keeps it forever once it holds a file that is not
+    hf-pma's); unless ``record`` (a record hf-pma keeps in the folder it describes, under its own
+    name: the eval record, the model card and its plot), also when ``path`` takes a name that
+    hf-pma or transformers reads, or goes into a model, checkpoint, run-record or tasks folder
+    (:func:`hf_pma.utils.read_files.output_place_problem`);
     ``FileNotFoundError`` when its folder does not exist; ``PermissionError`` when its folder is
     not writable (read-only permissions or a read-only filesystem). An existing regular file is
     fine: it is replaced. ``what`` names the path in the error (``"--output"``).
@@ -1133,6 +1136,8 @@ def check_output_file(path: str | os.PathLike[str], what: str = "output file") -
             f"{escape(manifest)}, which hf-pma replaces or deletes as its run goes on (keep_last, resume); "
             "choose a place outside it"
         )
+    if not record:
+        _refuse_read_place(path, what, file=True)
     if not os.access(parent, os.W_OK | os.X_OK):
         raise PermissionError(
             f"cannot write {what} {shown_path}: its folder {escape(parent)} is not writable"
@@ -1178,9 +1183,21 @@ def check_output_folder(output_dir: str | os.PathLike[str], overwrite: bool) -> 
             f"refusing output folder {shown_dir}: {where} a snapshot listed in {escape(manifest)}, which hf-pma "
             "replaces or deletes as its run goes on (keep_last, resume); choose a folder outside it"
         )
+    _refuse_read_place(output_dir, "output folder", file=False)
     parent = _existing_parent(output_dir.absolute().parent)
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise PermissionError(f"cannot write to {escape(output_dir.parent)}: the folder is not writable")
+
+
+def _refuse_read_place(path: Path, what: str, file: bool) -> None:
+    """``FileExistsError`` (one line) when an output at ``path`` would replace or join what a model,
+    a run or a task folder is made of (:func:`hf_pma.utils.read_files.output_place_problem`)."""
+    problem = output_place_problem(path, file=file)
+    if problem is not None:
+        raise FileExistsError(
+            f"refusing {what} {escape(path)}: {escape(problem)}; an output never replaces or joins what a model or "
+            "a run is made of: choose another name or folder"
+        )
 
 
 # Where a run keeps its manifest, relative to a folder: hf_pma.core.manifest's MANIFEST_NAME,
@@ -1193,37 +1210,6 @@ def _resolved(path: Path) -> Path | None:
         return path.resolve()
     except (OSError, RuntimeError, ValueError):
         return None
-
-
-def _peek_json(path: Path, limit: int = 64 * 2**20) -> Any:
-    """The JSON value of ``path`` when it is a regular file (not a link) of at most ``limit`` bytes
-    holding valid JSON; ``None`` otherwise. Only for looking for a reason to refuse an output:
-    utils sits below :mod:`hf_pma.io.guarded`, the way in of everything read for use (the layout
-    test keeps subpackages importing downward only)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
-        return None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
-            return None
-        return json.loads(_read_all(fd, limit + 1))
-    except (OSError, ValueError, RecursionError):
-        return None
-    finally:
-        os.close(fd)
-
-
-def _read_all(fd: int, limit: int) -> bytes:
-    chunks, size = [], 0
-    while size < limit:
-        chunk = os.read(fd, min(1 << 20, limit - size))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size += len(chunk)
-    return b"".join(chunks)
 
 
 def listed_snapshot_of(path: str | os.PathLike[str]) -> tuple[Path, Path] | None:
@@ -1241,7 +1227,7 @@ def listed_snapshot_of(path: str | os.PathLike[str]) -> tuple[Path, Path] | None
     for folder in target.parents:
         for relative in RUN_MANIFESTS:
             manifest = folder / relative
-            data = _peek_json(manifest)
+            data = peek_json(manifest)
             entries = data.get("snapshots") if isinstance(data, dict) else None
             for entry in entries if isinstance(entries, list) else []:
                 name = entry.get("path") if isinstance(entry, dict) else None
