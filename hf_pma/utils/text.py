@@ -30,6 +30,7 @@ from collections.abc import Iterable
 from typing import Any, TextIO
 
 __all__ = [
+    "DiagnosticStream",
     "command_line",
     "drop_stdout",
     "escape",
@@ -169,6 +170,37 @@ def prepare_standard_streams() -> None:
             reconfigure(errors="backslashreplace")
         except (ValueError, OSError):  # a stream that was replaced by something else
             pass
+    if sys.stderr is not None and sys.stderr is sys.__stderr__:  # the process's own, not a caller's
+        sys.stderr = DiagnosticStream(sys.stderr)
+
+
+class DiagnosticStream:
+    """stderr as a command's diagnostics go out (logs, progress bars, warnings, its error line):
+    a stderr that cannot be written any more (its reader gone, ``2>&1 | head -1``; a full disk
+    under ``2>job.err``; ``EIO``) is dropped (:func:`drop_stdout`: pointed at ``/dev/null``)
+    instead of raising into the work, which goes on and keeps its own exit status. Everything
+    else is the wrapped stream's."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        """Write ``text``; nothing (and no error) once the stream cannot be written."""
+        try:
+            return self._stream.write(text)
+        except (OSError, ValueError):  # ValueError: the stream was closed
+            drop_stdout(self._stream)
+            return len(text)
+
+    def flush(self) -> None:
+        """Flush; a stream that cannot be written is dropped."""
+        try:
+            self._stream.flush()
+        except (OSError, ValueError):
+            drop_stdout(self._stream)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 def write_lines(text: str, stream: TextIO | None = None) -> None:
