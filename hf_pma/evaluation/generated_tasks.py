@@ -390,7 +390,11 @@ def _write_tasks(
             _write_jsonl(tmp / TRAIN_NAME, ({"text": doc} for doc in train))
         atomic_write_json(tmp / TASKS_INFO_NAME, record_own_files(tmp, record, TASKS_INFO_NAME))
 
-    write_folder_atomically(output_dir, write, overwrite=overwrite)  # claimed exclusively while written
+    # Claimed exclusively while written; what --overwrite replaces is checked again at the replace.
+    write_folder_atomically(
+        output_dir, write, overwrite=overwrite,
+        check_replaced=lambda folder: check_overwrite_target(folder, (TASKS_INFO_NAME,), "tasks"),
+    )
     summary = ", ".join(f"{name} ({task['items']} items)" for name, task in tasks.items())
     logger.info(f"Wrote {summary} to {output_dir}")
     return record

@@ -25,6 +25,7 @@ from hf_pma.merging.checkpoint_source import open_all
 from hf_pma.merging.engine import (
     _check_output,
     _copy_support_files,
+    _replaceable,
     check_config_file,
     plan_output_shards,
     plan_tensors,
@@ -49,6 +50,8 @@ logger = get_logger(__name__)
 __all__ = ["consolidate_snapshot", "load_sharded_model"]
 
 _CHUNK_ELEMS = 1 << 20
+# What --overwrite replaces: an earlier consolidation (its pma.json) or merge, nothing else.
+_MARKERS = (SNAPSHOT_RECORD_NAME, MERGE_RECORD_NAME)
 
 
 def consolidate_snapshot(
@@ -76,7 +79,7 @@ def consolidate_snapshot(
         )
     check_config_file(source)
     # --overwrite replaces an earlier consolidation (its pma.json) or merge, nothing else.
-    _check_output(output_dir, [source], overwrite, markers=(SNAPSHOT_RECORD_NAME, MERGE_RECORD_NAME))
+    _check_output(output_dir, [source], overwrite, markers=_MARKERS)
     with claim_output(output_dir, overwrite):  # exclusive until published
         _consolidate_into(source, output_dir, out_dtype, max_bytes, overwrite, progress)
     return output_dir
@@ -129,7 +132,8 @@ def _consolidate_into(
         if out_dtype is not None:
             record["dtype"] = out_dtype
         atomic_write_json(tmp / SNAPSHOT_RECORD_NAME, record_own_files(tmp, record, SNAPSHOT_RECORD_NAME))
-        publish_folder(tmp, output_dir, replace=overwrite)
+        # What --overwrite replaces is checked again: the user may have added a file meanwhile.
+        publish_folder(tmp, output_dir, replace=overwrite, check_replaced=_replaceable(_MARKERS))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

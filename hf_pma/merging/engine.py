@@ -345,6 +345,11 @@ def _check_output(
         check_overwrite_target(output_dir, markers)
 
 
+def _replaceable(markers: tuple[str, ...]) -> Callable[[Path], None]:
+    """The check of an output folder that ``--overwrite`` replaces, for :func:`publish_folder`."""
+    return lambda folder: check_overwrite_target(folder, markers)
+
+
 # Support files parsed (bounded, a JSON object) before they are copied: the configurations a
 # loader reads first. tokenizer.json and vocab.json (large, read by the tokenizers library) are
 # only checked to be regular files inside the source.
@@ -895,7 +900,8 @@ class _MergeJob:
         )
         # The record lists every file written, so a later --overwrite replaces only hf-pma's own.
         atomic_write_json(self.tmp / MERGE_RECORD_NAME, record_own_files(self.tmp, record, MERGE_RECORD_NAME))
-        publish_folder(self.tmp, self.output_dir, replace=self.overwrite)
+        # What --overwrite replaces is checked again: the user may have added a file meanwhile.
+        publish_folder(self.tmp, self.output_dir, replace=self.overwrite, check_replaced=_replaceable((MERGE_RECORD_NAME,)))
 
     def close(self) -> None:
         """Close the sources and release the output's claim."""

@@ -472,16 +472,27 @@ def remove_tree(path: str | os.PathLike[str]) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def publish_folder(tmp: str | os.PathLike[str], final_dir: str | os.PathLike[str], replace: bool = True) -> Path:
+def publish_folder(
+    tmp: str | os.PathLike[str],
+    final_dir: str | os.PathLike[str],
+    replace: bool = True,
+    check_replaced: Callable[[Path], None] | None = None,
+) -> Path:
     """Rename the complete folder ``tmp`` to ``final_dir`` durably; an old ``final_dir`` is moved
     aside first and deleted only after the new one is in place.
 
     With ``replace=False`` an existing non-empty ``final_dir`` is never replaced: the rename
     fails (the kernel refuses to rename a folder onto a non-empty one, atomically) and
     :class:`OutputExistsError` names it; ``tmp`` is left for the caller to remove.
+    ``check_replaced(final_dir)`` runs just before an existing ``final_dir`` is replaced, and
+    raises to keep it: what ``--overwrite`` may replace was checked before a work of minutes or
+    hours, while which the user may have put a file into it
+    (:func:`hf_pma.core.outputs.check_overwrite_target`, again).
     """
     tmp, final_dir = Path(tmp), Path(final_dir)
     fsync_tree(tmp)
+    if replace and check_replaced is not None and os.path.lexists(final_dir):
+        check_replaced(final_dir)
     if not replace:
         try:
             os.rename(tmp, final_dir)  # onto nothing or an empty folder; never onto a non-empty one
@@ -516,6 +527,7 @@ def write_folder_atomically(
     needed: int | None = None,
     *,
     overwrite: bool | None = None,
+    check_replaced: Callable[[Path], None] | None = None,
 ) -> Path:
     """Run ``write(tmp)`` on a temporary folder beside ``final_dir``, fsync it, rename it into place.
 
@@ -527,7 +539,8 @@ def write_folder_atomically(
     ``overwrite=None`` (the library's own folders: snapshots, caches): an existing ``final_dir``
     is replaced. ``True`` / ``False`` (a user's output): the folder is claimed exclusively while
     it is written (:func:`claim_output`: a second job stops with :class:`OutputBusyError`), and
-    an existing non-empty ``final_dir`` is replaced only with ``overwrite=True``.
+    an existing non-empty ``final_dir`` is replaced only with ``overwrite=True``, and only when
+    ``check_replaced(final_dir)`` (:func:`publish_folder`) raises nothing just before.
     """
     final_dir = Path(final_dir)
     final_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -539,7 +552,7 @@ def write_folder_atomically(
             with no_space_errors(final_dir, needed):
                 tmp.mkdir()
                 write(tmp)
-                publish_folder(tmp, final_dir, replace=overwrite is not False)
+                publish_folder(tmp, final_dir, replace=overwrite is not False, check_replaced=check_replaced)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
