@@ -11,9 +11,13 @@ parameter an error names as its flag (``--last must be ...``), in one place: :fu
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
+import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 from hf_pma.utils.version import __version__
 
@@ -68,6 +72,9 @@ def _add_verbosity_flags(sub: argparse.ArgumentParser) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``hf-pma``; returns the process exit code."""
+    from hf_pma.utils.text import flush_out, prepare_standard_streams
+
+    prepare_standard_streams()  # closed fds on /dev/null; stdout writes what it cannot encode escaped
     parser = build_parser()
     args = parser.parse_args(argv)
     from hf_pma.utils.logs import set_cli_verbosity
@@ -77,19 +84,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     fit_cpu_threads()  # a shared CPU: the cores others leave free (OMP_NUM_THREADS overrides)
     try:
-        return int(args.func(args) or 0)
+        with stop_on_signals():
+            status = int(args.func(args) or 0)
+            flush_out()  # a reader of stdout that is gone (| head) costs nothing: the work is done
+            return status
     except (ValueError, OSError, ConnectionError) as err:  # OSError: FileNotFound, FileExists, Permission, NoSpace, ELOOP ...
         # Bad input: one clear line, no traceback (use -v for the traceback).
         if getattr(args, "verbose", False):
             return write_traceback()
         write_error_line(args.command, f"error: {hub_error_line(err) or flag_words(err, parser, args.command)}")
         return 2
-    except KeyboardInterrupt:
-        # Ctrl-C: the ``finally`` blocks on the way up have removed what was half written.
+    except KeyboardInterrupt as err:
+        # Ctrl-C, SIGTERM, SIGHUP: the ``finally`` blocks on the way up have removed what was half
+        # written (temporaries, claims); the status is the shell's 128 + the signal's number.
         if getattr(args, "verbose", False):
             raise
-        write_error_line(args.command, "interrupted")
-        return INTERRUPTED
+        signum = getattr(err, "signum", signal.SIGINT)
+        write_error_line(args.command, "interrupted" + ("" if signum == signal.SIGINT else f" by {signal.Signals(signum).name}"))
+        return 128 + int(signum)
     except Exception as err:
         line = hub_error_line(err)
         if getattr(args, "verbose", False):
@@ -122,6 +134,45 @@ def flag_words(err: BaseException, parser: argparse.ArgumentParser, command: str
 
 # The exit code of a command stopped by Ctrl-C (SIGINT): 128 + 2, as a shell reports it.
 INTERRUPTED = 130
+# The signals that end a command the way Ctrl-C does: the terminal's, a job scheduler's (SLURM
+# and Kubernetes send SIGTERM before SIGKILL), a closed terminal's.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+class Stopped(KeyboardInterrupt):
+    """A command stopped by ``signum`` (a ``KeyboardInterrupt``, so that every clean-up that
+    runs on Ctrl-C runs on SIGTERM and SIGHUP too)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def stop_on_signals() -> Iterator[None]:
+    """Turn :data:`STOP_SIGNALS` into :class:`Stopped` in the main thread while the block runs.
+
+    Only the first one raises: a second signal (Ctrl-C pressed twice, a scheduler's repeated
+    SIGTERM) is ignored, so that the clean-up it started (a temporary folder removed, a claim
+    released) is not cut short; SIGKILL still ends the process at once. Outside the main thread
+    (a command run by a library user's thread) the handlers are left as they are."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    stopping: list[int] = []
+
+    def handler(signum: int, frame: Any) -> None:
+        if stopping:
+            return
+        stopping.append(signum)
+        raise Stopped(signum)
+
+    previous = {s: signal.signal(s, handler) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, old in previous.items():
+            signal.signal(s, old)
 
 
 def write_error_line(command: str, text: str) -> None:
@@ -132,6 +183,8 @@ def write_error_line(command: str, text: str) -> None:
     from hf_pma.utils.secrets import redact
     from hf_pma.utils.text import escape
 
+    if sys.stderr is None:  # closed at start (2>&-)
+        return
     sys.stderr.write(escape(redact(f"hf-pma {command}: {text}")) + "\n")
     sys.stderr.flush()
 

@@ -15,7 +15,7 @@ import pytest
 
 from hf_pma.merging.hub_revisions import list_revisions, parse_progress
 from hf_pma.publishing.hub import push_folder_to_hub
-from tests.helpers.cli import run_cli
+from tests.helpers.cli import hf_pma_command, run_cli
 from tests.helpers.hub_server import HubServer, online_cli_env, online_hub
 from tests.helpers.models import make_tiny_model
 from tests.helpers.pma_records import write_merged_folder
@@ -404,3 +404,91 @@ def test_eval_record_into_a_record_whose_comparison_the_card_refuses_fails_befor
     done = run_cli("eval", merged, "--eval-file", text, "--device", "cpu", "--record", merged, cwd=tmp_path)
     assert "pma_eval.json: comparison['reference'] should be a model label, found [1]" in _error(done)
     assert json.loads((merged / "pma_eval.json").read_text())["results"] == record["results"]
+
+
+# ---------------------------------------------------------------- a stderr that cannot be written
+
+
+def _stderr_gone():
+    """A pipe whose reader has left (``hf-pma merge ... 2>&1 | head -1``): its write end."""
+    read, write = os.pipe()
+    os.close(read)
+    return write
+
+
+STDERR_ENDS = {
+    "reader-gone": _stderr_gone,
+    "full-disk": lambda: os.open("/dev/full", os.O_WRONLY),  # `2>job.err` on a full disk or quota
+}
+
+
+@pytest.mark.parametrize("case", list(STDERR_ENDS))
+def test_a_stderr_that_cannot_be_written_neither_fails_a_merge_nor_changes_an_errors_status(run, tmp_path, case):
+    """Logs and progress bars (no -q) to a stderr that fails every write: the merge still
+    succeeds, whole, with nothing left behind; a bad command still exits 2 (not 1, a traceback
+    nobody sees)."""
+    out = tmp_path / "merged"
+    for argv, status in (([run, "-o", out], 0), ([tmp_path / "nothere", "-o", tmp_path / "m2"], 2)):
+        fd = STDERR_ENDS[case]()
+        try:
+            done = subprocess.run(
+                [hf_pma_command(), "merge", *map(str, argv)], stdout=subprocess.DEVNULL, stderr=fd,
+                env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}, timeout=300,
+            )
+        finally:
+            os.close(fd)
+        assert done.returncode == status, argv
+    assert (out / "pma_merge.json").is_file() and any(out.glob("*.safetensors"))
+    assert not (tmp_path / "m2").exists()
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+# ---------------------------------------------------------------- --overwrite, checked again at the replace
+
+
+def test_a_file_the_user_adds_to_a_merge_while_overwrite_replaces_it_is_kept(run, tmp_path, monkeypatch):
+    """``merge --overwrite`` checks, before any work, that the old merge is all hf-pma's; a file
+    the user puts into it while the new one is written (a merge takes minutes to hours) is not
+    deleted with it at the replace: one line naming it, the old merge and the file kept."""
+    import hf_pma.merging.engine as engine
+
+    out = tmp_path / "merged"
+    assert run_cli("merge", run, "-o", out, "--last", "2").returncode == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real = engine.write_shard_index
+
+    def user_adds_a_file(*args, **kwargs):  # while the new merge is being written
+        (out / "notes.txt").write_text("mine")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(engine, "write_shard_index", user_adds_a_file)
+    line = _error(run_cli("merge", run, "-o", out, "--overwrite"))
+    assert "notes.txt" in line and "move them out" in line, line
+    assert (out / "notes.txt").read_text() == "mine"
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != "notes.txt"} == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_file_the_user_adds_to_tasks_while_overwrite_replaces_them_is_kept(tmp_path, monkeypatch):
+    """The same for ``make-tasks --overwrite`` (the one check, at the replace, of every output folder)."""
+    import hf_pma.evaluation.generated_tasks as generated_tasks
+    from tests.helpers.data import corpus as documents
+
+    corpus, tasks = tmp_path / "corpus", tmp_path / "tasks"
+    corpus.mkdir()
+    for i, doc in enumerate(documents()):
+        (corpus / f"doc{i:03d}.py").write_text(doc)
+    options = ("--eval-fraction", "0.3", "--num-items", "10")
+    assert run_cli("make-tasks", corpus, "-o", tasks, *options).returncode == 0
+    before = {p.name: p.read_bytes() for p in tasks.iterdir()}
+    real = generated_tasks._write_jsonl
+
+    def user_adds_a_file(*args, **kwargs):
+        (tasks / "mine.yaml").write_text("task: mine\n")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(generated_tasks, "_write_jsonl", user_adds_a_file)
+    line = _error(run_cli("make-tasks", corpus, "-o", tasks, *options, "--overwrite"))
+    assert "mine.yaml" in line and "move them out" in line, line
+    assert {p.name: p.read_bytes() for p in tasks.iterdir() if p.name != "mine.yaml"} == before
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []

@@ -19,13 +19,16 @@ import pytest
 from hf_pma.utils.hub_client import HUB_TIMEOUT_ENV, hub_timeouts, parse_hub_timeout, set_hub_timeout
 from tests.helpers.cli import run_cli_in_one_process
 from tests.helpers.data import sample_text
-from tests.helpers.hub_server import ENDLESS_CAP, HubServer
+from tests.helpers.hub_server import BOMB_INFLATED, DRIP_BYTES, ENDLESS_CAP, HubServer, gzip_bomb
 from tests.helpers.models import make_tiny_model
 
 PWNED = "../../../PWNED"
 REFS_GOOD = ("step100", "step200")
 REFS_BAD = ("step300\x1b[2J\x1b]0;owned\x07", "step\u202e004")
 BAD_NAME = "modeling_\x1b]0;owned\x07.py"
+# Answers bounded in total: one byte every DRIP_S seconds (body, or headers), redirects to itself
+# each a little under the timeout, a gzip bomb, an answer that announces 512 MiB.
+BOUNDED = ("drip", "drip_headers", "redirects", "bomb", "huge")
 
 
 def _files(folder):
@@ -53,7 +56,7 @@ def model_files(tmp_path_factory, tiny_tokenizer):
 @pytest.fixture(scope="module")
 def server(model_files):
     with HubServer() as hub:
-        for name in ("commit", "etag", "names", "endless", "sha", "silent"):
+        for name in ("commit", "etag", "names", "endless", "sha", "silent", *BOUNDED):
             repo = f"evil/{name}-model"
             hub.add_repo(repo)
             files = dict(model_files, **({BAD_NAME: b"print('hi')\n"} if name == "names" else {}))
@@ -65,6 +68,7 @@ def server(model_files):
             "evil/endless-model": {"endless": True},
             "evil/sha-model": {"served": {"model.safetensors": _tampered(model_files["model.safetensors"])}},
             "evil/silent-model": {"silent": True},
+            **{f"evil/{name}-model": {name: True} for name in BOUNDED},
         }
         hub.add_repo("evil/branches-model")
         for i, name in enumerate(REFS_GOOD + REFS_BAD):
@@ -300,3 +304,70 @@ def test_a_revision_holding_a_bidi_override_is_refused_before_any_request(tmp_pa
     line = _error_line(result, "merge")
     assert "invalid revision of org/model@step\\u202e0003" in line and "bidi override" in line
     assert "\u202e" not in result.stderr
+
+
+# ---------------------------------------------------------------- answers bounded in total
+
+
+@pytest.fixture(scope="module")
+def bounded(server, model_files, tmp_path_factory):
+    """``hf-pma merge`` of each repo whose API answers drip, inflate or never end, with
+    ``HF_PMA_HUB_TIMEOUT=2``; and ``hf-pma eval`` of a local model with the tokenizer of the repo
+    whose file bodies never end (downloaded by transformers)."""
+    root = tmp_path_factory.mktemp("bounded")
+    model = root / "model"
+    model.mkdir()
+    for name, data in model_files.items():
+        (model / name).write_bytes(data)
+    text = root / "heldout.txt"
+    text.write_text(sample_text(2000))
+    gzip_bomb()  # made before the clock of any answer starts
+    before = _tree(root)
+    # The bounds in size are met long before any deadline: 30 s for those (the flag holds for the
+    # rest of the process, so they come after the dripping answers, which keep 2 s).
+    commands = [
+        ["merge", f"evil/{name}-model@step300", "-o", root / "out" / name, "--cache-dir", root / "cache", "-q"]
+        + (["--hub-timeout", "30"] if name in ("bomb", "huge") else [])
+        for name in BOUNDED
+    ]
+    commands.append(
+        ["eval", model, "--tokenizer", "evil/endless-model", "--eval-file", text, "--block-size", "32", "-o", root / "tok.json", "-q"]
+    )
+    results = run_cli_in_one_process(*commands, env={**_env(server, root), HUB_TIMEOUT_ENV: "2"}, timeout=300)
+    written = _tree(root) - before
+    return {
+        "results": dict(zip([*BOUNDED, "tokenizer"], results)),
+        "outside": sorted(p for p in written if not p.startswith(("cache", "hf-home"))),
+    }
+
+
+@pytest.mark.parametrize("name", ["drip", "drip_headers"])
+def test_an_answer_sent_one_byte_at_a_time_ends_at_the_deadline(bounded, server, name):
+    line = _error_line(bounded["results"][name], "merge")
+    assert f"the Hub at {server.url} did not answer within 2 s" in line, line
+    # The deadline is the whole answer's, not a gap between reads: a few bytes, not the answer.
+    assert 0 < server.sent[(f"evil/{name}-model", "api")] < DRIP_BYTES // 100
+    assert bounded["outside"] == []
+
+
+def test_redirects_share_their_requests_deadline(bounded, server):
+    line = _error_line(bounded["results"]["redirects"], "merge")
+    assert f"the Hub at {server.url} did not answer within 2 s" in line, line
+    assert server.sent[("evil/redirects-model", "api")] <= 3  # 0.9 s each: not 20 hops (18 s)
+
+
+@pytest.mark.parametrize("name", ["bomb", "huge"])
+def test_an_answer_larger_than_its_bound_after_decompression_is_refused(bounded, server, name):
+    line = _error_line(bounded["results"][name], "merge")
+    assert f"the Hub at {server.url} sent more than 67,108,864 bytes for /api/models/evil/{name}-model" in line, line
+    assert "after decompression" in line
+    if name == "huge":  # the client hung up long before the end
+        assert server.sent[(f"evil/{name}-model", "api")] < BOMB_INFLATED // 4
+
+
+def test_a_download_through_transformers_stops_at_the_size_the_hub_announced(bounded, server, model_files):
+    line = _error_line(bounded["results"]["tokenizer"], "eval")
+    assert "sent more than" in line and "evil/endless-model" in line, line
+    sent = {path: n for (repo, path), n in server.sent.items() if repo == "evil/endless-model" and path != "api"}
+    assert sent and all(n < ENDLESS_CAP // 2 for n in sent.values()), sent
+    assert not (bounded["outside"] and "tok.json" in bounded["outside"])

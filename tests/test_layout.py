@@ -209,6 +209,7 @@ def test_tests_run_the_command_through_the_one_helper():
         tests / "test_cli.py",  # fresh interpreters that report what importing the command loads
         tests / "test_install.py",  # the console script of a freshly built wheel
         tests / "merging" / "test_exclusive_outputs.py",  # two merges racing each other (Popen)
+        tests / "test_one_writer.py",  # eval --record processes racing each other and a merge (Popen)
         Path(__file__).resolve(),
     }
     offenders = []
@@ -229,6 +230,7 @@ OPENS_ALLOWED = {
     "hf_pma/io/guarded.py": "the one way in",
     "hf_pma/io/safetensors.py": "SafetensorsWriter creates its output file inside a temporary folder hf-pma made",
     "hf_pma/utils/fs.py": "the one way out: fsyncs and claims of files and folders hf-pma creates",
+    "hf_pma/utils/read_files.py": "the way out's bounded look (no link, regular file) at a manifest's top level",
     "hf_pma/evaluation/generated_tasks.py": "writes the task files it generates into its own folder",
     "hf_pma/utils/distributed.py": "a probe file the ranks write into a folder they share",
     "hf_pma/training/arguments.py": "the user's own training-arguments file named on the command line",
@@ -236,6 +238,7 @@ OPENS_ALLOWED = {
     "hf_pma/evaluation/corpus.py": "the user's own held-out text named on the command line (--eval-file)",
     "hf_pma/merging/hub_revisions.py": "creates the Hub cache files it downloads (O_NOFOLLOW) and their pointers",
     "hf_pma/snapshots/sinks.py": "creates (O_EXCL, O_NOFOLLOW) and removes a probe that checks the folder is writable",
+    "hf_pma/utils/text.py": "opens /dev/null onto a standard stream that is closed, or whose reader is gone",
 }
 
 

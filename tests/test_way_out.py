@@ -8,9 +8,11 @@ import json
 import logging
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -25,6 +27,7 @@ from hf_pma.core.manifest import (
 )
 from hf_pma.snapshots.callback import PMACallback
 from hf_pma.snapshots.gather import gather_full_state_dict
+from hf_pma.snapshots.sharded import mark_sharded_tmp_dir, sharded_tmp_dir
 from hf_pma.snapshots.writer import prepare_snapshot, write_snapshot
 from hf_pma.utils.fs import (
     RUN_MANIFESTS,
@@ -36,8 +39,9 @@ from hf_pma.utils.fs import (
     remove_stale_temporaries,
     temporary_path,
 )
-from tests.helpers.models import make_tiny_model
-from tests.helpers.snapshot_runs import noise_deviation, write_run
+from tests.helpers.cli import run_cli
+from tests.helpers.models import make_tiny_model, save_model_folder
+from tests.helpers.snapshot_runs import copy_run, noise_deviation, write_run
 from tests.helpers.training import TRAIN_SMALL_TPS, StopAt, train_small
 
 TPS = TRAIN_SMALL_TPS
@@ -305,19 +309,305 @@ def test_resume_drops_set_aside_snapshots_the_run_passed_without_retaking_them(r
 def test_start_up_cleanup_touches_only_hf_pmas_leftovers(tmp_path, caplog):
     pma = tmp_path / PMA_SUBDIR
     pma.mkdir()
+    # Names that earlier development versions gave temporaries (no released version wrote them),
+    # and hf-pma's sharded temporary name without the mark its ranks write first: the user's.
     users = [pma / ".tmp-notes", pma / ".deleting-draft", pma / ".tmp-snapshot-5-extra"]
+    users += [pma / ".tmp-snapshot-32-99-0", pma / ".deleting-snapshot-32-99", pma / ".manifest.json.x1y2.tmp"]
     for path in users:
         path.write_text("the user's")
-    ours = [pma / ".tmp-snapshot-32-99-0", pma / ".tmp-snapshot-64", pma / ".manifest.json.x1y2.tmp"]
+    unmarked = pma / ".tmp-snapshot-128"
+    unmarked.mkdir()
+    (unmarked / "notes.txt").write_text("the user's")
+    ours = [sharded_tmp_dir(pma, "snapshot-64")]  # as a rank makes it, cut before its file was complete
     ours[0].mkdir()
-    (ours[0] / "model.safetensors").write_text("half")
-    ours[1].mkdir()
-    ours[2].write_text("{")
-    odd = pma / ".tmp-snapshot-96"  # hf-pma's name, but holding a folder of someone's: left
+    mark_sharded_tmp_dir(ours[0])
+    (ours[0] / "shard-00001-model-00001-of-00001.safetensors.partial").write_text("half")
+    odd = pma / ".tmp-snapshot-96"  # marked, but holding a folder of someone's: left
     (odd / "sub").mkdir(parents=True)
+    mark_sharded_tmp_dir(odd)
     with caplog.at_level(logging.INFO, logger="hf_pma"):
         removed = clean_incomplete(pma)
     assert sorted(removed) == sorted(ours)
     assert all(p.read_text() == "the user's" for p in users) and odd.is_dir()
+    assert (unmarked / "notes.txt").read_text() == "the user's"
     logged = " ".join(r.getMessage() for r in caplog.records)
     assert all(str(p) in logged for p in ours)
+
+
+# ---------------------------------------------------------------- every way a command ends
+
+PAUSE_AT = Path(__file__).parent / "dist" / "pause_at.py"
+# (command, the stage it is stopped at, the signal): every command that writes, stopped while it
+# holds a claim, a temporary folder, or reads under a shared claim.
+STOPS = [
+    ("merge", "hf_pma.merging.engine:remove_stale_temporaries", signal.SIGTERM),  # claimed, nothing written
+    ("merge", "hf_pma.io.safetensors:SafetensorsWriter.write_at", signal.SIGHUP),  # writing the temporary
+    ("merge", "hf_pma.merging.engine:publish_folder", signal.SIGTERM),  # written, not yet published
+    ("merge --overwrite", "hf_pma.merging.engine:publish_folder", signal.SIGINT),  # replacing an earlier merge
+    ("eval --record", "hf_pma.evaluation.loading:_load_model_for_eval", signal.SIGTERM),  # reading, shared claim
+    ("eval --record", "hf_pma.evaluation.records:atomic_write_json", signal.SIGHUP),  # the record's claim held
+    ("consolidate", "hf_pma.merging.consolidate:write_shard_index", signal.SIGTERM),  # shards written
+    ("sweep --best", "hf_pma.evaluation.records:write_eval_record", signal.SIGTERM),  # the best merge's records
+]
+
+
+def _leftovers(root: Path) -> list[str]:
+    """Claims and temporaries of hf-pma anywhere under ``root``."""
+    return sorted(
+        str(Path(folder, name).relative_to(root))
+        for folder, dirs, files in os.walk(root)
+        for name in dirs + files
+        if name.endswith(".claim") or parse_temporary(name) is not None
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "command, stage, signum", STOPS, ids=[f"{c.split()[0]}-{s.split(':')[1]}-{g.name}" for c, s, g in STOPS]
+)
+def test_a_signal_at_any_stage_ends_in_one_line_with_128_plus_the_signal_and_leaves_nothing(
+    small_run, tmp_path, tiny_tokenizer, command, stage, signum
+):
+    run = copy_run(small_run, tmp_path / "run")
+    snapshots = [str(run / PMA_SUBDIR / f"snapshot-{t}") for t in (1000, 2000, 3000)]
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    out = tmp_path / "out"
+    name = command.split()[0]
+    if name == "merge":
+        args = [*snapshots, "-o", out, "--workers", "1"]
+        if "--overwrite" in command:
+            assert run_cli("merge", *snapshots[:2], "-o", out, "-q").returncode == 0
+            args.append("--overwrite")
+    elif name == "eval":
+        save_model_folder(out, make_tiny_model(seed=1), tiny_tokenizer)
+        args = [out, "--eval-file", heldout, "--block-size", "32", "--record", out, "-o", tmp_path / "results.json"]
+    elif name == "consolidate":
+        from tests.helpers.sharded_files import LAYOUTS, write_sharded
+
+        model = make_tiny_model(seed=0)
+        model.save_pretrained(tmp_path / "full")
+        state = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        args = [write_sharded(tmp_path / "dcp", state, LAYOUTS["rows-2"], config_from=tmp_path / "full"), "-o", out]
+    else:
+        tiny_tokenizer.save_pretrained(run)
+        args = [run, "--eval-file", heldout, "--block-size", "32", "--window", "2", "-o", tmp_path / "sweep.json",
+                "--no-plot", "--best", out]
+    before = sorted(os.listdir(out)) if out.exists() else None
+    proc = subprocess.Popen(
+        [sys.executable, str(PAUSE_AT), stage, name, *map(str, args), "-q"],
+        stdin=subprocess.PIPE, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"},
+    )
+    try:
+        for line in proc.stderr:
+            if line.startswith("PAUSED "):
+                break
+        else:
+            pytest.fail(f"never paused at {stage}; exit {proc.wait()}")
+        proc.send_signal(signum)
+        proc.stdin.close()  # a paused worker thread goes on (and stops at its next chunk)
+        assert proc.wait(timeout=120) == 128 + signum
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    err = proc.stderr.read()
+    ending = "interrupted" if signum == signal.SIGINT else f"interrupted by {signal.Signals(signum).name}"
+    assert "Traceback" not in err and err.strip().splitlines() == [f"hf-pma {name}: {ending}"], err
+    assert _leftovers(tmp_path) == []
+    if name in ("merge", "consolidate"):
+        assert (sorted(os.listdir(out)) if out.exists() else None) == before  # an earlier merge is still whole
+    if name == "eval":  # the record untouched; the -o file (written first) whole, or not there
+        assert sorted(os.listdir(out)) == before
+        results = tmp_path / "results.json"
+        assert json.loads(results.read_text())["results"] if "records" in stage else not results.exists()
+
+
+OUTPUT_ENDS = {
+    "ascii-stdout": {"env": {"PYTHONIOENCODING": "ascii"}},
+    "c-locale": {"env": {"LC_ALL": "C", "LANG": "C"}},
+    "reader-gone": {"close_reader": True},  # `hf-pma merge ... | head -0`
+    "stdout-closed": {"close_fd": 1},  # `hf-pma merge ... >&-`
+    "stdin-and-stdout-closed": {"close_fd": (0, 1)},
+}
+
+
+@pytest.mark.parametrize("case", list(OUTPUT_ENDS))
+def test_a_merge_that_succeeded_stays_a_success_whatever_its_stdout(small_run, tmp_path, case):
+    """A merge into a non-ASCII folder whose stdout cannot encode the name, is closed, or whose
+    reader is gone: exit 0, nothing on stderr, the merge complete (one output path: write_out)."""
+    how = OUTPUT_ENDS[case]
+    out = tmp_path / "fusión-模型"
+    closing = how.get("close_fd", ())
+    closing = (closing,) if isinstance(closing, int) else closing
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import sys; from hf_pma.cli import main; sys.exit(main())", "merge",
+         *(str(small_run / PMA_SUBDIR / f"snapshot-{t}") for t in (1000, 2000, 3000)), "-o", str(out), "-q"],
+        stdout=subprocess.PIPE if "close_fd" not in how else None,
+        stderr=subprocess.PIPE,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", **how.get("env", {})},
+        preexec_fn=(lambda: [os.close(fd) for fd in closing]) if closing else None,
+    )
+    if how.get("close_reader"):
+        proc.stdout.close()
+    stdout, stderr = (b"", proc.stderr.read()) if proc.stdout is None or proc.stdout.closed else proc.communicate()[:2]
+    assert proc.wait(timeout=300) == 0, stderr.decode(errors="replace")
+    assert stderr == b""
+    assert (out / "pma_merge.json").is_file() and any(out.glob("*.safetensors"))
+    assert _leftovers(tmp_path) == []
+    if case == "ascii-stdout":
+        assert stdout.decode("ascii").endswith("-> " + str(out).encode("ascii", "backslashreplace").decode() + "\n")
+
+
+# ---------------------------------------------------------------- limits
+
+LIMITED = """
+import resource, sys
+soft, hard = int(sys.argv[1]), int(sys.argv[2])
+resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard if hard > 0 else resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
+from hf_pma.cli import main
+sys.exit(main(sys.argv[3:]))
+"""
+
+
+@pytest.fixture(scope="module")
+def run_of_40(tmp_path_factory):
+    run, _ = write_run(tmp_path_factory.mktemp("forty") / "run", 40, noise_deviation())
+    return run
+
+
+@pytest.mark.parametrize("command", ["merge", "sweep"])
+def test_a_low_soft_open_file_limit_is_raised_for_a_40_snapshot_merge(run_of_40, tmp_path, command):
+    """Soft limit 40, hard limit as it is: every snapshot's file is held open
+    together, so the soft limit is raised first (as push did, one helper now)."""
+    out = tmp_path / "merged"
+    args = ["merge", run_of_40, "-o", out] if command == "merge" else [
+        "sweep", run_of_40, "--eval-file", _heldout(tmp_path), "--block-size", "32", "--window", "40", "--strategy",
+        "sma", "-o", tmp_path / "sweep.json", "--no-plot", "--tokenizer", _tokenizer_folder(tmp_path),
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", LIMITED, "40", "0", *map(str, args), "-q"], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    if command == "merge":
+        assert len(json.loads((out / "pma_merge.json").read_text())["sources"]) == 40
+    else:
+        assert json.loads((tmp_path / "sweep.json").read_text())["best"] is not None
+    assert _leftovers(tmp_path) == []
+
+
+def test_an_open_file_hard_limit_below_the_merge_is_one_line_before_any_work(run_of_40, tmp_path):
+    out = tmp_path / "merged"
+    done = subprocess.run(
+        [sys.executable, "-c", LIMITED, "64", "64", "merge", str(run_of_40), "-o", str(out), "-q"],
+        capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 2 and the_error(done.stderr) == (
+        "hf-pma merge: error: the 40 sources hold 40 weight files to read together, more than this process may open "
+        "at once (ulimit -n 64): raise the limit or use fewer sources"
+    ), done.stderr
+    assert sorted(os.listdir(tmp_path)) == []
+
+
+def _heldout(tmp_path: Path) -> Path:
+    path = tmp_path / "heldout.txt"
+    path.write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    return path
+
+
+def _tokenizer_folder(tmp_path: Path) -> Path:
+    from tests.helpers.models import train_tiny_tokenizer
+
+    folder = tmp_path / "tokenizer"
+    train_tiny_tokenizer().save_pretrained(folder)
+    return folder
+
+
+def test_workers_beyond_what_the_cores_can_use_are_capped_before_any_thread_starts(
+    small_run, tmp_path, monkeypatch, caplog
+):
+    """``--workers 20000`` on a 0.5 MB merge started 20,000 threads (664 MB, 5 s): capped to 4 per
+    usable core, and never more than the chunks to merge; the output is the same bytes."""
+    import threading
+
+    from hf_pma.merging.chunks import WORKERS_PER_CORE, default_workers
+
+    started = []
+    start = threading.Thread.start
+
+    def counted(self):
+        if self.name.startswith("hf-pma-merge-"):
+            started.append(self.name)
+        start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", counted)
+    snapshots = [small_run / PMA_SUBDIR / f"snapshot-{t}" for t in (1000, 2000, 3000)]
+    with caplog.at_level(logging.INFO, logger="hf_pma"):
+        assert main(["merge", *map(str, snapshots), "-o", str(tmp_path / "many"), "--workers", "20000"]) == 0
+    cap = WORKERS_PER_CORE * default_workers()
+    assert 1 <= len(started) <= cap
+    assert f"workers=20,000 capped to {cap} ({WORKERS_PER_CORE} per usable core" in caplog.text
+    assert main(["merge", *map(str, snapshots), "-o", str(tmp_path / "one"), "--workers", "1", "-q"]) == 0
+    for one in (tmp_path / "one").glob("*.safetensors"):
+        assert one.read_bytes() == (tmp_path / "many" / one.name).read_bytes()
+
+
+# ---------------------------------------------------------------- a full disk at every write
+
+
+def _fill(folder: Path) -> None:
+    """Fill ``folder``'s filesystem to the last byte."""
+    fd = os.open(folder / "filler", os.O_WRONLY | os.O_CREAT)
+    try:
+        while True:
+            os.write(fd, b"\0" * 4096)
+    except OSError:
+        pass
+    try:
+        while True:
+            os.write(fd, b"\0")
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("full", ["output", "record", "both"])
+def test_eval_record_on_a_full_disk_keeps_the_evaluation(tmp_path, small_filesystem, tiny_tokenizer, full):
+    """The ``-o`` file and the record are each written whole or not at all, one not stopping the
+    other; the table is printed whatever fails, then one line names what failed and what was kept.
+    The record's claim is released and nothing temporary stays, on either disk."""
+    model = save_model_folder(tmp_path / "model", make_tiny_model(seed=1), tiny_tokenizer)
+    heldout = _heldout(tmp_path)
+    output = (small_filesystem if full in ("output", "both") else tmp_path) / "results.json"
+    record = (small_filesystem if full in ("record", "both") else tmp_path) / "merged"
+    record.mkdir()
+    earlier = {"results": {"earlier": {"lm": {"loss": 1.0}}}, "eval_dataset": None}
+    (record / "pma_eval.json").write_text(json.dumps(earlier))
+    _fill(small_filesystem)
+    done = run_cli(
+        "eval", model, "--labels", "new", "--eval-file", heldout, "--block-size", "32", "--record", record,
+        "-o", output, "-q",
+    )
+    assert done.returncode == 2
+    errors = [line for line in done.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and "Traceback" not in done.stderr, done.stderr
+    error = errors[0]
+    assert [c.strip() for c in done.stdout.splitlines()[0].split("|")[1:3]] == ["metric", "new"], done.stdout
+    failed_paths = {"output": [output], "record": [record / "pma_eval.json"], "both": [output, record / "pma_eval.json"]}
+    for path in failed_paths[full]:
+        assert f"no space left on the device to write {path}" in error
+    assert error.endswith(
+        "the results are printed above"
+        + {"output": f" and recorded in {record / 'pma_eval.json'}", "record": f" and written to {output}", "both": ""}[full]
+    ), error
+    new = json.loads((record / "pma_eval.json").read_text())
+    if full == "output":
+        assert not output.exists() and sorted(new["results"]) == ["earlier", "new"]
+    else:
+        assert new == earlier  # the old record, whole
+    if full == "record":
+        assert sorted(json.loads(output.read_text())["results"]) == ["new"]
+    for root in (tmp_path, small_filesystem):
+        assert _leftovers(root) == []

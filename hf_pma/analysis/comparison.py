@@ -204,7 +204,7 @@ def read_anneal_record(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
     the run's ``snapshot`` at its end), or ``None`` when it has none; a record whose
     counts are not counts, or whose decay is not one of linear, cosine or 1-sqrt, is a one-line
     ``ValueError`` naming the file (it may come from anywhere)."""
-    from hf_pma.core.manifest import ANNEAL_RECORD_NAME
+    from hf_pma.core.manifest import ANNEAL_IN_PROGRESS, ANNEAL_RECORD_NAME
     from hf_pma.core.strategies import DECAY_SHAPES
     from hf_pma.io.guarded import read_json
 
@@ -214,6 +214,11 @@ def read_anneal_record(folder: str | os.PathLike[str]) -> dict[str, Any] | None:
     record = read_json(path, folder, kind="record")
     if not isinstance(record, dict):
         raise ValueError(f"{escape(path)}: expected an object")
+    if record.get(ANNEAL_IN_PROGRESS) is True:
+        raise ValueError(
+            f"{escape(path)}: the annealed fork in {escape(folder)} did not finish (stopped before its record was "
+            "written): fork again (anneal_from_checkpoint, or resume the training), which redoes it"
+        )
     for key in ("start_step", "start_tokens", "end_step", "end_tokens", "steps", "tokens"):
         value = record.get(key)
         if value is not None and not is_int(value, 0, _MAX_COUNT - 1):

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 from hf_pma.commands import add_heldout_arguments, load_heldout, set_verbosity
@@ -188,5 +187,7 @@ def run(args: argparse.Namespace) -> int:
         written += [f"plot: {plot}"] if plot else []
         if written:
             write_line(", ".join(written))
-        sys.stdout.flush()
+        from hf_pma.utils.text import flush_out
+
+        flush_out()
     return 0

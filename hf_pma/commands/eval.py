@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from pathlib import Path
 
 from hf_pma.commands import (
@@ -126,7 +125,7 @@ def _hub_models(args: argparse.Namespace) -> tuple[list[str], list[str] | None]:
 def run(args: argparse.Namespace) -> int:
     """Run ``hf-pma eval``."""
     from hf_pma.evaluation.model_checks import check_record_folder, resolve_model
-    from hf_pma.utils.fs import atomic_write_json, check_output_file
+    from hf_pma.utils.fs import check_output_file
 
     set_verbosity(args)
     if not args.tasks and not args.eval_file:
@@ -147,7 +146,7 @@ def run(args: argparse.Namespace) -> int:
     for model in models:  # a missing folder or an unknown Hub name: one line before torch is imported
         resolve_model(model, args.tokenizer)
     from hf_pma.evaluation.evaluator import evaluate_models
-    from hf_pma.evaluation.records import read_eval_record, results_table, write_eval_record
+    from hf_pma.evaluation.records import read_eval_record
     from hf_pma.utils.distributed import is_main_process
 
     if args.record and (Path(args.record) / EVAL_RECORD_NAME).is_file():
@@ -164,13 +163,40 @@ def run(args: argparse.Namespace) -> int:
         device=args.device,
         progress=not args.quiet,
     )
-    if args.record:
-        write_eval_record(args.record, report["results"], eval_dataset=report["eval_dataset"])
-    if is_main_process():
-        atomic_write_json(output, report)
-        from hf_pma.utils.text import write_line, write_lines
-
-        write_lines(results_table(report["results"]))  # its cells are escaped
-        write_line(f"results: {output}")
-        sys.stdout.flush()
+    _keep_results(report, output, args.record, is_main_process())
     return 0
+
+
+def _keep_results(report: dict, output: Path, record: str | None, main: bool) -> None:
+    """Keep what an evaluation computed, whatever fails on the way out (a full disk, a quota).
+
+    The ``-o`` file is written first (the whole report), then the record (each atomically: the
+    old file or the new one, never a part; the record's claim released either way); a failure
+    of one does not stop the other. The table is printed in every case, so the numbers are never
+    lost; then one line names what failed, and what was kept where."""
+    from hf_pma.evaluation.records import results_table, write_eval_record
+    from hf_pma.utils.fs import atomic_write_json
+    from hf_pma.utils.text import escape, flush_out, write_line, write_lines
+
+    failed: list[OSError] = []
+    kept: list[str] = []
+    if main:
+        try:
+            atomic_write_json(output, report)
+            kept.append(f"written to {output}")
+        except OSError as err:
+            failed.append(err)
+    if record:
+        try:
+            write_eval_record(record, report["results"], eval_dataset=report["eval_dataset"])
+            kept.append(f"recorded in {Path(record) / EVAL_RECORD_NAME}")
+        except OSError as err:
+            failed.append(err)
+    if main:
+        write_lines(results_table(report["results"]))  # its cells are escaped
+        if not failed:
+            write_line(f"results: {output}")
+        flush_out()
+    if failed:
+        text = "; ".join(escape(err) for err in failed)
+        raise OSError(f"{text}; the results are printed above" + "".join(f" and {k}" for k in kept))

@@ -58,6 +58,7 @@ __all__ = [
     "EVAL_RECORD_NAME",
     "TRAINING_RECORD_NAME",
     "ANNEALED_DIR",
+    "ANNEAL_IN_PROGRESS",
     "ANNEAL_RECORD_NAME",
     "PLOT_NAME",
     "CARD_NAME",
@@ -91,6 +92,8 @@ __all__ = [
     "snapshot_name_problems",
     "remove_snapshot_folder",
     "clean_incomplete",
+    "SHARDED_TMP_PREFIX",
+    "SHARDED_TMP_MARKER",
     "orphan_snapshots",
     "missing_snapshot_error",
 ]
@@ -106,6 +109,8 @@ TRAINING_RECORD_NAME = "pma_training.json"
 # The annealed fork of a run (the annealing check): <output_dir>/annealed/ and its record there.
 ANNEALED_DIR = "annealed"
 ANNEAL_RECORD_NAME = "pma_anneal.json"
+# The key of the record a fork writes before its first byte (replaced by the whole record at its end).
+ANNEAL_IN_PROGRESS = "in_progress"
 PLOT_NAME = "pma_training.png"
 CARD_NAME = "README.md"
 # The files of a tokenizer: a merge copies them from one folder, named in its record.
@@ -748,35 +753,37 @@ def _logger() -> Any:
     return logging.get_logger(__name__)
 
 
-# The leftovers hf-pma leaves in a snapshot folder under fixed names (sharded snapshots being
-# written, the write check of online mode; the names of earlier versions' temporaries).
-_LEFTOVER_PATTERN = re.compile(
-    r"\.tmp-snapshot-\d+(-\d+-\d+)?|\.deleting-snapshot-\d+-\d+|\.tmp-write-check-\d+"
-    r"|\." + re.escape(MANIFEST_NAME) + r"\.[A-Za-z0-9_-]+\.tmp"
-)
+# The folder the ranks write a sharded snapshot into (``.tmp-snapshot-<tokens>``: every rank
+# finds it without talking to the others) and the mark each rank writes in it first: what marks
+# the folder as hf-pma's temporary, since its name alone could be a user's.
+SHARDED_TMP_PREFIX = ".tmp-"
+SHARDED_TMP_MARKER = ".hf-pma-sharded-snapshot"
+_SHARDED_TMP_PATTERN = re.compile(re.escape(SHARDED_TMP_PREFIX) + SNAPSHOT_DIR_PATTERN)
 
 
 def clean_incomplete(pma_dir: str | os.PathLike[str]) -> list[Path]:
     """Delete the leftovers of interrupted writes and deletes in ``pma_dir``; returns them.
 
-    Touches only what hf-pma's own naming shows it made there: the stale temporaries of this
-    library (``.<name>.tmp-<host>-<pid>-<n>``; see :func:`hf_pma.utils.fs.is_stale_temporary`:
-    never one that a live process still owns), and the fixed names it gives sharded snapshots
-    being written and gave temporaries in earlier versions (``.tmp-snapshot-<tokens>``,
-    ``.deleting-snapshot-<tokens>-<pid>``, ``.manifest.json.<id>.tmp``), a folder of these only
-    when it holds nothing but regular files. Anything else (a user's ``.tmp-notes``) stays. Each
-    removal is logged.
+    Touches only what hf-pma made there: the stale temporaries of this library
+    (``.<name>.tmp-<host>-<pid>-<n>``, created exclusively under this host's name and a pid; see
+    :func:`hf_pma.utils.fs.is_stale_temporary`: never one that a live process still owns), and
+    the folders the ranks write sharded snapshots into (``.tmp-snapshot-<tokens>``) when they
+    hold the mark every rank writes there first (:data:`SHARDED_TMP_MARKER`) and nothing but
+    regular files. Nothing is recognised by a name alone: a user's ``.tmp-notes`` or
+    ``.tmp-snapshot-5`` stays. Each removal is logged.
     """
     pma_dir = Path(pma_dir)
     removed = remove_stale_temporaries(pma_dir)
     if pma_dir.is_dir():
         for child in sorted(pma_dir.glob(".*")):
-            if _LEFTOVER_PATTERN.fullmatch(child.name) is None:
+            if _SHARDED_TMP_PATTERN.fullmatch(child.name) is None or child.is_symlink() or not child.is_dir():
                 continue
-            if child.is_dir() and not child.is_symlink():
-                with os.scandir(child) as entries:
-                    if not all(e.is_file(follow_symlinks=False) for e in entries):
-                        continue
+            marker = child / SHARDED_TMP_MARKER
+            if marker.is_symlink() or not marker.is_file():
+                continue  # not marked as hf-pma's: the user's, whatever its name
+            with os.scandir(child) as entries:
+                if not all(e.is_file(follow_symlinks=False) for e in entries):
+                    continue
             remove_path(child)
             _logger().info(f"hf-pma: removed {escape(child)}, left by an interrupted write")
             removed.append(child)

@@ -30,7 +30,7 @@ from typing import Any
 
 import yaml
 
-from hf_pma.core.outputs import check_overwrite_target
+from hf_pma.core.outputs import check_overwrite_target, record_own_files
 from hf_pma.evaluation.corpus import document_id, split_documents
 from hf_pma.evaluation.task_options import TASK_KINDS, TaskOptions
 from hf_pma.utils.fs import atomic_write_json, check_output_folder, write_folder_atomically
@@ -388,9 +388,13 @@ def _write_tasks(
         _write_jsonl(tmp / HELDOUT_NAME, ({"text": doc} for doc in heldout))
         if write_train:
             _write_jsonl(tmp / TRAIN_NAME, ({"text": doc} for doc in train))
-        atomic_write_json(tmp / TASKS_INFO_NAME, record)
+        atomic_write_json(tmp / TASKS_INFO_NAME, record_own_files(tmp, record, TASKS_INFO_NAME))
 
-    write_folder_atomically(output_dir, write, overwrite=overwrite)  # claimed exclusively while written
+    # Claimed exclusively while written; what --overwrite replaces is checked again at the replace.
+    write_folder_atomically(
+        output_dir, write, overwrite=overwrite,
+        check_replaced=lambda folder: check_overwrite_target(folder, (TASKS_INFO_NAME,), "tasks"),
+    )
     summary = ", ".join(f"{name} ({task['items']} items)" for name, task in tasks.items())
     logger.info(f"Wrote {summary} to {output_dir}")
     return record

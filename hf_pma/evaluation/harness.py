@@ -16,7 +16,7 @@ import logging as std_logging
 import os
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,6 +38,7 @@ __all__ = [
     "load_task_manager",
     "warn_if_task_code",
     "run_lm_eval",
+    "private_modules_cache",
     "flatten_lm_eval_results",
     "jsonable",
 ]
@@ -269,7 +270,7 @@ def _run_lm_eval(
             lm = HFLM(pretrained=model, tokenizer=tokenizer, **hflm_kwargs)
         logger.info(f"lm-eval: {', '.join(names)}")
         try:
-            with _without_environment_report():
+            with _without_environment_report(), private_modules_cache():
                 results = simple_evaluate(model=lm, tasks=names, task_manager=task_manager, **kwargs)
         except ConnectionError as err:
             raise TaskDataUnreachableError.from_error(names, task_manager, err) from err
@@ -278,6 +279,40 @@ def _run_lm_eval(
     if results is None:  # simple_evaluate answers on its rank 0 only
         raise RuntimeError("lm_eval.simple_evaluate returned no results on the main process")
     return results
+
+
+@contextmanager
+def private_modules_cache() -> Iterator[Path]:
+    """Point `evaluate`'s module cache at a fresh folder of this process while lm-eval runs.
+
+    A task naming a metric lm-eval does not ship is loaded by lm-eval with ``evaluate.load(name)``,
+    which imports the metric's script from ``HF_HOME/modules`` (offline: the newest copy found
+    there), a cache another user may write. Inside this block it can only import what it fetches
+    itself, into a folder created here (mode 0700) and removed afterwards, with its place on
+    ``sys.path`` and the modules imported from it. Yields the folder."""
+    import shutil
+    import sys
+    import tempfile
+
+    try:
+        from evaluate import config as evaluate_config
+    except ImportError:  # pragma: no cover - lm-eval installs evaluate
+        yield Path(tempfile.gettempdir())
+        return
+    folder = Path(tempfile.mkdtemp(prefix="hf-pma-evaluate-modules-"))
+    before = evaluate_config.HF_MODULES_CACHE
+    evaluate_config.HF_MODULES_CACHE = folder
+    # Packages imported from the shared cache earlier in this process would be found first.
+    shared = {n: sys.modules.pop(n) for n in list(sys.modules) if n.split(".")[0] == "evaluate_modules"}
+    try:
+        yield folder
+    finally:
+        evaluate_config.HF_MODULES_CACHE = before
+        sys.modules.update(shared)
+        sys.path[:] = [p for p in sys.path if p != str(folder)]
+        for name in [n for n, m in sys.modules.items() if str(getattr(m, "__file__", "") or "").startswith(str(folder))]:
+            del sys.modules[name]
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 class TaskDataUnreachableError(ConnectionError):

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
+from hf_pma.evaluation.metrics.totals import language_model_totals
 from hf_pma.utils.distributed import require_unsharded_model, run_on_main_process
 from hf_pma.utils.logs import progress_bar
 
@@ -112,8 +113,8 @@ def evaluate_language_modeling(
     ``bits_per_byte`` (total NLL / ln 2 / UTF-8 bytes of the texts: independent of the
     tokenizer), ``tokens`` (scored), ``bytes``, ``texts`` (non-empty texts scored),
     ``block_size``, ``stride`` and ``per_text`` (``{"nll": [...], "tokens": [...]}``, one entry per
-    non-empty text in order: for paired comparisons of two models on the same texts); the totals go through the shipped ``evaluate`` module
-    ``bits_per_byte`` (:mod:`hf_pma.evaluation.metrics`). With ``device`` the model is moved there; the
+    non-empty text in order: for paired comparisons of two models on the same texts); the totals are
+    :func:`hf_pma.evaluation.metrics.totals.language_model_totals` (no ``evaluate.load``). With ``device`` the model is moved there; the
     model's train/eval mode is restored afterwards. Under several processes this runs on the
     main process only.
     """
@@ -143,8 +144,6 @@ def _evaluate_language_modeling(
     device: str | torch.device | None,
     progress: bool,
 ) -> dict[str, Any]:
-    from hf_pma.evaluation.metrics import load_metric
-
     model = require_unsharded_model(model)
     prefix = _prefix_token_id(tokenizer)
     if prefix is None:
@@ -194,9 +193,7 @@ def _evaluate_language_modeling(
         model.train(was_training)
 
     # Every text counts its bytes, even one too short to score (a single token and no prefix).
-    result = load_metric("bits_per_byte").compute(
-        nll=nll, tokens=scored, bytes=[len(t.encode("utf-8")) for t in texts]
-    )
+    result = language_model_totals(nll, scored, [len(t.encode("utf-8")) for t in texts])
     result.update(
         texts=len(texts), block_size=block_size, stride=stride, per_text={"nll": nll, "tokens": scored}
     )

@@ -8,6 +8,7 @@ the weights are read, and loads with ``trust_remote_code=False``.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,7 @@ from hf_pma.evaluation.model_checks import (
     custom_code_error,
     resolve_model,
 )
+from hf_pma.utils.fs import read_claim
 from hf_pma.utils.text import escape
 
 logger = logging.get_logger(__name__)
@@ -88,7 +90,22 @@ def load_model_for_eval(
 
     ``tokenizer`` (a name, folder or tokenizer object) defaults to the model folder's own, or the
     nearest one among its two parent folders (a snapshot's run folder).
+
+    A model folder is read under its claim, shared (:func:`hf_pma.utils.fs.read_claim`): a merge
+    replacing it meanwhile (``--overwrite``) waits for the load, or the load for it, so the
+    config, weights and tokenizer all come from one version of the folder.
     """
+    folder = Path(model)
+    with read_claim(folder, what="model folder") if folder.is_dir() else contextlib.nullcontext():
+        return _load_model_for_eval(model, tokenizer, dtype, device)
+
+
+def _load_model_for_eval(
+    model: str | os.PathLike[str],
+    tokenizer: str | os.PathLike[str] | Any | None,
+    dtype: str | torch.dtype,
+    device: str | torch.device | None,
+) -> tuple[Any, Any]:
     from transformers import AutoModelForCausalLM
 
     from hf_pma.io.sharded import sharded_weight_files

@@ -301,5 +301,5 @@ def check_record_folder(folder: str | os.PathLike[str], what: str = "record") ->
     if not folder.is_dir():
         raise FileNotFoundError(f"{what} folder {escape(folder)} does not exist")
     path = folder / EVAL_RECORD_NAME
-    check_output_file(path, what)
+    check_output_file(path, what, record=True)
     return path

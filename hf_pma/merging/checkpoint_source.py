@@ -28,6 +28,7 @@ from hf_pma.io.guarded import UnsafeFileError, read_json
 from hf_pma.io.safetensors import CheckpointFormatError
 from hf_pma.io.sharded import sharded_weight_files
 from hf_pma.merging.weight_files import CheckpointTensors, file_present, find_weight_files, open_weight_files
+from hf_pma.utils.limits import allow_open_files
 from hf_pma.utils.parsing import is_int
 from hf_pma.utils.text import escape, shown
 
@@ -116,9 +117,21 @@ def _progress_of(folder: Path, root: Path | None = None) -> tuple[int | None, in
     return None, None, {}
 
 
+def allow_open_sources(sources: Sequence[CheckpointSource]) -> None:
+    """Raise the open-file limit to hold every weight file of ``sources`` open together (a merge
+    reads them all at once); ``ValueError`` in one line when even the hard limit is too low
+    (:func:`hf_pma.utils.limits.allow_open_files`). Call it before any work."""
+    count = sum(len(source.files) for source in sources)
+    allow_open_files(
+        count, f"the {len(sources):,} sources hold {count:,} weight files to read together", "use fewer sources"
+    )
+
+
 def open_all(sources: Sequence[CheckpointSource], raw: bool = False) -> list[Any]:
     """Open every source (headers validated; ``raw``: torch-free, see :meth:`CheckpointSource.open_raw`);
-    on a failure, close the ones already opened."""
+    on a failure, close the ones already opened. The open-file limit is raised first to hold
+    them all (:func:`allow_open_sources`)."""
+    allow_open_sources(sources)
     opened: list[Any] = []
     try:
         for source in sources:

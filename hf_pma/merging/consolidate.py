@@ -18,11 +18,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from hf_pma.core.manifest import MERGE_RECORD_NAME, SNAPSHOT_RECORD_NAME
+from hf_pma.core.outputs import record_own_files
 from hf_pma.io.safetensors import SafetensorsWriter
 from hf_pma.merging.casts import decode_float, encode_float
+from hf_pma.merging.checkpoint_source import open_all
 from hf_pma.merging.engine import (
     _check_output,
     _copy_support_files,
+    _replaceable,
     check_config_file,
     plan_output_shards,
     plan_tensors,
@@ -47,6 +50,8 @@ logger = get_logger(__name__)
 __all__ = ["consolidate_snapshot", "load_sharded_model"]
 
 _CHUNK_ELEMS = 1 << 20
+# What --overwrite replaces: an earlier consolidation (its pma.json) or merge, nothing else.
+_MARKERS = (SNAPSHOT_RECORD_NAME, MERGE_RECORD_NAME)
 
 
 def consolidate_snapshot(
@@ -74,7 +79,7 @@ def consolidate_snapshot(
         )
     check_config_file(source)
     # --overwrite replaces an earlier consolidation (its pma.json) or merge, nothing else.
-    _check_output(output_dir, [source], overwrite, markers=(SNAPSHOT_RECORD_NAME, MERGE_RECORD_NAME))
+    _check_output(output_dir, [source], overwrite, markers=_MARKERS)
     with claim_output(output_dir, overwrite):  # exclusive until published
         _consolidate_into(source, output_dir, out_dtype, max_bytes, overwrite, progress)
     return output_dir
@@ -90,7 +95,7 @@ def _consolidate_into(
 ) -> None:
     remove_stale_temporaries(output_dir.parent, output_dir.name)  # of a killed earlier run
     tmp = temporary_path(output_dir)
-    tensors = source.open_raw()
+    (tensors,) = open_all([source], raw=True)  # every rank's shard file at once: the open-file limit raised
     try:
         plans = plan_tensors(tensors.infos, out_dtype)
         shards = plan_output_shards(plans, max_bytes, "model")
@@ -126,8 +131,9 @@ def _consolidate_into(
         record["extra"] = extra
         if out_dtype is not None:
             record["dtype"] = out_dtype
-        atomic_write_json(tmp / SNAPSHOT_RECORD_NAME, record)
-        publish_folder(tmp, output_dir, replace=overwrite)
+        atomic_write_json(tmp / SNAPSHOT_RECORD_NAME, record_own_files(tmp, record, SNAPSHOT_RECORD_NAME))
+        # What --overwrite replaces is checked again: the user may have added a file meanwhile.
+        publish_folder(tmp, output_dir, replace=overwrite, check_replaced=_replaceable(_MARKERS))
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

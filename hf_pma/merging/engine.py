@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from hf_pma.core.manifest import MERGE_RECORD_NAME, MODEL_SUPPORT_FILES, TOKENIZER_FILES
-from hf_pma.core.outputs import check_overwrite_target
+from hf_pma.core.outputs import check_overwrite_target, record_own_files
 from hf_pma.core.selection import check_window, snapshot_intervals
 from hf_pma.core.strategies import merge_coefficients, validate_strategy
 from hf_pma.core.window_choice import WindowChoice, check_window_count, is_auto
@@ -44,6 +44,7 @@ from hf_pma.io.safetensors import (
 )
 from hf_pma.merging.checkpoint_source import (
     CheckpointSource,
+    allow_open_sources,
     open_all,
     recorded_interval,
     tokenizer_folder,
@@ -342,6 +343,11 @@ def _check_output(
     check_output_folder(output_dir, overwrite)
     if overwrite:  # only an output hf-pma wrote: never a checkpoint, a listed snapshot or the user's folder
         check_overwrite_target(output_dir, markers)
+
+
+def _replaceable(markers: tuple[str, ...]) -> Callable[[Path], None]:
+    """The check of an output folder that ``--overwrite`` replaces, for :func:`publish_folder`."""
+    return lambda folder: check_overwrite_target(folder, markers)
 
 
 # Support files parsed (bounded, a JSON object) before they are copied: the configurations a
@@ -847,6 +853,7 @@ class _MergeJob:
         if self.rank != 0:
             return None
         _check_output(self.output_dir, self.sources, self.overwrite)
+        allow_open_sources(self.sources)  # before any work: one line when even the hard limit is too low
         self.claim.enter_context(claim_output(self.output_dir, self.overwrite))
         remove_stale_temporaries(self.output_dir.parent, self.output_dir.name)  # of a killed earlier merge
         tmp = temporary_path(self.output_dir)
@@ -891,8 +898,10 @@ class _MergeJob:
         record = self.record(
             self.sources, self.coefs, out_dtype=",".join(out_dtypes), output_dir=self.output_dir
         )
-        atomic_write_json(self.tmp / MERGE_RECORD_NAME, record)
-        publish_folder(self.tmp, self.output_dir, replace=self.overwrite)
+        # The record lists every file written, so a later --overwrite replaces only hf-pma's own.
+        atomic_write_json(self.tmp / MERGE_RECORD_NAME, record_own_files(self.tmp, record, MERGE_RECORD_NAME))
+        # What --overwrite replaces is checked again: the user may have added a file meanwhile.
+        publish_folder(self.tmp, self.output_dir, replace=self.overwrite, check_replaced=_replaceable((MERGE_RECORD_NAME,)))
 
     def close(self) -> None:
         """Close the sources and release the output's claim."""

@@ -652,9 +652,9 @@ def write_model_card(
     with hold_claim(folder, what="merged folder"):
         records = load_records(folder)
         build_model_card(folder, repo_id, records=records, **kwargs)  # raises on what it cannot render
-        check_output_file(folder / CARD_NAME, "the model card")
+        check_output_file(folder / CARD_NAME, "the model card", record=True)
         if plot:
-            check_output_file(folder / PLOT_NAME, "the training plot")
+            check_output_file(folder / PLOT_NAME, "the training plot", record=True)
             _try_plot(folder, records)
         # Rendered again: the card shows the plot only when one was drawn.
         card = build_model_card(folder, repo_id, records=records, **kwargs)

@@ -30,8 +30,9 @@ from hf_pma.io.guarded import JSON_LIMITS, open_file, opened, read_bytes, read_j
 from hf_pma.io.safetensors import SafetensorsReader
 from hf_pma.io.sharded import sharded_weight_files
 from hf_pma.publishing.records import find_local_paths, find_tokens, load_records
-from hf_pma.utils.fs import check_output_file
+from hf_pma.utils.fs import check_output_file, read_claim
 from hf_pma.utils.hub_client import install_hub_client
+from hf_pma.utils.limits import allow_open_files
 from hf_pma.utils.logs import get_logger
 from hf_pma.utils.names import check_revision_name, is_hub_id
 from hf_pma.utils.text import command_line, escape, shown
@@ -173,29 +174,6 @@ def files_to_push(folder: str | os.PathLike[str], ignore_patterns: Sequence[str]
     return [rel.as_posix() for rel in regular_files(folder) if not _ignored(rel.as_posix(), patterns)]
 
 
-def _allow_open_files(count: int, folder: Path) -> None:
-    """Let this process hold ``count`` more files open (a push holds every file it uploads open
-    until the commit): the soft limit of open files is raised toward the hard one when it is too
-    low; a folder with more files than the hard limit allows is one line before any request."""
-    try:
-        import resource
-    except ImportError:  # not POSIX
-        return
-    wanted = count + 2 + 256  # the card and plot a push may write; what the process holds besides
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY or soft >= wanted:
-        return
-    raised = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
-    with contextlib.suppress(ValueError, OSError):
-        resource.setrlimit(resource.RLIMIT_NOFILE, (raised, hard))
-        soft = raised
-    if soft < wanted:
-        raise ValueError(
-            f"{escape(folder)} holds {count:,} files to push, more than this process may open at once "
-            f"(ulimit -n {soft:,}): raise the limit or push fewer files"
-        )
-
-
 def _check_no_secrets(folder: Path, files: Sequence[str]) -> None:
     # The records and the card are small text files written by tools: a token there would be
     # published with the model.
@@ -308,8 +286,8 @@ def push_folder_to_hub(
         records = load_records(folder, require_merge=False)
         if needs_card:
             build_model_card(folder, repo_id=repo_id, records=records)
-            check_output_file(folder / CARD_NAME, "the model card")
-            check_output_file(folder / PLOT_NAME, "the training plot")
+            check_output_file(folder / CARD_NAME, "the model card", record=True)
+            check_output_file(folder / PLOT_NAME, "the training plot", record=True)
     if CARD_NAME not in files and not needs_card:
         logger.warning(
             f"{escape(folder.name)} has no {CARD_NAME} and no {MERGE_RECORD_NAME}: pushing it without a model card"
@@ -333,9 +311,11 @@ def push_folder_to_hub(
 
     # Every file is opened (and held open until the commit) before any request: a folder with
     # more files than this process may open is one line here, not a repo created and left empty.
-    _allow_open_files(len(files), folder)
+    allow_open_files(len(files), f"{escape(folder)} holds {len(files):,} files to push", "push fewer files")
     try:
-        open_handles([f for f in files if not (needs_card and f in (CARD_NAME, PLOT_NAME))])
+        # Opened under the folder's shared claim: one version of it, even if a merge replaces it.
+        with read_claim(folder, what="folder to push"):
+            open_handles([f for f in files if not (needs_card and f in (CARD_NAME, PLOT_NAME))])
     except BaseException:
         stack.close()
         raise

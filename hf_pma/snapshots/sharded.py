@@ -49,7 +49,8 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from hf_pma.core.manifest import SnapshotRecord, add_snapshot
+from hf_pma.core.manifest import SHARDED_TMP_MARKER, SHARDED_TMP_PREFIX, SnapshotRecord, add_snapshot
+from hf_pma.core.outputs import record_own_files
 from hf_pma.io.guarded import parse_json
 from hf_pma.io.safetensors import SafetensorsWriter
 from hf_pma.io.sharded import (
@@ -81,7 +82,7 @@ from hf_pma.snapshots.writer import (
     write_metadata_files,
     write_snapshot_record,
 )
-from hf_pma.utils.fs import LEGACY_PREFIXES, fsync_dir, fsync_tree, remove_tree
+from hf_pma.utils.fs import atomic_write_text, fsync_dir, fsync_tree, remove_tree
 from hf_pma.utils.text import escape, shown
 
 logger = logging.get_logger(__name__)
@@ -93,6 +94,7 @@ __all__ = [
     "wait_for_rank_files",
     "finish_sharded_snapshot",
     "sharded_tmp_dir",
+    "mark_sharded_tmp_dir",
     "ShardedSnapshotSink",
     "ShardedOnlineAverageSink",
 ]
@@ -153,8 +155,15 @@ def sharded_tmp_dir(pma_dir: str | os.PathLike[str], name: str) -> Path:
     """The folder where the ranks write snapshot ``name`` before rank 0 renames it into place.
 
     Every rank must find it without talking to the others, so the name carries no host or pid:
-    it is the ``.tmp-<name>`` form that ``clean_incomplete`` removes when a run (re)starts."""
-    return Path(pma_dir) / f"{LEGACY_PREFIXES[0]}{name}"
+    it is ``.tmp-<name>``, which ``clean_incomplete`` removes when a run (re)starts only when it
+    holds the mark every rank writes there first (:func:`mark_sharded_tmp_dir`)."""
+    return Path(pma_dir) / f"{SHARDED_TMP_PREFIX}{name}"
+
+
+def mark_sharded_tmp_dir(tmp: Path) -> None:
+    """Write the mark that says ``tmp`` is hf-pma's sharded temporary folder (atomically, never
+    through a link: every rank writes it), before this rank writes its file there."""
+    atomic_write_text(tmp / SHARDED_TMP_MARKER, "")
 
 
 def wait_for_rank_files(folder: Path, world_size: int, timeout_s: float = DEFAULT_RANK_TIMEOUT_S) -> list[Path]:
@@ -198,6 +207,7 @@ def finish_sharded_snapshot(
     record.extra = {**record.extra, "sharded": True, "world_size": world_size, "layout": layout}
     if write_extras is not None:
         write_extras(tmp)
+    (tmp / SHARDED_TMP_MARKER).unlink(missing_ok=True)  # the mark never ends up in the snapshot
     write_snapshot_record(tmp, record)
     fsync_tree(tmp)
     final = pma_dir / record.path
@@ -300,6 +310,7 @@ class ShardedSnapshotSink(DiskSnapshotSink):
         tmp.mkdir(parents=True, exist_ok=True)
         if tmp.is_symlink():  # planted since train begin removed it: never write through it
             raise FileExistsError(f"hf-pma: {tmp} is a symbolic link; sharded snapshots are written only into a real folder")
+        mark_sharded_tmp_dir(tmp)
         self.bytes_written += write_rank_file(tmp / rank_file_name(self.rank), staged)
         if not self.is_main:
             return
@@ -735,7 +746,7 @@ class ShardedOnlineAverageSink(OnlineAverageSink):
             write_metadata_files(tmp, config, generation_config, self.processing_class)
             record = self.average.merge_record(self._interval_tokens, str(dtype).removeprefix("torch.") if dtype else None)
             record.update(sharded=True, world_size=self.world_size, layout=layout)
-            (tmp / MERGE_RECORD_NAME).write_text(json.dumps(record, indent=2) + "\n")
+            (tmp / MERGE_RECORD_NAME).write_text(json.dumps(record_own_files(tmp, record, MERGE_RECORD_NAME), indent=2) + "\n")
             self._check_target()
             publish_folder(tmp, self.target)
 

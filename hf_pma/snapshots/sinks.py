@@ -40,6 +40,7 @@ from hf_pma.core.manifest import (
     manifest_snapshots,
     snapshot_path,
 )
+from hf_pma.core.outputs import not_all_own, record_own_files
 from hf_pma.snapshots.gather import (
     HostBufferReservation,
     LocalSlice,
@@ -62,7 +63,7 @@ from hf_pma.snapshots.writer import (
     write_folder_atomically,
     write_model_folder,
 )
-from hf_pma.utils.fs import is_library_folder
+from hf_pma.utils.fs import atomic_write_json, is_library_folder, temporary_path
 from hf_pma.utils.text import escape
 
 logger = logging.get_logger(__name__)
@@ -516,9 +517,15 @@ class OnlineAverageSink(SnapshotSink):
                 f"hf-pma: {escape(target)} exists and hf-pma did not write it (no {MERGE_RECORD_NAME} inside, or a "
                 "link); the online average saved at the end would replace it: move it or choose another output_dir"
             )
+        problem = not_all_own(target, (MERGE_RECORD_NAME,)) if os.path.lexists(target) else None
+        if problem is not None:  # a LoRA folder or notes of the user's beside an earlier average
+            raise FileExistsError(
+                f"hf-pma: the online average saved at the end would replace {escape(target)}, but {problem}; or "
+                "choose another output_dir"
+            )
         try:
             self.pma_dir.mkdir(parents=True, exist_ok=True)
-            probe = self.pma_dir / f".tmp-write-check-{os.getpid()}"
+            probe = temporary_path(self.pma_dir / "write-check")  # a leftover is a stale temporary, removed as one
             os.close(os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600))  # never through a link
             probe.unlink()
         except OSError as err:
@@ -680,16 +687,11 @@ class OnlineAverageSink(SnapshotSink):
         merge_record = self.average.merge_record(self._interval_tokens, str(dtype).removeprefix("torch.") if dtype else None)
 
         def write(folder: Path) -> None:
-            write_model_folder(
-                folder,
-                state_dict,
-                config,
-                generation_config,
-                self.processing_class,
-                self.max_shard_size,
-                json_files={MERGE_RECORD_NAME: merge_record},
-            )
+            write_model_folder(folder, state_dict, config, generation_config, self.processing_class, self.max_shard_size)
+            # Last, listing every file written: only those are replaced with it later.
+            atomic_write_json(folder / MERGE_RECORD_NAME, record_own_files(folder, merge_record, MERGE_RECORD_NAME))
 
+        self._check_target()  # again: the folder may have gained files since train begin
         target = write_folder_atomically(self.pma_dir / f"online-{self.average.kind}", write)
         logger.info(f"hf-pma: online {self.average.kind} average of {self.average.count} snapshots saved to {target}")
         return target

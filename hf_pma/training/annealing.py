@@ -38,7 +38,7 @@ from transformers import Trainer, TrainerCallback
 from transformers.utils import logging
 
 from hf_pma.analysis.comparison import paired_comparison, read_anneal_record, write_comparison
-from hf_pma.core.manifest import ANNEAL_RECORD_NAME, ANNEALED_DIR, PMA_SUBDIR
+from hf_pma.core.manifest import ANNEAL_IN_PROGRESS, ANNEAL_RECORD_NAME, ANNEALED_DIR, PMA_SUBDIR
 from hf_pma.core.strategies import DECAY_SHAPES
 from hf_pma.io.guarded import read_json
 from hf_pma.training.saving import save_full_model
@@ -223,6 +223,11 @@ def _fork_arguments(
     return dataclasses.replace(args, **changes)
 
 
+def _mark_begun(out: Path, record: dict[str, Any]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    atomic_write_json(out / ANNEAL_RECORD_NAME, record)
+
+
 def _snapshot_at(run_dir: Path, tokens: int) -> str | None:
     """The name of the run's snapshot at ``tokens``, if its manifest lists one."""
     from hf_pma.core.manifest import manifest_snapshots
@@ -305,6 +310,11 @@ def anneal_from_checkpoint(
         raise FileExistsError(
             f"{escape(out)} exists and holds no {ANNEAL_RECORD_NAME}: choose another output_dir"
         )
+    # The folder is marked ours before the first byte of the fork lands in it: a fork killed
+    # between its weights and its record leaves a folder that the next fork recognises and redoes
+    # (and that no reader takes for a finished fork: read_anneal_record refuses it).
+    begun = {ANNEAL_IN_PROGRESS: True, "checkpoint": checkpoint.name, "start_step": state["step"], "steps": steps}
+    run_on_main_process(lambda: _mark_begun(out, begun))
 
     fork_args = _fork_arguments(args, out, start, steps, main_max_steps, decay_type)
     if model is None:

@@ -32,9 +32,10 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 from hf_pma.utils.parsing import is_int
+from hf_pma.utils.read_files import output_place_problem, peek_json
 from hf_pma.utils.text import escape, shown
 
 __all__ = [
@@ -55,6 +56,10 @@ __all__ = [
     "claim_path",
     "hold_claim",
     "holds_claim",
+    "NoFileLocksError",
+    "process_start_ticks",
+    "read_claim",
+    "recorded_holder_state",
     "confined_path",
     "embedded_name",
     "free_bytes",
@@ -81,9 +86,6 @@ TEMP_KINDS = ("tmp", "deleting")
 # A temporary written from another host is only removed once nothing in it changed for this
 # long: its pid cannot be checked from here, and a live writer touches its files far more often.
 FOREIGN_STALE_AFTER_S = 6 * 3600
-# Names of earlier hf-pma versions (``.tmp-<name>-<pid>-<n>``, ``.deleting-<name>-<pid>``),
-# recognised by clean_incomplete inside a PMA folder only.
-LEGACY_PREFIXES = (".tmp-", ".deleting-")
 _NO_SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)
 _counter = itertools.count()
 # Temporary and claim names embed the target's name in at most NAME_MAX less this many bytes:
@@ -470,16 +472,27 @@ def remove_tree(path: str | os.PathLike[str]) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
-def publish_folder(tmp: str | os.PathLike[str], final_dir: str | os.PathLike[str], replace: bool = True) -> Path:
+def publish_folder(
+    tmp: str | os.PathLike[str],
+    final_dir: str | os.PathLike[str],
+    replace: bool = True,
+    check_replaced: Callable[[Path], None] | None = None,
+) -> Path:
     """Rename the complete folder ``tmp`` to ``final_dir`` durably; an old ``final_dir`` is moved
     aside first and deleted only after the new one is in place.
 
     With ``replace=False`` an existing non-empty ``final_dir`` is never replaced: the rename
     fails (the kernel refuses to rename a folder onto a non-empty one, atomically) and
     :class:`OutputExistsError` names it; ``tmp`` is left for the caller to remove.
+    ``check_replaced(final_dir)`` runs just before an existing ``final_dir`` is replaced, and
+    raises to keep it: what ``--overwrite`` may replace was checked before a work of minutes or
+    hours, while which the user may have put a file into it
+    (:func:`hf_pma.core.outputs.check_overwrite_target`, again).
     """
     tmp, final_dir = Path(tmp), Path(final_dir)
     fsync_tree(tmp)
+    if replace and check_replaced is not None and os.path.lexists(final_dir):
+        check_replaced(final_dir)
     if not replace:
         try:
             os.rename(tmp, final_dir)  # onto nothing or an empty folder; never onto a non-empty one
@@ -514,6 +527,7 @@ def write_folder_atomically(
     needed: int | None = None,
     *,
     overwrite: bool | None = None,
+    check_replaced: Callable[[Path], None] | None = None,
 ) -> Path:
     """Run ``write(tmp)`` on a temporary folder beside ``final_dir``, fsync it, rename it into place.
 
@@ -525,7 +539,8 @@ def write_folder_atomically(
     ``overwrite=None`` (the library's own folders: snapshots, caches): an existing ``final_dir``
     is replaced. ``True`` / ``False`` (a user's output): the folder is claimed exclusively while
     it is written (:func:`claim_output`: a second job stops with :class:`OutputBusyError`), and
-    an existing non-empty ``final_dir`` is replaced only with ``overwrite=True``.
+    an existing non-empty ``final_dir`` is replaced only with ``overwrite=True``, and only when
+    ``check_replaced(final_dir)`` (:func:`publish_folder`) raises nothing just before.
     """
     final_dir = Path(final_dir)
     final_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -537,7 +552,7 @@ def write_folder_atomically(
             with no_space_errors(final_dir, needed):
                 tmp.mkdir()
                 write(tmp)
-                publish_folder(tmp, final_dir, replace=overwrite is not False)
+                publish_folder(tmp, final_dir, replace=overwrite is not False, check_replaced=check_replaced)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
@@ -562,42 +577,144 @@ def claim_path(final_dir: str | os.PathLike[str]) -> Path:
     return final_dir.with_name(f".{embedded_name(final_dir)}.claim")
 
 
+class NoFileLocksError(OSError):
+    """The filesystem of a claim file gives no file locks (``flock`` fails with ``ENOLCK``,
+    ``EOPNOTSUPP``...: Lustre without ``-o flock``, NFS without lockd): hf-pma cannot keep two
+    writers apart there, so it refuses, in one line naming the claim file, rather than interleave."""
+
+    def __init__(self, path: Path, what: str, final_dir: Path, why: str) -> None:
+        self.path = path
+        super().__init__(
+            errno.ENOLCK,
+            f"cannot claim {what} {escape(final_dir)}: the filesystem of {escape(path)} gives no file locks ({why}), "
+            "so hf-pma cannot keep two writers apart there; use a filesystem with locks (Lustre with -o flock, "
+            "NFS with lockd) or another folder",
+        )
+
+    def __str__(self) -> str:
+        return str(self.strerror)
+
+
+# flock errors that mean "this filesystem has no file locks", not "held by another process".
+_NO_LOCK_ERRNOS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
+
+
+# ---------------------------------------------------------------- who holds a claim
+
+
+def _boot_id() -> str | None:
+    """This boot's id (``/proc/sys/kernel/random/boot_id``): a pid recorded before a reboot names no process of now."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip() or None
+    except OSError:
+        return None
+
+
+def process_start_ticks(pid: int) -> int | None:
+    """When process ``pid`` started (clock ticks after boot, field 22 of ``/proc/<pid>/stat``);
+    ``None`` when it does not exist or this cannot be read. A pid and its start time name one
+    process of a boot: a pid reused by another process has another start time."""
+    try:
+        with open(f"/proc/{int(pid)}/stat", "rb") as fh:
+            data = fh.read()
+        return int(data[data.rindex(b")") + 2 :].split()[19])  # after "(comm)", which may hold spaces
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _claim_identity() -> dict[str, Any]:
+    """What a claim records of its holder: host, pid, the pid's start time and the boot id."""
+    pid = os.getpid()
+    return {"host": _host(), "pid": pid, "start_ticks": process_start_ticks(pid), "boot_id": _boot_id(), "started": time.time()}
+
+
+def recorded_holder_state(info: dict[str, Any]) -> str:
+    """Whether the process a claim records (``{"host", "pid", "start_ticks", "boot_id"}``) is
+    ``"alive"``, ``"gone"`` (ended, or its pid now belongs to another process, or recorded before
+    this boot) or ``"unknown"`` (another host, or a record without a start time)."""
+    if info.get("host") != _host():
+        return "unknown"
+    pid = info.get("pid")
+    if not is_int(pid) or pid <= 0:
+        return "unknown"
+    boot = _boot_id()
+    if isinstance(info.get("boot_id"), str) and boot is not None and info["boot_id"] != boot:
+        return "gone"
+    ticks = process_start_ticks(pid)
+    if ticks is None:
+        return "gone" if not _pid_alive(pid) else "unknown"
+    if is_int(info.get("start_ticks")):
+        return "alive" if info["start_ticks"] == ticks else "gone"
+    return "unknown"
+
+
 def _claim_record(fd: int) -> dict[str, Any] | None:
     """The holder a claim file records (``{"host", "pid", ...}``), ``None`` when it records none."""
     try:
-        os.lseek(fd, 0, os.SEEK_SET)
-        info = json.loads(os.read(fd, 4096) or b"null")
+        info = json.loads(os.pread(fd, 4096, 0) or b"null")
     except (OSError, ValueError):
         return None
-    if not isinstance(info, dict) or "host" not in info or "pid" not in info:
+    if not isinstance(info, dict) or not isinstance(info.get("host"), str) or "pid" not in info:
         return None
     return info
 
 
-def _claim_holder(fd: int) -> str:
+def _claim_holder(fd: int, path: Path) -> str:
+    """Who holds the claim file open on ``fd`` (locked by another process), for an error: the
+    recorded holder when it is alive; otherwise (gone, or it cannot be told) the claim file to
+    remove once no process of that job is left."""
     info = _claim_record(fd)
     if info is None:
-        return "a process that has not said which yet"
-    where = "" if info["host"] == _host() else ", on another host"
-    return f"host {escape(info['host'])}, pid {escape(info['pid'])}{where}"
+        return "processes reading it, or one that has not said which yet"
+    who = f"host {escape(info['host'])}, pid {escape(info['pid'])}"
+    state = recorded_holder_state(info)
+    if state == "alive":
+        return who
+    if info["host"] != _host():
+        return f"{who}, on another host, which hf-pma cannot check: if that process is gone, remove {escape(path)}"
+    if state == "gone":
+        return (
+            f"{who}, which has ended (its pid may now be another process's), yet a process it started still holds "
+            f"the lock: once none is left, remove {escape(path)}"
+        )
+    return f"{who}, which hf-pma cannot check: if that process is gone, remove {escape(path)}"
 
 
 # Whether to wait for a claim: the output claims (a merge's or consolidation's output folder, a
 # training's snapshot folder) are refused at once, because their holders work for minutes to
 # hours and a second job would replace, or be mixed into, the first one's result. The short
-# read-modify-write sections (a manifest entry, the eval record, the card) wait up to
-# CLAIM_WAIT_S: their holders finish in milliseconds, and refusing would throw away what the
-# waiting command computed (an evaluation of hours); a holder still there after the wait (a
-# merge writing that folder, a training) is named in the error.
+# read-modify-write sections (a manifest entry, the eval record, the card) and the readers of a
+# folder (a model being loaded, a folder being pushed) wait up to CLAIM_WAIT_S: their holders
+# finish in milliseconds (a reader in seconds), and refusing would throw away what the waiting
+# command computed (an evaluation of hours); a holder still there after the wait (a merge
+# writing that folder, a training) is named in the error.
 CLAIM_WAIT_S = 30.0
+# A waiter says why it waits once it has waited this long.
+_ANNOUNCE_WAIT_S = 0.5
 
-# The claims this process holds, by claim file: {key: [fd, count]}. A claim taken again by this
-# process while it holds it (a manifest entry written by the training that holds its run folder,
-# the card of a merge being written) goes on at once.
-_HELD: dict[str, list[int]] = {}
+# The claims this process holds, by claim file: {key: [fd, count, shared]}. A claim taken again
+# by this process while it holds it (a manifest entry written by the training that holds its run
+# folder, the card of a merge being written) goes on at once.
+_HELD: dict[str, list[Any]] = {}
 _HELD_LOCK = threading.Lock()
 # Why a claim file cannot be made beside a folder where nothing of hf-pma's could race either.
 _UNCLAIMABLE_ERRNOS = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT, errno.ENOTDIR)
+
+
+def _forget_claims_in_child() -> None:
+    """In a forked child (a DataLoader worker, a ``fork`` pool): close the claim files it inherited.
+    The parent keeps its locks; a child that outlives a killed parent no longer holds them."""
+    global _HELD_LOCK
+    _HELD_LOCK = threading.Lock()  # another thread may have held it at the fork
+    for fd, *_ in _HELD.values():
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_claims_in_child)
 
 
 def _claim_key(path: Path) -> str:
@@ -608,18 +725,58 @@ def _claim_key(path: Path) -> str:
 
 
 def _write_claim_record(fd: int) -> None:
-    os.ftruncate(fd, 0)
-    os.lseek(fd, 0, os.SEEK_SET)
-    os.write(fd, json.dumps({"host": _host(), "pid": os.getpid(), "started": time.time()}).encode())
-
-
-def _release_claim(path: Path, fd: int) -> None:
+    # Written over, then cut to its length: never truncated to 0 first, which makes ext4 flush
+    # the file at close (its guard for files replaced by truncation), milliseconds per claim.
+    # On a full disk the lock holds without it (a waiter is told "one that has not said which").
+    data = json.dumps(_claim_identity()).encode()
     try:
-        if os.fstat(fd).st_ino == os.lstat(path).st_ino:
-            path.unlink()
+        os.pwrite(fd, data, 0)
+        os.ftruncate(fd, len(data))
+    except OSError as err:
+        if err.errno not in _NO_SPACE_ERRNOS:
+            raise
+        with contextlib.suppress(OSError):
+            os.ftruncate(fd, 0)
+
+
+def _is_current_claim(fd: int, path: Path) -> bool:
+    """Whether ``fd`` is still the file at ``path`` (its holder may remove it between our open and our lock)."""
+    try:
+        mine, there = os.fstat(fd), os.lstat(path)
+    except OSError:
+        return False
+    return mine.st_nlink > 0 and (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
+
+
+def _release_claim(path: Path, fd: int, shared: bool = False) -> None:
+    """Unlock and close ``fd``, removing the claim file first when no other process holds it: an
+    exclusive holder is the only one; a shared one removes it only when it can lock it exclusively
+    at once (the last reader). A waiter that opened the removed file sees it gone and opens anew."""
+    import fcntl
+
+    try:
+        if shared:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another reader holds it: it stays
+        if _is_current_claim(fd, path):
+            os.unlink(path)
     except OSError:
         pass
-    os.close(fd)
+    finally:
+        os.close(fd)
+
+
+def _register(key: str, fd: int, shared: bool) -> None:
+    with _HELD_LOCK:
+        _HELD[key] = [fd, 1, shared]
+
+
+def _unregister(key: str, fd: int) -> bool:
+    """Forget ``fd`` as this process's claim ``key``; whether it was (a forked child's is not)."""
+    with _HELD_LOCK:
+        if _HELD.get(key, [None])[0] != fd:
+            return False
+        del _HELD[key]
+        return True
 
 
 @contextmanager
@@ -628,15 +785,16 @@ def claim_output(final_dir: str | os.PathLike[str], overwrite: bool = False) -> 
 
     Two jobs aiming at the same output never both succeed: the claim is an exclusive
     ``flock`` on ``.<name>.claim`` beside ``final_dir`` (released by the kernel when its process
-    dies, so a killed job never blocks the next one), which records the holder's host and pid.
-    A second job does not wait: it stops at once with :class:`OutputBusyError` naming the folder
-    and the holder (a merge can take hours, and its result would replace or be replaced by the
-    other's). Once claimed, :func:`check_output_folder` runs again (a job that finished meanwhile
-    left a non-empty folder). Publish with ``publish_folder(tmp, final_dir, replace=overwrite)``
-    inside the block: without ``overwrite`` that rename refuses a non-empty folder, which also
-    covers filesystems without ``flock`` (where the claim is only the record of the holder).
-    The claim file is removed on release. Yields ``final_dir``. The same claim guards the
-    folder's records (:func:`hold_claim`): a card or an eval record written meanwhile waits.
+    dies, so a killed job never blocks the next one), which records the holder's host, pid, the
+    pid's start time and the boot id. A second job does not wait: it stops at once with
+    :class:`OutputBusyError` naming the folder and the holder (a merge can take hours, and its
+    result would replace or be replaced by the other's). On a filesystem without ``flock`` it
+    stops with :class:`NoFileLocksError` (one line naming the claim file), never interleaving.
+    Once claimed, :func:`check_output_folder` runs again (a job that finished meanwhile left a
+    non-empty folder). Publish with ``publish_folder(tmp, final_dir, replace=overwrite)`` inside
+    the block. The claim file is removed on release. Yields ``final_dir``. The same claim guards
+    the folder's records (:func:`hold_claim`) and its readers (:func:`read_claim`): a card, an
+    eval record or a model load meanwhile waits.
     """
     final_dir = Path(final_dir)
     final_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -645,37 +803,43 @@ def claim_output(final_dir: str | os.PathLike[str], overwrite: bool = False) -> 
     fd = _acquire_claim(path, final_dir)  # never re-entrant: a second claim in this process is refused too
     try:
         _write_claim_record(fd)
-        with _HELD_LOCK:
-            _HELD[key] = [fd, 1]
+        _register(key, fd, False)
+    except BaseException:
+        _release_claim(path, fd)
+        raise
+    try:
         check_output_folder(final_dir, overwrite)
         yield final_dir
     finally:
-        with _HELD_LOCK:
-            if _HELD.get(key, [None])[0] == fd:
-                del _HELD[key]
-        _release_claim(path, fd)
+        if _unregister(key, fd):
+            _release_claim(path, fd)
 
 
 class FolderClaim:
-    """An exclusive claim on ``folder`` held by this process: the claim of :func:`claim_output`
-    (an ``flock`` on ``.<name>.claim`` beside the folder, recording host and pid), taken for as
-    long as a job works on the folder, not only while it is written.
+    """A claim on ``folder`` held by this process: the claim of :func:`claim_output` (an
+    ``flock`` on ``.<name>.claim`` beside the folder, recording host, pid, the pid's start time
+    and the boot id), taken for as long as a job works on the folder, not only while it is written.
 
-    A training holds its snapshot folder's (:class:`hf_pma.PMACallback`, from train begin to
-    train end); every read-modify-write of a record in a folder (manifest, eval record, card)
-    holds it for that section (:func:`hold_claim`). Within one process the claim is re-entrant
-    (threads of a process share it: they order their own writes); another process waits up to
-    ``wait`` seconds, then gets :class:`OutputBusyError` naming the folder and the holder (its
-    host and pid, and whether it is on another host). The kernel releases the ``flock`` when
-    the holder dies; on a filesystem without ``flock`` the record is the lock: a holder on this
-    host whose pid is gone is stale, and one on another host is refused (hf-pma cannot check
-    it) with the claim file to remove. A folder whose parent cannot be written (a read-only
-    place) is not claimed: nothing could race there that hf-pma writes.
+    Exclusive (the default) for a writer: a training holds its snapshot folder's
+    (:class:`hf_pma.PMACallback`, from train begin to train end); every read-modify-write of a
+    record in a folder (manifest, eval record, card) holds it for that section
+    (:func:`hold_claim`). Shared (``shared=True``) for a reader of a whole folder (a model
+    loaded for evaluation, a folder pushed: :func:`read_claim`): readers go on together, and see
+    one version of the folder, since a writer replacing it waits for them or they for it.
+    Within one process the claim is re-entrant (threads of a process share it: they order their
+    own writes); another process waits up to ``wait`` seconds, then gets
+    :class:`OutputBusyError` naming the folder and the holder (its host and pid; when that
+    process is gone or cannot be checked, the claim file to remove). The kernel releases the
+    ``flock`` when the holder dies (and a forked child does not keep it: it closes the claims
+    it inherited); on a filesystem without ``flock`` the claim is refused
+    (:class:`NoFileLocksError`). A folder whose parent cannot be written (a read-only place) is
+    not claimed: nothing could race there that hf-pma writes.
 
     Args:
         folder: the folder to claim.
         what: how an error names it (``"snapshot folder"``).
         busy: what the holder is doing, for the error (``"is in use by another training"``).
+        shared: a reader's claim, held together with other readers' (not with a writer's).
     """
 
     def __init__(
@@ -684,11 +848,13 @@ class FolderClaim:
         *,
         what: str = "folder",
         busy: str = "is being written by another process",
+        shared: bool = False,
     ) -> None:
         self.folder = Path(folder).absolute()
         self.path = claim_path(self.folder)
         self.what = what
         self.busy = busy
+        self.shared = shared
         self._key = _claim_key(self.path)
         self._held = False
 
@@ -704,24 +870,39 @@ class FolderClaim:
         with _HELD_LOCK:
             entry = _HELD.get(self._key)
             if entry is not None:
+                if entry[2] and not self.shared:  # an upgrade would let a writer in between: a bug of ours
+                    raise RuntimeError(f"hf-pma: {escape(self.folder)} is read under a shared claim; it cannot be written meanwhile")
                 entry[1] += 1
                 self._held = True
                 return self
         try:
-            fd = _acquire_claim(self.path, self.folder, wait=wait, what=self.what, busy=self.busy)
+            fd = _acquire_claim(self.path, self.folder, wait=wait, what=self.what, busy=self.busy, shared=self.shared)
+        except NoFileLocksError:
+            if not self.shared:
+                raise  # a writer never goes on unclaimed
+            # A reader may: no writer of hf-pma's can claim a folder there either, so none replaces it meanwhile.
+            _logger().debug(f"hf-pma: {escape(self.folder)} read without a claim (no file locks there)")
+            return self
         except OSError as err:
             if isinstance(err, FileExistsError) or err.errno not in _UNCLAIMABLE_ERRNOS:
-                raise  # held by another process, or a planted claim file: refused
+                raise  # held by another process, a planted claim file: refused
             _logger().debug(f"hf-pma: no claim on {escape(self.folder)} ({escape(err)})")
             return self  # not held: a folder in a place that cannot be written, or not there yet
-        _write_claim_record(fd)
-        with _HELD_LOCK:
-            _HELD[self._key] = [fd, 1]
+        try:
+            if not self.shared:
+                _write_claim_record(fd)
+            elif os.fstat(fd).st_size:
+                with contextlib.suppress(OSError):  # readers record no one: a holder that died is not named
+                    os.ftruncate(fd, 0)
+        except BaseException:
+            _release_claim(self.path, fd, self.shared)
+            raise
+        _register(self._key, fd, self.shared)
         self._held = True
         return self
 
     def release(self) -> None:
-        """Give the claim back (the claim file is removed when this was its last holder here)."""
+        """Give the claim back (the claim file is removed when this was its last holder)."""
         if not self._held:
             return
         self._held = False
@@ -733,7 +914,7 @@ class FolderClaim:
             if entry[1] > 0:
                 return
             del _HELD[self._key]
-        _release_claim(self.path, entry[0])
+        _release_claim(self.path, entry[0], entry[2])
 
     def __enter__(self) -> FolderClaim:
         return self.acquire()
@@ -761,25 +942,52 @@ def hold_claim(
         claim.release()
 
 
+@contextmanager
+def read_claim(
+    folder: str | os.PathLike[str], wait: float = CLAIM_WAIT_S, what: str = "folder"
+) -> Iterator[Path]:
+    """Hold ``folder``'s claim shared while reading the whole folder (loading a model, pushing it):
+    other readers go on, a writer replacing it (``merge --overwrite``) waits, and a reader that
+    meets one waits up to ``wait`` seconds. Yields the folder."""
+    claim = FolderClaim(folder, what=what, shared=True).acquire(wait)
+    try:
+        yield claim.folder
+    finally:
+        claim.release()
+
+
 def holds_claim(folder: str | os.PathLike[str]) -> bool:
     """Whether this process holds ``folder``'s claim now."""
     with _HELD_LOCK:
         return _claim_key(claim_path(Path(folder).absolute())) in _HELD
 
 
-def _open_claim(path: Path, final_dir: Path, what: str = "output folder") -> int:
+def _open_claim(path: Path, final_dir: Path, what: str = "output folder", shared: bool = False) -> int | None:
     """Open (creating it) the claim file ``path`` of ``final_dir``, never through a symbolic link,
     and only when it is a regular file of its own (one link): the claim is truncated and written,
     so anything else (a link or a hard link to another file, a FIFO, a folder) is refused in one
-    line naming it."""
+    line naming it. ``None`` when its holder removed it meanwhile (no links left: open it anew).
+    A reader in a place it cannot write opens an existing claim file read-only."""
     refused = (
         f"the claim file {escape(path)} of {what} {escape(final_dir)} is not a regular file that hf-pma "
         "made ({}); remove it or choose another output folder"
     )
-    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    flags = os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
     try:
-        fd = os.open(path, flags, 0o644)
+        try:
+            # Readable by its owner only: another user could otherwise lock it (even read-only) and hold it.
+            fd = os.open(path, flags | os.O_RDWR | os.O_CREAT, 0o600)
+        except OSError as err:
+            if not shared or err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+                raise
+            fd = os.open(path, flags | os.O_RDONLY)  # ENOENT: no claim there, none could be made
     except OSError as err:
+        if err.errno in (errno.EACCES, errno.EPERM) and os.path.lexists(path) and os.access(path.parent, os.W_OK | os.X_OK):
+            # Not a read-only place: another user's claim file, which this job must not go around.
+            raise OutputBusyError(
+                f"{what} {escape(final_dir)}: its claim file {escape(path)} belongs to another user ({err.strerror}); "
+                f"that user's job holds it or left it: once it is done, remove {escape(path)}, or choose another folder"
+            ) from None
         if err.errno == errno.ELOOP or (err.errno == errno.EMLINK and path.is_symlink()):
             raise FileExistsError(refused.format("a symbolic link")) from None
         if err.errno in (errno.EISDIR, errno.ENXIO):
@@ -787,6 +995,9 @@ def _open_claim(path: Path, final_dir: Path, what: str = "output folder") -> int
         raise
     info = os.fstat(fd)
     why = None if stat.S_ISREG(info.st_mode) else "a FIFO" if stat.S_ISFIFO(info.st_mode) else "a special file"
+    if why is None and info.st_nlink == 0:
+        os.close(fd)
+        return None
     if why is None and info.st_nlink != 1:
         why = f"a file with {info.st_nlink} hard links"
     if why is not None:
@@ -801,53 +1012,100 @@ def _acquire_claim(
     wait: float = 0.0,
     what: str = "output folder",
     busy: str = "is being written by another process",
+    shared: bool = False,
 ) -> int:
-    """Open and lock the claim file ``path`` of ``final_dir``; the open file once locked.
+    """Open and lock the claim file ``path`` of ``final_dir`` (shared or exclusive); the open file once locked.
 
-    Waits up to ``wait`` seconds for a holder to release it (polling), then raises
-    :class:`OutputBusyError`: ``<what> <final_dir> <busy> (<holder>)``. Without ``flock`` on the
-    filesystem, the holder the file records decides (see :class:`FolderClaim`)."""
+    Waits up to ``wait`` seconds for a holder to release it (in the kernel's queue of waiters:
+    :func:`_lock_within`), then raises :class:`OutputBusyError`: ``<what> <final_dir> <busy>
+    (<holder>)``. A claim file that its holder removed between our open and our lock is opened
+    anew, so a waiter only ever holds the file at ``path``. Without ``flock`` on the filesystem:
+    :class:`NoFileLocksError`."""
     import fcntl
 
-    deadline = time.monotonic() + wait
-    delay, announced = 0.002, False
+    mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
+    start = time.monotonic()
+    deadline, announce_at = start + wait, start + _ANNOUNCE_WAIT_S
+    holder = None
     while True:
-        fd = _open_claim(path, final_dir, what)
+        fd = _open_claim(path, final_dir, what, shared)
+        if fd is None:
+            continue  # removed by its holder just now: the next open makes or finds the current one
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, mode | fcntl.LOCK_NB)
+            locked = True
         except BlockingIOError:
-            if time.monotonic() < deadline:
-                if not announced:  # a wait that may be long says why it waits, once
-                    announced = True
-                    _logger().warning(f"hf-pma: {what} {escape(final_dir)} {busy} ({_claim_holder(fd)}); waiting up to {wait:g}s")
+            holder = _claim_holder(fd, path)
+            now = time.monotonic()
+            if now >= deadline:
                 os.close(fd)
-                time.sleep(delay)  # a poll: flock has no timeout
-                delay = min(0.05, delay * 2)
-                continue
-            holder = _claim_holder(fd)
-            os.close(fd)
-            raise OutputBusyError(_busy_message(what, final_dir, busy, holder, wait)) from None
+                raise OutputBusyError(_busy_message(what, final_dir, busy, holder, wait)) from None
+            if announce_at is not None and now >= announce_at:  # a wait that may be long says why, once
+                announce_at = None
+                _logger().warning(f"hf-pma: {what} {escape(final_dir)} {busy} ({holder}); waiting up to {wait:g}s")
+            until = deadline if announce_at is None else min(deadline, announce_at)
+            try:
+                locked = _lock_within(fd, mode, until - now)
+            except OSError as err:
+                _refuse_lock_error(fd, path, what, final_dir, err)
+            if not locked:
+                continue  # the wait's thread owns fd now; look again (and announce, or give up)
         except OSError as err:
-            if err.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
-                os.close(fd)
-                raise
-            _logger().debug(f"hf-pma: no file locks on the filesystem of {path}; its record names the holder")
-            problem = _recorded_holder(fd, path)
-            if problem is None:
-                return fd
-            os.close(fd)
-            if time.monotonic() < deadline:
-                time.sleep(delay)
-                delay = min(0.05, delay * 2)
-                continue
-            raise OutputBusyError(_busy_message(what, final_dir, busy, problem, wait)) from None
-        try:
-            same = os.fstat(fd).st_ino == os.stat(path).st_ino
-        except FileNotFoundError:
-            same = False
-        if same:
+            _refuse_lock_error(fd, path, what, final_dir, err)
+        if _is_current_claim(fd, path):
             return fd
         os.close(fd)  # the holder released (and removed) it between our open and our lock: retry
+
+
+def _refuse_lock_error(fd: int, path: Path, what: str, final_dir: Path, err: OSError) -> NoReturn:
+    """Close ``fd`` and raise ``flock``'s error: :class:`NoFileLocksError` where the filesystem
+    has no locks, after removing the claim file when it records no holder (made by this open)."""
+    try:
+        if err.errno in _NO_LOCK_ERRNOS and os.fstat(fd).st_size == 0 and _is_current_claim(fd, path):
+            os.unlink(path)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+    if err.errno in _NO_LOCK_ERRNOS:
+        raise NoFileLocksError(path, what, final_dir, f"flock: {err.strerror or err}") from None
+    raise err
+
+
+def _lock_within(fd: int, mode: int, timeout: float) -> bool:
+    """Lock ``fd`` (blocking ``flock``: the kernel wakes waiters as the holder lets go, where
+    polling would let the holder take it again every time), giving up after ``timeout`` seconds.
+
+    ``True`` once locked. ``False`` on time out, a signal included: ``fd`` then belongs to the
+    waiting thread, which closes it when its ``flock`` returns. ``OSError`` from ``flock``
+    (no file locks) is raised, ``fd`` still the caller's."""
+    import fcntl
+
+    locked, guard = threading.Event(), threading.Lock()
+    state: dict[str, Any] = {"given_up": False, "error": None}
+
+    def take() -> None:
+        try:
+            fcntl.flock(fd, mode)
+        except OSError as err:
+            state["error"] = err
+        with guard:
+            if state["given_up"]:
+                os.close(fd)
+                return
+            locked.set()
+
+    threading.Thread(target=take, name="hf-pma-claim-wait", daemon=True).start()
+    try:
+        locked.wait(max(0.0, timeout))
+    finally:
+        with guard:
+            state["given_up"] = not locked.is_set()
+    if state["given_up"]:
+        return False
+    if state["error"] is not None:
+        raise state["error"]
+    return True
 
 
 def _busy_message(what: str, final_dir: Path, busy: str, holder: str, wait: float) -> str:
@@ -855,30 +1113,18 @@ def _busy_message(what: str, final_dir: Path, busy: str, holder: str, wait: floa
     return f"{what} {escape(final_dir)} {busy} ({holder}){waited}; wait for it to finish or choose another folder"
 
 
-def _recorded_holder(fd: int, path: Path) -> str | None:
-    """Without ``flock``: the live holder the claim file records, described; ``None`` when it
-    records none, this process, or a process of this host that is gone (stale)."""
-    info = _claim_record(fd)
-    if info is None or (info["host"] == _host() and info["pid"] == os.getpid()):
-        return None
-    if info["host"] == _host():
-        pid = info["pid"]
-        if is_int(pid) and not _pid_alive(pid):
-            return None
-        return f"host {escape(info['host'])}, pid {escape(pid)}"
-    return (
-        f"host {escape(info['host'])}, pid {escape(info['pid'])}, on another host, which hf-pma cannot check "
-        f"without file locks: if that process is gone, remove {escape(path)}"
-    )
-
-
-def check_output_file(path: str | os.PathLike[str], what: str = "output file") -> None:
+def check_output_file(path: str | os.PathLike[str], what: str = "output file", *, record: bool = False) -> None:
     """Check, before any work, that the file ``path`` can be written (atomically replaced) later.
 
-    ``FileExistsError`` when ``path`` is a folder, a symbolic link (it would be replaced by a
-    regular file, and what it names left as it was) or another special file, or lies inside a
-    snapshot folder listed in a run's manifest (:func:`listed_snapshot_of`: rotation deletes such
-    a folder, or keeps it forever once it holds a file that is not hf-pma's);
+    The one check of every output file (``-o``, ``--plot`` of every command, and the records
+    hf-pma keeps in a folder). ``FileExistsError`` when ``path`` is a folder, a symbolic link (it
+    would be replaced by a regular file, and what it names left as it was) or another special
+    file, or lies inside a snapshot folder listed in a run's manifest (:func:`listed_snapshot_of`:
+    rotation deletes such a folder, or keeps it forever once it holds a file that is not
+    hf-pma's); unless ``record`` (a record hf-pma keeps in the folder it describes, under its own
+    name: the eval record, the model card and its plot), also when ``path`` takes a name that
+    hf-pma or transformers reads, or goes into a model, checkpoint, run-record or tasks folder
+    (:func:`hf_pma.utils.read_files.output_place_problem`);
     ``FileNotFoundError`` when its folder does not exist; ``PermissionError`` when its folder is
     not writable (read-only permissions or a read-only filesystem). An existing regular file is
     fine: it is replaced. ``what`` names the path in the error (``"--output"``).
@@ -903,6 +1149,8 @@ def check_output_file(path: str | os.PathLike[str], what: str = "output file") -
             f"{escape(manifest)}, which hf-pma replaces or deletes as its run goes on (keep_last, resume); "
             "choose a place outside it"
         )
+    if not record:
+        _refuse_read_place(path, what, file=True)
     if not os.access(parent, os.W_OK | os.X_OK):
         raise PermissionError(
             f"cannot write {what} {shown_path}: its folder {escape(parent)} is not writable"
@@ -948,9 +1196,21 @@ def check_output_folder(output_dir: str | os.PathLike[str], overwrite: bool) -> 
             f"refusing output folder {shown_dir}: {where} a snapshot listed in {escape(manifest)}, which hf-pma "
             "replaces or deletes as its run goes on (keep_last, resume); choose a folder outside it"
         )
+    _refuse_read_place(output_dir, "output folder", file=False)
     parent = _existing_parent(output_dir.absolute().parent)
     if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
         raise PermissionError(f"cannot write to {escape(output_dir.parent)}: the folder is not writable")
+
+
+def _refuse_read_place(path: Path, what: str, file: bool) -> None:
+    """``FileExistsError`` (one line) when an output at ``path`` would replace or join what a model,
+    a run or a task folder is made of (:func:`hf_pma.utils.read_files.output_place_problem`)."""
+    problem = output_place_problem(path, file=file)
+    if problem is not None:
+        raise FileExistsError(
+            f"refusing {what} {escape(path)}: {escape(problem)}; an output never replaces or joins what a model or "
+            "a run is made of: choose another name or folder"
+        )
 
 
 # Where a run keeps its manifest, relative to a folder: hf_pma.core.manifest's MANIFEST_NAME,
@@ -963,37 +1223,6 @@ def _resolved(path: Path) -> Path | None:
         return path.resolve()
     except (OSError, RuntimeError, ValueError):
         return None
-
-
-def _peek_json(path: Path, limit: int = 64 * 2**20) -> Any:
-    """The JSON value of ``path`` when it is a regular file (not a link) of at most ``limit`` bytes
-    holding valid JSON; ``None`` otherwise. Only for looking for a reason to refuse an output:
-    utils sits below :mod:`hf_pma.io.guarded`, the way in of everything read for use (the layout
-    test keeps subpackages importing downward only)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
-        return None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode) or info.st_size > limit:
-            return None
-        return json.loads(_read_all(fd, limit + 1))
-    except (OSError, ValueError, RecursionError):
-        return None
-    finally:
-        os.close(fd)
-
-
-def _read_all(fd: int, limit: int) -> bytes:
-    chunks, size = [], 0
-    while size < limit:
-        chunk = os.read(fd, min(1 << 20, limit - size))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        size += len(chunk)
-    return b"".join(chunks)
 
 
 def listed_snapshot_of(path: str | os.PathLike[str]) -> tuple[Path, Path] | None:
@@ -1011,7 +1240,7 @@ def listed_snapshot_of(path: str | os.PathLike[str]) -> tuple[Path, Path] | None
     for folder in target.parents:
         for relative in RUN_MANIFESTS:
             manifest = folder / relative
-            data = _peek_json(manifest)
+            data = peek_json(manifest)
             entries = data.get("snapshots") if isinstance(data, dict) else None
             for entry in entries if isinstance(entries, list) else []:
                 name = entry.get("path") if isinstance(entry, dict) else None

@@ -10,6 +10,11 @@ A Hub is a server hf-pma does not control: its answers are input, like a file in
   ``HF_PMA_HUB_TIMEOUT`` environment variable; 10 s to connect and 60 s between two reads by
   default. :func:`hub_failure_line` turns a timeout into one line ("the Hub at ... did not
   answer within N s").
+* **Answers bounded in total.** The client's transport (:class:`hf_pma.utils.hub_transport.BoundedTransport`)
+  gives every answer a deadline (the read timeout, counted from the request sent to the last
+  byte; a file download's moves on with the bytes received) and a size bound after
+  decompression (the size the Hub announced, else 64 MiB): a server that sends one byte every
+  half second, or a small gzip body that inflates to gigabytes, ends in one line.
 * **Answers used as names.** A commit id is 40 lowercase hex characters
   (:func:`check_commit_id`), a content hash 40 (git blob) or 64 (sha256) of them
   (:func:`check_content_hash`), a file name one plain path component (:func:`check_file_name`),
@@ -136,12 +141,21 @@ def _client_factory() -> Any:
     import httpx2
     from huggingface_hub.utils._http import hf_request_event_hook
 
+    from hf_pma.utils.hub_transport import BoundedTransport
+
     connect, read = hub_timeouts()
-    return httpx2.Client(
+    client = httpx2.Client(
         event_hooks={"request": [hf_request_event_hook, _fill_timeouts]},
         follow_redirects=True,
         timeout=httpx2.Timeout(read, connect=connect, pool=connect),
+        transport=BoundedTransport(httpx2.HTTPTransport(), lambda: hub_timeouts()[1]),
     )
+    # Proxies from the environment get transports of their own: bounded the same way.
+    client._mounts = {
+        pattern: None if transport is None else BoundedTransport(transport, lambda: hub_timeouts()[1])
+        for pattern, transport in client._mounts.items()
+    }
+    return client
 
 
 def install_hub_client() -> None:

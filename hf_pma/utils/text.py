@@ -11,7 +11,9 @@ surrogates from undecodable file names) the way Python's ``repr`` writes it (``\
 error shows it: its ``repr`` (quoted, escaped the same way), cut to a length.
 
 What a command writes to stdout goes through :func:`write_line` (one line, escaped whole) or
-:func:`write_lines` (a table whose cells are escaped already: each line escaped again).
+:func:`write_lines` (a table whose cells are escaped already: each line escaped again), both
+through :func:`write_out`, which survives a stdout that cannot encode a name or that nobody
+reads any more (:func:`prepare_standard_streams` readies the streams at a command's start).
 :func:`command_line` builds a command line for a person to paste (``hf-pma merge RUN ...``):
 each argument shell-quoted, on one line. :func:`plot_text` is a label for matplotlib, which
 reads ``$...$`` as math; :func:`markdown_text` a value in a model card's markdown, which would
@@ -28,14 +30,19 @@ from collections.abc import Iterable
 from typing import Any, TextIO
 
 __all__ = [
+    "DiagnosticStream",
     "command_line",
+    "drop_stdout",
     "escape",
+    "flush_out",
     "is_printable",
     "markdown_text",
     "plot_text",
+    "prepare_standard_streams",
     "shown",
     "write_line",
     "write_lines",
+    "write_out",
 ]
 
 _NAMED = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
@@ -93,8 +100,107 @@ def shown(value: Any, limit: int = 200) -> str:
 def write_line(text: Any = "", stream: TextIO | None = None) -> None:
     """Write ``text`` as one line (:func:`escape`: a newline or an escape sequence in a name it
     holds shows as ``\\n``, ``\\x1b``, and cannot forge a line) and a newline, to ``stream``
-    (default: stdout)."""
-    (stream or sys.stdout).write(escape(text) + "\n")
+    (default: stdout), through :func:`write_out`."""
+    write_out(escape(text) + "\n", stream)
+
+
+def write_out(text: str, stream: TextIO | None = None) -> None:
+    """Write ``text`` to ``stream`` (default: stdout), the one way a command's output goes out.
+
+    What the stream cannot encode (a non-ASCII folder name on ``PYTHONIOENCODING=ascii``) is
+    written as ``\\xe9``; a stdout nobody reads any more (``| head -1`` done, a closed pipe) is
+    dropped (:func:`drop_stdout`) and no longer written: the command's work is done either way,
+    and its status is its own. A stdout closed at start (``>&-``, ``sys.stdout`` is ``None``)
+    takes nothing."""
+    stream = stream or sys.stdout
+    if stream is None:
+        return
+    try:
+        try:
+            stream.write(text)
+        except UnicodeEncodeError:
+            encoding = getattr(stream, "encoding", None) or "ascii"
+            stream.write(text.encode(encoding, "backslashreplace").decode(encoding))
+    except (BrokenPipeError, ValueError):  # ValueError: the stream was closed
+        drop_stdout(stream)
+
+
+def flush_out(stream: TextIO | None = None) -> None:
+    """Flush ``stream`` (default: stdout); a reader that is gone drops it (:func:`drop_stdout`)."""
+    stream = stream or sys.stdout
+    if stream is None:
+        return
+    try:
+        stream.flush()
+    except (BrokenPipeError, ValueError):
+        drop_stdout(stream)
+
+
+def drop_stdout(stream: TextIO | None = None) -> None:
+    """Point ``stream``'s file descriptor (default: stdout's) at ``/dev/null``: what it still holds
+    and everything written later goes nowhere, and the flush at exit raises nothing."""
+    stream = stream or sys.stdout
+    try:
+        fd = stream.fileno()
+        devnull = os.open(os.devnull, os.O_WRONLY)
+    except (OSError, ValueError, AttributeError):
+        return
+    try:
+        os.dup2(devnull, fd)
+    finally:
+        os.close(devnull)
+
+
+def prepare_standard_streams() -> None:
+    """Make the standard streams safe for a command, once at its start: a standard file
+    descriptor that is closed (``>&-``, ``<&-``) is opened on ``/dev/null`` (else the first file the
+    command opens would take its number, and a stray write to "stdout" would land in an output
+    file); stdout writes what its encoding cannot (``PYTHONIOENCODING=ascii``) as ``\\xe9``."""
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            devnull = os.open(os.devnull, os.O_RDWR)
+            if devnull != fd:
+                os.dup2(devnull, fd)
+                os.close(devnull)
+    reconfigure = getattr(sys.stdout, "reconfigure", None)
+    if reconfigure is not None:
+        try:
+            reconfigure(errors="backslashreplace")
+        except (ValueError, OSError):  # a stream that was replaced by something else
+            pass
+    if sys.stderr is not None and sys.stderr is sys.__stderr__:  # the process's own, not a caller's
+        sys.stderr = DiagnosticStream(sys.stderr)
+
+
+class DiagnosticStream:
+    """stderr as a command's diagnostics go out (logs, progress bars, warnings, its error line):
+    a stderr that cannot be written any more (its reader gone, ``2>&1 | head -1``; a full disk
+    under ``2>job.err``; ``EIO``) is dropped (:func:`drop_stdout`: pointed at ``/dev/null``)
+    instead of raising into the work, which goes on and keeps its own exit status. Everything
+    else is the wrapped stream's."""
+
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        """Write ``text``; nothing (and no error) once the stream cannot be written."""
+        try:
+            return self._stream.write(text)
+        except (OSError, ValueError):  # ValueError: the stream was closed
+            drop_stdout(self._stream)
+            return len(text)
+
+    def flush(self) -> None:
+        """Flush; a stream that cannot be written is dropped."""
+        try:
+            self._stream.flush()
+        except (OSError, ValueError):
+            drop_stdout(self._stream)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stream, name)
 
 
 def write_lines(text: str, stream: TextIO | None = None) -> None:

@@ -133,8 +133,10 @@ def test_a_hostile_config_is_one_line_naming_the_file_before_loading(good, tmp_p
     else:
         config.unlink()
         os.mkfifo(config)
+    results = tmp_path / "results"  # not beside the files planted outside, which look like a model there
+    results.mkdir()
     done = run_cli(
-        "eval", folder, "--eval-file", good.parent / "heldout.txt", "-o", tmp_path / "out.json", "-q"
+        "eval", folder, "--eval-file", good.parent / "heldout.txt", "-o", results / "out.json", "-q"
     )
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
     lines = _error_lines(done.stderr)

@@ -18,6 +18,7 @@ from hf_pma.evaluation.evaluator import (
 from hf_pma.evaluation.generated_tasks import TaskOptions, make_tasks
 from hf_pma.evaluation.harness import flatten_lm_eval_results, load_task_manager, run_lm_eval
 from hf_pma.evaluation.metrics import load_metric, metric_path
+from hf_pma.evaluation.metrics.totals import language_model_totals
 from tests.helpers.data import sample_text
 from tests.helpers.models import make_tiny_model
 from tests.helpers.output import markdown_rows
@@ -136,6 +137,22 @@ def test_shipped_metric_module_loads_offline():
     assert out["perplexity"] == pytest.approx(math.exp(1.5))
     with pytest.raises(ValueError, match="unknown hf-pma metric"):
         metric_path("accuracy")
+    # Built from the installed package, not a copy imported from HF_HOME/modules.
+    assert type(metric).__module__ == "hf_pma.evaluation.metrics.bits_per_byte"
+
+
+def test_language_model_totals():
+    out = language_model_totals([2.0, 4.0], [1, 3], [3, 5])
+    assert out == {
+        "loss": 1.5,
+        "perplexity": pytest.approx(math.exp(1.5)),
+        "bits_per_byte": pytest.approx(6.0 / math.log(2) / 8),
+        "tokens": 4,
+        "bytes": 8,
+    }
+    assert language_model_totals([1e6], [1], [1])["perplexity"] == math.inf
+    with pytest.raises(ValueError, match="no scored tokens or bytes"):
+        language_model_totals([1.0], [0], [3])
 
 
 # ---------------------------------------------------------------- lm-eval

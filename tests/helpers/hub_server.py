@@ -41,7 +41,16 @@ A hostile Hub, per repo: ``server.hostile[repo_id]`` is a dict of what that repo
   ``server.sent[(repo_id, path)]`` counts what was sent;
 * ``"served": {path: bytes}``: those bytes are served for ``path`` while the metadata (size,
   sha256, blob id, ETag) describes the committed ones: a file changed on the way;
-* ``"silent": True``: the server reads each request and never answers (until it stops).
+* ``"silent": True``: the server reads each request and never answers (until it stops);
+* ``"drip": True``: API answers (repo info, refs, tree) send their headers, then one byte of
+  the body every ``DRIP_S`` seconds (``"drip_headers": True``: the status line and headers
+  themselves come one byte at a time); ``server.sent[(repo_id, "api")]`` counts the bytes sent;
+* ``"bomb": True``: API answers are a gzip body of ``BOMB_COMPRESSED`` bytes (about 509 KB) that
+  inflates to ``BOMB_INFLATED`` (512 MiB) of zeros, announced with ``Content-Encoding: gzip``;
+* ``"huge": True``: API answers announce ``BOMB_INFLATED`` bytes and send zeros until the client
+  hangs up;
+* ``"redirects": True``: API answers wait ``REDIRECT_WAIT_S`` seconds, then redirect to the same
+  URL (each within any read timeout; ``server.sent[(repo_id, "api")]`` counts the redirects).
 """
 
 from __future__ import annotations
@@ -69,7 +78,26 @@ _RESOLVE = re.compile(r"^/(?P<repo>[^/]+/[^/]+)/resolve/(?P<rev>[^/]+)/(?P<file>
 LFS_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.model", "*.msgpack", "*.h5")
 _EPOCH = datetime.datetime(2024, 1, 1, tzinfo=datetime.timezone.utc)
 # What an endless body sends at most before the stand-in gives up itself (the test would have failed).
-ENDLESS_CAP = 64 * 2**20
+ENDLESS_CAP = 256 * 2**20
+# A dripping answer's pace, and how long it drips at most.
+DRIP_S = 0.5
+DRIP_BYTES = 4096
+REDIRECT_WAIT_S = 0.9
+# The gzip bomb: 512 MiB of zeros, compressed (made once per process, on first use).
+BOMB_INFLATED = 512 * 2**20
+_bomb: list[bytes] = []
+
+
+def gzip_bomb() -> bytes:
+    """``BOMB_INFLATED`` zero bytes, gzip-compressed (about 509 KB)."""
+    if not _bomb:
+        import zlib
+
+        packer = zlib.compressobj(9, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
+        block = bytes(2**20)
+        parts = [packer.compress(block) for _ in range(BOMB_INFLATED // len(block))]
+        _bomb.append(b"".join(parts) + packer.flush())
+    return _bomb[0]
 
 
 def git_blob_sha1(data: bytes) -> str:
@@ -284,6 +312,10 @@ class HubServer:
             self._stopping.wait(timeout=600)  # the connection stays open; no answer ever comes
             handler.close_connection = True
             return
+        mode = self.hostile.get(repo_name, {})
+        if kind in ("info", "revision", "refs", "tree") and {"drip", "drip_headers", "bomb", "huge", "redirects"} & set(mode):
+            self._serve_hostile_api(handler, repo_name, mode)
+            return
         # Reads need no token unless the repo is private (a missing repo answers 404 RepoNotFound).
         public_read = method in ("GET", "HEAD") and bool(repo_name) and not (repo_name in self.repos and self.repos[repo_name].private)
         if token not in self.tokens and not (token is None and public_read):
@@ -481,6 +513,65 @@ class HubServer:
             handler.close_connection = True
             return
         handler.wfile.write(body)
+
+    def _count_sent(self, repo_id: str, n: int) -> None:
+        with self._lock:
+            self.sent[(repo_id, "api")] = self.sent.get((repo_id, "api"), 0) + n
+
+    def _serve_hostile_api(self, handler: BaseHTTPRequestHandler, repo_id: str, mode: dict[str, Any]) -> None:
+        """An API answer that drips, inflates or never ends (see the module's ``hostile`` modes)."""
+        handler.close_connection = True
+        try:
+            if mode.get("drip_headers"):
+                head = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nX-Pad: " + b"a" * DRIP_BYTES
+                for i in range(len(head)):
+                    if self._stopping.wait(DRIP_S):
+                        return
+                    handler.wfile.write(head[i : i + 1])
+                    handler.wfile.flush()
+                    self._count_sent(repo_id, 1)
+                return
+            if mode.get("redirects"):
+                if self._stopping.wait(REDIRECT_WAIT_S):
+                    return
+                handler.send_response(302)
+                handler.send_header("Location", handler.path)
+                handler.send_header("Content-Length", "0")
+                handler.send_header("Connection", "close")
+                handler.end_headers()
+                self._count_sent(repo_id, 1)
+                return
+            handler.send_response(200)
+            handler.send_header("Content-Type", "application/json")
+            if mode.get("bomb"):
+                body = gzip_bomb()
+                handler.send_header("Content-Encoding", "gzip")
+                handler.send_header("Content-Length", str(len(body)))
+                handler.end_headers()
+                handler.wfile.write(body)
+                self._count_sent(repo_id, len(body))
+                return
+            if mode.get("huge"):
+                handler.send_header("Content-Length", str(BOMB_INFLATED))
+                handler.end_headers()
+                chunk = b"\0" * 65536
+                for _ in range(BOMB_INFLATED // len(chunk)):
+                    if self._stopping.is_set():
+                        return
+                    handler.wfile.write(chunk)
+                    self._count_sent(repo_id, len(chunk))
+                return
+            handler.send_header("Content-Length", str(DRIP_BYTES))
+            handler.end_headers()
+            handler.wfile.flush()
+            for _ in range(DRIP_BYTES):
+                if self._stopping.wait(DRIP_S):
+                    return
+                handler.wfile.write(b" ")
+                handler.wfile.flush()
+                self._count_sent(repo_id, 1)
+        except OSError:  # the client hung up
+            pass
 
     def _serve_endless(self, handler: BaseHTTPRequestHandler, repo_id: str, path: str, oid: str, etag: str, size: int) -> None:
         """A body that does not end: no Content-Length, bytes until the client hangs up (or ``ENDLESS_CAP``)."""

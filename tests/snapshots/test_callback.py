@@ -25,6 +25,7 @@ from hf_pma.snapshots.writer import (
     write_safetensors,
     write_snapshot,
 )
+from hf_pma.utils.fs import temporary_path
 from tests.helpers.data import TokenDataset, pad_collate
 from tests.helpers.models import load_weights, make_tiny_model, max_weight_diff
 from tests.helpers.training import StopAt, WeightRecorder, make_args
@@ -388,8 +389,10 @@ def test_resume_lists_complete_unlisted_snapshots_and_deletes_later_ones(tmp_pat
         write_snapshot(
             prepare_snapshot(model, state, SnapshotRecord(f"snapshot-{tokens}", tokens, step)), pma_dir
         )
-    # And the temporary file of a manifest replacement that was cut short.
-    (pma_dir / ".manifest.json.x1y2.tmp").write_text('{"snapshots": [')
+    # And the temporary file of a manifest replacement that was cut short (its process is gone).
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    cut = temporary_path(pma_dir / "manifest.json").name.rsplit("-", 2)[0] + f"-{int(dead.stdout)}-0"
+    (pma_dir / cut).write_text('{"snapshots": [')
     resumed = PMACallback(interval_tokens=2 * TPS)
     train(tmp_path, [resumed], resume=str(tmp_path / "checkpoint-4"), **common)
     assert [r.step for r in manifest_snapshots(pma_dir)] == [2, 3, 4, 6, 8]

@@ -182,3 +182,32 @@ def test_the_check_of_a_trainer_script_saves_the_live_model_it_compares(tmp_path
     assert (out / "final" / "model.safetensors").is_file()
     comparison = json.loads((out / "pma" / "merged" / "pma_eval.json").read_text())["comparison"]
     assert set(comparison["models"]) == {"live model at the end", "PMA merge", "annealed"}
+
+
+def test_a_fork_stopped_between_its_weights_and_its_record_is_redone_not_refused(tmp_path, setup, monkeypatch):
+    """The fork marks its folder as its own (an in-progress pma_anneal.json) before its first byte:
+    stopped after its weights, before its record (SIGKILL there runs no clean-up either), the next
+    fork redoes it instead of refusing a folder hf-pma wrote; no reader takes it for a finished fork."""
+    import hf_pma.training.annealing as annealing
+
+    run = _trainer(
+        setup, tmp_path / "run", lr_scheduler_type="constant_with_warmup", callbacks=[SaveCheckpointAt(step=FORK_AT)]
+    )
+    run.train()
+    checkpoint, out = tmp_path / "run" / f"checkpoint-{FORK_AT}", tmp_path / "run" / "annealed"
+    saved = annealing.save_full_model
+
+    def stopped_after_the_weights(trainer, folder):
+        saved(trainer, folder)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(annealing, "save_full_model", stopped_after_the_weights)
+    with pytest.raises(KeyboardInterrupt):
+        anneal_from_checkpoint(run, checkpoint, steps=STEPS - FORK_AT)
+    assert (out / "model.safetensors").is_file()
+    with pytest.raises(ValueError, match="the annealed fork in .* did not finish .*: fork again"):
+        read_anneal_record(out)
+    monkeypatch.setattr(annealing, "save_full_model", saved)
+    assert anneal_from_checkpoint(run, checkpoint, steps=STEPS - FORK_AT) == out
+    record = read_anneal_record(out)
+    assert (record["start_step"], record["end_step"]) == (FORK_AT, STEPS) and "in_progress" not in record

@@ -115,10 +115,10 @@ def test_clean_incomplete_keeps_a_live_writers_temporaries(tmp_path, live_pid):
     dead_manifest = tmp_path / f".manifest.json.tmp-{host}-{_dead_pid()}-0"
     dead_manifest.write_text('{"snapshots": [')
     live = _temporary(tmp_path, "snapshot-128", host, live_pid)
-    legacy = tmp_path / ".tmp-snapshot-32-99-0"
-    legacy.mkdir()
-    assert sorted(clean_incomplete(tmp_path)) == sorted([dead, dead_manifest, legacy])
-    assert [p.name for p in tmp_path.iterdir()] == [live.name]
+    unmarked = tmp_path / ".tmp-snapshot-32-99-0"  # a name no released version wrote: the user's
+    unmarked.mkdir()
+    assert sorted(clean_incomplete(tmp_path)) == sorted([dead, dead_manifest])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, unmarked.name])
 
 
 def _fill(folder, leave: int) -> None:

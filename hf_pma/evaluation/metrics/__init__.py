@@ -1,12 +1,16 @@
 """Evaluation modules for the `evaluate` library, shipped inside hf-pma.
 
-``evaluate.load("accuracy")`` fetches its script from the Hub, so it fails offline. The modules
-here are loaded from their installed path instead (:func:`load_metric`), which never touches
-the network: evaluation works the same on an air-gapped cluster.
+``evaluate.load("accuracy")`` fetches its script from the Hub, so it fails offline, and
+``evaluate.load(<path>)`` copies the script into ``HF_HOME/modules`` and imports it from there
+(where another user of a shared cache can plant code, and which a read-only ``HF_HOME`` refuses).
+:func:`load_metric` instead builds the module's class from the installed package, imported as
+any other module of hf-pma: no network, no copy, no import from a cache. hf-pma's own held-out
+evaluation does not go through `evaluate` at all (:mod:`hf_pma.evaluation.metrics.totals`).
 """
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,11 +33,19 @@ def metric_path(name: str) -> Path:
 
 
 def load_metric(name: str, **kwargs: Any) -> evaluate.EvaluationModule:
-    """``evaluate.load`` of a shipped module by its local path (kept in memory, no Hub access)."""
+    """The shipped evaluate module ``name``, built from the installed package (kept in memory;
+    ``kwargs`` go to its constructor): never ``evaluate.load``, so no Hub access and no code
+    imported from ``HF_HOME/modules``."""
+    metric_path(name)  # an unknown name is refused in one line
     try:
         import evaluate
     except ImportError as err:  # pragma: no cover - depends on the installation
         raise ImportError("hf-pma evaluation needs the `evaluate` package: pip install 'hf-pma[eval]'") from err
+    module = importlib.import_module(f"{__name__}.{name}")
+    classes = [
+        value
+        for value in vars(module).values()
+        if isinstance(value, type) and issubclass(value, evaluate.EvaluationModule) and value.__module__ == module.__name__
+    ]
     kwargs.setdefault("keep_in_memory", True)
-    # An absolute path to an existing .py file: evaluate loads it locally and never asks the Hub.
-    return evaluate.load(str(metric_path(name)), **kwargs)
+    return classes[0](**kwargs)

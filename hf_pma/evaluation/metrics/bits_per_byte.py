@@ -1,13 +1,15 @@
 """Language-modelling metrics from per-document sums: loss, perplexity, bits-per-byte.
 
-An `evaluate` module shipped with hf-pma; load it with ``hf_pma.evaluation.metrics.load_metric("bits_per_byte")``
-(or ``evaluate.load(<path to this file>)``), never by name from the Hub.
+An `evaluate` module shipped with hf-pma, for your own sums: ``hf_pma.evaluation.metrics.load_metric("bits_per_byte")``
+builds it from this installed file (never ``evaluate.load`` by name, which fetches code from the Hub,
+nor by path, which imports a copy from ``HF_HOME/modules``). hf-pma itself computes with
+:func:`hf_pma.evaluation.metrics.totals.language_model_totals`, without `evaluate`.
 """
-
-import math
 
 import datasets
 import evaluate
+
+from hf_pma.evaluation.metrics.totals import language_model_totals
 
 _DESCRIPTION = """\
 Held-out language-modelling metrics of a causal LM, computed from one row per document:
@@ -62,18 +64,4 @@ class BitsPerByte(evaluate.Metric):
         )
 
     def _compute(self, nll, tokens, bytes):  # noqa: A002 - the feature is called "bytes"
-        total_nll = math.fsum(nll)
-        total_tokens = int(sum(tokens))
-        total_bytes = int(sum(bytes))
-        if total_tokens <= 0 or total_bytes <= 0:
-            raise ValueError(f"no scored tokens or bytes (tokens={total_tokens}, bytes={total_bytes})")
-        loss = total_nll / total_tokens
-        # exp overflows above ~709 nats per token: report an infinite perplexity, not a crash.
-        perplexity = math.exp(loss) if loss < 700 else math.inf
-        return {
-            "loss": loss,
-            "perplexity": perplexity,
-            "bits_per_byte": total_nll / math.log(2) / total_bytes,
-            "tokens": total_tokens,
-            "bytes": total_bytes,
-        }
+        return language_model_totals(nll, tokens, bytes)
