@@ -66,7 +66,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--corpus-bytes", type=int, help="bytes of standard-library source")
     p.add_argument("--eval-docs", type=int, help="held-out documents in the report split (as many again for selection)")
     p.add_argument("--parallel", type=int, default=2, help="runs trained at once (1 thread each)")
+    p.add_argument("--curve-lengths", help="run lengths whose selection curves are evaluated (default: every length)")
     p.add_argument("--new-curves", action="store_true", help="evaluate the selection curves again (else curves.json is reused)")
+    p.add_argument("--new-compare", action="store_true", help="run hf-pma compare again (else compare-*.json are reused)")
     p.add_argument("--scratch", help="work folder (default: TMPDIR/hf-pma-window-choice-PRESET); finished runs are reused")
     p.add_argument("--output-dir", help="results (default: benchmarks/results/window_choice, smoke: .../smoke)")
     args = p.parse_args(argv)
@@ -76,6 +78,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.lengths = [int(v) for v in str(args.lengths).split(",")]
     args.lrs = [float(v) for v in str(args.lrs).split(",")]
     args.seeds = [int(v) for v in str(args.seeds).split(",")]
+    args.curve_lengths = [int(v) for v in args.curve_lengths.split(",")] if args.curve_lengths else args.lengths
     results = HERE.parent / "results" / "window_choice"
     args.output_dir = Path(args.output_dir or (results / "smoke" if args.preset == "smoke" else results))
     args.scratch = Path(args.scratch or Path("/tmp") / f"hf-pma-window-choice{'' if args.preset == 'cpu' else '-' + args.preset}")
@@ -128,9 +131,9 @@ def train_all(args: argparse.Namespace) -> tuple[list[dict], tuple]:
     return timings, data
 
 
-def curves(args: argparse.Namespace, selection: Path) -> dict[str, Any]:
-    """Per run: the held-out loss (selection documents) of the SMA of the newest k, for each k;
-    the annealed model's; and the windows auto and N=8 take."""
+def curves(args: argparse.Namespace, selection: Path, skip: set[str] = frozenset()) -> dict[str, Any]:
+    """Per run (but those in ``skip``): the held-out loss (selection documents) of the SMA of the
+    newest k, for each k; the annealed model's; and the windows auto and N=8 take."""
     import torch
 
     from hf_pma.analysis.sweep import SweepEvaluator
@@ -140,10 +143,12 @@ def curves(args: argparse.Namespace, selection: Path) -> dict[str, Any]:
     torch.set_num_threads(1)
     texts = [json.loads(line)["text"] for line in selection.read_text().splitlines() if line.strip()]
     out = {}
-    for steps in args.lengths:
+    for steps in args.curve_lengths:
         for seed in args.seeds:
             for lr in args.lrs:
                 name = run_name(steps, lr, seed)
+                if name in skip:
+                    continue
                 run = args.scratch / "runs" / name
                 sources = resolve_sources([run])
                 choice = select_auto(sources)[1]
@@ -172,6 +177,8 @@ def refresh_auto(args: argparse.Namespace, curve: dict[str, Any]) -> None:
 def compare(args: argparse.Namespace, steps: int, window: str, report: Path) -> dict[str, Any]:
     """``hf-pma compare`` of one length's runs with ``--last WINDOW`` on the report documents."""
     output = args.output_dir / f"compare-{steps}-{window}.json"
+    if output.is_file() and not args.new_compare:  # kept: a compare of the same runs
+        return json.loads(output.read_text())
     runs = [str(args.scratch / "runs" / run_name(steps, lr, seed)) for seed in args.seeds for lr in args.lrs]
     command = [sys.executable, "-m", "hf_pma.cli", "compare", *runs, "--eval-file", str(report),
                "--block-size", "128", "--tokenizer", str(args.scratch / "data" / "tokenizer"), "--last", window, "-o", str(output), "-q"]
@@ -323,9 +330,9 @@ def main(argv: list[str] | None = None) -> int:
     t1 = time.time()
     saved = args.output_dir / "curves.json"
     curve = json.loads(saved.read_text()) if saved.is_file() and not args.new_curves else {}
-    wanted = {run_name(n, lr, seed) for n in args.lengths for lr in args.lrs for seed in args.seeds}
-    if not wanted <= set(curve):
-        curve = curves(args, selection_file(args, data[0].parent))
+    wanted = {run_name(n, lr, seed) for n in args.curve_lengths for lr in args.lrs for seed in args.seeds}
+    curve = {name: c for name, c in curve.items() if name in wanted}
+    curve.update(curves(args, selection_file(args, data[0].parent), skip=set(curve)))
     refresh_auto(args, curve)
     saved.write_text(json.dumps(curve, indent=1))
     plot(curve, args.output_dir / "window_choice.png")
