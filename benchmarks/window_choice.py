@@ -66,6 +66,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--corpus-bytes", type=int, help="bytes of standard-library source")
     p.add_argument("--eval-docs", type=int, help="held-out documents in the report split (as many again for selection)")
     p.add_argument("--parallel", type=int, default=2, help="runs trained at once (1 thread each)")
+    p.add_argument(
+        "--seeds-at",
+        default="",
+        help="fewer seeds at some lengths, e.g. 3000=0 (when the CPU time for every seed of the longest runs is not there)",
+    )
     p.add_argument("--curve-lengths", help="run lengths whose selection curves are evaluated (default: every length)")
     p.add_argument("--new-curves", action="store_true", help="evaluate the selection curves again (else curves.json is reused)")
     p.add_argument("--new-compare", action="store_true", help="run hf-pma compare again (else compare-*.json are reused)")
@@ -78,6 +83,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.lengths = [int(v) for v in str(args.lengths).split(",")]
     args.lrs = [float(v) for v in str(args.lrs).split(",")]
     args.seeds = [int(v) for v in str(args.seeds).split(",")]
+    args.seeds_at = {
+        int(k): [int(x) for x in v.split("+")] for k, v in (item.split("=") for item in args.seeds_at.split(",") if item)
+    }
     args.curve_lengths = [int(v) for v in args.curve_lengths.split(",")] if args.curve_lengths else args.lengths
     results = HERE.parent / "results" / "window_choice"
     args.output_dir = Path(args.output_dir or (results / "smoke" if args.preset == "smoke" else results))
@@ -95,6 +103,11 @@ def sweep_args(args: argparse.Namespace, steps: int) -> argparse.Namespace:
     out.steps = steps
     out.anneal_steps = max(out.snapshot_every, round(steps * args.anneal_share / out.snapshot_every) * out.snapshot_every)
     return out
+
+
+def seeds_of(args: argparse.Namespace, steps: int) -> list[int]:
+    """The seeds run at this length (``--seeds-at``, else ``--seeds``)."""
+    return args.seeds_at.get(steps, args.seeds)
 
 
 def run_name(steps: int, lr: float, seed: int) -> str:
@@ -119,7 +132,7 @@ def train_all(args: argparse.Namespace) -> tuple[list[dict], tuple]:
     jobs = [
         (sweep_args(args, steps), run_name(steps, lr, seed), lr, seed)
         for steps in args.lengths
-        for seed in args.seeds
+        for seed in seeds_of(args, steps)
         for lr in args.lrs
     ]
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
@@ -144,7 +157,7 @@ def curves(args: argparse.Namespace, selection: Path, skip: set[str] = frozenset
     texts = [json.loads(line)["text"] for line in selection.read_text().splitlines() if line.strip()]
     out = {}
     for steps in args.curve_lengths:
-        for seed in args.seeds:
+        for seed in seeds_of(args, steps):
             for lr in args.lrs:
                 name = run_name(steps, lr, seed)
                 if name in skip:
@@ -179,7 +192,7 @@ def compare(args: argparse.Namespace, steps: int, window: str, report: Path) -> 
     output = args.output_dir / f"compare-{steps}-{window}.json"
     if output.is_file() and not args.new_compare:  # kept: a compare of the same runs
         return json.loads(output.read_text())
-    runs = [str(args.scratch / "runs" / run_name(steps, lr, seed)) for seed in args.seeds for lr in args.lrs]
+    runs = [str(args.scratch / "runs" / run_name(steps, lr, seed)) for seed in seeds_of(args, steps) for lr in args.lrs]
     command = [sys.executable, "-m", "hf_pma.cli", "compare", *runs, "--eval-file", str(report),
                "--block-size", "128", "--tokenizer", str(args.scratch / "data" / "tokenizer"), "--last", window, "-o", str(output), "-q"]
     output.unlink(missing_ok=True)
@@ -205,7 +218,7 @@ def summarize(args: argparse.Namespace, reports: dict[tuple[int, str], dict]) ->
         for steps in args.lengths:
             report = reports[(steps, "auto" if window == "last" else window)]
             by_name = {e["name"]: e for e in report["runs"]}
-            for seed in args.seeds:
+            for seed in seeds_of(args, steps):
                 names = [run_name(steps, lr, seed) for lr in args.lrs]
                 entries = [by_name[n] for n in names]
                 pred = [e["last"]["value"] if window == "last" else e["merge"]["value"] for e in entries]
@@ -274,9 +287,10 @@ def tables(args, summary, curve, timings, times, loads) -> str:  # noqa: ANN001
     lines = [
         "# Window choice (cpu preset)" if args.preset == "cpu" else f"# Window choice ({args.preset} preset)",
         "",
-        f"`python benchmarks/window_choice.py{'' if args.preset == 'cpu' else ' --preset ' + args.preset}`: "
+        f"`{' '.join(['python', 'benchmarks/window_choice.py', *args.argv])}`: "
         f"{len(timings)} runs ({', '.join(map(str, args.lengths))} steps x LR {', '.join(f'{x:g}' for x in args.lrs)} x seeds "
-        f"{', '.join(map(str, args.seeds))}), batch 8 x 128 tokens, a snapshot every 20 steps, each with an annealed fork over "
+        f"{', '.join(map(str, args.seeds))}"
+        f"{''.join(f'; at {n} steps seed {chr(43).join(map(str, v))} only' for n, v in args.seeds_at.items())}), batch 8 x 128 tokens, a snapshot every 20 steps, each with an annealed fork over "
         f"its last {100 * args.anneal_share:.0f}% (linear to 0). Report split: {args.eval_docs} held-out documents; the curves "
         "use as many other held-out documents (selection split).",
         f"Training {times[0]:.0f} s, curves {times[1]:.0f} s, compare {times[2]:.0f} s; load average {loads[0]} at the start, "
@@ -324,13 +338,14 @@ def tables(args, summary, curve, timings, times, loads) -> str:  # noqa: ANN001
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.argv = list(argv if argv is not None else sys.argv[1:])  # the command, in the tables
     args.output_dir.mkdir(parents=True, exist_ok=True)
     load_start, t0 = sp.load_average(), time.time()
     timings, data = train_all(args)
     t1 = time.time()
     saved = args.output_dir / "curves.json"
     curve = json.loads(saved.read_text()) if saved.is_file() and not args.new_curves else {}
-    wanted = {run_name(n, lr, seed) for n in args.curve_lengths for lr in args.lrs for seed in args.seeds}
+    wanted = {run_name(n, lr, seed) for n in args.curve_lengths for lr in args.lrs for seed in seeds_of(args, n)}
     curve = {name: c for name, c in curve.items() if name in wanted}
     curve.update(curves(args, selection_file(args, data[0].parent), skip=set(curve)))
     refresh_auto(args, curve)
