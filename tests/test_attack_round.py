@@ -492,3 +492,23 @@ def test_a_file_the_user_adds_to_tasks_while_overwrite_replaces_them_is_kept(tmp
     assert "mine.yaml" in line and "move them out" in line, line
     assert {p.name: p.read_bytes() for p in tasks.iterdir() if p.name != "mine.yaml"} == before
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_readme_the_user_wrote_beside_a_merge_is_not_hf_pmas_by_its_name(run, tmp_path):
+    """README.md is hf-pma's card only when hf-pma generated it (its mark), not by its name: a
+    model card the user wrote in an earlier merge is named by ``--overwrite`` and kept, and
+    ``hf-pma card`` does not write over it; a card
+    that ``hf-pma card`` wrote is replaced with the merge."""
+    out = tmp_path / "merged"
+    assert run_cli("merge", run, "-o", out).returncode == 0
+    (out / "README.md").write_text("# My model\n\nNotes I wrote by hand.\n")
+    line = _error(run_cli("merge", run, "-o", out, "--overwrite"))
+    assert "README.md" in line and "move them out" in line, line
+    assert (out / "README.md").read_text().startswith("# My model")
+    line = _error(run_cli("card", out))  # nor does hf-pma card write over it
+    assert "README.md" in line and "hf-pma did not generate it" in line, line
+    assert (out / "README.md").read_text().startswith("# My model")
+    (out / "README.md").unlink()
+    assert run_cli("card", out).returncode == 0 and (out / "README.md").is_file()
+    assert run_cli("merge", run, "-o", out, "--overwrite").returncode == 0
+    assert not (out / "README.md").exists()

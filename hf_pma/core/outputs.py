@@ -15,10 +15,12 @@ from __future__ import annotations
 
 import os
 import re
+import stat
 from collections.abc import Sequence
 from pathlib import Path
 
 from hf_pma.core.manifest import (
+    CARD_MARK,
     CARD_NAME,
     EVAL_RECORD_NAME,
     MANIFEST_NAME,
@@ -37,6 +39,8 @@ __all__ = [
     "TRAINER_CHECKPOINT_PATTERN",
     "OWN_FILES_KEY",
     "LATER_RECORDS",
+    "LATER_RECORD_MARKS",
+    "bears_mark",
     "check_overwrite_target",
     "not_all_own",
     "foreign_entries",
@@ -53,6 +57,10 @@ OWN_FILES_KEY = "files"
 # Records hf-pma adds to an output folder after writing it (``eval --record``, a training's
 # record of its merge, ``hf-pma card`` and its plot): hf-pma's by name.
 LATER_RECORDS = (EVAL_RECORD_NAME, TRAINING_RECORD_NAME, CARD_NAME, PLOT_NAME)
+# A later record under a name others use too is hf-pma's only when it holds hf-pma's mark (within
+# its first _MARK_WITHIN bytes): a README.md the user wrote is the user's.
+LATER_RECORD_MARKS = {CARD_NAME: CARD_MARK}
+_MARK_WITHIN = 1 << 20
 _SHOWN_FOREIGN = 5
 
 
@@ -91,7 +99,7 @@ def foreign_entries(folder: str | os.PathLike[str], own: set[str]) -> list[str]:
     entries) not in ``own`` nor :data:`LATER_RECORDS`, and of the folders holding none of ``own``;
     in order."""
     folder = Path(folder)
-    own = own | set(LATER_RECORDS)
+    own = own | {name for name in LATER_RECORDS if name not in LATER_RECORD_MARKS or bears_mark(folder / name)}
     parents = {parent.as_posix() for name in own for parent in Path(name).parents if parent.as_posix() != "."}
     foreign: list[str] = []
     for root, dirs, files in os.walk(folder):
@@ -107,6 +115,25 @@ def foreign_entries(folder: str | os.PathLike[str], own: set[str]) -> list[str]:
             if relative not in own or path.is_symlink() or not path.is_file():
                 foreign.append(relative)
     return foreign
+
+
+def bears_mark(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a regular file (not a link) holding hf-pma's mark for its name
+    (:data:`LATER_RECORD_MARKS`) near its start."""
+    path = Path(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        head = os.pread(fd, _MARK_WITHIN, 0)
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+    return LATER_RECORD_MARKS[path.name].encode() in head
 
 
 def _resolved(path: Path) -> Path | None:
