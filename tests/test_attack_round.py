@@ -512,3 +512,55 @@ def test_a_readme_the_user_wrote_beside_a_merge_is_not_hf_pmas_by_its_name(run, 
     assert run_cli("card", out).returncode == 0 and (out / "README.md").is_file()
     assert run_cli("merge", run, "-o", out, "--overwrite").returncode == 0
     assert not (out / "README.md").exists()
+
+
+# ---------------------------------------------------------------- a GET that sends more than its HEAD announced
+
+
+def test_a_download_whose_get_announces_more_than_its_head_stops_at_the_head(tmp_path):
+    """transformers and huggingface_hub ask a file's size by HEAD first and write the GET's body
+    to disk before comparing: a GET whose Content-Length says more than the HEAD did is bounded
+    by the smaller (the HEAD's), never by what the larger claims."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import httpx2
+
+    from hf_pma.utils.hub_transport import BoundedTransport, HubAnswerTooLarge
+
+    sent = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_HEAD(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(64 * 2**20))
+            self.end_headers()
+            try:
+                for _ in range(1024):
+                    self.wfile.write(b"\0" * 65536)
+                    sent.append(65536)
+            except OSError:  # the client hung up
+                pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/org/model/resolve/main/model.safetensors"
+    try:
+        with httpx2.Client(transport=BoundedTransport(httpx2.HTTPTransport(), lambda: 30)) as client:
+            assert client.head(url).headers["Content-Length"] == "1000"
+            with pytest.raises(HubAnswerTooLarge, match="sent more than 1,000 bytes"):
+                with client.stream("GET", url) as response:
+                    for _ in response.iter_bytes():
+                        pass
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert sum(sent) < 32 * 2**20
