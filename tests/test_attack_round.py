@@ -564,3 +564,37 @@ def test_a_download_whose_get_announces_more_than_its_head_stops_at_the_head(tmp
         server.shutdown()
         server.server_close()
     assert sum(sent) < 32 * 2**20
+
+
+# ---------------------------------------------------------------- one claim per folder, whatever its path
+
+
+@pytest.mark.parametrize("spelling", ["link", "dot-dot"])
+def test_a_folder_named_through_a_link_or_dot_dot_has_the_claim_of_the_folder(tmp_path, spelling):
+    """``hf-pma card latest`` (a link to the merge) or ``eval M/sub/..`` while ``merge --overwrite
+    M`` holds M: the same claim, not a second one beside the link (or inside M), so the reader
+    waits for the writer and sees one version."""
+    from hf_pma.utils.fs import FolderClaim, OutputBusyError
+
+    folder = tmp_path / "merged"
+    (folder / "sub").mkdir(parents=True)
+    other = {"link": tmp_path / "latest", "dot-dot": folder / "sub" / ".."}[spelling]
+    if spelling == "link":
+        other.symlink_to(folder)
+    holder = subprocess.Popen(  # the writer, in another process: a merge replacing the folder
+        [sys.executable, "-c", "import sys; from hf_pma.utils.fs import FolderClaim; c = FolderClaim(sys.argv[1]).acquire();"
+         " print('held', flush=True); sys.stdin.read()", str(folder)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        for shared in (True, False):  # a reader (eval, push) and a record's writer (card, eval --record)
+            with pytest.raises(OutputBusyError, match="is being written by another process"):
+                FolderClaim(other, shared=shared).acquire(wait=0)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    with FolderClaim(other):  # once the writer is done
+        pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["merged", *(["latest"] if spelling == "link" else [])])
+    assert [p.name for p in (folder / "sub").iterdir()] == []
