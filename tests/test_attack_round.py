@@ -598,3 +598,19 @@ def test_a_folder_named_through_a_link_or_dot_dot_has_the_claim_of_the_folder(tm
         pass
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["merged", *(["latest"] if spelling == "link" else [])])
     assert [p.name for p in (folder / "sub").iterdir()] == []
+
+
+# ---------------------------------------------------------------- a low hard limit that still fits the work
+
+
+def test_a_merge_of_a_few_files_runs_under_a_hard_open_file_limit_of_64(run, tmp_path):
+    """A container's ``ulimit -n 64`` (hard): a 3-snapshot merge holds a few dozen files at most,
+    and runs; the check counts the files this process has open, not a fixed 256 on top."""
+    out = tmp_path / "merged"
+    done = subprocess.run(
+        [hf_pma_command(), "merge", str(run), "--last", "3", "-o", str(out), "-q"],
+        capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)), timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads((out / "pma_merge.json").read_text())["sources"] and any(out.glob("*.safetensors"))
