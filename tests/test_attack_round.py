@@ -15,7 +15,7 @@ import pytest
 
 from hf_pma.merging.hub_revisions import list_revisions, parse_progress
 from hf_pma.publishing.hub import push_folder_to_hub
-from tests.helpers.cli import hf_pma_command, run_cli
+from tests.helpers.cli import run_cli
 from tests.helpers.hub_server import HubServer, online_cli_env, online_hub
 from tests.helpers.models import make_tiny_model
 from tests.helpers.pma_records import write_merged_folder
@@ -416,6 +416,9 @@ def _stderr_gone():
     return write
 
 
+# The command as its console script runs it, in a process whose streams and limits a test sets.
+CLI = "import sys; from hf_pma.cli import main; sys.exit(main())"
+
 STDERR_ENDS = {
     "reader-gone": _stderr_gone,
     "full-disk": lambda: os.open("/dev/full", os.O_WRONLY),  # `2>job.err` on a full disk or quota
@@ -432,7 +435,7 @@ def test_a_stderr_that_cannot_be_written_neither_fails_a_merge_nor_changes_an_er
         fd = STDERR_ENDS[case]()
         try:
             done = subprocess.run(
-                [hf_pma_command(), "merge", *map(str, argv)], stdout=subprocess.DEVNULL, stderr=fd,
+                [sys.executable, "-c", CLI, "merge", *map(str, argv)], stdout=subprocess.DEVNULL, stderr=fd,
                 env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}, timeout=300,
             )
         finally:
@@ -608,7 +611,7 @@ def test_a_merge_of_a_few_files_runs_under_a_hard_open_file_limit_of_64(run, tmp
     and runs; the check counts the files this process has open, not a fixed 256 on top."""
     out = tmp_path / "merged"
     done = subprocess.run(
-        [hf_pma_command(), "merge", str(run), "--last", "3", "-o", str(out), "-q"],
+        [sys.executable, "-c", CLI, "merge", str(run), "--last", "3", "-o", str(out), "-q"],
         capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
         preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)), timeout=300,
     )

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -30,7 +29,7 @@ from hf_pma.core.manifest import (
     SNAPSHOT_RECORD_NAME,
     TRAINING_RECORD_NAME,
 )
-from hf_pma.io.guarded import read_json
+from hf_pma.io.guarded import read_bytes, read_json
 from hf_pma.utils.fs import is_library_folder
 from hf_pma.utils.parsing import parameter_error
 from hf_pma.utils.text import escape
@@ -118,21 +117,13 @@ def foreign_entries(folder: str | os.PathLike[str], own: set[str]) -> list[str]:
 
 
 def bears_mark(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` is a regular file (not a link) holding hf-pma's mark for its name
-    (:data:`LATER_RECORD_MARKS`) near its start."""
+    """Whether ``path`` is a regular file (not a link) of at most :data:`_MARK_WITHIN` bytes
+    holding hf-pma's mark for its name (:data:`LATER_RECORD_MARKS`)."""
     path = Path(path)
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError:
+        head = read_bytes(path, max_bytes=_MARK_WITHIN)
+    except (OSError, ValueError):  # a link, a FIFO, too large: not one hf-pma wrote
         return False
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return False
-        head = os.pread(fd, _MARK_WITHIN, 0)
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
     return LATER_RECORD_MARKS[path.name].encode() in head
 
 
