@@ -15,7 +15,7 @@ import pytest
 
 from hf_pma.merging.hub_revisions import list_revisions, parse_progress
 from hf_pma.publishing.hub import push_folder_to_hub
-from tests.helpers.cli import hf_pma_command, run_cli
+from tests.helpers.cli import run_cli
 from tests.helpers.hub_server import HubServer, online_cli_env, online_hub
 from tests.helpers.models import make_tiny_model
 from tests.helpers.pma_records import write_merged_folder
@@ -416,6 +416,9 @@ def _stderr_gone():
     return write
 
 
+# The command as its console script runs it, in a process whose streams and limits a test sets.
+CLI = "import sys; from hf_pma.cli import main; sys.exit(main())"
+
 STDERR_ENDS = {
     "reader-gone": _stderr_gone,
     "full-disk": lambda: os.open("/dev/full", os.O_WRONLY),  # `2>job.err` on a full disk or quota
@@ -432,7 +435,7 @@ def test_a_stderr_that_cannot_be_written_neither_fails_a_merge_nor_changes_an_er
         fd = STDERR_ENDS[case]()
         try:
             done = subprocess.run(
-                [hf_pma_command(), "merge", *map(str, argv)], stdout=subprocess.DEVNULL, stderr=fd,
+                [sys.executable, "-c", CLI, "merge", *map(str, argv)], stdout=subprocess.DEVNULL, stderr=fd,
                 env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}, timeout=300,
             )
         finally:
@@ -492,3 +495,125 @@ def test_a_file_the_user_adds_to_tasks_while_overwrite_replaces_them_is_kept(tmp
     assert "mine.yaml" in line and "move them out" in line, line
     assert {p.name: p.read_bytes() for p in tasks.iterdir() if p.name != "mine.yaml"} == before
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_a_readme_the_user_wrote_beside_a_merge_is_not_hf_pmas_by_its_name(run, tmp_path):
+    """README.md is hf-pma's card only when hf-pma generated it (its mark), not by its name: a
+    model card the user wrote in an earlier merge is named by ``--overwrite`` and kept, and
+    ``hf-pma card`` does not write over it; a card
+    that ``hf-pma card`` wrote is replaced with the merge."""
+    out = tmp_path / "merged"
+    assert run_cli("merge", run, "-o", out).returncode == 0
+    (out / "README.md").write_text("# My model\n\nNotes I wrote by hand.\n")
+    line = _error(run_cli("merge", run, "-o", out, "--overwrite"))
+    assert "README.md" in line and "move them out" in line, line
+    assert (out / "README.md").read_text().startswith("# My model")
+    line = _error(run_cli("card", out))  # nor does hf-pma card write over it
+    assert "README.md" in line and "hf-pma did not generate it" in line, line
+    assert (out / "README.md").read_text().startswith("# My model")
+    (out / "README.md").unlink()
+    assert run_cli("card", out).returncode == 0 and (out / "README.md").is_file()
+    assert run_cli("merge", run, "-o", out, "--overwrite").returncode == 0
+    assert not (out / "README.md").exists()
+
+
+# ---------------------------------------------------------------- a GET that sends more than its HEAD announced
+
+
+def test_a_download_whose_get_announces_more_than_its_head_stops_at_the_head(tmp_path):
+    """transformers and huggingface_hub ask a file's size by HEAD first and write the GET's body
+    to disk before comparing: a GET whose Content-Length says more than the HEAD did is bounded
+    by the smaller (the HEAD's), never by what the larger claims."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    import httpx2
+
+    from hf_pma.utils.hub_transport import BoundedTransport, HubAnswerTooLarge
+
+    sent = []
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+        def do_HEAD(self):
+            self.send_response(200)
+            self.send_header("Content-Length", "1000")
+            self.end_headers()
+
+        def do_GET(self):
+            self.send_response(200)
+            self.send_header("Content-Length", str(64 * 2**20))
+            self.end_headers()
+            try:
+                for _ in range(1024):
+                    self.wfile.write(b"\0" * 65536)
+                    sent.append(65536)
+            except OSError:  # the client hung up
+                pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/org/model/resolve/main/model.safetensors"
+    try:
+        with httpx2.Client(transport=BoundedTransport(httpx2.HTTPTransport(), lambda: 30)) as client:
+            assert client.head(url).headers["Content-Length"] == "1000"
+            with pytest.raises(HubAnswerTooLarge, match="sent more than 1,000 bytes"):
+                with client.stream("GET", url) as response:
+                    for _ in response.iter_bytes():
+                        pass
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert sum(sent) < 32 * 2**20
+
+
+# ---------------------------------------------------------------- one claim per folder, whatever its path
+
+
+@pytest.mark.parametrize("spelling", ["link", "dot-dot"])
+def test_a_folder_named_through_a_link_or_dot_dot_has_the_claim_of_the_folder(tmp_path, spelling):
+    """``hf-pma card latest`` (a link to the merge) or ``eval M/sub/..`` while ``merge --overwrite
+    M`` holds M: the same claim, not a second one beside the link (or inside M), so the reader
+    waits for the writer and sees one version."""
+    from hf_pma.utils.fs import FolderClaim, OutputBusyError
+
+    folder = tmp_path / "merged"
+    (folder / "sub").mkdir(parents=True)
+    other = {"link": tmp_path / "latest", "dot-dot": folder / "sub" / ".."}[spelling]
+    if spelling == "link":
+        other.symlink_to(folder)
+    holder = subprocess.Popen(  # the writer, in another process: a merge replacing the folder
+        [sys.executable, "-c", "import sys; from hf_pma.utils.fs import FolderClaim; c = FolderClaim(sys.argv[1]).acquire();"
+         " print('held', flush=True); sys.stdin.read()", str(folder)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert holder.stdout.readline() == "held\n"
+        for shared in (True, False):  # a reader (eval, push) and a record's writer (card, eval --record)
+            with pytest.raises(OutputBusyError, match="is being written by another process"):
+                FolderClaim(other, shared=shared).acquire(wait=0)
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    with FolderClaim(other):  # once the writer is done
+        pass
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["merged", *(["latest"] if spelling == "link" else [])])
+    assert [p.name for p in (folder / "sub").iterdir()] == []
+
+
+# ---------------------------------------------------------------- a low hard limit that still fits the work
+
+
+def test_a_merge_of_a_few_files_runs_under_a_hard_open_file_limit_of_64(run, tmp_path):
+    """A container's ``ulimit -n 64`` (hard): a 3-snapshot merge holds a few dozen files at most,
+    and runs; the check counts the files this process has open, not a fixed 256 on top."""
+    out = tmp_path / "merged"
+    done = subprocess.run(
+        [sys.executable, "-c", CLI, "merge", str(run), "--last", "3", "-o", str(out), "-q"],
+        capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"},
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64)), timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    assert json.loads((out / "pma_merge.json").read_text())["sources"] and any(out.glob("*.safetensors"))

@@ -482,7 +482,7 @@ def test_a_low_soft_open_file_limit_is_raised_for_a_40_snapshot_merge(run_of_40,
     """Soft limit 40, hard limit as it is: every snapshot's file is held open
     together, so the soft limit is raised first (as push did, one helper now)."""
     out = tmp_path / "merged"
-    args = ["merge", run_of_40, "-o", out] if command == "merge" else [
+    args = ["merge", run_of_40, "--last", "40", "-o", out] if command == "merge" else [
         "sweep", run_of_40, "--eval-file", _heldout(tmp_path), "--block-size", "32", "--window", "40", "--strategy",
         "sma", "-o", tmp_path / "sweep.json", "--no-plot", "--tokenizer", _tokenizer_folder(tmp_path),
     ]
@@ -500,7 +500,7 @@ def test_a_low_soft_open_file_limit_is_raised_for_a_40_snapshot_merge(run_of_40,
 def test_an_open_file_hard_limit_below_the_merge_is_one_line_before_any_work(run_of_40, tmp_path):
     out = tmp_path / "merged"
     done = subprocess.run(
-        [sys.executable, "-c", LIMITED, "64", "64", "merge", str(run_of_40), "-o", str(out), "-q"],
+        [sys.executable, "-c", LIMITED, "64", "64", "merge", str(run_of_40), "--last", "40", "-o", str(out), "-q"],
         capture_output=True, text=True, timeout=600,
     )
     assert done.returncode == 2 and the_error(done.stderr) == (

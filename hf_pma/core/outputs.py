@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from hf_pma.core.manifest import (
+    CARD_MARK,
     CARD_NAME,
     EVAL_RECORD_NAME,
     MANIFEST_NAME,
@@ -28,7 +29,7 @@ from hf_pma.core.manifest import (
     SNAPSHOT_RECORD_NAME,
     TRAINING_RECORD_NAME,
 )
-from hf_pma.io.guarded import read_json
+from hf_pma.io.guarded import read_bytes, read_json
 from hf_pma.utils.fs import is_library_folder
 from hf_pma.utils.parsing import parameter_error
 from hf_pma.utils.text import escape
@@ -37,6 +38,8 @@ __all__ = [
     "TRAINER_CHECKPOINT_PATTERN",
     "OWN_FILES_KEY",
     "LATER_RECORDS",
+    "LATER_RECORD_MARKS",
+    "bears_mark",
     "check_overwrite_target",
     "not_all_own",
     "foreign_entries",
@@ -53,6 +56,10 @@ OWN_FILES_KEY = "files"
 # Records hf-pma adds to an output folder after writing it (``eval --record``, a training's
 # record of its merge, ``hf-pma card`` and its plot): hf-pma's by name.
 LATER_RECORDS = (EVAL_RECORD_NAME, TRAINING_RECORD_NAME, CARD_NAME, PLOT_NAME)
+# A later record under a name others use too is hf-pma's only when it holds hf-pma's mark (within
+# its first _MARK_WITHIN bytes): a README.md the user wrote is the user's.
+LATER_RECORD_MARKS = {CARD_NAME: CARD_MARK}
+_MARK_WITHIN = 1 << 20
 _SHOWN_FOREIGN = 5
 
 
@@ -91,7 +98,7 @@ def foreign_entries(folder: str | os.PathLike[str], own: set[str]) -> list[str]:
     entries) not in ``own`` nor :data:`LATER_RECORDS`, and of the folders holding none of ``own``;
     in order."""
     folder = Path(folder)
-    own = own | set(LATER_RECORDS)
+    own = own | {name for name in LATER_RECORDS if name not in LATER_RECORD_MARKS or bears_mark(folder / name)}
     parents = {parent.as_posix() for name in own for parent in Path(name).parents if parent.as_posix() != "."}
     foreign: list[str] = []
     for root, dirs, files in os.walk(folder):
@@ -107,6 +114,17 @@ def foreign_entries(folder: str | os.PathLike[str], own: set[str]) -> list[str]:
             if relative not in own or path.is_symlink() or not path.is_file():
                 foreign.append(relative)
     return foreign
+
+
+def bears_mark(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a regular file (not a link) of at most :data:`_MARK_WITHIN` bytes
+    holding hf-pma's mark for its name (:data:`LATER_RECORD_MARKS`)."""
+    path = Path(path)
+    try:
+        head = read_bytes(path, max_bytes=_MARK_WITHIN)
+    except (OSError, ValueError):  # a link, a FIFO, too large: not one hf-pma wrote
+        return False
+    return LATER_RECORD_MARKS[path.name].encode() in head
 
 
 def _resolved(path: Path) -> Path | None:

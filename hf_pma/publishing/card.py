@@ -31,7 +31,8 @@ from typing import TYPE_CHECKING, Any
 
 from transformers.utils import logging
 
-from hf_pma.core.manifest import CARD_NAME, PLOT_NAME, PMA_SUBDIR
+from hf_pma.core.manifest import CARD_MARK, CARD_NAME, PLOT_NAME, PMA_SUBDIR
+from hf_pma.core.outputs import bears_mark
 from hf_pma.publishing.records import FolderRecords, label_rank, load_records, sanitize_text
 from hf_pma.utils.formatting import format_metric, format_number, metric_label
 from hf_pma.utils.fs import atomic_write_text, check_output_file, hold_claim
@@ -653,6 +654,11 @@ def write_model_card(
         records = load_records(folder)
         build_model_card(folder, repo_id, records=records, **kwargs)  # raises on what it cannot render
         check_output_file(folder / CARD_NAME, "the model card", record=True)
+        if (folder / CARD_NAME).exists() and not bears_mark(folder / CARD_NAME):  # a card the user wrote
+            raise FileExistsError(
+                f"refusing to replace {escape(folder / CARD_NAME)}: hf-pma did not generate it (no '{CARD_MARK.strip()}' "
+                "comment in it); move it aside, then run hf-pma card again"
+            )
         if plot:
             check_output_file(folder / PLOT_NAME, "the training plot", record=True)
             _try_plot(folder, records)

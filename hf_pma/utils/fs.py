@@ -572,8 +572,10 @@ class OutputBusyError(FileExistsError):
 
 def claim_path(final_dir: str | os.PathLike[str]) -> Path:
     """The claim file of an output folder: ``.<name>.claim`` beside it (``<name>`` shortened to
-    fit the file-name limit: :func:`embedded_name`)."""
-    final_dir = Path(final_dir)
+    fit the file-name limit: :func:`embedded_name`), after every link and ``..``: a folder named
+    through a link to it (``latest``) or as ``M/sub/..`` has the claim of the folder itself, not
+    a second one that a writer of the folder would not meet."""
+    final_dir = Path(os.path.realpath(final_dir))
     return final_dir.with_name(f".{embedded_name(final_dir)}.claim")
 
 

@@ -16,8 +16,8 @@ so that every answer, whoever asked for it (hf-pma, ``huggingface_hub``, transfo
   compressed anyway (``gzip``, ``deflate``) is inflated here, at most a bounded piece at a
   time, and refused once it passes its bound; any other encoding is refused. The bound of a file
   download is the size the Hub announced for it (``Content-Length`` of an uncompressed body,
-  ``X-Linked-Size``, or what the ``HEAD`` of the same URL announced: transformers and
-  ``huggingface_hub`` ask it first), else :data:`MAX_ANSWER_BYTES`; of any other answer, at most
+  ``X-Linked-Size``, and what the ``HEAD`` of the same URL announced: transformers and
+  ``huggingface_hub`` ask it first; the smaller when they differ), else :data:`MAX_ANSWER_BYTES`; of any other answer, at most
   :data:`MAX_ANSWER_BYTES`. A refusal is :class:`HubAnswerTooLarge` (one line).
 
 Torch-free; imported with ``huggingface_hub``'s HTTP client (``httpx2``), never by the CLI's parser.
@@ -244,12 +244,15 @@ class BoundedTransport(httpx2.BaseTransport):
         announced = _announced_size(response, encoded=encoding is not None)
         url = str(request.url)
         if request.method == "HEAD":
-            if announced is not None and download:  # what the GET of the same file may send at most
+            # What the GET of the same file may send at most (a redirect's own length is not the file's).
+            if announced is not None and download and response.status_code == 200:
                 if len(self._heads) >= _HEADS_KEPT:
                     self._heads.clear()
                 self._heads[url] = announced
-        elif announced is None and download:
-            announced = self._heads.get(url)
+        elif download and self._heads.get(url) is not None:
+            # The size the HEAD announced is what transformers and huggingface_hub expect: a GET
+            # announcing more (or nothing) may send no more than that; the smaller one holds.
+            announced = self._heads[url] if announced is None else min(announced, self._heads[url])
         # A download may send what was announced for it; any other answer at most MAX_ANSWER_BYTES.
         limit = MAX_ANSWER_BYTES if announced is None else announced if download else min(announced, MAX_ANSWER_BYTES)
         headers = [
