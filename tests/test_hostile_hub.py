@@ -109,6 +109,8 @@ def merges(server, tmp_path_factory):
             "evil/branches-model",
             "--revisions",
             "step*",
+            "--last",
+            "all",  # every good revision is merged (and recorded)
             "-o",
             root / "out" / "branches",
             "--cache-dir",

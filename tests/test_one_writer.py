@@ -198,7 +198,7 @@ ready.touch()
 while not go.exists():
     time.sleep(0.002)
 for j in range(int(sys.argv[5])):
-    write_eval_record(folder, {f"{me}-{j}": {"lm": {"loss": float(j)}}}, eval_dataset=me)
+    write_eval_record(folder, {f"{me}-{j}": {"lm": {"loss": float(j)}}}, eval_dataset="heldout.jsonl")  # one held-out set: one record
 """
 
 MANIFEST_WRITER = """

@@ -64,7 +64,7 @@ def test_inspect_merge_and_card_of_a_hostile_run_write_no_control_character(host
     assert inspect.returncode == 0, inspect.stderr
     assert "stable\\x1b[2J\\nhf-pma merge: merged OK\\u202e\\u2028" in inspect.stdout
     merged = run / "pma" / "merged"
-    merge = run_cli("merge", run, "-o", merged)
+    merge = run_cli("merge", run, "--last", "all", "-o", merged)
     assert merge.returncode == 0, merge.stderr
     card = run_cli("card", merged, "--no-plot")
     assert card.returncode == 0, card.stderr

@@ -73,7 +73,10 @@ def read_documents(
     if not dataset_name:
         return stdlib_documents(max_bytes=default_corpus_bytes), "local:python-stdlib"
     if streaming and max_documents is None:
-        raise ValueError("--streaming needs --max_documents (documents to read, train and held-out together)")
+        raise ValueError(
+            "streaming (--streaming) needs max_documents (--max_documents): the documents to read, train and "
+            "held-out together"
+        )
     import datasets
 
     ds = datasets.load_dataset(dataset_name, dataset_config_name, split=dataset_split, streaming=streaming)

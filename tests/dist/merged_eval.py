@@ -57,7 +57,7 @@ def ddp_trainer(out: Path) -> dict:
     )
     trainer.train()
     live_before = trainer.evaluate()
-    paths = trainer._pma_snapshot_paths()[-WINDOW:]
+    paths = trainer._pma_merge_window(WINDOW)[0]
     # Today's full-merge path, at the same moment: every rank merges everything and loads it.
     backup = backup_weights(trainer.model)
     load_weights(trainer.model, merge_state_dict(paths, strategy=args.pma_strategy))

@@ -36,7 +36,7 @@ def _merge_fails(run: Path, tmp_path: Path) -> str:
     old = signal.signal(signal.SIGALRM, lambda *_: pytest.fail("the merge hung"))
     signal.alarm(20)
     try:
-        result = run_cli("merge", run, "-o", tmp_path / "merged", "-q")
+        result = run_cli("merge", run, "-o", tmp_path / "merged", "--last", "all", "-q")  # every snapshot is read
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, old)
@@ -51,7 +51,8 @@ def _merge_fails(run: Path, tmp_path: Path) -> str:
 
 
 def test_a_weight_file_linking_outside_the_run_is_refused(run, tmp_path):
-    victim = tmp_path / "victim.safetensors"
+    victim = tmp_path / "elsewhere" / "victim.safetensors"  # not beside the output: that folder would hold weights
+    victim.parent.mkdir()
     shutil.copy(run / "pma" / "snapshot-2000" / "model.safetensors", victim)
     (run / "pma" / "snapshot-2000" / "model.safetensors").unlink()
     (run / "pma" / "snapshot-2000" / "model.safetensors").symlink_to(victim)

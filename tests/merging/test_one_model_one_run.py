@@ -196,7 +196,7 @@ def _resumed_run(root: Path) -> Path:
 
 def test_a_merge_across_a_change_of_v_says_so(tmp_path):
     run = _resumed_run(tmp_path / "run")
-    done = run_cli("merge", run, "-o", tmp_path / "m", "-q")
+    done = run_cli("merge", run, "--last", "all", "-o", tmp_path / "m", "-q")
     assert done.returncode == 0, done.stderr
     assert "the snapshot interval V changed within the merged sources: 1,000 then 2,000 tokens" in done.stderr
     record = _record(tmp_path / "m")

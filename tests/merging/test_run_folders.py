@@ -93,7 +93,7 @@ def test_trainer_run_folder_uses_the_snapshots_then_the_checkpoints(trainer_run,
     assert len(snapshots) >= 4
 
     # merge: every snapshot of the manifest, not the final model at the top, and it says so.
-    assert main(["merge", str(run), "-o", str(tmp_path / "m"), "-q"]) == 0
+    assert main(["merge", str(run), "--last", "all", "-o", str(tmp_path / "m"), "-q"]) == 0
     assert _merged_names(tmp_path / "m") == snapshots
     said = capsys.readouterr().out
     assert f"merged {len(snapshots)} source(s): {snapshots[0]} ... {snapshots[-1]}, tokens" in said
