@@ -223,7 +223,12 @@ def _fork_arguments(
     return dataclasses.replace(args, **changes)
 
 
-def _mark_begun(out: Path, record: dict[str, Any]) -> None:
+def _check_and_mark_begun(out: Path, record: dict[str, Any]) -> None:
+    """Refuse ``out`` when it holds anything but an earlier fork's, then mark it this fork's."""
+    if out.exists() and any(out.iterdir()) and not (out / ANNEAL_RECORD_NAME).is_file():
+        raise FileExistsError(
+            f"{escape(out)} exists and holds no {ANNEAL_RECORD_NAME}: choose another output_dir"
+        )
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / ANNEAL_RECORD_NAME, record)
 
@@ -306,15 +311,14 @@ def anneal_from_checkpoint(
         raise ValueError(
             f"{escape(checkpoint)} is in the warmup (step {start}): fork from the constant-LR part"
         )
-    if out.exists() and any(out.iterdir()) and not (out / ANNEAL_RECORD_NAME).is_file():
-        raise FileExistsError(
-            f"{escape(out)} exists and holds no {ANNEAL_RECORD_NAME}: choose another output_dir"
-        )
     # The folder is marked ours before the first byte of the fork lands in it: a fork killed
     # between its weights and its record leaves a folder that the next fork recognises and redoes
-    # (and that no reader takes for a finished fork: read_anneal_record refuses it).
+    # (and that no reader takes for a finished fork: read_anneal_record refuses it). The check and
+    # the mark run together on the main process (its error is raised on every rank): checked on
+    # every rank, a rank that looked while the main process was writing the mark saw a folder
+    # holding only the mark's temporary file and refused it as someone else's.
     begun = {ANNEAL_IN_PROGRESS: True, "checkpoint": checkpoint.name, "start_step": state["step"], "steps": steps}
-    run_on_main_process(lambda: _mark_begun(out, begun))
+    run_on_main_process(lambda: _check_and_mark_begun(out, begun))
 
     fork_args = _fork_arguments(args, out, start, steps, main_max_steps, decay_type)
     if model is None:
