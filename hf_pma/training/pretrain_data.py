@@ -74,8 +74,7 @@ def read_documents(
         return stdlib_documents(max_bytes=default_corpus_bytes), "local:python-stdlib"
     if streaming and max_documents is None:
         raise ValueError(
-            "streaming (--streaming) needs max_documents (--max_documents): the documents to read, train and "
-            "held-out together"
+            "streaming needs max_documents: the documents to read, train and held-out together"
         )
     import datasets
 

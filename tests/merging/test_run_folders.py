@@ -129,7 +129,7 @@ def test_trainer_run_folder_uses_the_snapshots_then_the_checkpoints(trainer_run,
     bare = tmp_path / "bare"
     shutil.copytree(run, bare, ignore=shutil.ignore_patterns("pma"))
     ordered = ["checkpoint-8", "checkpoint-16", "checkpoint-24"]
-    assert main(["merge", str(bare), "-o", str(tmp_path / "c"), "-q"]) == 0
+    assert main(["merge", str(bare), "-o", str(tmp_path / "c"), "--last", "all", "-q"]) == 0
     assert _merged_names(tmp_path / "c") == ordered
     assert (
         "merged 3 source(s): checkpoint-8 ... checkpoint-24, tokens 512 to 1,536 (span 1,024)"
