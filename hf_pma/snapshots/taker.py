@@ -895,16 +895,15 @@ class SnapshotTaker:
     def _waits_for_baseline(self) -> bool:
         """Under a cost budget with the automatic interval, this run takes no snapshot in its first
         :data:`~hf_pma.snapshots.overhead.BASELINE_STEPS` steps: the start-up step and a few clean
-        ones give the step time without snapshots that later steps are compared with."""
-        return (
-            self._budgeted()
-            and not self._taken
-            and self._step - self._plan_step0 < BASELINE_STEPS
-        )
+        ones give the step time without snapshots that later steps are compared with. The steps
+        are the run's first ones (counted from step 0), not a resumed process's: a run resumed
+        from a state takes the snapshots the uninterrupted run takes (counted from the resume,
+        a run resumed at step 8 skipped the snapshot of step 11)."""
+        return self._budgeted() and not self._taken and self._step < BASELINE_STEPS
 
     def _first_snapshot_step(self) -> int:
         """The first optimizer step that may snapshot (:meth:`_waits_for_baseline`)."""
-        return self._plan_step0 + BASELINE_STEPS if self._budgeted() and not self._taken else 0
+        return BASELINE_STEPS if self._budgeted() and not self._taken else 0
 
     def _budgeted(self) -> bool:
         """Whether the automatic interval is still to be reviewed against ``max_overhead`` (widened
