@@ -49,6 +49,7 @@ __all__ = [
     "RunPoint",
     "WindowChoice",
     "choose_window",
+    "choose_for_snapshots",
     "check_window_count",
     "is_auto",
     "point_from_record",
@@ -265,6 +266,12 @@ def choose_window(
         f"{100 * fallback_share:.0f}% of the {unit} trained ({_percent(share)})",
         share=share,
     )
+
+
+def choose_for_snapshots(snapshots: Sequence[tuple[Any, Any]]) -> WindowChoice:
+    """:func:`choose_window` over a run's listed snapshots: ``(record, folder)`` pairs, oldest
+    first, as ``SnapshotTaker.snapshots()`` gives them (each record read by its ``to_dict()``)."""
+    return choose_window([point_from_record(record.to_dict()) for record, _folder in snapshots])
 
 
 def _by_trend(

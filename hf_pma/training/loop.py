@@ -37,7 +37,7 @@ from transformers.utils import logging
 
 from hf_pma.core.manifest import MAX_RECORD_INT, SnapshotRecord
 from hf_pma.core.schedule import check_schedule_state, positive_int_or_none
-from hf_pma.core.window_choice import check_window_count, choose_window, is_auto, point_from_record
+from hf_pma.core.window_choice import check_window_count, choose_for_snapshots, is_auto
 from hf_pma.snapshots.lr_probe import first_group_value, step_lr
 from hf_pma.snapshots.taker import TOKEN_COUNTS, SnapshotTaker, TakenSnapshot
 from hf_pma.training.recovery import SpikeRecovery
@@ -376,7 +376,7 @@ class PMASnapshots:
         snapshots = taker.snapshots()  # every process reads the manifest
         listed = [folder for _, folder in snapshots]
         if is_auto(last) and snapshots:
-            choice = choose_window([point_from_record(record.to_dict()) for record, _ in snapshots])
+            choice = choose_for_snapshots(snapshots)
             logger.info(f"PMASnapshots.swapped(): {choice.describe()}")
             listed = listed[-choice.count :]
         elif last is not None:

@@ -34,7 +34,7 @@ import torch
 from transformers.utils import logging
 
 from hf_pma.core.strategies import validate_strategy
-from hf_pma.core.window_choice import check_window_count, choose_window, is_auto, point_from_record
+from hf_pma.core.window_choice import check_window_count, choose_for_snapshots, is_auto
 from hf_pma.merging.engine import merge_state_dict
 from hf_pma.merging.sources import resolve_sources
 from hf_pma.merging.swap import load_weights
@@ -226,7 +226,7 @@ def recover_from_spike(
     usable = taker.snapshots()
     choice = None
     if is_auto(last) and usable:
-        choice = choose_window([point_from_record(r.to_dict()) for r, _ in usable])
+        choice = choose_for_snapshots(usable)
         usable = usable[-choice.count :]
         logger.warning(f"loss-spike recovery at step {step}: {choice.describe()}")
     elif not is_auto(last):

@@ -24,7 +24,7 @@ from transformers.utils import logging
 
 from hf_pma.core.manifest import PMA_SUBDIR, TRAINING_RECORD_NAME
 from hf_pma.core.selection import window_by_progress
-from hf_pma.core.window_choice import WindowChoice, choose_window, is_auto, point_from_record
+from hf_pma.core.window_choice import WindowChoice, choose_for_snapshots, is_auto
 from hf_pma.merging.chunks import default_workers
 from hf_pma.merging.engine import merge_checkpoints, merge_state_dict
 from hf_pma.merging.slices import SliceSwap, reshard
@@ -186,7 +186,7 @@ class PMATrainer(Trainer):
             chosen = window_by_progress([record.tokens for record, _ in snapshots], self.args.pma_window_tokens, "tokens")
             paths = [snapshots[i][1] for i in chosen]
         elif is_auto(window):
-            choice = choose_window([point_from_record(record.to_dict()) for record, _ in snapshots])
+            choice = choose_for_snapshots(snapshots)
             paths = [path for _record, path in snapshots[-choice.count :]]
         else:
             paths = [path for _record, path in snapshots][-window:]
