@@ -23,7 +23,7 @@ Writes ``sweep.json``, ``ladder.json`` (the compare reports), ``ladder.png`` (th
 
 Presets (``--preset``) set the defaults; any flag overrides them. ``cpu``: the default run's
 model (hidden 96, 3 layers, 0.59M parameters), batch 8 x 128 tokens, a snapshot every 20 steps,
-the merge of the last 8 (the default run's settings) but 400 steps instead of 1000 (anneal 80
+the automatic merge window (the default run's settings) but 400 steps instead of 1000 (anneal 80
 instead of 200), so that 10 runs fit in about 20-30 minutes two at a time on 2 cores.
 """
 
@@ -53,7 +53,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         steps=60,
         anneal_steps=20,
         snapshot_every=10,
-        window=4,
+        window="auto",
         batch=8,
         block=128,
         vocab=1024,
@@ -72,7 +72,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         steps=400,
         anneal_steps=80,
         snapshot_every=20,
-        window=8,
+        window="auto",
         batch=8,
         block=128,
         vocab=2048,
@@ -91,7 +91,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         steps=3000,
         anneal_steps=600,
         snapshot_every=100,
-        window=10,
+        window="auto",
         batch=32,
         block=256,
         vocab=8192,
@@ -118,7 +118,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, help="optimizer steps per run")
     p.add_argument("--anneal-steps", type=int, help="steps of each run's annealed fork (its last ones)")
     p.add_argument("--snapshot-every", type=int, help="steps between snapshots (V = batch x block x this)")
-    p.add_argument("--window", type=int, help="snapshots merged (each run's pma_window)")
+    p.add_argument(
+        "--window", help="snapshots merged, N or auto (each run's pma_window; default: auto, the run chooses)"
+    )
     p.add_argument(
         "--also-last",
         type=lambda text: [int(n) for n in text.split(",") if n],
@@ -145,6 +147,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
+    from hf_pma.core.window_choice import check_window_count
+
+    try:
+        args.window = check_window_count(args.window, "--window", text=True)
+    except ValueError as e:
+        p.error(str(e))
     args.lrs = [float(v) for v in str(args.lrs).split(",") if v.strip()]
     args.seeds = [int(v) for v in str(args.seeds).split(",") if v.strip()]
     args.sizes = [
@@ -168,6 +176,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.scratch or Path(tempfile.gettempdir()) / f"hf-pma-sweep-prediction-{args.preset}"
     )
     return args
+
+
+def window_text(window: int | str) -> str:
+    """How the runs' merge window is set, in words."""
+    return "the automatic merge window" if window == "auto" else f"merge of the last {window}"
 
 
 def load_average() -> str:
@@ -401,7 +414,7 @@ def main(argv: list[str] | None = None) -> int:
         f"# Sweep prediction ({args.preset} preset)",
         "",
         f"`{command}`: {len(jobs)} runs of {args.steps} steps, batch {args.batch} x {args.block} tokens, a snapshot "
-        f"every {args.snapshot_every} steps, merge of the last {args.window}, annealed fork over the last "
+        f"every {args.snapshot_every} steps, {window_text(args.window)}, annealed fork over the last "
         f"{args.anneal_steps} steps (linear to 0); held-out: {args.eval_docs} documents x {args.eval_chars} characters.",
         f"Training {trained - started:.0f} s, compare {finished - trained:.0f} s; load average {load_start} at the "
         f"start, {load_end} at the end.",

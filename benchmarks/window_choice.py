@@ -9,17 +9,19 @@ run reaches back into weights from before the loss settled in a 300-step run; ``
   each with an annealed fork over its last ``--anneal-share`` (20%) ending at the same tokens,
   a snapshot every 20 steps, all kept;
 
-then, per length, runs ``hf-pma compare`` over its runs with each window (``--last auto``, ``--last 8``;
-the last snapshot is in every report) on the *report* documents, and reports per window:
+then, per length, runs ``hf-pma compare`` over its runs with each window: ``--last auto`` (the
+default: the rule's window checked on every 4th held-out document, the *selection* split), the rule
+alone (``--no-window-check``) and ``--last 8``; every result is on the other documents (the
+*report* split; the last snapshot is in every report). Per window it reports:
 
 * merge minus last snapshot (paired over documents, with its SE) in every run;
 * the share of the annealing gain it recovers, where annealing gains at least 3 SE;
 * Kendall's tau with the annealed ranking within each (length, seed) group (the 4 learning rates);
 * the mean absolute error against the annealed loss.
 
-It also evaluates, on *selection* documents (other held-out documents, never the report's), the SMA
-of the newest k snapshots for k = 1, 2, 3, ... in every run: the curves that show where each rule
-lands against the best k in hindsight (``curves.json``, ``window_choice.png``).
+It also evaluates, on the selection documents (never the report's), the SMA of the newest k
+snapshots for k = 1, 2, 3, ... in every run: the curves that show where the rule lands against the
+best k in hindsight (``curves.json``, ``window_choice.png``).
 
 Writes ``results.json``, ``tables.md``, ``window_choice.png`` and the compare reports into
 ``--output-dir``::
@@ -51,7 +53,7 @@ FIXED_N = 8
 CURVE_KS = (1, 2, 3, 4, 6, 8, 10, 12, 16, 24, 32)
 
 PRESETS: dict[str, dict[str, Any]] = {
-    "smoke": dict(lengths="60,120", lrs="3e-3,6e-3", seeds="0,1", corpus_bytes=600_000, eval_docs=8),
+    "smoke": dict(lengths="60,120", lrs="3e-3,6e-3", seeds="0,1", corpus_bytes=600_000, eval_docs=20),
     "cpu": dict(lengths="300,1000,3000", lrs="1.5e-3,3e-3,6e-3,1.2e-2", seeds="0,1", corpus_bytes=9_000_000, eval_docs=40),
 }
 
@@ -64,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seeds", help="seeds, comma-separated")
     p.add_argument("--anneal-share", type=float, default=0.2, help="the annealed fork's share of each run")
     p.add_argument("--corpus-bytes", type=int, help="bytes of standard-library source")
-    p.add_argument("--eval-docs", type=int, help="held-out documents in the report split (as many again for selection)")
+    p.add_argument("--eval-docs", type=int, help="held-out documents (every 4th selects, the others report; at least 20)")
     p.add_argument("--parallel", type=int, default=2, help="runs trained at once (1 thread each)")
     p.add_argument(
         "--seeds-at",
@@ -114,17 +116,20 @@ def run_name(steps: int, lr: float, seed: int) -> str:
     return f"n{steps}-lr{lr:g}-s{seed}"
 
 
-def selection_file(args: argparse.Namespace, data: Path) -> Path:
-    """Held-out documents never in the report split: the next ``eval_docs`` of the same split."""
-    from hf_pma.evaluation.corpus import split_documents
-    from hf_pma.training.pretrain_data import stdlib_documents
+def split_files(heldout: Path) -> tuple[Path, Path]:
+    """The held-out documents split as ``hf-pma compare`` splits them for its window check
+    (:func:`hf_pma.core.window_check.split_for_selection`): the selection documents (the check's,
+    and the curves'), and the report documents (every result's: given to the compares that make no
+    check, so that every window is reported on the same documents)."""
+    from hf_pma.core.window_check import split_for_selection
 
-    path = data / "selection.jsonl"
-    if not path.is_file():
-        _, held = split_documents(stdlib_documents(max_bytes=args.corpus_bytes), eval_fraction=0.1, seed=0)
-        kept = [d[:4000] for d in held[args.eval_docs : 2 * args.eval_docs]]
-        path.write_text("".join(json.dumps({"text": d}) + "\n" for d in kept))
-    return path
+    docs = [line for line in heldout.read_text().splitlines() if line.strip()]
+    split = split_for_selection(len(docs))
+    assert not split.skipped, split.skipped
+    selection, report = heldout.with_name("split-selection.jsonl"), heldout.with_name("split-report.jsonl")
+    selection.write_text("".join(docs[i] + "\n" for i in split.selection))
+    report.write_text("".join(docs[i] + "\n" for i in split.report))
+    return selection, report
 
 
 def train_all(args: argparse.Namespace) -> tuple[list[dict], tuple]:
@@ -187,20 +192,34 @@ def refresh_auto(args: argparse.Namespace, curve: dict[str, Any]) -> None:
         c["auto"] = select_auto(resolve_sources([args.scratch / "runs" / name]))[1].to_dict()
 
 
-def compare(args: argparse.Namespace, steps: int, window: str, report: Path) -> dict[str, Any]:
-    """``hf-pma compare`` of one length's runs with ``--last WINDOW`` on the report documents."""
+# The windows compared: (label, compare flags, whether compare gets every held-out document and splits them itself).
+WINDOWS = {
+    "auto": (["--last", "auto"], True),  # the default: the rule, checked on the selection documents
+    "rule": (["--last", "auto", "--no-window-check"], False),  # the rule alone
+    str(FIXED_N): (["--last", str(FIXED_N)], False),
+}
+
+
+def compare(args: argparse.Namespace, steps: int, window: str, heldout: Path, report: Path) -> dict[str, Any]:
+    """``hf-pma compare`` of one length's runs with one of :data:`WINDOWS`, every result on the report documents."""
     output = args.output_dir / f"compare-{steps}-{window}.json"
     if output.is_file() and not args.new_compare:  # kept: a compare of the same runs
         return json.loads(output.read_text())
+    flags, splits = WINDOWS[window]
     runs = [str(args.scratch / "runs" / run_name(steps, lr, seed)) for seed in seeds_of(args, steps) for lr in args.lrs]
-    command = [sys.executable, "-m", "hf_pma.cli", "compare", *runs, "--eval-file", str(report),
-               "--block-size", "128", "--tokenizer", str(args.scratch / "data" / "tokenizer"), "--last", window, "-o", str(output), "-q"]
+    command = [sys.executable, "-m", "hf_pma.cli", "compare", *runs, "--eval-file", str(heldout if splits else report),
+               "--block-size", "128", "--tokenizer", str(args.scratch / "data" / "tokenizer"), *flags,
+               "--bootstrap", "0", "-o", str(output), "-q"]
     output.unlink(missing_ok=True)
     done = subprocess.run(command, capture_output=True, text=True, cwd=REPO,
                           env={**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"})
     if done.returncode != 0:
         raise RuntimeError(f"hf-pma compare failed:\n{done.stderr[-3000:]}")
-    return json.loads(output.read_text())
+    result = json.loads(output.read_text())
+    reported = {len(e["last"]["per_text"]["nll"]) for e in result["runs"]}
+    expected = sum(1 for line in report.read_text().splitlines() if line.strip())
+    assert reported == {expected}, f"{output.name}: reported on {reported} documents, not the {expected} of the report split"
+    return result
 
 
 def kendall(a: list[float], b: list[float]) -> float:
@@ -213,7 +232,7 @@ def kendall(a: list[float], b: list[float]) -> float:
 def summarize(args: argparse.Namespace, reports: dict[tuple[int, str], dict]) -> dict[str, Any]:
     """Per window: every run's merge - last (paired SE), gain share, tau per (length, seed), MAE."""
     rows, groups, summary = [], [], {}
-    for window in ("auto", str(FIXED_N), "last"):
+    for window in (*WINDOWS, "last"):
         errors, taus, worse, recovered = [], [], [], []
         for steps in args.lengths:
             report = reports[(steps, "auto" if window == "last" else window)]
@@ -291,8 +310,9 @@ def tables(args, summary, curve, timings, times, loads) -> str:  # noqa: ANN001
         f"{len(timings)} runs ({', '.join(map(str, args.lengths))} steps x LR {', '.join(f'{x:g}' for x in args.lrs)} x seeds "
         f"{', '.join(map(str, args.seeds))}"
         f"{''.join(f'; at {n} steps seed {chr(43).join(map(str, v))} only' for n, v in args.seeds_at.items())}), batch 8 x 128 tokens, a snapshot every 20 steps, each with an annealed fork over "
-        f"its last {100 * args.anneal_share:.0f}% (linear to 0). Report split: {args.eval_docs} held-out documents; the curves "
-        "use as many other held-out documents (selection split).",
+        f"its last {100 * args.anneal_share:.0f}% (linear to 0). Of {args.eval_docs} held-out documents, every 4th is the "
+        "selection split (where `hf-pma compare` checks the automatic window, and where the curves are measured); every "
+        "result is on the others (the report split).",
         f"Training {times[0]:.0f} s, curves {times[1]:.0f} s, compare {times[2]:.0f} s; load average {loads[0]} at the start, "
         f"{loads[1]} at the end (other jobs ran on the machine).",
         "",
@@ -301,7 +321,7 @@ def tables(args, summary, curve, timings, times, loads) -> str:  # noqa: ANN001
         "| window | runs worse than last by > 1 SE | share of the gain (runs where annealing gains >= 3 SE) | groups with tau = 1 | mean abs. error vs annealed |",
         "|---|---:|---|---:|---:|",
     ]
-    for w in ("auto", str(FIXED_N), "last"):
+    for w in (*WINDOWS, "last"):
         r = s[w]
         share = (
             f"min {100 * r['min_gain_share_where_annealing_gains_3se']:.0f}%, {r['runs_recovering_80pct']} of "
@@ -309,7 +329,7 @@ def tables(args, summary, curve, timings, times, loads) -> str:  # noqa: ANN001
             if r["min_gain_share_where_annealing_gains_3se"] is not None
             else "-"
         )
-        label = {"auto": "auto", "last": "last snapshot"}.get(w, f"fixed N={w}")
+        label = {"auto": "auto (the default: checked on the selection split)", "rule": "auto, the rule alone (--no-window-check)", "last": "last snapshot"}.get(w, f"fixed N={w}")
         lines.append(f"| {label} | {r['runs_worse_than_last_beyond_1se']} of {r['runs']} | {share} | {r['groups_tau_1']} of {r['groups']} | {r['mae']:.4f} |")
     lines += ["", "## Every run", "", "| run | window | N | merge - last (SE) | annealed - last (SE) | gain share |", "|---|---|---:|---:|---:|---:|"]
     for row in summary["rows"]:
@@ -347,12 +367,13 @@ def main(argv: list[str] | None = None) -> int:
     curve = json.loads(saved.read_text()) if saved.is_file() and not args.new_curves else {}
     wanted = {run_name(n, lr, seed) for n in args.curve_lengths for lr in args.lrs for seed in seeds_of(args, n)}
     curve = {name: c for name, c in curve.items() if name in wanted}
-    curve.update(curves(args, selection_file(args, data[0].parent), skip=set(curve)))
+    selection, report = split_files(data[1])
+    curve.update(curves(args, selection, skip=set(curve)))
     refresh_auto(args, curve)
     saved.write_text(json.dumps(curve, indent=1))
     plot(curve, args.output_dir / "window_choice.png")
     t2 = time.time()
-    reports = {(steps, w): compare(args, steps, w, data[1]) for steps in args.lengths for w in ("auto", str(FIXED_N))}
+    reports = {(steps, w): compare(args, steps, w, data[1], report) for steps in args.lengths for w in WINDOWS}
     t3 = time.time()
     summary = summarize(args, reports)
     (args.output_dir / "results.json").write_text(json.dumps(summary, indent=1))

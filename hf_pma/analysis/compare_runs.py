@@ -50,6 +50,13 @@ from hf_pma.analysis.run_settings import group_runs, parse_group_keys, recorded_
 from hf_pma.core.manifest import ANNEALED_DIR
 from hf_pma.core.selection import DEFAULT_WINDOW, check_window, window_by_progress
 from hf_pma.core.strategies import merge_coefficients
+from hf_pma.core.window_check import (
+    DocumentSplit,
+    candidate_windows,
+    checked_choice,
+    describe_split,
+    split_for_selection,
+)
 from hf_pma.core.window_choice import WindowChoice, check_window_count, is_auto
 from hf_pma.io.guarded import JSON_LIMITS, check_folder, read_bytes
 from hf_pma.merging.sources import (
@@ -586,6 +593,41 @@ def _evaluate(
     return results, (evaluator.last_output or {}).get("lm")
 
 
+def _needs_check(plan: RunPlan) -> bool:
+    """Whether the plan's window is an automatic one of more than one snapshot (what the held-out check checks)."""
+    return plan.window_choice is not None and plan.window_choice.count > 1
+
+
+def _check_window(
+    plan: RunPlan, evaluator: Any, texts: Sequence[str], strategy: str, alpha: float
+) -> None:
+    """The held-out check of the plan's automatic window (:mod:`hf_pma.core.window_check`): every
+    candidate evaluated on the selection ``texts``, the plan's merge and choice set to the one taken."""
+    choice = plan.window_choice
+    assert choice is not None
+    n = len(plan.sources)
+    losses = {}
+    for k in candidate_windows(choice.count):
+        weights = merge_coefficients(k, strategy if k > 1 else "sma", alpha)
+        losses[k] = evaluator.held_out_losses(plan.sources[n - k :], list(weights), texts)
+    checked = checked_choice(choice, losses, [s.tokens for s in plan.sources])
+    described = escape(choice.describe())
+    how = plan.window_origin[len(described) :] if plan.window_origin.startswith(described) else ""
+    plan.window_choice = checked
+    plan.window_origin = escape(checked.describe()) + how
+    if checked.count != choice.count:
+        plan.merge_indices = list(range(n - checked.count, n))
+        plan.merge_weights = list(merge_coefficients(checked.count, strategy if checked.count > 1 else "sma", alpha))
+        logger.info(f"{plan.name}: {checked.describe()}")
+
+
+def _selection_split(plans: Sequence[RunPlan], texts: Sequence[str] | None, window_check: bool) -> DocumentSplit | None:
+    """The held-out documents' split into selection and report, when some plan's automatic window is to be checked."""
+    if not texts or not window_check or not any(_needs_check(p) for p in plans):
+        return None
+    return split_for_selection(len(texts))
+
+
 def compare_runs(
     at_tokens: int,
     plans: Sequence[RunPlan],
@@ -603,6 +645,7 @@ def compare_runs(
     progress: bool = False,
     bootstrap: int = BOOTSTRAP_RESAMPLES,
     bootstrap_seed: int = 0,
+    window_check: bool = True,
     **option_fields: Any,
 ) -> dict[str, Any]:
     """Evaluate every planned run's last snapshot, merge and annealed model on the same texts
@@ -616,6 +659,10 @@ def compare_runs(
     annealed, within each group of the plans (all together without groups); with held-out text
     and ``lm/loss``, tau gets a percentile interval from ``bootstrap`` resamples of the documents
     (seeded by ``bootstrap_seed``; 0: none, :func:`hf_pma.analysis.rank_stats.bootstrap_kendall_tau`).
+    With ``window_check`` (the default), held-out texts and some run's automatic window of more
+    than one snapshot, every 4th document is a *selection* document on which each such window and
+    its smaller candidates are checked (:mod:`hf_pma.core.window_check`); every result is then
+    reported on the other documents only (the report's ``window_check`` says how many).
     Returns the JSON-ready report (see :func:`compare_table`). Under several processes the
     evaluations run on the main process.
     """
@@ -629,6 +676,14 @@ def compare_runs(
             raise parameter_error(name, f"must be a non-negative integer, got {shown(value)}")
     if metric is not None:
         parse_metric(metric)
+    split = _selection_split(plans, texts, window_check)
+    selection: list[str] = []
+    if split is not None and not split.skipped:
+        assert texts is not None
+        selection = [texts[i] for i in split.selection]
+        texts = [texts[i] for i in split.report]
+    if split is not None:
+        logger.info(split.describe())
     entries: list[dict[str, Any]] = []
     tasks = None
     for plan in plans:
@@ -636,6 +691,8 @@ def compare_runs(
             plan.last.path.absolute(), texts, options, tokenizer=tokenizer, device=device, progress=progress
         )
         tasks = evaluator.tasks
+        if selection and _needs_check(plan):
+            _check_window(plan, evaluator, selection, strategy, alpha)
 
         evaluate = functools.partial(_evaluate, evaluator)
         logger.info(
@@ -705,7 +762,9 @@ def compare_runs(
         entries.append(entry)
         del evaluator, evaluate
         gc.collect()
-    return _report(at_tokens, entries, metric, higher, fit, eval_dataset, tasks, (bootstrap, bootstrap_seed))
+    report = _report(at_tokens, entries, metric, higher, fit, eval_dataset, tasks, (bootstrap, bootstrap_seed))
+    report["window_check"] = split.to_dict() if split is not None else None
+    return report
 
 
 def _sweep_pick(
@@ -971,6 +1030,9 @@ def compare_table(report: Mapping[str, Any]) -> str:
     lines = [markdown_table(header, rows, align="lrrlrrrr"), ""]
     direction = "higher" if report["higher_is_better"] else "lower"
     lines.append(f"At {report['at_tokens']:,} tokens; {metric}: {direction} is better; tied values share a rank.")
+    check = report.get("window_check")
+    if check:
+        lines.append(escape(describe_split(check)))
     for group in groups:
         lines.append(f"Group {escape(group['label'])} ({len(group['runs'])} runs):")
         lines += _ranking_lines(group, indent="  ")

@@ -279,6 +279,24 @@ class SweepEvaluator:
         names = ", ".join(Path(getattr(s, "path", s)).name for s in sources)
         return self.evaluate_state(state, origin=f"merge of {names}")
 
+    def held_out_losses(
+        self, sources: Sequence[str | os.PathLike[str] | CheckpointSource], weights: Sequence[float], texts: Sequence[str]
+    ) -> list[float]:
+        """Each of ``texts``' mean loss per token under the merge of ``sources`` (``weights``):
+        held-out text only, no task, and not kept as :attr:`last_output` (it chooses a window;
+        it reports nothing: :mod:`hf_pma.core.window_check`)."""
+        from hf_pma.analysis.comparison import document_losses
+        from hf_pma.evaluation.evaluator import evaluate_model
+        from hf_pma.merging.engine import merge_state_dict
+        from hf_pma.merging.swap import load_weights
+
+        state = merge_state_dict(list(sources), weights=list(weights))
+        names = ", ".join(Path(getattr(s, "path", s)).name for s in sources)
+        load_weights(self.model, state, origin=f"merge of {names}")
+        out = evaluate_model(self.model, self.tokenizer, list(texts), self.options.replace(tasks=None), progress=self.progress)
+        self.evaluations += 1
+        return document_losses(out["lm"])
+
 
 def _while_present(sources: Sequence[CheckpointSource], action: Callable[[], T]) -> T:
     """``action()`` (which reads ``sources``), said in one line naming the snapshot when one of them

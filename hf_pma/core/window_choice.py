@@ -87,7 +87,8 @@ class RunPoint:
 class WindowChoice:
     """The window ``window="auto"`` chose: the newest ``count`` snapshots (1: the last snapshot
     alone), the ``rule`` that decided (``trend``, ``cap``, ``too-early``, ``no-loss``,
-    ``no-progress``, ``single``) and one sentence saying why."""
+    ``no-progress``, ``single``; ``held-out`` where a check on held-out documents overruled
+    it) and one sentence saying why."""
 
     count: int
     rule: str
@@ -95,6 +96,9 @@ class WindowChoice:
     share: float | None = None
     trend: float | None = None
     noise: float | None = None
+    # The held-out check (:mod:`hf_pma.core.window_check`), where one was made: selection
+    # documents, the rule's own window, each candidate's loss against the last snapshot.
+    checked: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (the merge record's ``window_choice``)."""

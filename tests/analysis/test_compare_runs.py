@@ -329,12 +329,15 @@ def test_compare_under_accelerate_launch_evaluates_on_the_main_process_only(shar
     out = shared_launch("world2", "compare")
     ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     assert [r["code"] for r in ranks] == [0, 0] and ranks[0]["world_size"] == 2
-    # 3 runs x (last, merge, annealed), and a smaller window for a merge worse than its last: all on rank 0.
-    assert ranks[0]["evaluations"] >= 9 and ranks[1]["evaluations"] == 0
+    # 3 runs x (last, merge, annealed) and the window check's 3 candidates each: all on rank 0.
+    assert ranks[0]["evaluations"] >= 9 + 6 and ranks[1]["evaluations"] == 0
     assert "Against annealed (3 runs)" in ranks[0]["stdout"] and ranks[1]["stdout"] == ""
+    assert "Automatic windows checked on 5 of the 20 held-out documents" in ranks[0]["stdout"]
     report = json.loads((out / "compare.json").read_text())
-    assert [e["name"] for e in report["runs"]] == ["a", "b", "c"] and report["at_tokens"] == 3000
+    assert [e["name"] for e in report["runs"]] == ["a", "b", "c"] and report["at_tokens"] == 5000
     assert all(e["annealed"]["value"] is not None for e in report["runs"])
+    assert all(e["merge"]["window_choice"]["checked"]["documents"] == 5 for e in report["runs"])
+    assert all(len(e["last"]["per_text"]["nll"]) == 15 for e in report["runs"])
 
 
 def test_a_window_given_in_python_is_described_with_its_parameter():
@@ -509,3 +512,71 @@ def test_without_a_window_each_run_gets_the_automatic_one_with_its_reason(three_
     assert all("(--last auto)" in plan.window_origin for plan in plans)
     with pytest.raises(ValueError, match="^last must be 'auto' or a positive number of snapshots"):
         plan_comparison(runs, last="ten")
+
+
+@pytest.fixture(scope="module")
+def checked_runs(tmp_path_factory, tiny_tokenizer):
+    """Two runs whose recorded losses are flat (the rule takes the newest 2: the cap) and 20
+    held-out documents: ``noisy`` (independent noise per snapshot: averaging helps) and ``drift``
+    (the older snapshot far off: the merge of 2 is worse than the last snapshot)."""
+    root = tmp_path_factory.mktemp("window-check")
+    runs = []
+    for name, deviation in (("noisy", noise_deviation(0.15, seed=3)), ("drift", _drifting(0.5))):
+        run, _ = write_run(root / name, COUNT, deviation, tokenizer=tiny_tokenizer, losses=[4.0] * COUNT)
+        runs.append(run)
+    text = sample_text(16_000)
+    documents = [text[i : i + 800] for i in range(0, 16_000, 800)]
+    assert len(documents) == 20
+    eval_file = root / "heldout.jsonl"
+    eval_file.write_text("".join(json.dumps({"text": t}) + "\n" for t in documents))
+    return root, runs, eval_file, documents
+
+
+def test_the_automatic_window_is_checked_on_selection_documents_never_reported(checked_runs):
+    """With 20 held-out documents, every 4th (5) checks each automatic window and its smaller
+    candidates; the results are on the other 15 only: the drifting run's window of 2 is overruled
+    (the last snapshot does best on the selection documents), the noisy run's is kept."""
+    root, runs, eval_file, documents = checked_runs
+    out = root / "checked.json"
+    args = ["compare", *runs, "--eval-file", eval_file, "--block-size", "64", "--bootstrap", "0", "-q"]
+    result = run_cli(*args, "-o", out)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["window_check"] == {"selection_documents": 5, "report_documents": 15, "every": 4, "skipped": None}
+    assert "Automatic windows checked on 5 of the 20 held-out documents" in result.stdout
+    noisy, drift = report["runs"]
+    assert noisy["merge"]["window"] == 2 and noisy["merge"]["window_choice"]["rule"] == "cap"
+    assert "the rule's window does best" in noisy["merge"]["window_choice"]["reason"]
+    assert noisy["merge"]["window_choice"]["checked"]["against_last"]["2"] < 0
+    assert drift["merge"]["window"] == 1 and drift["merge"]["window_choice"]["rule"] == "held-out"
+    assert drift["merge"]["window_choice"]["checked"]["against_last"]["2"] > 0
+    assert "the last snapshot does best" in drift["merge"]["window_origin"]
+    # Every reported number is on the 15 report documents: the last snapshot's loss is its loss there.
+    report_docs = [d for i, d in enumerate(documents) if i % 4 != 3]
+    for entry, run in zip(report["runs"], runs):
+        assert len(entry["last"]["per_text"]["nll"]) == 15
+        direct = evaluate_models(
+            [run / "pma" / entry["last"]["snapshot"]], texts=report_docs, block_size=64, progress=False
+        )
+        assert entry["last"]["value"] == pytest.approx(direct["results"][entry["last"]["snapshot"]]["lm"]["loss"])
+
+    unchecked = root / "unchecked.json"
+    result = run_cli(*args, "--no-window-check", "-o", unchecked)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(unchecked.read_text())
+    assert report["window_check"] is None and "Automatic windows" not in result.stdout
+    assert [e["merge"]["window"] for e in report["runs"]] == [2, 2]
+    assert all(len(e["last"]["per_text"]["nll"]) == 20 for e in report["runs"])
+
+
+def test_too_few_documents_leave_the_window_unchecked_and_say_so(checked_runs):
+    root, runs, eval_file, _ = checked_runs
+    few = root / "few.jsonl"
+    few.write_text("".join(eval_file.read_text().splitlines(keepends=True)[:12]))
+    out = root / "few.json"
+    result = run_cli("compare", *runs, "--eval-file", few, "--block-size", "64", "--bootstrap", "0", "-q", "-o", out)
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert report["window_check"]["skipped"].startswith("12 held-out document(s)")
+    assert "Automatic windows unchecked: 12 held-out document(s)" in result.stdout
+    assert [e["merge"]["window"] for e in report["runs"]] == [2, 2]

@@ -2,8 +2,9 @@
 
 ``hf-pma compare`` under ``accelerate launch`` with 2 processes: every rank runs the command, the
 main process alone evaluates (the held-out LM log line is counted per rank), writes the JSON and
-prints the table. Rank 0 first writes three tiny runs (3 snapshots each, an annealed model each);
-each rank writes what it saw to ``OUT/rank<r>.json``.
+prints the table. Rank 0 first writes three tiny runs (5 snapshots each, flat recorded losses so
+that the automatic window is 2 and checked on the held-out text's selection split; an annealed
+model each) and 20 held-out documents; each rank writes what it saw to ``OUT/rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -29,16 +30,18 @@ def write_inputs(inputs: Path) -> None:
     """Three runs with an annealed model each at their last snapshot, and a held-out file."""
     tokenizer = train_tiny_tokenizer()
     for i, name in enumerate(("a", "b", "c")):
-        run, _ = write_run(inputs / name, 3, noise_deviation(0.05 * (i + 1), seed=i), tokenizer=tokenizer)
+        run, _ = write_run(
+            inputs / name, 5, noise_deviation(0.05 * (i + 1), seed=i), tokenizer=tokenizer, losses=[4.0] * 5
+        )
         model = make_tiny_model(seed=0)
         with torch.no_grad():
             for p in float_params(model).values():
                 p.add_(0.01 * (i + 1) * torch.randn(p.shape, generator=torch.Generator().manual_seed(i)))
         save_model_folder(run / "annealed", model)
-        (run / "annealed" / "pma_anneal.json").write_text(json.dumps({"end_tokens": 3000}))
-    text = sample_text(4000)
+        (run / "annealed" / "pma_anneal.json").write_text(json.dumps({"end_tokens": 5000}))
+    text = sample_text(8000)
     (inputs / "heldout.jsonl").write_text(
-        "".join(json.dumps({"text": text[i : i + 1000]}) + "\n" for i in range(0, 4000, 1000))
+        "".join(json.dumps({"text": text[i : i + 400]}) + "\n" for i in range(0, 8000, 400))
     )
 
 

@@ -1,0 +1,177 @@
+"""The held-out check of an automatic window: where held-out documents are at hand, the window
+that the rule chose from the run's records (:mod:`hf_pma.core.window_choice`) is checked on them.
+
+The training loss cannot tell how much averaging will gain: a run at a low learning rate, early on,
+falls as fast as one at a high rate, but its weights carry little noise to average away, so a
+window that lags the run costs more than it gains. Held-out text measures it. The documents are
+split once: every :data:`SELECTION_EVERY`-th document is a *selection* document, on which the
+candidates are evaluated; the others are the *report* documents, the only ones any result is
+reported on (a window chosen on the documents that report it would flatter itself).
+
+The candidates are the rule's window ``k`` and its halvings down to 2 (``k, ceil(k/2), ...``), and
+the last snapshot alone; the one with the lowest mean loss over the selection documents is taken
+(a smaller window only when strictly lower). With fewer than :data:`MIN_SELECTION_DOCUMENTS`
+selection documents the rule's window stands unchecked, said so.
+
+Pure Python: no torch, no files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from hf_pma.core.window_choice import WindowChoice
+
+__all__ = [
+    "SELECTION_EVERY",
+    "MIN_SELECTION_DOCUMENTS",
+    "DocumentSplit",
+    "describe_split",
+    "split_for_selection",
+    "candidate_windows",
+    "pick_window",
+    "checked_choice",
+]
+
+# Every this-many-th held-out document selects; the others report.
+SELECTION_EVERY = 4
+# Fewer selection documents than this: the check is not made (too noisy to overrule the rule).
+MIN_SELECTION_DOCUMENTS = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class DocumentSplit:
+    """Which held-out documents select the window (``selection``) and which report the results
+    (``report``), by index; ``skipped`` says why there is no selection split (then every document
+    reports)."""
+
+    selection: tuple[int, ...]
+    report: tuple[int, ...]
+    skipped: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready summary (counts, not indices)."""
+        return {
+            "selection_documents": len(self.selection),
+            "report_documents": len(self.report),
+            "every": SELECTION_EVERY,
+            "skipped": self.skipped,
+        }
+
+    def describe(self) -> str:
+        """One line for the person reading a comparison (:func:`describe_split`)."""
+        return describe_split(self.to_dict())
+
+
+def describe_split(record: Mapping[str, Any]) -> str:
+    """The line that says how held-out documents were split, from :meth:`DocumentSplit.to_dict`
+    (as a comparison's report records it)."""
+    if record.get("skipped"):
+        return f"Automatic windows unchecked: {record['skipped']}."
+    selection, report = record["selection_documents"], record["report_documents"]
+    return (
+        f"Automatic windows checked on {selection} of the {selection + report} held-out documents (every "
+        f"{record['every']}th, the selection split); every result is on the other {report}."
+    )
+
+
+def split_for_selection(documents: int) -> DocumentSplit:
+    """The selection and report documents of ``documents`` held-out documents: every
+    :data:`SELECTION_EVERY`-th (index ``SELECTION_EVERY - 1``, ``2 * SELECTION_EVERY - 1``, ...)
+    selects; none does when that leaves fewer than :data:`MIN_SELECTION_DOCUMENTS`."""
+    if not isinstance(documents, int) or isinstance(documents, bool) or documents < 0:
+        raise ValueError(f"documents must be a non-negative integer, got {documents!r}")
+    selection = tuple(i for i in range(documents) if i % SELECTION_EVERY == SELECTION_EVERY - 1)
+    if len(selection) < MIN_SELECTION_DOCUMENTS:
+        need = SELECTION_EVERY * MIN_SELECTION_DOCUMENTS
+        return DocumentSplit(
+            (), tuple(range(documents)), f"{documents} held-out document(s); a selection split needs at least {need}"
+        )
+    return DocumentSplit(selection, tuple(i for i in range(documents) if i not in selection))
+
+
+def candidate_windows(count: int) -> list[int]:
+    """The windows checked for a rule's window of ``count``: ``count``, its halvings (rounded up)
+    down to 2, and 1 (the last snapshot alone); largest first."""
+    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
+        raise ValueError(f"count must be a positive integer, got {count!r}")
+    out, k = [count], count
+    while k > 2:
+        k = math.ceil(k / 2)
+        out.append(k)
+    if out[-1] != 1:
+        out.append(1)
+    return out
+
+
+def _mean(values: Sequence[float]) -> float:
+    kept = [v for v in values if not math.isnan(v)]
+    if not kept:
+        raise ValueError("no selection document with scored tokens")
+    return statistics.fmean(kept)
+
+
+def pick_window(losses: Mapping[int, Sequence[float]]) -> int:
+    """The candidate with the lowest mean loss over the selection documents: ``losses`` maps each
+    window (1: the last snapshot) to its per-document losses. A smaller window is taken only when
+    strictly lower; ``ValueError`` when the lists differ in length."""
+    if not losses:
+        raise ValueError("no candidate window")
+    lengths = {len(v) for v in losses.values()}
+    if len(lengths) != 1:
+        raise ValueError("the candidates were not evaluated on the same selection documents")
+    best, best_loss = None, math.inf
+    for k in sorted(losses, reverse=True):
+        loss = _mean(losses[k])
+        if loss < best_loss:
+            best, best_loss = k, loss
+    assert best is not None
+    return best
+
+
+def checked_choice(
+    choice: WindowChoice, losses: Mapping[int, Sequence[float]], positions: Sequence[int] | None = None
+) -> WindowChoice:
+    """``choice`` after the check over ``losses`` (:func:`pick_window`): the window taken, a
+    reason that says what the selection documents showed, and ``checked`` (the rule's window and
+    each candidate's mean loss minus the last snapshot's). ``positions`` (the snapshots' tokens,
+    oldest first) give the share of the run of a window the check changed (else ``None``);
+    ``trend`` and ``noise`` stay the rule's."""
+    picked = pick_window(losses)
+    last = _mean(losses[1]) if 1 in losses else None
+    against = {k: _mean(v) - last for k, v in sorted(losses.items(), reverse=True) if k != 1 and last is not None}
+    documents = len(next(iter(losses.values())))
+    if picked == choice.count:
+        verdict = "the rule's window does best"
+    elif picked == 1:
+        verdict = "the last snapshot does best: too early for a merge to help"
+    else:
+        verdict = f"the newest {picked} do best"
+    shown = "; ".join(f"newest {k}: {d:+.4f}" for k, d in against.items())
+    reason = (
+        f"{choice.reason}; checked on {documents} selection documents of the held-out text (never reported): "
+        f"{verdict}" + (f" (mean loss against the last snapshot: {shown})" if shown else "")
+    )
+    share = choice.share
+    if picked != choice.count:
+        share = None
+        if positions and picked <= len(positions) and positions[-1] > 0:
+            share = (positions[-1] - positions[-picked]) / positions[-1]
+    record = {
+        "documents": documents,
+        "rule_count": choice.count,
+        "rule": choice.rule,
+        "against_last": {str(k): d for k, d in against.items()},
+    }
+    return dataclasses.replace(
+        choice,
+        count=picked,
+        rule=choice.rule if picked == choice.count else "held-out",
+        reason=reason,
+        share=share,
+        checked=record,
+    )

@@ -1,0 +1,76 @@
+"""The held-out check of an automatic window (hf_pma.core.window_check): pure logic, no files."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from hf_pma.core.window_check import (
+    MIN_SELECTION_DOCUMENTS,
+    SELECTION_EVERY,
+    candidate_windows,
+    checked_choice,
+    describe_split,
+    pick_window,
+    split_for_selection,
+)
+from hf_pma.core.window_choice import WindowChoice
+
+
+def test_every_fourth_document_selects_and_the_others_report():
+    split = split_for_selection(40)
+    assert split.skipped is None
+    assert split.selection == tuple(range(SELECTION_EVERY - 1, 40, SELECTION_EVERY))
+    assert set(split.selection).isdisjoint(split.report)
+    assert sorted(split.selection + split.report) == list(range(40))
+    assert split.to_dict() == {"selection_documents": 10, "report_documents": 30, "every": 4, "skipped": None}
+    assert "10 of the 40" in split.describe() and "other 30" in split.describe()
+
+
+def test_too_few_documents_for_a_selection_split_report_all_and_say_so():
+    need = SELECTION_EVERY * MIN_SELECTION_DOCUMENTS
+    assert split_for_selection(need).skipped is None
+    split = split_for_selection(need - 1)
+    assert split.selection == () and split.report == tuple(range(need - 1))
+    assert f"needs at least {need}" in split.skipped
+    assert describe_split(split.to_dict()).startswith("Automatic windows unchecked")
+    with pytest.raises(ValueError, match="documents must be"):
+        split_for_selection(-1)
+
+
+@pytest.mark.parametrize(
+    "count, expected",
+    [(1, [1]), (2, [2, 1]), (3, [3, 2, 1]), (4, [4, 2, 1]), (10, [10, 5, 3, 2, 1]), (31, [31, 16, 8, 4, 2, 1])],
+)
+def test_candidates_are_the_window_its_halvings_and_the_last_snapshot(count, expected):
+    assert candidate_windows(count) == expected
+
+
+def test_the_lowest_mean_loss_wins_and_a_smaller_window_only_when_strictly_lower():
+    assert pick_window({4: [5.0, 5.2], 2: [5.1, 5.0], 1: [5.3, 5.3]}) == 2
+    assert pick_window({4: [5.0, 5.0], 2: [5.0, 5.0], 1: [5.0, 5.0]}) == 4  # a tie keeps the rule's window
+    assert pick_window({3: [5.1, math.nan], 1: [5.2, 5.0]}) == 3  # a document with no token is left out
+    with pytest.raises(ValueError, match="same selection documents"):
+        pick_window({2: [5.0], 1: [5.0, 5.1]})
+
+
+def test_a_checked_choice_says_what_the_selection_documents_showed():
+    rule = WindowChoice(4, "cap", "tokens 2,000 to 5,000 (60% of the run): ...", share=0.6, trend=0.1, noise=0.05)
+    positions = [1000, 2000, 3000, 4000, 5000]
+
+    kept = checked_choice(rule, {4: [4.9, 4.9], 2: [5.0, 5.0], 1: [5.1, 5.1]}, positions)
+    assert (kept.count, kept.rule, kept.share) == (4, "cap", 0.6)
+    assert "the rule's window does best" in kept.reason and kept.reason.startswith(rule.reason)
+
+    smaller = checked_choice(rule, {4: [5.2, 5.2], 2: [5.0, 5.0], 1: [5.1, 5.1]}, positions)
+    assert (smaller.count, smaller.rule, smaller.share) == (2, "held-out", 0.2)
+    assert "the newest 2 do best" in smaller.reason and "newest 4: +0.1000" in smaller.reason
+    assert smaller.checked["rule_count"] == 4 and smaller.checked["documents"] == 2
+    assert smaller.checked["against_last"]["2"] == pytest.approx(-0.1)
+    assert (smaller.trend, smaller.noise) == (0.1, 0.05)  # the rule's, unchanged
+
+    early = checked_choice(rule, {4: [5.3, 5.3], 2: [5.2, 5.2], 1: [5.1, 5.1]}, positions)
+    assert early.count == 1 and "too early for a merge to help" in early.reason
+    assert early.describe().startswith("auto window: the last snapshot alone")
+    assert early.to_dict()["checked"]["against_last"] == {"4": pytest.approx(0.2), "2": pytest.approx(0.1)}
