@@ -76,7 +76,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         batch=8,
         block=128,
         vocab=2048,
-        corpus_bytes=3_000_000,
+        corpus_bytes=9_000_000,  # 47 held-out documents: 40 compared (20 or more: the window check runs)
         eval_docs=40,
         eval_chars=4000,
         parallel=2,
@@ -176,6 +176,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.scratch or Path(tempfile.gettempdir()) / f"hf-pma-sweep-prediction-{args.preset}"
     )
     return args
+
+
+def held_out_count(heldout: Path) -> int:
+    """The documents in the held-out file (fewer than ``--eval-docs`` when the corpus holds fewer)."""
+    return sum(1 for line in heldout.read_text().splitlines() if line.strip())
 
 
 def window_text(window: int | str) -> str:
@@ -415,7 +420,8 @@ def main(argv: list[str] | None = None) -> int:
         "",
         f"`{command}`: {len(jobs)} runs of {args.steps} steps, batch {args.batch} x {args.block} tokens, a snapshot "
         f"every {args.snapshot_every} steps, {window_text(args.window)}, annealed fork over the last "
-        f"{args.anneal_steps} steps (linear to 0); held-out: {args.eval_docs} documents x {args.eval_chars} characters.",
+        f"{args.anneal_steps} steps (linear to 0); held-out: {held_out_count(data[1])} documents of at most {args.eval_chars} "
+        "characters.",
         f"Training {trained - started:.0f} s, compare {finished - trained:.0f} s; load average {load_start} at the "
         f"start, {load_end} at the end.",
         "",

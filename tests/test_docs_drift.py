@@ -264,12 +264,15 @@ def test_the_sweep_prediction_summary_quotes_the_benchmarks_results():
         r"last Kendall's tau ([+-][\d.]+), mean absolute error ([\d.]+)"
     )
     printed = [m.groups() for m in against.finditer(results)]
-    # In the order the benchmark prints them: sweep and ladder with the runs' own window, then per --also-last N.
-    windows = ["8"] + re.findall(r"^## The same runs, merging the last (\d+) snapshots", results, re.M)
+    # In the order the benchmark prints them: sweep and ladder with the runs' own window (the automatic
+    # one, or a fixed N), then per --also-last N.
+    own = re.search(r"the automatic merge window|merge of the last (\d+)", results)
+    assert own is not None
+    windows = [own.group(1) or "auto"] + re.findall(r"^## The same runs, merging the last (\d+) snapshots", results, re.M)
     assert len(printed) == 2 * len(windows)
     by_window = {w: (printed[2 * i], printed[2 * i + 1]) for i, w in enumerate(windows)}
     page = (REPO_ROOT / "docs" / "benchmarks.md").read_text()
-    rows = re.findall(r"^\| last (\d+) [^|]*\|" + r" ([+-][\d.]+) / ([\d.]+) \|" * 4, page, re.M)
+    rows = re.findall(r"^\| (?:last )?(\d+|auto) [^|]*\|" + r" ([+-][\d.]+) / ([\d.]+) \|" * 4, page, re.M)
     assert {r[0] for r in rows} == set(by_window), rows
     for window, *cells in rows:
         sweep, ladder = by_window[window]

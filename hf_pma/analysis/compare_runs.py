@@ -610,7 +610,11 @@ def _check_window(
     for k in candidate_windows(choice.count):
         weights = merge_coefficients(k, strategy if k > 1 else "sma", alpha)
         losses[k] = evaluator.held_out_losses(plan.sources[n - k :], list(weights), texts)
-    checked = checked_choice(choice, losses, [s.tokens for s in plan.sources])
+    try:
+        checked = checked_choice(choice, losses, [s.tokens for s in plan.sources])
+    except ValueError as err:  # e.g. no selection document with a scored token: the rule's window stands
+        logger.warning(f"{escape(plan.name)}: the automatic window stands unchecked: {err}")
+        return
     described = escape(choice.describe())
     how = plan.window_origin[len(described) :] if plan.window_origin.startswith(described) else ""
     plan.window_choice = checked
@@ -625,7 +629,10 @@ def _selection_split(plans: Sequence[RunPlan], texts: Sequence[str] | None, wind
     """The held-out documents' split into selection and report, when some plan's automatic window is to be checked."""
     if not texts or not window_check or not any(_needs_check(p) for p in plans):
         return None
-    return split_for_selection(len(texts))
+    split = split_for_selection(len(texts))
+    if not split.skipped and not any(texts[i].strip() for i in split.selection):
+        return DocumentSplit((), tuple(range(len(texts))), "every selection document (every 4th) is empty")
+    return split
 
 
 def compare_runs(

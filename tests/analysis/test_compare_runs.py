@@ -580,3 +580,17 @@ def test_too_few_documents_leave_the_window_unchecked_and_say_so(checked_runs):
     assert report["window_check"]["skipped"].startswith("12 held-out document(s)")
     assert "Automatic windows unchecked: 12 held-out document(s)" in result.stdout
     assert [e["merge"]["window"] for e in report["runs"]] == [2, 2]
+
+
+def test_selection_documents_without_text_leave_the_window_unchecked(checked_runs):
+    """Every 4th held-out document empty: no selection split, said so, every document reports."""
+    from hf_pma.analysis.compare_runs import compare_runs, compare_table, plan_comparison
+
+    _, runs, _, documents = checked_runs
+    at_tokens, plans = plan_comparison(runs)
+    empty = ["" if i % 4 == 3 else d for i, d in enumerate(documents)]
+    report = compare_runs(at_tokens, plans, empty, block_size=64, bootstrap=0)
+    assert report["window_check"]["skipped"] == "every selection document (every 4th) is empty"
+    assert "Automatic windows unchecked: every selection document (every 4th) is empty." in compare_table(report)
+    assert [e["merge"]["window"] for e in report["runs"]] == [2, 2]
+    assert report["window_check"]["report_documents"] == 20  # every document reports (the empty ones have no loss)

@@ -53,6 +53,8 @@ def test_the_lowest_mean_loss_wins_and_a_smaller_window_only_when_strictly_lower
     assert pick_window({3: [5.1, math.nan], 1: [5.2, 5.0]}) == 3  # a document with no token is left out
     with pytest.raises(ValueError, match="same selection documents"):
         pick_window({2: [5.0], 1: [5.0, 5.1]})
+    with pytest.raises(ValueError, match="no selection document with scored tokens"):
+        pick_window({2: [math.nan], 1: [math.nan]})
 
 
 def test_a_checked_choice_says_what_the_selection_documents_showed():
