@@ -1040,6 +1040,9 @@ def compare_table(report: Mapping[str, Any]) -> str:
     check = report.get("window_check")
     if check:
         lines.append(escape(describe_split(check)))
+    for e in report["runs"]:  # every automatic window, and why
+        if e["merge"].get("window_choice"):
+            lines.append(f"{escape(e['name'])}: {escape(e['merge']['window_origin'])}")
     for group in groups:
         lines.append(f"Group {escape(group['label'])} ({len(group['runs'])} runs):")
         lines += _ranking_lines(group, indent="  ")

@@ -551,6 +551,9 @@ def test_the_automatic_window_is_checked_on_selection_documents_never_reported(c
     assert drift["merge"]["window"] == 1 and drift["merge"]["window_choice"]["rule"] == "held-out"
     assert drift["merge"]["window_choice"]["checked"]["against_last"]["2"] > 0
     assert "the last snapshot does best" in drift["merge"]["window_origin"]
+    # Each automatic window is said in one line, with why.
+    assert "\ndrift: auto window: the last snapshot alone: " in result.stdout
+    assert "\nnoisy: auto window: the newest 2 snapshots: " in result.stdout
     # Every reported number is on the 15 report documents: the last snapshot's loss is its loss there.
     report_docs = [d for i, d in enumerate(documents) if i % 4 != 3]
     for entry, run in zip(report["runs"], runs):
