@@ -134,33 +134,35 @@ def pick_window(losses: Mapping[int, Sequence[float]]) -> int:
 
 
 def checked_choice(
-    choice: WindowChoice, losses: Mapping[int, Sequence[float]], positions: Sequence[int] | None = None
+    choice: WindowChoice, losses: Mapping[int, Sequence[float]], tokens: Sequence[int] | None = None
 ) -> WindowChoice:
     """``choice`` after the check over ``losses`` (:func:`pick_window`): the window taken, a
-    reason that says what the selection documents showed, and ``checked`` (the rule's window and
-    each candidate's mean loss minus the last snapshot's). ``positions`` (the snapshots' tokens,
-    oldest first) give the share of the run of a window the check changed (else ``None``);
-    ``trend`` and ``noise`` stay the rule's."""
+    reason that says what the selection documents showed (and, where the check changed the
+    window, what the rule had chosen and why), and ``checked`` (the rule's window and each
+    candidate's mean loss minus the last snapshot's). ``tokens`` (the snapshots' token counts,
+    oldest first) give the span and share of the run of a window the check changed; ``trend``
+    and ``noise`` stay the rule's."""
     picked = pick_window(losses)
     last = _mean(losses[1]) if 1 in losses else None
     against = {k: _mean(v) - last for k, v in sorted(losses.items(), reverse=True) if k != 1 and last is not None}
     documents = len(next(iter(losses.values())))
-    if picked == choice.count:
-        verdict = "the rule's window does best"
-    elif picked == 1:
-        verdict = "the last snapshot does best: too early for a merge to help"
-    else:
-        verdict = f"the newest {picked} do best"
-    shown = "; ".join(f"newest {k}: {d:+.4f}" for k, d in against.items())
-    reason = (
-        f"{choice.reason}; checked on {documents} selection documents of the held-out text (never reported): "
-        f"{verdict}" + (f" (mean loss against the last snapshot: {shown})" if shown else "")
-    )
+    where = f"{documents} selection documents of the held-out text (never reported)"
+    measured = "; ".join(f"newest {k}: {d:+.4f}" for k, d in against.items())
+    measured = f"mean loss against the last snapshot: {measured}" if measured else "no merge to measure"
     share = choice.share
-    if picked != choice.count:
-        share = None
-        if positions and picked <= len(positions) and positions[-1] > 0:
-            share = (positions[-1] - positions[-picked]) / positions[-1]
+    if picked == choice.count:
+        reason = f"{choice.reason}; checked on {where}: the rule's window does best ({measured})"
+    else:
+        share, span = None, ""
+        if tokens and picked <= len(tokens) and tokens[-1] > 0:
+            share = (tokens[-1] - tokens[-picked]) / tokens[-1]
+            span = f"tokens {tokens[-picked]:,} to {tokens[-1]:,} ({100 * share:.0f}% of the run): " if picked > 1 else ""
+        verdict = (
+            f"the last snapshot does best on {where}: too early for a merge to help"
+            if picked == 1
+            else f"{span}the best on {where}"
+        )
+        reason = f"{verdict} ({measured}); the rule had chosen the newest {choice.count}: {choice.reason}"
     record = {
         "documents": documents,
         "rule_count": choice.count,

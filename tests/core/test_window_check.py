@@ -67,12 +67,16 @@ def test_a_checked_choice_says_what_the_selection_documents_showed():
 
     smaller = checked_choice(rule, {4: [5.2, 5.2], 2: [5.0, 5.0], 1: [5.1, 5.1]}, positions)
     assert (smaller.count, smaller.rule, smaller.share) == (2, "held-out", 0.2)
-    assert "the newest 2 do best" in smaller.reason and "newest 4: +0.1000" in smaller.reason
+    assert smaller.reason.startswith("tokens 4,000 to 5,000 (20% of the run): the best on 2 selection documents")
+    assert "newest 4: +0.1000; newest 2: -0.1000" in smaller.reason
+    assert smaller.reason.endswith("the rule had chosen the newest 4: " + rule.reason)
     assert smaller.checked["rule_count"] == 4 and smaller.checked["documents"] == 2
     assert smaller.checked["against_last"]["2"] == pytest.approx(-0.1)
     assert (smaller.trend, smaller.noise) == (0.1, 0.05)  # the rule's, unchanged
 
     early = checked_choice(rule, {4: [5.3, 5.3], 2: [5.2, 5.2], 1: [5.1, 5.1]}, positions)
-    assert early.count == 1 and "too early for a merge to help" in early.reason
+    assert early.count == 1 and early.share == 0.0
+    assert early.reason.startswith("the last snapshot does best on 2 selection documents")
+    assert "too early for a merge to help" in early.reason
     assert early.describe().startswith("auto window: the last snapshot alone")
     assert early.to_dict()["checked"]["against_last"] == {"4": pytest.approx(0.2), "2": pytest.approx(0.1)}
