@@ -260,8 +260,8 @@ def test_the_sweep_prediction_summary_quotes_the_benchmarks_results():
     window, ranking (sweep or ladder) and model (merge or last)."""
     results = (REPO_ROOT / "benchmarks" / "results" / "sweep_prediction" / "tables.md").read_text()
     against = re.compile(
-        r"Against annealed \(\d+ runs\): merge Kendall's tau ([+-][\d.]+), mean absolute error ([\d.]+); "
-        r"last Kendall's tau ([+-][\d.]+), mean absolute error ([\d.]+)"
+        r"Against annealed \(\d+ runs\): merge Kendall's tau ([+-][\d.]+)(?: \([^)]*\))?, mean absolute error ([\d.]+); "
+        r"last Kendall's tau ([+-][\d.]+)(?: \([^)]*\))?, mean absolute error ([\d.]+)"
     )
     printed = [m.groups() for m in against.finditer(results)]
     # In the order the benchmark prints them: sweep and ladder with the runs' own window (the automatic
@@ -340,3 +340,51 @@ def test_the_default_runs_time_and_the_suites_size_are_each_said_one_way():
     assert len(measured) == 1, f"the default run's time is given as {sorted(measured)}"
     assert other == [], f"times given another way: {other}"
     assert [c.split(":")[0] for c in counts] == ["README.md"], counts
+
+
+def test_the_window_choice_page_quotes_the_benchmarks_results():
+    """Every number of docs/choosing-window.md's summary of the evidence is the committed
+    benchmark's (results.json, the compare reports), and its example of a checked window is a
+    reason ``hf-pma compare`` wrote there."""
+    results = REPO_ROOT / "benchmarks" / "results" / "window_choice"
+    summary = json.loads((results / "results.json").read_text())
+    s, rows = summary["summary"], summary["rows"]
+    page = (REPO_ROOT / "docs" / "choosing-window.md").read_text()
+    text = " ".join(page.split("<!-- window-choice-summary", 1)[1].split("\n## ", 1)[0].split())
+
+    def shares(window, lr, steps=1000):
+        return " and ".join(
+            f"{100 * r['gain_share']:.0f}%" for r in rows if (r["window"], r["lr"], r["steps"]) == (window, lr, steps)
+        )
+
+    auto, rule, eight, last = s["auto"], s["rule"], s["8"], s["last"]
+    expected = [
+        f"in {auto['runs_worse_than_last_beyond_1se']} of {auto['runs']} runs (the rule alone: "
+        f"{rule['runs_worse_than_last_beyond_1se']}; N=8: {eight['runs_worse_than_last_beyond_1se']})",
+        f"at least 80% in {auto['runs_recovering_80pct']} of the {auto['runs_where_annealing_gains_3se']} runs",
+        f"(the rule alone: {rule['runs_recovering_80pct']}; N=8: {eight['runs_recovering_80pct']}, the worst at "
+        f"{100 * eight['min_gain_share_where_annealing_gains_3se']:.0f}%",
+        f"highest learning rate ({shares('auto', '0.012')})",
+        f"N=8 recovers {shares('8', '0.012')} there, the rule's 11 snapshots {shares('rule', '0.012')}",
+        f"tau = 1 in {auto['groups_tau_1']} of {auto['groups']} groups",
+        f"(the last snapshot: {last['groups_tau_1']})",
+        f"{auto['mae']:.4f} nats for the checked window, {rule['mae']:.4f} for the rule alone, {eight['mae']:.4f} "
+        f"for N=8 and {last['mae']:.4f} for the last snapshot",
+    ]
+    for phrase in expected:
+        assert phrase in text, phrase
+    assert rule["groups_tau_1"] == eight["groups_tau_1"] == auto["groups_tau_1"]
+    # The candidates 6 and 11 of the highest-LR 1,000-step runs, on the selection documents.
+    report = json.loads((results / "compare-1000-auto.json").read_text())
+    for entry in report["runs"]:
+        if "lr0.012" in entry["name"]:
+            against = entry["merge"]["window_choice"]["checked"]["against_last"]
+            assert abs(against["6"] - against["11"]) < 0.005
+    # The example of a checked window is one that compare wrote (without the flag it names).
+    example = page.split("checked_choice_example -->", 1)[1].split("```text\n", 1)[1].split("\n", 1)[0].strip()
+    written = [
+        entry["merge"]["window_origin"].removesuffix(" (--last auto)")
+        for steps in (300, 1000, 3000)
+        for entry in json.loads((results / f"compare-{steps}-auto.json").read_text())["runs"]
+    ]
+    assert example in written
