@@ -381,7 +381,7 @@ def test_the_window_choice_page_quotes_the_benchmarks_results():
             against = entry["merge"]["window_choice"]["checked"]["against_last"]
             assert abs(against["6"] - against["11"]) < 0.005
     # The example of a checked window is one that compare wrote (without the flag it names).
-    example = page.split("checked_choice_example -->", 1)[1].split("```text\n", 1)[1].split("\n", 1)[0].strip()
+    example = page.split("(checked_choice_example) -->", 1)[1].split("```text\n", 1)[1].split("\n", 1)[0].strip()
     written = [
         entry["merge"]["window_origin"].removesuffix(" (--last auto)")
         for steps in (300, 1000, 3000)
