@@ -254,16 +254,11 @@ class SweepEvaluator:
 
     def evaluate_state(self, state: Mapping[str, torch.Tensor], origin: str = "merged weights") -> dict[str, Any]:
         """Load ``state`` into the model and evaluate it; flat results ``{task: {metric: value}}``."""
-        from hf_pma.evaluation.evaluator import evaluate_model
         from hf_pma.merging.swap import load_weights
 
         load_weights(self.model, state, origin=origin)
-        out = evaluate_model(
-            self.model, self.tokenizer, self.texts, self.options, task_manager=self.task_manager, progress=self.progress
-        )
-        self.evaluations += 1
-        self.last_output = out
-        return out["results"]
+        self.last_output = self._evaluate_loaded(self.texts, self.options)
+        return self.last_output["results"]
 
     def evaluate_merge(
         self,
@@ -276,8 +271,7 @@ class SweepEvaluator:
         from hf_pma.merging.engine import merge_state_dict
 
         state = merge_state_dict(list(sources), strategy=strategy, alpha=alpha, weights=weights)
-        names = ", ".join(Path(getattr(s, "path", s)).name for s in sources)
-        return self.evaluate_state(state, origin=f"merge of {names}")
+        return self.evaluate_state(state, origin=_merge_origin(sources))
 
     def held_out_losses(
         self, sources: Sequence[str | os.PathLike[str] | CheckpointSource], weights: Sequence[float], texts: Sequence[str]
@@ -286,16 +280,31 @@ class SweepEvaluator:
         held-out text only, no task, and not kept as :attr:`last_output` (it chooses a window;
         it reports nothing: :mod:`hf_pma.core.window_check`)."""
         from hf_pma.analysis.comparison import document_losses
-        from hf_pma.evaluation.evaluator import evaluate_model
         from hf_pma.merging.engine import merge_state_dict
         from hf_pma.merging.swap import load_weights
 
-        state = merge_state_dict(list(sources), weights=list(weights))
-        names = ", ".join(Path(getattr(s, "path", s)).name for s in sources)
-        load_weights(self.model, state, origin=f"merge of {names}")
-        out = evaluate_model(self.model, self.tokenizer, list(texts), self.options.replace(tasks=None), progress=self.progress)
+        load_weights(self.model, merge_state_dict(list(sources), weights=list(weights)), origin=_merge_origin(sources))
+        return document_losses(self._evaluate_loaded(list(texts), self.options.replace(tasks=None))["lm"])
+
+    def _evaluate_loaded(self, texts: Sequence[str] | None, options: EvalOptions) -> dict[str, Any]:
+        """The loaded weights evaluated on ``texts`` and ``options``' tasks: ``evaluate_model``'s output."""
+        from hf_pma.evaluation.evaluator import evaluate_model
+
+        out = evaluate_model(
+            self.model,
+            self.tokenizer,
+            texts,
+            options,
+            task_manager=self.task_manager if options.tasks else None,
+            progress=self.progress,
+        )
         self.evaluations += 1
-        return document_losses(out["lm"])
+        return out
+
+
+def _merge_origin(sources: Sequence[Any]) -> str:
+    """How a merge of ``sources`` is named in a load error: ``merge of snapshot-1, snapshot-2``."""
+    return "merge of " + ", ".join(Path(getattr(s, "path", s)).name for s in sources)
 
 
 def _while_present(sources: Sequence[CheckpointSource], action: Callable[[], T]) -> T:
