@@ -628,22 +628,25 @@ def _check_window(
 
 def _selection_split(plans: Sequence[RunPlan], texts: Sequence[str] | None, window_check: bool) -> DocumentSplit | None:
     """The held-out documents' split into selection and report, when some plan's automatic window is to be checked
-    (none, said so, when fewer than :data:`MIN_SELECTION_DOCUMENTS` selection documents hold text: an empty
-    one has no loss)."""
+    (none, said so, when fewer than :data:`MIN_SELECTION_DOCUMENTS` selection documents hold text, or no
+    report document does: an empty one has no loss)."""
     if not texts or not window_check or not any(_needs_check(p) for p in plans):
         return None
     split = split_for_selection(len(texts))
     if split.skipped:
         return split
     with_text = sum(1 for i in split.selection if texts[i].strip())
-    if with_text >= MIN_SELECTION_DOCUMENTS:
+    if not any(texts[i].strip() for i in split.report):
+        skipped = "every report document (all but every 4th) is empty"
+    elif with_text >= MIN_SELECTION_DOCUMENTS:
         return split
-    skipped = (
-        f"only {with_text} of the {len(split.selection)} selection documents (every 4th) with text; "
-        f"a check needs at least {MIN_SELECTION_DOCUMENTS}"
-        if with_text
-        else "every selection document (every 4th) is empty"
-    )
+    else:
+        skipped = (
+            f"only {with_text} of the {len(split.selection)} selection documents (every 4th) with text; "
+            f"a check needs at least {MIN_SELECTION_DOCUMENTS}"
+            if with_text
+            else "every selection document (every 4th) is empty"
+        )
     return DocumentSplit((), tuple(range(len(texts))), skipped)
 
 

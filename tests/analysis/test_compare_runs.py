@@ -616,3 +616,19 @@ def test_too_few_selection_documents_with_text_leave_the_window_unchecked(checke
     assert all(e["merge"]["window_choice"]["checked"] is None for e in report["runs"])
     # Every document with text reports.
     assert all(len(e["last"]["per_text"]["nll"]) == 16 for e in report["runs"])
+
+
+def test_report_documents_without_text_leave_the_window_unchecked(checked_runs):
+    """Only the selection documents (every 4th) hold text: a split would leave nothing to report
+    on (an error after every candidate was evaluated), so none is made, said so, and every
+    document reports."""
+    from hf_pma.analysis.compare_runs import compare_runs, compare_table, plan_comparison
+
+    _, runs, _, documents = checked_runs
+    at_tokens, plans = plan_comparison(runs)
+    selection_only = [d if i % 4 == 3 else "" for i, d in enumerate(documents)]
+    report = compare_runs(at_tokens, plans, selection_only, block_size=64, bootstrap=0)
+    skipped = "every report document (all but every 4th) is empty"
+    assert report["window_check"]["skipped"] == skipped
+    assert f"Automatic windows unchecked: {skipped}." in compare_table(report)
+    assert [e["merge"]["window"] for e in report["runs"]] == [2, 2]
