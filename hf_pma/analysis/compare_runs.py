@@ -698,6 +698,9 @@ def compare_runs(
             raise parameter_error(name, f"must be a non-negative integer, got {shown(value)}")
     if metric is not None:
         parse_metric(metric)
+    for i, text in enumerate(texts or ()):  # one line now, before the split reads them or a model loads
+        if not isinstance(text, str):
+            raise TypeError(f"texts[{i}] is a {type(text).__name__}, not a string")
     split = _selection_split(plans, texts, window_check)
     selection: list[str] = []
     if split is not None and not split.skipped:

@@ -632,3 +632,17 @@ def test_report_documents_without_text_leave_the_window_unchecked(checked_runs):
     assert report["window_check"]["skipped"] == skipped
     assert f"Automatic windows unchecked: {skipped}." in compare_table(report)
     assert [e["merge"]["window"] for e in report["runs"]] == [2, 2]
+
+
+def test_a_held_out_text_that_is_no_string_is_one_line_before_any_model(checked_runs, monkeypatch):
+    """From Python, a document that is not a string is refused in one line naming it, before any
+    model is loaded (the selection split reads every document's text first)."""
+    from hf_pma.analysis import sweep
+    from hf_pma.analysis.compare_runs import compare_runs, plan_comparison
+
+    _, runs, _, documents = checked_runs
+    at_tokens, plans = plan_comparison(runs)
+    monkeypatch.setattr(sweep, "SweepEvaluator", None)  # any model work fails otherwise
+    texts = [*documents[:3], None, *documents[4:]]
+    with pytest.raises(TypeError, match=r"^texts\[3\] is a NoneType, not a string$"):
+        compare_runs(at_tokens, plans, texts, block_size=64, bootstrap=0)
