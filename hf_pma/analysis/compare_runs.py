@@ -51,6 +51,7 @@ from hf_pma.core.manifest import ANNEALED_DIR
 from hf_pma.core.selection import DEFAULT_WINDOW, check_window, window_by_progress
 from hf_pma.core.strategies import merge_coefficients
 from hf_pma.core.window_check import (
+    MIN_SELECTION_DOCUMENTS,
     DocumentSplit,
     candidate_windows,
     checked_choice,
@@ -626,13 +627,27 @@ def _check_window(
 
 
 def _selection_split(plans: Sequence[RunPlan], texts: Sequence[str] | None, window_check: bool) -> DocumentSplit | None:
-    """The held-out documents' split into selection and report, when some plan's automatic window is to be checked."""
+    """The held-out documents' split into selection and report, when some plan's automatic window is to be checked
+    (none, said so, when fewer than :data:`MIN_SELECTION_DOCUMENTS` selection documents hold text, or no
+    report document does: an empty one has no loss)."""
     if not texts or not window_check or not any(_needs_check(p) for p in plans):
         return None
     split = split_for_selection(len(texts))
-    if not split.skipped and not any(texts[i].strip() for i in split.selection):
-        return DocumentSplit((), tuple(range(len(texts))), "every selection document (every 4th) is empty")
-    return split
+    if split.skipped:
+        return split
+    with_text = sum(1 for i in split.selection if texts[i].strip())
+    if not any(texts[i].strip() for i in split.report):
+        skipped = "every report document (all but every 4th) is empty"
+    elif with_text >= MIN_SELECTION_DOCUMENTS:
+        return split
+    else:
+        skipped = (
+            f"only {with_text} of the {len(split.selection)} selection documents (every 4th) with text; "
+            f"a check needs at least {MIN_SELECTION_DOCUMENTS}"
+            if with_text
+            else "every selection document (every 4th) is empty"
+        )
+    return DocumentSplit((), tuple(range(len(texts))), skipped)
 
 
 def compare_runs(
@@ -683,6 +698,9 @@ def compare_runs(
             raise parameter_error(name, f"must be a non-negative integer, got {shown(value)}")
     if metric is not None:
         parse_metric(metric)
+    for i, text in enumerate(texts or ()):  # one line now, before the split reads them or a model loads
+        if not isinstance(text, str):
+            raise TypeError(f"texts[{i}] is a {type(text).__name__}, not a string")
     split = _selection_split(plans, texts, window_check)
     selection: list[str] = []
     if split is not None and not split.skipped:

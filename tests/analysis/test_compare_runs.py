@@ -597,3 +597,52 @@ def test_selection_documents_without_text_leave_the_window_unchecked(checked_run
     assert "Automatic windows unchecked: every selection document (every 4th) is empty." in compare_table(report)
     assert [e["merge"]["window"] for e in report["runs"]] == [2, 2]
     assert report["window_check"]["report_documents"] == 20  # every document reports (the empty ones have no loss)
+
+
+def test_too_few_selection_documents_with_text_leave_the_window_unchecked(checked_runs):
+    """20 held-out documents whose selection documents hold text in only 1 of 5 (the others
+    empty): a check on 1 document is too noisy to overrule the rule (fewer than
+    MIN_SELECTION_DOCUMENTS), so none is made, said so, and every document reports."""
+    from hf_pma.analysis.compare_runs import compare_runs, compare_table, plan_comparison
+
+    _, runs, _, documents = checked_runs
+    at_tokens, plans = plan_comparison(runs)
+    sparse = ["" if i in (3, 7, 11, 15) else d for i, d in enumerate(documents)]
+    report = compare_runs(at_tokens, plans, sparse, block_size=64, bootstrap=0)
+    skipped = "only 1 of the 5 selection documents (every 4th) with text; a check needs at least 5"
+    assert report["window_check"]["skipped"] == skipped
+    assert f"Automatic windows unchecked: {skipped}." in compare_table(report)
+    assert [e["merge"]["window"] for e in report["runs"]] == [2, 2]
+    assert all(e["merge"]["window_choice"]["checked"] is None for e in report["runs"])
+    # Every document with text reports.
+    assert all(len(e["last"]["per_text"]["nll"]) == 16 for e in report["runs"])
+
+
+def test_report_documents_without_text_leave_the_window_unchecked(checked_runs):
+    """Only the selection documents (every 4th) hold text: a split would leave nothing to report
+    on (an error after every candidate was evaluated), so none is made, said so, and every
+    document reports."""
+    from hf_pma.analysis.compare_runs import compare_runs, compare_table, plan_comparison
+
+    _, runs, _, documents = checked_runs
+    at_tokens, plans = plan_comparison(runs)
+    selection_only = [d if i % 4 == 3 else "" for i, d in enumerate(documents)]
+    report = compare_runs(at_tokens, plans, selection_only, block_size=64, bootstrap=0)
+    skipped = "every report document (all but every 4th) is empty"
+    assert report["window_check"]["skipped"] == skipped
+    assert f"Automatic windows unchecked: {skipped}." in compare_table(report)
+    assert [e["merge"]["window"] for e in report["runs"]] == [2, 2]
+
+
+def test_a_held_out_text_that_is_no_string_is_one_line_before_any_model(checked_runs, monkeypatch):
+    """From Python, a document that is not a string is refused in one line naming it, before any
+    model is loaded (the selection split reads every document's text first)."""
+    from hf_pma.analysis import sweep
+    from hf_pma.analysis.compare_runs import compare_runs, plan_comparison
+
+    _, runs, _, documents = checked_runs
+    at_tokens, plans = plan_comparison(runs)
+    monkeypatch.setattr(sweep, "SweepEvaluator", None)  # any model work fails otherwise
+    texts = [*documents[:3], None, *documents[4:]]
+    with pytest.raises(TypeError, match=r"^texts\[3\] is a NoneType, not a string$"):
+        compare_runs(at_tokens, plans, texts, block_size=64, bootstrap=0)
