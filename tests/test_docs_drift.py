@@ -388,3 +388,13 @@ def test_the_window_choice_page_quotes_the_benchmarks_results():
         for entry in json.loads((results / f"compare-{steps}-auto.json").read_text())["runs"]
     ]
     assert example in written
+
+
+def test_the_window_checks_cost_is_the_committed_measurement():
+    """choosing-window.md's wall times of compare with and without the check are the medians of
+    benchmarks/results/window_check_cost/results.md."""
+    results = (REPO_ROOT / "benchmarks" / "results" / "window_check_cost" / "results.md").read_text()
+    medians = dict(re.findall(r"^\| (checked \(default\)|--no-window-check) \| ([\d.]+) \|", results, re.M))
+    page = " ".join((REPO_ROOT / "docs" / "choosing-window.md").read_text().split())
+    checked, unchecked = medians["checked (default)"], medians["--no-window-check"]
+    assert f"a median of {checked} s with the check and {unchecked} s without" in page
