@@ -368,6 +368,11 @@ def _plan_annealed(
     return None, f"{ANNEALED_DIR}/ ends at {tokens:,} tokens, not at {at_tokens:,}: left out"
 
 
+def _window_weights(count: int, strategy: str, alpha: float) -> list[float]:
+    """The merge weights of the newest ``count`` snapshots (one snapshot: weight 1, whatever the strategy)."""
+    return list(merge_coefficients(count, strategy if count > 1 else "sma", alpha))
+
+
 def _plan_window(
     sources: list[CheckpointSource],
     strategy: str,
@@ -381,9 +386,9 @@ def _plan_window(
     if is_auto(last) or (last is None and window_tokens is None and not tokens and (count is None or is_auto(count))):
         chosen, choice = select_auto(sources)
         indices = list(range(len(sources) - len(chosen), len(sources)))
-        weights = merge_coefficients(len(indices), strategy if len(indices) > 1 else "sma", alpha)
+        weights = _window_weights(len(indices), strategy, alpha)
         how = "--last auto" if is_auto(last) else ("the run's own" if count else "the default")
-        return indices, list(weights), f"{escape(choice.describe())} ({how})", choice
+        return indices, weights, f"{escape(choice.describe())} ({how})", choice
     if last is not None:
         if last > len(sources):
             raise parameter_error(
@@ -408,8 +413,7 @@ def _plan_window(
         if n > len(sources):
             origin += f"; only {len(sources)} snapshot(s) up to {sources[-1].tokens:,} tokens"
         indices = list(range(max(0, len(sources) - n), len(sources)))
-    weights = merge_coefficients(len(indices), strategy if len(indices) > 1 else "sma", alpha)
-    return indices, list(weights), origin, None
+    return indices, _window_weights(len(indices), strategy, alpha), origin, None
 
 
 def _parameter_count(source: CheckpointSource) -> int:
@@ -607,10 +611,8 @@ def _check_window(
     choice = plan.window_choice
     assert choice is not None
     n = len(plan.sources)
-    losses = {}
-    for k in candidate_windows(choice.count):
-        weights = merge_coefficients(k, strategy if k > 1 else "sma", alpha)
-        losses[k] = evaluator.held_out_losses(plan.sources[n - k :], list(weights), texts)
+    weights = {k: _window_weights(k, strategy, alpha) for k in candidate_windows(choice.count)}
+    losses = {k: evaluator.held_out_losses(plan.sources[n - k :], w, texts) for k, w in weights.items()}
     try:
         checked = checked_choice(choice, losses, [s.tokens for s in plan.sources])
     except ValueError as err:  # e.g. no selection document with a scored token: the rule's window stands
@@ -622,7 +624,7 @@ def _check_window(
     plan.window_origin = escape(checked.describe()) + how
     if checked.count != choice.count:
         plan.merge_indices = list(range(n - checked.count, n))
-        plan.merge_weights = list(merge_coefficients(checked.count, strategy if checked.count > 1 else "sma", alpha))
+        plan.merge_weights = weights[checked.count]
         logger.info(f"{plan.name}: {checked.describe()}")
 
 
@@ -690,6 +692,7 @@ def compare_runs(
     """
     from hf_pma.analysis.comparison import paired_comparison
     from hf_pma.analysis.sweep import SweepEvaluator, _default_metric, lower_is_better, parse_metric
+    from hf_pma.evaluation.language_modeling import check_texts
     from hf_pma.evaluation.options import EvalOptions
 
     options = EvalOptions.build(options, **option_fields)
@@ -698,9 +701,7 @@ def compare_runs(
             raise parameter_error(name, f"must be a non-negative integer, got {shown(value)}")
     if metric is not None:
         parse_metric(metric)
-    for i, text in enumerate(texts or ()):  # one line now, before the split reads them or a model loads
-        if not isinstance(text, str):
-            raise TypeError(f"texts[{i}] is a {type(text).__name__}, not a string")
+    check_texts(texts or ())  # one line now, before the split reads them or a model loads
     split = _selection_split(plans, texts, window_check)
     selection: list[str] = []
     if split is not None and not split.skipped:

@@ -10,7 +10,7 @@ model must then be a full copy on the main process, not FSDP/ZeRO-3 shards.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -91,6 +91,13 @@ def _model_device(model: Any) -> torch.device:
         return torch.device("cpu")
 
 
+def check_texts(texts: Sequence[Any]) -> None:
+    """``TypeError`` naming the first of ``texts`` that is not a string (held-out documents)."""
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise TypeError(f"texts[{i}] is a {type(text).__name__}, not a string")
+
+
 def evaluate_language_modeling(
     model: Any,
     tokenizer: Any,
@@ -119,9 +126,7 @@ def evaluate_language_modeling(
     main process only.
     """
     texts = list(texts)
-    for i, text in enumerate(texts):
-        if not isinstance(text, str):
-            raise TypeError(f"texts[{i}] is a {type(text).__name__}, not a string")
+    check_texts(texts)
     if batch_size < 1:
         raise ValueError(f"batch_size must be at least 1, got {batch_size}")
     if not any(texts):
