@@ -217,7 +217,7 @@ def compare(args: argparse.Namespace, steps: int, window: str, heldout: Path, re
         raise RuntimeError(f"hf-pma compare failed:\n{done.stderr[-3000:]}")
     result = json.loads(output.read_text())
     reported = {len(e["last"]["per_text"]["nll"]) for e in result["runs"]}
-    expected = sum(1 for line in report.read_text().splitlines() if line.strip())
+    expected = sp.held_out_count(report)
     assert reported == {expected}, f"{output.name}: reported on {reported} documents, not the {expected} of the report split"
     return result
 
