@@ -268,12 +268,14 @@ def main(argv: list[str] | None = None) -> int:
         info = make_tasks_from_split(
             train_docs, heldout, out / "tasks", seed=args.seed, options=TaskOptions(num_items=data.task_items),
             overwrite=True, info={"max_item_tokens": data.block_size}, fits=fits_context(tokenizer, data.block_size),
+            eval_texts=texts,
         )  # fmt: skip
         names = [*info["tasks"], *([data.eval_tasks] if data.eval_tasks else [])]
         tasks, include = ",".join(names), out / "tasks"
     # The last snapshot, the merge and the annealed model on the same held-out documents: the
     # record, the paired comparison and the card (every process calls it; the main one evaluates).
     kwargs = {"tasks": tasks, "include_path": include, "block_size": data.block_size, "live": out / "final"}
+    kwargs["eval_dataset"] = "heldout.jsonl" if data.make_tasks else None  # the file of the texts it scores
     results = trainer.annealing_check(texts, **kwargs)
     if is_main_process():
         if push_merged:

@@ -692,7 +692,7 @@ def compare_runs(
     """
     from hf_pma.analysis.comparison import paired_comparison
     from hf_pma.analysis.sweep import SweepEvaluator, _default_metric, lower_is_better, parse_metric
-    from hf_pma.evaluation.language_modeling import check_texts
+    from hf_pma.evaluation.corpus import check_texts
     from hf_pma.evaluation.options import EvalOptions
 
     options = EvalOptions.build(options, **option_fields)

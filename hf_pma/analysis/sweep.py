@@ -34,6 +34,7 @@ from transformers.utils import logging
 from hf_pma.core.selection import window_by_progress
 from hf_pma.core.strategies import merge_coefficients
 from hf_pma.core.window_choice import is_auto
+from hf_pma.evaluation.corpus import documents_fingerprint
 from hf_pma.evaluation.options import EvalOptions
 from hf_pma.merging.sources import CheckpointSource, resolve_sources, vanished_source_error
 from hf_pma.merging.windows import select_auto
@@ -459,6 +460,7 @@ def run_sweep(
         "metric": metric,
         "higher_is_better": higher,
         "eval_dataset": eval_dataset,
+        "eval_documents": documents_fingerprint(evaluator.texts) if evaluator.texts else None,
         "tasks": evaluator.tasks,
         "baseline": {"label": BASELINE_LABEL, "snapshot": sources[-1].name, "results": baseline, "value": base_value},
         "combinations": entries,
@@ -621,6 +623,7 @@ def write_best(
             {"last snapshot": report["baseline"]["results"], "PMA merge": entry["results"]},
             eval_dataset=report.get("eval_dataset"),
             update=False,
+            eval_documents=report.get("eval_documents"),
         )
     logger.info(f"Wrote the merge {label} to {out}")
     return out

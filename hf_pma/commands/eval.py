@@ -188,7 +188,9 @@ def _keep_results(report: dict, output: Path, record: str | None, main: bool) ->
             failed.append(err)
     if record:
         try:
-            write_eval_record(record, report["results"], eval_dataset=report["eval_dataset"])
+            write_eval_record(
+                record, report["results"], eval_dataset=report["eval_dataset"], eval_documents=report.get("eval_documents")
+            )
             kept.append(f"recorded in {Path(record) / EVAL_RECORD_NAME}")
         except OSError as err:
             failed.append(err)

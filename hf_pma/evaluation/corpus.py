@@ -15,13 +15,14 @@ import os
 import re
 from collections.abc import Iterable, Sequence
 from pathlib import Path
+from typing import Any
 
 from hf_pma.utils.logs import get_logger
 from hf_pma.utils.names import is_hub_id
 
 logger = get_logger(__name__)
 
-__all__ = ["TABLE_SUFFIXES", "load_documents", "split_documents", "document_id"]
+__all__ = ["TABLE_SUFFIXES", "load_documents", "split_documents", "document_id", "documents_fingerprint", "check_texts"]
 
 # Files read as tables of documents (one per row, text in a column); every other file is one document.
 TABLE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
@@ -30,6 +31,23 @@ TABLE_SUFFIXES = (".jsonl", ".json", ".csv", ".parquet")
 def document_id(text: str) -> str:
     """A stable id of a document's content (sha256 of its UTF-8 bytes)."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def check_texts(texts: Sequence[Any]) -> None:
+    """``TypeError`` naming the first of ``texts`` that is not a string (held-out documents)."""
+    for i, text in enumerate(texts):
+        if not isinstance(text, str):
+            raise TypeError(f"texts[{i}] is a {type(text).__name__}, not a string")
+
+
+def documents_fingerprint(texts: Sequence[str]) -> str:
+    """The identity of a held-out set: ``sha256:`` of its documents' ids, in order. Two sets have
+    the same fingerprint exactly when they hold the same documents in the same order, whatever
+    they are called (a run's ``32 held-out documents`` and the ``heldout.jsonl`` it wrote)."""
+    digest = hashlib.sha256()
+    for text in texts:
+        digest.update(document_id(text).encode("ascii"))
+    return f"sha256:{digest.hexdigest()}"
 
 
 def _text_or_error(value: object, where: str) -> str:

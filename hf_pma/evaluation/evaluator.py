@@ -30,6 +30,7 @@ import torch
 from transformers.utils import logging
 
 from hf_pma.core.manifest import EVAL_RECORD_NAME
+from hf_pma.evaluation.corpus import documents_fingerprint
 from hf_pma.evaluation.harness import flatten_lm_eval_results, jsonable, load_task_manager, run_lm_eval
 from hf_pma.evaluation.language_modeling import (
     LM_METRICS,
@@ -170,10 +171,11 @@ def evaluate_models(
 
     ``options`` (or its fields as keywords) as :func:`evaluate_model`. Everything is checked
     before the first model is evaluated: the task names, every model folder and its tokenizer.
-    Returns ``{"results": {label: flat results}, "eval_dataset": eval_dataset, "models":
+    Returns ``{"results": {label: flat results}, "eval_dataset": eval_dataset, "eval_documents":
+    the fingerprint of ``texts`` (:func:`~hf_pma.evaluation.corpus.documents_fingerprint`), "models":
     {label: model}, "tokenizers": {label: the tokenizer's folder or name}, "lm": {label: LM
     details}, "lm_eval": {label: lm-eval results}}``: its
-    ``results`` and ``eval_dataset`` form the ``pma_eval.json`` record
+    ``results``, ``eval_dataset`` and ``eval_documents`` form the ``pma_eval.json`` record
     (:func:`write_eval_record`). Under several processes this runs on the main process only.
     """
     options = EvalOptions.build(options, **option_fields)
@@ -219,6 +221,7 @@ def _evaluate_models(
     report: dict[str, Any] = {
         "results": {},
         "eval_dataset": eval_dataset,
+        "eval_documents": documents_fingerprint(texts) if texts else None,
         "models": {},
         "tokenizers": {},
         "lm": {},

@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 
 from hf_pma.core.outputs import check_overwrite_target, record_own_files
-from hf_pma.evaluation.corpus import document_id, split_documents
+from hf_pma.evaluation.corpus import check_texts, document_id, documents_fingerprint, split_documents
 from hf_pma.evaluation.task_options import TASK_KINDS, TaskOptions
 from hf_pma.utils.fs import atomic_write_json, check_output_folder, write_folder_atomically
 from hf_pma.utils.logs import get_logger
@@ -323,10 +323,13 @@ def _write_tasks(
     overwrite: bool,
     info: dict[str, Any],
     fits: Callable[[str], bool] | None = None,
+    eval_texts: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     check_task_settings(kinds, prefix, options)
     if not heldout:
         raise ValueError("no held-out documents to make tasks from")
+    eval_texts = list(heldout if eval_texts is None else eval_texts)
+    check_texts(eval_texts)
     check_output_folder(output_dir, overwrite)
     if overwrite:  # only an earlier task folder: never a checkpoint, a snapshot or the user's folder
         check_overwrite_target(output_dir, (TASKS_INFO_NAME,), "tasks")
@@ -375,6 +378,9 @@ def _write_tasks(
         "tasks": tasks,
         "tag": f"{prefix}_tasks",
         "heldout_ids": [document_id(doc) for doc in heldout],
+        # What heldout.jsonl holds: the texts a run scores (a part of each document), which
+        # `hf-pma eval --eval-file` scores again; its fingerprint is the one its records carry.
+        "heldout_file": {"documents": len(eval_texts), "fingerprint": documents_fingerprint(eval_texts)},
     }
 
     def write(tmp: Path) -> None:
@@ -385,7 +391,7 @@ def _write_tasks(
             (tmp / f"{name}.yaml").write_text(
                 yaml.safe_dump(config, sort_keys=False, allow_unicode=True), encoding="utf-8"
             )
-        _write_jsonl(tmp / HELDOUT_NAME, ({"text": doc} for doc in heldout))
+        _write_jsonl(tmp / HELDOUT_NAME, ({"text": doc} for doc in eval_texts))
         if write_train:
             _write_jsonl(tmp / TRAIN_NAME, ({"text": doc} for doc in train))
         atomic_write_json(tmp / TASKS_INFO_NAME, record_own_files(tmp, record, TASKS_INFO_NAME))
@@ -413,12 +419,14 @@ def make_tasks_from_split(
     overwrite: bool = False,
     info: dict[str, Any] | None = None,
     fits: Callable[[str], bool] | None = None,
+    eval_texts: Sequence[str] | None = None,
 ) -> dict[str, Any]:
     """Write tasks generated from ``heldout`` (checked against ``train``) into ``output_dir``.
 
     Writes ``<prefix>_<kind>.yaml`` + ``.jsonl`` per kind (tagged ``<prefix>_tasks``, so
-    ``--tasks <prefix>_tasks`` runs them all), ``heldout.jsonl`` (the held-out documents,
-    ``{"text": ...}`` per line: the data for ``hf-pma eval --eval-file``), ``train.jsonl`` with
+    ``--tasks <prefix>_tasks`` runs them all), ``heldout.jsonl`` (``eval_texts``, default the
+    held-out documents, ``{"text": ...}`` per line: the data for ``hf-pma eval --eval-file``; a
+    run passes the texts it scores, so that the file reproduces its numbers), ``train.jsonl`` with
     ``write_train``, and ``tasks_info.json`` (returned; ``info`` is added to it). The folder
     appears complete or not at all. Raises ``ValueError`` when a kind yields no item, and
     ``FileExistsError`` for a non-empty ``output_dir`` without ``overwrite``. ``fits`` keeps only
@@ -441,6 +449,7 @@ def make_tasks_from_split(
         overwrite,
         info or {},
         fits,
+        eval_texts,
     )
 
 

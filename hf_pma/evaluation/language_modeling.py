@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
+from hf_pma.evaluation.corpus import check_texts
 from hf_pma.evaluation.metrics.totals import language_model_totals
 from hf_pma.utils.distributed import require_unsharded_model, run_on_main_process
 from hf_pma.utils.logs import progress_bar
@@ -89,13 +90,6 @@ def _model_device(model: Any) -> torch.device:
         return next(model.parameters()).device
     except StopIteration:  # pragma: no cover - a model without parameters
         return torch.device("cpu")
-
-
-def check_texts(texts: Sequence[Any]) -> None:
-    """``TypeError`` naming the first of ``texts`` that is not a string (held-out documents)."""
-    for i, text in enumerate(texts):
-        if not isinstance(text, str):
-            raise TypeError(f"texts[{i}] is a {type(text).__name__}, not a string")
 
 
 def evaluate_language_modeling(

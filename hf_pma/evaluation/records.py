@@ -25,10 +25,16 @@ logger = get_logger(__name__)
 __all__ = ["EVAL_RECORD_NAME", "write_eval_record", "read_eval_record", "results_table"]
 
 
-def _other_documents(earlier: Any, new: Any) -> bool:
-    """Whether results on the held-out set ``new`` are on other documents than a record's
-    (``earlier``); a record or an update that names none is taken to be on the same."""
-    return earlier is not None and new is not None and str(earlier) != str(new)
+def _other_documents(earlier: Mapping[str, Any], eval_dataset: Any, eval_documents: Any) -> bool:
+    """Whether results on a held-out set are on other documents than a record's (``earlier``).
+    Fingerprints (``eval_documents``: :func:`~hf_pma.evaluation.corpus.documents_fingerprint`)
+    decide where both have one, whatever the sets are called; otherwise (a record written before
+    fingerprints) their names do. A record or an update that names neither is taken to be on the same."""
+    before = earlier.get("eval_documents")
+    if isinstance(before, str) and isinstance(eval_documents, str):
+        return before != eval_documents
+    name = earlier.get("eval_dataset")
+    return name is not None and eval_dataset is not None and str(name) != str(eval_dataset)
 
 
 def write_eval_record(
@@ -36,6 +42,7 @@ def write_eval_record(
     results: Mapping[str, Mapping[str, Mapping[str, float | None]]],
     eval_dataset: str | None = None,
     update: bool = True,
+    eval_documents: str | None = None,
 ) -> Path:
     """Write ``pma_eval.json`` into ``folder`` (atomically): ``{"results": {label: {task:
     {metric: value}}}, "eval_dataset": ...}``, the record the model card reads.
@@ -45,9 +52,11 @@ def write_eval_record(
     results are merged into an existing record: models, tasks and metrics are added or updated,
     everything else is kept (the other models' results, the metrics not given again, the record's
     other keys such as ``comparison``, and its ``eval_dataset`` unless a new one is given).
-    A record is of one held-out set: results on another ``eval_dataset`` than the record's start
-    it afresh, and the log says that the earlier results and their ``comparison`` (computed on
-    the other documents) were dropped. ``update=False`` starts afresh. Under several processes
+    A record is of one held-out set, identified by ``eval_documents`` (the fingerprint of its
+    documents, ``evaluate_models(...)["eval_documents"]``; by ``eval_dataset``, its name, where
+    the record or the update has none): results on other documents start it afresh, and the log
+    says that the earlier results and their ``comparison`` (computed on the other documents) were
+    dropped. ``update=False`` starts afresh. Under several processes
     only the main process writes.
     """
     folder = Path(folder)
@@ -63,9 +72,9 @@ def write_eval_record(
             record: dict[str, Any] = {"results": {}, "eval_dataset": None}
             if update and path.is_file():
                 earlier = read_eval_record(folder)
-                if _other_documents(earlier.get("eval_dataset"), eval_dataset):
+                if _other_documents(earlier, eval_dataset, eval_documents):
                     logger.warning(
-                        f"{escape(path)} held results on {shown(earlier['eval_dataset'])}; these are on "
+                        f"{escape(path)} held results on {shown(earlier.get('eval_dataset'))}; these are on "
                         f"{shown(eval_dataset)}: the record now holds only them (the earlier results and their "
                         "comparison, computed on other documents, are dropped)"
                     )
@@ -78,6 +87,8 @@ def write_eval_record(
             record["results"] = merged
             if eval_dataset is not None:
                 record["eval_dataset"] = str(eval_dataset)
+            if eval_documents is not None:
+                record["eval_documents"] = str(eval_documents)
             atomic_write_json(path, record)
         logger.info(f"Wrote {path}")
         return path

@@ -452,7 +452,10 @@ def annealing_check(
         block_size=block_size,
         batch_size=trainer.args.per_device_eval_batch_size,
     )
-    write_eval_record(trainer.pma_merged_dir, results["results"], eval_dataset=results.get("eval_dataset"))
+    write_eval_record(
+        trainer.pma_merged_dir, results["results"], eval_dataset=results.get("eval_dataset"),
+        eval_documents=results.get("eval_documents"),
+    )  # fmt: skip
 
     def compare() -> dict[str, Any] | None:  # on the main process; the others receive the record
         from hf_pma.publishing.card import write_model_card

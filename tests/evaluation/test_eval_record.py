@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from hf_pma.analysis.comparison import paired_comparison, write_comparison
+from hf_pma.evaluation.corpus import documents_fingerprint
 from hf_pma.evaluation.evaluator import write_eval_record
 from hf_pma.publishing.card import build_model_card
 from tests.helpers.cli import run_cli
@@ -64,10 +65,34 @@ def test_an_eval_record_on_other_documents_drops_the_comparison_and_says_so(tmp_
     assert done.returncode == 0, done.stderr
     assert "the earlier results and their comparison, computed on other documents, are dropped" in done.stderr
     record = json.loads((merged / "pma_eval.json").read_text())
-    assert record["eval_dataset"] == "other.txt" and set(record) == {"results", "eval_dataset"}
+    assert record["eval_dataset"] == "other.txt" and set(record) == {"results", "eval_dataset", "eval_documents"}
     assert set(record["results"]) == {"PMA merge"}
     card = build_model_card(merged).text
     assert TABLE_ROW not in card and "same held-out documents" not in card.lower()
+
+
+def test_a_record_knows_its_documents_by_their_fingerprint_not_their_name(tmp_path, tiny_tokenizer):
+    """The same documents under another name keep the comparison; other documents under the
+    record's name start it afresh."""
+    merged = write_merged_folder(tmp_path, tiny_tokenizer)
+    texts = [sample_text(300), sample_text(200)[::-1]]
+    record = json.loads((merged / "pma_eval.json").read_text())
+    (merged / "pma_eval.json").write_text(
+        json.dumps({**record, "eval_dataset": "2 held-out documents", "eval_documents": documents_fingerprint(texts)})
+    )
+    write_comparison(merged, paired_comparison(LM, tokens=6144))
+    same = tmp_path / "heldout.jsonl"
+    same.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    done = _eval_into_record(merged, same, tmp_path / "results.json")
+    assert done.returncode == 0, done.stderr
+    record = json.loads((merged / "pma_eval.json").read_text())
+    assert "comparison" in record and "dropped" not in done.stderr
+    assert record["eval_documents"] == documents_fingerprint(texts) and record["eval_dataset"] == "heldout.jsonl"
+
+    same.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts[::-1]))  # same name, other order
+    done = _eval_into_record(merged, same, tmp_path / "results.json")
+    assert done.returncode == 0, done.stderr
+    assert "are dropped" in done.stderr and "comparison" not in json.loads((merged / "pma_eval.json").read_text())
 
 
 def test_write_eval_record_adds_models_and_metrics(tmp_path, tiny_tokenizer):

@@ -13,6 +13,8 @@ import torch
 import yaml
 from huggingface_hub import ModelCard
 
+from hf_pma.evaluation.corpus import documents_fingerprint
+from tests.helpers.cli import run_cli
 from tests.helpers.hub_server import HubServer
 from tests.helpers.pretrain_runs import SCRIPT, SHORT, script_env
 from tests.helpers.repo import load_pretrain_script
@@ -31,8 +33,8 @@ def test_default_run_shortened_with_card_plot_and_push(tmp_path, hub):
     env.pop("HF_HUB_OFFLINE", None)
     env.pop("HF_TOKEN", None)
     result = subprocess.run(
-        [sys.executable, str(SCRIPT), *SHORT, "--output_dir", str(out), "--push_to_hub", "--hub_model_id", "tester/tiny-pma",
-         "--hub_token", token],
+        [sys.executable, str(SCRIPT), *SHORT, "--output_dir", str(out), "--max_eval_chars", "700", "--push_to_hub",
+         "--hub_model_id", "tester/tiny-pma", "--hub_token", token],
         capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path,
     )
     assert result.returncode == 0, result.stderr[-4000:]
@@ -72,6 +74,18 @@ def test_default_run_shortened_with_card_plot_and_push(tmp_path, hub):
         row = comparison["models"][label]
         assert row["paired_stderr"] > 0
         assert row["loss_diff"] == pytest.approx(row["loss"] - comparison["models"]["last snapshot"]["loss"])
+    # one held-out set: tasks/heldout.jsonl holds the texts the run scored (700 characters of each
+    # document), the record names them by their fingerprint, and `hf-pma eval` on the file gives
+    # the run's number and keeps its comparison under --record
+    heldout = [json.loads(line)["text"] for line in (out / "tasks" / "heldout.jsonl").read_text().splitlines()]
+    assert len(heldout) == 4 and max(map(len, heldout)) == 700
+    assert record["eval_dataset"] == "heldout.jsonl"
+    assert record["eval_documents"] == documents_fingerprint(heldout)
+    again = run_cli("eval", merged, "--eval-file", out / "tasks" / "heldout.jsonl", "--record", merged, "-q", cwd=tmp_path)
+    assert again.returncode == 0, again.stderr
+    rerun = json.loads((merged / "pma_eval.json").read_text())
+    assert rerun["comparison"] == comparison and rerun["eval_documents"] == record["eval_documents"]
+    assert abs(rerun["results"]["merged"]["lm"]["loss"] - evaluation["PMA merge"]["lm"]["loss"]) < 1e-4
     annealed_state = json.loads((out / "annealed" / "config.json").read_text())
     assert annealed_state["vocab_size"] == 512 and not (out / "checkpoint-18").exists()  # the fork's checkpoint is gone
     assert {"lm", "pma_next_line", "pma_cloze"} <= set(evaluation["PMA merge"])
