@@ -71,6 +71,14 @@ class OverheadEstimate:
         """The half-width of the interval (about 95 %) of :meth:`share`."""
         return _Z * self.extra_se_s / (steps_between * self.step_s) if self.step_s > 0 else math.inf
 
+    def share_low(self, steps_between: float) -> float:
+        """The lower end of the interval (about 95 %) of :meth:`share`: what snapshots
+        ``steps_between`` steps apart cost at least. A budget is taken as passed only when this
+        passes it, so that noisy steps (a busy machine) never widen an interval by chance."""
+        if self.step_s <= 0:
+            return math.inf
+        return max(0.0, self.extra_s - _Z * self.extra_se_s) / (steps_between * self.step_s)
+
     def steps_for(self, budget: float) -> int:
         """The fewest whole steps between snapshots whose share stays under ``budget`` (at the upper
         end of the interval, so the budget holds with the uncertainty too)."""

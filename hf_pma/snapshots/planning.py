@@ -37,6 +37,8 @@ __all__ = [
     "extra_folders",
     "WidenedInterval",
     "widened_interval",
+    "cost_record",
+    "should_widen",
     "widened_message",
     "cost_message",
     "unmeasured_cost_message",
@@ -176,6 +178,33 @@ def widened_interval(
         constant_steps=constant,
         budget_met=wanted <= allowed,
     )
+
+
+def should_widen(estimate: OverheadEstimate, steps_between: float, budget: float) -> bool:
+    """Whether snapshots ``steps_between`` steps apart surely cost more than ``budget``: the low
+    end of the cost's interval passes it (:meth:`OverheadEstimate.share_low`). A point estimate
+    above the budget by noise (steps slowed by another job) keeps the interval, so that the same
+    run takes the same snapshots on a busy machine and an idle one."""
+    return estimate.share_low(steps_between) > budget
+
+
+def cost_record(estimate: OverheadEstimate, steps_between: float, budget: float, widened: bool) -> dict[str, Any]:
+    """JSON for the manifest's ``interval_choice["cost"]``: what the review of the automatic
+    interval measured (snapshots ``steps_between`` steps apart) and what it decided against
+    ``budget``: widened only when the low end of the cost's interval passes it. A resumed run
+    keeps it, and does not review again."""
+    def finite(value: float) -> float | None:  # a step time of 0 gives no share: JSON has no inf
+        return value if math.isfinite(value) else None
+
+    return {
+        "steps_between": steps_between,
+        "share": finite(estimate.share(steps_between)),
+        "share_low": finite(estimate.share_low(steps_between)),
+        "share_high": finite(estimate.share(steps_between) + estimate.share_margin(steps_between)),
+        "budget": budget,
+        "decision": "widened" if widened else "kept",
+        "measured": estimate.to_dict(),
+    }
 
 
 def _percent(share: float) -> str:

@@ -238,6 +238,7 @@ class SnapshotTaker:
         self._begin_s = 0.0  # seconds begin() took (set-up the training waits for)
         self._cost_reported = False
         self._cost_reviewed = False  # the automatic V was reviewed against the cost budget
+        self._cost_measured: dict[str, Any] | None = None  # what the review measured (main process)
         self._lr_backlog: list[torch.Tensor] = []  # tensor LRs of steps not read yet (no sync per step)
         self._disk_checked = False
         self._taken: list[_Taken] = []  # per snapshot of this run
@@ -937,7 +938,9 @@ class SnapshotTaker:
         if interval is not None and interval != self.interval_tokens:
             self.schedule.widen(interval, why)
         if self._budgeted():
-            self.schedule.interval_choice = {**self.schedule.interval_choice, "cost_reviewed": True}
+            self.schedule.interval_choice = {
+                **self.schedule.interval_choice, "cost_reviewed": True, "cost": self._cost_measured
+            }  # fmt: skip
             if self._is_main:
                 self._sink.update_manifest(**self._manifest_fields())
 
@@ -948,7 +951,7 @@ class SnapshotTaker:
             return None
         steps_now = self.interval_tokens / tokens_per_step
         interval, why = self.interval_tokens, None
-        if self._budgeted() and estimate.share(steps_now) > self.max_overhead:
+        if self._budgeted() and planning.should_widen(estimate, steps_now, self.max_overhead):
             widened = planning.widened_interval(
                 estimate, self.max_overhead, self.interval_tokens, tokens_per_step, self._plan
             )
@@ -961,6 +964,7 @@ class SnapshotTaker:
                 total = len(self._taken) + (later or 0)
                 notice(logger, planning.widened_message(widened, estimate, self.max_overhead, total))
         self._say_cost(estimate, interval, tokens_per_step)
+        self._cost_measured = planning.cost_record(estimate, steps_now, self.max_overhead, widened=why is not None)
         return interval, why
 
     def _say_cost(self, estimate: Any, interval_tokens: int, tokens_per_step: int) -> None:

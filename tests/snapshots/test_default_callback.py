@@ -186,6 +186,10 @@ def test_a_costly_automatic_interval_is_widened_keeping_ten_snapshots_in_the_con
     assert manifest["interval_tokens"] == 6 * step and callback.interval_tokens == 6 * step
     record = manifest["interval_choice"]["widened"]
     assert record["from_interval_tokens"] == 2 * step and record["budget_met"] is False
+    # the decision and what it rests on are in the manifest: a resumed run keeps them
+    measured = manifest["interval_choice"]["cost"]
+    assert manifest["interval_choice"]["cost_reviewed"] and measured["decision"] == "widened"
+    assert measured["share_low"] > measured["budget"] == 0.01 and measured["steps_between"] == 2
     cost = [m for m in messages(caplog) if "of training time in this run" in m]
     assert len(cost) == 1 and "at a snapshot every 6 steps" in cost[0]
 

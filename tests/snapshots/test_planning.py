@@ -161,3 +161,16 @@ def test_a_given_interval_that_is_not_whole_steps_gets_one_line_on_its_spacing()
     assert planning.uneven_spacing_message(512, 1024, automatic=False) is None  # one every step
     # The automatic V is always whole steps.
     assert planning.uneven_spacing_message(2816, 1024, automatic=True) is None
+
+
+def test_an_interval_is_widened_only_when_its_cost_is_surely_over_the_budget():
+    """The same run on a busy machine (noisier steps, a wider interval of the cost) keeps the
+    interval that an idle one keeps: the low end of the cost's interval decides, not its point."""
+    # 0.015 s per snapshot every 10 steps of 0.1 s: 1.5% against a 1% budget, by how sure?
+    sure, noisy = _estimate(0.015, extra_se_s=0.001), _estimate(0.015, extra_se_s=0.005)
+    assert sure.share(10) == noisy.share(10) > 0.01
+    assert planning.should_widen(sure, 10, 0.01) and sure.share_low(10) > 0.01
+    assert not planning.should_widen(noisy, 10, 0.01) and abs(noisy.share_low(10) - 0.005) < 1e-12
+    record = planning.cost_record(noisy, 10, 0.01, widened=False)
+    assert record["decision"] == "kept" and record["share_low"] < record["budget"] < record["share"] < record["share_high"]
+    assert record["measured"]["extra_s"] == 0.015
