@@ -552,11 +552,9 @@ def _metric_value(results: Mapping[str, Mapping[str, Any]], metric: str) -> floa
 
 
 def _span(sources: Sequence[CheckpointSource]) -> int:
-    """Tokens a merge reaches back over: from its oldest snapshot to its newest, plus one interval."""
-    if len(sources) < 2:
-        return 0
-    step = sources[-1].tokens - sources[-2].tokens
-    return sources[-1].tokens - sources[0].tokens + step
+    """Tokens a merge reaches back over: from its oldest snapshot to its newest, the span the
+    automatic window's share is of (one share per window, wherever it is said)."""
+    return sources[-1].tokens - sources[0].tokens if len(sources) > 1 else 0
 
 
 def _why_worse(plan: RunPlan, at_tokens: int) -> str:
@@ -620,6 +618,8 @@ def _check_window(
         return
     described = escape(choice.describe())
     how = plan.window_origin[len(described) :] if plan.window_origin.startswith(described) else ""
+    if checked.count != choice.count:  # what chose it is the check now, not the run's records
+        how = " (compare's held-out check)"
     plan.window_choice = checked
     plan.window_origin = escape(checked.describe()) + how
     if checked.count != choice.count:

@@ -13,6 +13,10 @@ from hf_pma.core.selection import DEFAULT_WINDOW
 from hf_pma.core.strategies import STRATEGIES
 from hf_pma.utils.argtypes import positive_count
 
+# What --window defaults to after the run's own window, said from what the code does
+# (analysis.inspection.merge_window): the automatic window, or DEFAULT_WINDOW with a stride.
+DEFAULT_WINDOW_SAID = f"the automatic window chosen from the snapshots' records ({DEFAULT_WINDOW} with --every)"
+
 
 def run_window(run: str | Path) -> tuple[int | None, int | None, str | None]:
     """The window a run merged (:func:`hf_pma.analysis.inspection.run_window`; kept here for
@@ -31,7 +35,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "Print a table of the run's snapshots (tokens, step, learning rate, phase, loss, size), then the "
             "diagnostics of the merge window (the newest --window snapshots, or those within the last "
             "--window-tokens tokens, every --every-th; default: the window the run merged, from its "
-            "pma/merged/pma_merge.json or pma_training.json, else 10): the cosine similarity of each "
+            f"pma/merged/pma_merge.json or pma_training.json, else {DEFAULT_WINDOW_SAID}): the cosine similarity of each "
             "snapshot's deviation from the window mean, each snapshot's distance to the merge, the same numbers "
             "for the window ending at each snapshot over training, and a one-line reading of them. Weights are "
             "read tensor by tensor in chunks (bounded memory). Writes files only where asked: a PNG with --plot, "
@@ -48,7 +52,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     window.add_argument(
         "--window",
         type=positive_int,
-        help=f"snapshots in the merge window, N (default: the run's own, else {DEFAULT_WINDOW})",
+        help=f"snapshots in the merge window, N (default: the run's own, else {DEFAULT_WINDOW_SAID})",
     )
     window.add_argument(
         "--window-tokens",

@@ -127,7 +127,7 @@ def _warn_whole_run(args: argparse.Namespace, sources: list) -> None:
     from hf_pma.utils.logs import get_logger
 
     get_logger("hf_pma.merge").warning(
-        f"merging all {len(sources)} sources found in {', '.join(args.sources)} (the whole run); "
+        f"merging all {len(sources)} sources found in {', '.join(args.sources)} (every one it keeps, not only its end); "
         "PMA averages the end of a run: --last auto, --last N or --window-tokens T merges only the newest"
     )
 

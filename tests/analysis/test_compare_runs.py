@@ -205,7 +205,8 @@ def test_compare_three_runs(three_runs, compared):
     # Run c's merge reaches back over weights far from its last: worse, explained, with a smaller window tried.
     worse = by["c"]["merge_worse"]
     assert by["a"]["merge_worse"] is None and worse is not None
-    assert "reaches back 5,000 tokens, 100% of the 5,000 tokens at which the runs are matched" in worse["explanation"]
+    # the window's share said as the automatic window says it: from its oldest snapshot to its newest
+    assert "reaches back 4,000 tokens, 80% of the 5,000 tokens at which the runs are matched" in worse["explanation"]
     assert "training loss was 4.000 at its oldest snapshot" in worse["explanation"]
     assert [t["label"] for t in worse["smaller_windows"]] == ["sma N=2 k=1"]
     assert worse["pick"]["label"] in ("last snapshot", "sma N=2 k=1")
@@ -551,6 +552,9 @@ def test_the_automatic_window_is_checked_on_selection_documents_never_reported(c
     assert drift["merge"]["window"] == 1 and drift["merge"]["window_choice"]["rule"] == "held-out"
     assert drift["merge"]["window_choice"]["checked"]["against_last"]["2"] > 0
     assert "the last snapshot does best" in drift["merge"]["window_origin"]
+    # what chose each window is named: the check where it overruled the rule, the rule where it stood
+    assert drift["merge"]["window_origin"].endswith("(compare's held-out check)")
+    assert not noisy["merge"]["window_origin"].endswith("(compare's held-out check)")
     # Each automatic window is said in one line, with why.
     assert "\ndrift: auto window: the last snapshot alone: " in result.stdout
     assert "\nnoisy: auto window: the newest 2 snapshots: " in result.stdout

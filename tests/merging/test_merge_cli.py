@@ -88,6 +88,7 @@ def test_a_run_is_merged_over_its_automatic_window_and_whole_only_when_asked(tmp
     whole = run_cli("merge", run, "-o", tmp_path / "all", "--last", "all", "-q")
     assert whole.returncode == 0, whole.stderr
     assert "merging all 10 sources" in whole.stderr and "--last auto" in whole.stderr
+    assert "whole run" not in whole.stderr  # a run keeps some of its snapshots: "all" is all it keeps
     assert json.loads((tmp_path / "all" / "pma_merge.json").read_text())["window"].get("auto") is None
     windowed = run_cli("merge", run, "-o", tmp_path / "end", "--last", "2", "-q")
     assert windowed.returncode == 0 and "merging all" not in windowed.stderr, windowed.stderr
