@@ -398,3 +398,35 @@ def test_the_window_checks_cost_is_the_committed_measurement():
     page = " ".join((REPO_ROOT / "docs" / "choosing-window.md").read_text().split())
     checked, unchecked = medians["checked (default)"], medians["--no-window-check"]
     assert f"a median of {checked} s with the check and {unchecked} s without" in page
+
+
+def _record_rows(record: dict) -> dict[str, tuple[str, ...]]:
+    """label -> (per-document loss, difference, SE, share) as a page prints a committed pma_eval.json's comparison."""
+    comparison = record["comparison"]
+    rows = {}
+    for label, row in comparison["models"].items():
+        if label == comparison["reference"]:
+            rows[label] = (f"{row['loss']:.4f}", "", "", "")
+            continue
+        share = comparison["annealing_gain_recovered"] if label == comparison["merge"] else 1.0
+        rows[label] = (f"{row['loss']:.4f}", f"{row['loss_diff']:.4f}", f"{row['paired_stderr']:.4f}", f"{share:.0%}")
+    return rows
+
+
+def test_the_quoted_default_runs_are_their_committed_records():
+    """The README's and the quickstart's table are the committed record of the README's command
+    (benchmarks/results/default_run/pma_eval.json), and the quickstart's AVX2 table that of the
+    same command with AVX2 kernels (its avx2/ folder); their windows are the records' windows.
+    tests/test_default_run_record.py checks the records against the command itself."""
+    records = REPO_ROOT / "benchmarks" / "results" / "default_run"
+    main = json.loads((records / "pma_eval.json").read_text())
+    avx2 = json.loads((records / "avx2" / "pma_eval.json").read_text())
+    assert _comparison_rows((REPO_ROOT / "README.md").read_text()) == _record_rows(main)
+    quickstart = (REPO_ROOT / "docs" / "quickstart.md").read_text()
+    table = [line.replace("AVX2: ", "", 1) for line in quickstart.splitlines() if line.startswith("| AVX2: ")]
+    assert _comparison_rows("\n".join(table)) == _record_rows(avx2)
+    avx2_window = json.loads((records / "avx2" / "pma_merge.json").read_text())["num_sources"]
+    text = " ".join(quickstart.split())
+    assert f"chose a window of {avx2_window} snapshots" in text and f"takes a window of {avx2_window}" in _text()["README.md"]
+    per_token = main["results"]["last snapshot"]["lm"]["loss"]
+    assert f"{per_token:.4f} for the last snapshot" in _text()["README.md"]
