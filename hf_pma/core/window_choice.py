@@ -20,6 +20,11 @@ Pure Python: no torch, no files. The rule, in three steps:
    noisy fit does not end the window). ``k = 1`` means the loss still falls faster than its
    noise: too early for a merge to help, and the last snapshot is the answer.
 
+The rule is total and near-linear: a value it cannot use (NaN, an infinity, a number that no
+float holds, a count beyond :data:`MAX_PROGRESS`, a value of the wrong type) is unknown, as if
+not recorded; losses are fitted on an exact power-of-two scale, so that finite but huge ones
+(1e200) cannot overflow; and the fit grows one snapshot at a time (``O(n log n)`` in all).
+
 Without recorded losses (Trainer checkpoints without a loss, Hub revisions) the trend test cannot
 run: the window is then every snapshot of the stretch within :data:`FALLBACK_SHARE` of the tokens
 trained (torchtitan's EMA uses a half-life of 5% of the elapsed steps, which weighs about the
@@ -34,11 +39,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
+import sys
 from collections.abc import Sequence
 from typing import Any
 
 from hf_pma.core.selection import DEFAULT_WINDOW
-from hf_pma.utils.parsing import is_int, is_number, parameter_error
+from hf_pma.utils.parsing import is_int, parameter_error
 from hf_pma.utils.text import shown
 
 __all__ = [
@@ -69,6 +76,15 @@ MIN_LOSSES = 4
 MIN_FIT = 4
 # Phases in which the learning rate is constant (the merge's regime); None: not recorded.
 CONSTANT_PHASES = ("stable", None)
+# The largest token or step count the rule takes (an int64, as checkpoints store counts); a
+# larger one is unknown, like a missing one.
+MAX_PROGRESS = 2**63 - 1
+# Losses this large or larger are shown in short scientific form (ordinary ones with 3 decimals).
+_SHORT_FROM = 1e6
+# A trend test this close to its limit (in scaled losses) is decided again by the two-pass fit,
+# at most this many times in one choice.
+_CLOSE = 1e-9
+_EXACT_CHECKS = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,11 +157,38 @@ def point_from_record(record: dict[str, Any] | None, tokens: int | None = None, 
     phase = record.get("phase")
     tokens = tokens if tokens is not None else record.get("tokens")
     step = step if step is not None else record.get("step")
+    return _usable(RunPoint(tokens=tokens, step=step, lr=lr, loss=loss, phase=phase))
+
+
+def _finite(value: Any) -> float | None:
+    """``value`` as a finite float, or ``None`` (not a real number, a bool, NaN, an infinity, or
+    an integer too large for a float)."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return None
+    try:
+        number = float(value)
+    except (OverflowError, ValueError, TypeError):
+        return None
+    return number if math.isfinite(number) else None
+
+
+def _count(value: Any) -> int | None:
+    """``value`` as a count in ``[0, MAX_PROGRESS]``, or ``None``."""
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        return None
+    number = int(value)
+    return number if 0 <= number <= MAX_PROGRESS else None
+
+
+def _usable(point: Any) -> RunPoint:
+    """``point`` with every value the rule cannot use made unknown: the one gate through which
+    every point reaches the rule, so that no value can make it raise."""
+    phase = getattr(point, "phase", None)
     return RunPoint(
-        tokens=tokens if is_int(tokens, 0) else None,
-        step=step if is_int(step, 0) else None,
-        lr=float(lr) if is_number(lr) and math.isfinite(lr) else None,
-        loss=float(loss) if is_number(loss) and math.isfinite(loss) else None,
+        tokens=_count(getattr(point, "tokens", None)),
+        step=_count(getattr(point, "step", None)),
+        lr=_finite(getattr(point, "lr", None)),
+        loss=_finite(getattr(point, "loss", None)),
         phase=phase if isinstance(phase, str) else None,
     )
 
@@ -191,8 +234,56 @@ def _noise(losses: Sequence[float]) -> float:
     return 1.4826 * mad / math.sqrt(2)
 
 
+def _exponent(losses: Sequence[float]) -> int:
+    """The power of two that brings every loss within ``[-1, 1]``: dividing by it is exact, so a
+    fit on the scaled losses decides as the unscaled one would, and cannot overflow."""
+    largest = max((abs(x) for x in losses), default=0.0)
+    return math.frexp(largest)[1] if largest > 0 else 0
+
+
+def _unscaled(value: float, exponent: int) -> float:
+    """``value * 2**exponent``, held at the largest float where that overflows."""
+    try:
+        return math.ldexp(value, exponent)
+    except OverflowError:
+        return math.copysign(sys.float_info.max, value)
+
+
+class _NewestFit:
+    """A least-squares line over the newest points, grown one older point at a time (Welford's
+    updates: each point costs O(1), and the sums stay as accurate as a second pass would)."""
+
+    def __init__(self, xs: Sequence[float], ys: Sequence[float]) -> None:
+        self._xs, self._ys = xs, ys
+        self.count = 0
+        self._mx = self._my = self._sxx = self._sxy = self._syy = 0.0
+
+    def grow_to(self, m: int) -> None:
+        """Take in the newest ``m`` points (those not yet in)."""
+        while self.count < m:
+            self.count += 1
+            x, y = self._xs[-self.count], self._ys[-self.count]
+            dx, dy = x - self._mx, y - self._my
+            self._mx += dx / self.count
+            self._my += dy / self.count
+            self._sxx += dx * (x - self._mx)
+            self._sxy += dx * (y - self._my)
+            self._syy += dy * (y - self._my)
+
+    def line(self) -> tuple[float, float]:
+        """The slope and its standard error (0 with 2 points)."""
+        if self._sxx <= 0:
+            return 0.0, 0.0
+        slope = self._sxy / self._sxx
+        if self.count < 3:
+            return slope, 0.0
+        residual = max(0.0, self._syy - slope * self._sxy)  # rounding may take it below 0
+        return slope, math.sqrt(residual / (self.count - 2) / self._sxx)
+
+
 def _slope(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
-    """Least-squares slope of ``ys`` on ``xs`` and its standard error (0 with 2 points)."""
+    """Least-squares slope of ``ys`` on ``xs`` and its standard error (0 with 2 points), in two
+    passes: the exact numbers a reason shows, and the judge of a test too close to call."""
     n = len(xs)
     mx, my = sum(xs) / n, sum(ys) / n
     sxx = sum((x - mx) ** 2 for x in xs)
@@ -205,14 +296,62 @@ def _slope(xs: Sequence[float], ys: Sequence[float]) -> tuple[float, float]:
     return slope, math.sqrt(residual / (n - 2) / sxx)
 
 
+def _fitted(k: int, n: int) -> int:
+    """How many of the newest points the line for a window of ``k`` is fitted to."""
+    return min(n, max(2 * k, MIN_FIT))
+
+
 def _fall(positions: Sequence[int], losses: Sequence[float], k: int) -> tuple[float, float]:
     """How much the loss falls over the newest ``k`` points, from a line fitted to the newest
     ``max(2k, MIN_FIT)`` (as many as there are), and the standard error of that fall."""
     n = len(positions)
-    m = min(n, max(2 * k, MIN_FIT))
+    m = _fitted(k, n)
     slope, stderr = _slope(positions[n - m :], losses[n - m :])
     span = positions[-1] - positions[n - k]
     return -slope * span, stderr * span
+
+
+def _fast_fall(fit: _NewestFit, positions: Sequence[int], k: int) -> tuple[float, float]:
+    """:func:`_fall` from the grown fit, in O(1) for each next ``k`` (equal but for rounding)."""
+    n = len(positions)
+    fit.grow_to(_fitted(k, n))
+    slope, stderr = fit.line()
+    span = positions[-1] - positions[n - k]
+    return -slope * span, stderr * span
+
+
+class _TrendTest:
+    """Whether the loss falls clearly more than ``limit`` noise units over the newest ``k``:
+    decided from the grown fit, and by the two-pass fit where rounding could tip it (at most
+    :data:`_EXACT_CHECKS` times, so a run of ties stays linear)."""
+
+    def __init__(self, positions: Sequence[int], losses: Sequence[float], limit: float) -> None:
+        self._positions, self._losses, self._limit = positions, losses, limit
+        self._fit = _NewestFit([float(p - positions[-1]) for p in positions], losses)  # x near 0
+        self._checks = _EXACT_CHECKS
+
+    def falls(self, k: int) -> bool:
+        """True when the loss falls beyond the limit over the newest ``k`` points."""
+        fall, stderr = _fast_fall(self._fit, self._positions, k)
+        margin = fall - stderr - self._limit
+        # The losses are scaled within [-1, 1]: rounding moves the margin by far less than this.
+        if abs(margin) <= _CLOSE * (1.0 + self._limit) and self._checks > 0:
+            self._checks -= 1
+            fall, stderr = _fall(self._positions, self._losses, k)
+            margin = fall - stderr - self._limit
+        return margin > 0
+
+
+def _loss_text(value: float) -> str:
+    """A loss difference for a reason: 3 decimals, or 3 digits where it is huge."""
+    return f"{value:.3f}" if abs(value) < _SHORT_FROM else f"{value:.3g}"
+
+
+def _moves_text(fall: float) -> str:
+    """How the training loss moves, said as it went: a fall as a fall, a rise as a rise."""
+    if fall < 0:
+        return f"rises by {_loss_text(-fall)}"
+    return f"falls by {_loss_text(fall)}"
 
 
 def _share(span: int, newest: int) -> float | None:
@@ -231,9 +370,12 @@ def choose_window(
     fallback_share: float = FALLBACK_SHARE,
 ) -> WindowChoice:
     """The automatic window over ``points`` (the candidate snapshots, oldest first): see the
-    module docstring for the rule. ``ValueError`` when there is no point."""
+    module docstring for the rule; any value of a point the rule cannot use is unknown. A one-line
+    ``ValueError`` when there is no point or a setting is out of its range."""
     if not points:
         raise ValueError("no snapshots to choose a window from")
+    _check_settings(max_share, trend_limit, fallback_share)
+    points = [_usable(p) for p in points]
     if len(points) == 1:
         return WindowChoice(1, "single", "only one snapshot")
     newest = points[-1]
@@ -272,6 +414,17 @@ def choose_window(
     )
 
 
+def _check_settings(max_share: Any, trend_limit: Any, fallback_share: Any) -> None:
+    """Refuse a share outside ``(0, 1]`` or a negative or non-finite trend limit, in one line."""
+    for name, value in (("max_share", max_share), ("fallback_share", fallback_share)):
+        number = _finite(value)
+        if number is None or not 0 < number <= 1:
+            raise parameter_error(name, f"must be a number in (0, 1], got {shown(value, 60)}")
+    number = _finite(trend_limit)
+    if number is None or number < 0:
+        raise parameter_error("trend_limit", f"must be a finite number >= 0, got {shown(trend_limit, 60)}")
+
+
 def choose_for_snapshots(snapshots: Sequence[tuple[Any, Any]]) -> WindowChoice:
     """:func:`choose_window` over a run's listed snapshots: ``(record, folder)`` pairs, oldest
     first, as ``SnapshotTaker.snapshots()`` gives them (each record read by its ``to_dict()``)."""
@@ -287,32 +440,38 @@ def _by_trend(
     trend_limit: float,
     stretch_note: str,
 ) -> WindowChoice:
-    """Step 3 of the rule over one stretch (every loss known)."""
+    """Step 3 of the rule over one stretch (every loss known). The test runs on the losses
+    scaled by a power of two (exactly), and the numbers it reports are scaled back."""
     n, end = len(points), positions[-1]
-    noise = _noise(losses)
-    chosen, trend, trend_se, capped = 1, 0.0, 0.0, False
+    exponent = _exponent(losses)
+    scaled = [math.ldexp(x, -exponent) for x in losses]
+    noise = _noise(scaled)
+    falls = _TrendTest(positions, scaled, trend_limit * noise)
+    chosen, capped = 1, False
     for k in range(2, n + 1):
         span = end - positions[n - k]
         if span > max_share * end:
             capped = True
             break
-        fall, stderr = _fall(positions, losses, k)
-        if fall - stderr > trend_limit * noise:  # a fall beyond the noise, and clearly so
+        if falls.falls(k):  # a fall beyond the noise, and clearly so
             break
-        chosen, trend, trend_se = k, fall, stderr
+        chosen = k
     share = _share(end - positions[n - chosen], end)
+    noise = _unscaled(noise, exponent)
     if chosen == 1:
-        fall, _stderr = _fall(positions, losses, 2)
+        fall = _unscaled(_fall(positions, scaled, 2)[0], exponent)
         if capped:
             reason = (
                 f"even two snapshots span more than {100 * max_share:.0f}% of the {unit} trained{stretch_note}"
             )
         else:
             reason = (
-                f"the training loss still falls by {fall:.3f} between the last two snapshots, more than "
-                f"{trend_limit:g}x its noise ({noise:.3f}){stretch_note}: too early for a merge to help"
+                f"the training loss still {_moves_text(fall)} between the last two snapshots, more "
+                f"than {trend_limit:g}x its noise ({_loss_text(noise)}){stretch_note}: too early for a merge "
+                "to help"
             )
         return WindowChoice(1, "too-early", reason, share=None, trend=fall, noise=noise)
+    trend, trend_se = (_unscaled(v, exponent) for v in _fall(positions, scaled, chosen))
     limit = (
         f"; a longer one would span more than {100 * max_share:.0f}% of the {unit} trained"
         if capped
@@ -321,9 +480,9 @@ def _by_trend(
     return WindowChoice(
         chosen,
         "cap" if capped else "trend",
-        f"{unit} {positions[n - chosen]:,} to {end:,} ({_percent(share)}): the training loss falls by "
-        f"{trend:.3f} (± {trend_se:.3f}) over them, not clearly more than {trend_limit:g}x its noise "
-        f"({noise:.3f}){stretch_note}{limit}",
+        f"{unit} {positions[n - chosen]:,} to {end:,} ({_percent(share)}): the training loss {_moves_text(trend)} "
+        f"(± {_loss_text(trend_se)}) over them, not clearly more than {trend_limit:g}x "
+        f"its noise ({_loss_text(noise)}){stretch_note}{limit}",
         share=share,
         trend=trend,
         noise=noise,

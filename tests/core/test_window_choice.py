@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import math
 import random
+import sys
 
 import pytest
 
+from hf_pma.core import window_choice
 from hf_pma.core.selection import DEFAULT_WINDOW
 from hf_pma.core.window_choice import (
     MAX_SHARE,
@@ -123,3 +127,122 @@ def test_bad_windows_are_one_line_errors_naming_the_option(value):
     with pytest.raises(ValueError, match=r"^pma_window must be 'auto' or a positive number") as err:
         check_window_count(value, "pma_window")
     assert "\n" not in str(err.value)
+
+
+# Totality: every value a point can hold gives a choice, never an error.
+
+def _alternating(n, low, high):
+    return run([low if i % 2 else high for i in range(n)])
+
+
+@pytest.mark.parametrize("low,high", [(0.0, 1e200), (-1.7e308, 1.7e308), (0.0, 5e-324), (-1e300, -1e300)])
+def test_finite_but_extreme_losses_give_a_choice_with_finite_numbers(low, high):
+    choice = choose_window(_alternating(40, low, high))
+    assert 1 <= choice.count <= 40 and choice.reason and "\n" not in choice.reason
+    json.dumps(choice.to_dict(), allow_nan=False)  # the merge record stays valid JSON
+    assert len(choice.describe()) < 300
+
+
+def test_huge_losses_are_shown_short():
+    choice = choose_window(_alternating(40, 0.0, 1e200))
+    assert "e+19" in choice.reason and "0" * 50 not in choice.reason
+
+
+def test_scaling_every_loss_by_a_power_of_two_changes_no_decision():
+    losses = noisy(60, 5.0, 0.03, slope=0.005, seed=1)
+    plain = choose_window(run(losses))
+    for power in (-1000, -60, 60, 1000):
+        scaled = choose_window(run([math.ldexp(x, power) for x in losses]))
+        assert (scaled.count, scaled.rule) == (plain.count, plain.rule)
+        assert scaled.trend == math.ldexp(plain.trend, power)
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [("loss", math.nan), ("loss", math.inf), ("loss", -math.inf), ("loss", 10**400), ("loss", "4.0"),
+     ("loss", True), ("tokens", 10**400), ("tokens", -5), ("tokens", 2.5), ("tokens", True),
+     ("lr", math.nan), ("lr", 10**400), ("lr", -math.inf), ("phase", ["stable"])],
+)
+def test_a_value_the_rule_cannot_use_is_unknown(field, value):
+    points = run(noisy(30, 4.0, 0.05))
+    bad = [dataclasses.replace(p, **{field: value}) if i == 20 else p for i, p in enumerate(points)]
+    unknown = [dataclasses.replace(p, **{field: None}) if i == 20 else p for i, p in enumerate(points)]
+    assert choose_window(bad) == choose_window(unknown)
+
+
+def test_records_with_numbers_no_float_holds_are_unknown():
+    point = point_from_record({"lr": 10**400, "loss": -(10**400), "tokens": 10**400, "step": 2**63})
+    assert point == RunPoint()
+    assert point_from_record({"tokens": 2**63 - 1}).tokens == 2**63 - 1
+
+
+@pytest.mark.parametrize(
+    "setting,value", [("max_share", math.nan), ("max_share", 0), ("fallback_share", 1.5), ("trend_limit", math.inf),
+                      ("trend_limit", -1), ("max_share", "0.2")]
+)
+def test_settings_out_of_range_are_one_line_errors(setting, value):
+    with pytest.raises(ValueError, match=rf"^{setting} must be ") as err:
+        choose_window(run(noisy(10, 4.0, 0.05)), **{setting: value})
+    assert "\n" not in str(err.value)
+
+
+# Cost: the rule's work grows about linearly with the snapshots (it was quadratic).
+
+def _work(points):
+    """How many lines of the rule's module run for one choice: a count, not a time."""
+    lines, module = 0, window_choice.__file__
+
+    def local(frame, event, arg):
+        nonlocal lines
+        lines += 1
+        return local
+
+    def calls(frame, event, arg):
+        return local if frame.f_code.co_filename == module else None
+
+    previous = sys.gettrace()
+    sys.settrace(calls)
+    try:
+        choose_window(points)
+    finally:
+        sys.settrace(previous)
+    return lines
+
+
+def test_the_rule_does_linear_work_in_its_worst_layout():
+    # The worst layout: a flat loss far from the run's start, so the cap never ends the window.
+    def far_flat(n):
+        return run(noisy(n, 4.0, 0.05, seed=2), start=10**8)
+
+    small, large = _work(far_flat(400)), _work(far_flat(1600))
+    assert choose_window(far_flat(1600)).count == 1600
+    assert large < 5 * small  # 4x the snapshots: about 4x the work (quadratic was about 16x)
+
+
+# The commands that show the rule's choice: a run whose records hold hostile losses.
+
+def _no_constant(name):
+    raise AssertionError(f"the record holds {name}: not JSON")
+
+
+def test_merge_and_inspect_take_a_run_whose_losses_overflow_a_fit(tmp_path):
+    from tests.helpers.cli import run_cli
+    from tests.helpers.snapshot_runs import noise_deviation, write_run
+
+    losses = [0.0 if i % 2 else 1e200 for i in range(8)]  # finite, but their squares are not
+    run_dir, _ = write_run(tmp_path / "run", 8, noise_deviation(), losses=losses, interval=1000)
+    merged = run_cli("merge", run_dir, "--last", "auto", "--output", tmp_path / "merged")
+    assert merged.returncode == 0, merged.stderr
+    record = json.loads((tmp_path / "merged" / "pma_merge.json").read_text(), parse_constant=_no_constant)
+    assert 2 <= record["window"]["auto"]["count"] <= 8 and "e+19" in record["window"]["auto"]["reason"]
+    inspected = run_cli("inspect", run_dir)
+    assert inspected.returncode == 0 and "Traceback" not in inspected.stderr, inspected.stderr
+    assert "auto window: the newest" in inspected.stdout
+
+
+def test_a_rising_loss_is_said_as_a_rise():
+    """A window over which the training loss rose says so ("rises by 0.020"), never "falls by -0.020"."""
+    points = [RunPoint(tokens=1000 * (i + 1), step=i + 1, lr=1e-3, loss=3.0 + 0.01 * i, phase="stable") for i in range(12)]
+    choice = choose_window(points)
+    assert choice.trend < 0 and "the training loss rises by 0.020 (± 0.000) over them" in choice.reason
+    assert "falls by -" not in choice.reason
