@@ -89,7 +89,8 @@ def test_two_models_side_by_side(setup, capsys):
     assert report["results"]["snapshot-100"]["lm"] != report["results"]["merged"]["lm"]
 
     record = json.loads((setup["merged"] / "pma_eval.json").read_text())
-    assert record == {"results": report["results"], "eval_dataset": "heldout.jsonl"}
+    assert record == {"results": report["results"], "eval_dataset": "heldout.jsonl", "eval_documents": report["eval_documents"]}
+    assert report["eval_documents"].startswith("sha256:")
 
 
 def test_results_go_to_the_current_folder_by_default_and_a_run_stands_for_its_newest_snapshots(
