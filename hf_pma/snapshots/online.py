@@ -11,7 +11,8 @@ snapshots and merging afterwards:
 * no choice after the fact: the strategy, window and exclusions of a spike cannot be changed
   later;
 * it survives a restart only through Trainer checkpoints (the average is saved with each
-  checkpoint and restored on resume, bit for bit).
+  checkpoint and restored on resume, bit for bit; staged before the checkpoint is written, so a
+  kill between the two loses nothing: :meth:`hf_pma.snapshots.sinks.OnlineAverageSink.stage_checkpoint`).
 
 The kinds, each one float32 copy of the weights, and the offline merge each one equals:
 
@@ -121,6 +122,9 @@ class OnlineAverage:
         # The raw ``__metadata__`` of the file :meth:`load_state` read (empty otherwise), and its path.
         self.metadata: dict[str, str] = {}
         self.source: str | None = None
+        # (optimizer step, tokens) of the checkpoint :meth:`save_state` wrote it for (``None``: not
+        # said, a file of an older hf-pma): a checkpoint of another step must not resume from it.
+        self.saved_at: tuple[int, int] | None = None
 
     @property
     def options(self) -> dict[str, Any]:
@@ -284,10 +288,19 @@ class OnlineAverage:
         """Bytes of memory the average holds."""
         return sum(t.numel() * t.element_size() for t in self._average.values())
 
-    def save_state(self, path: str | os.PathLike[str], extra_metadata: dict[str, str] | None = None) -> None:
-        """Save the average and its bookkeeping to one safetensors file (for checkpoints);
-        ``extra_metadata`` is stored beside (a sharded average's rank, world size and slices)."""
+    def save_state(
+        self,
+        path: str | os.PathLike[str],
+        extra_metadata: dict[str, str] | None = None,
+        *,
+        at: tuple[int, int] | None = None,
+    ) -> None:
+        """Save the average and its bookkeeping to one safetensors file (for checkpoints), atomically
+        (a temporary name, fsync, rename); ``extra_metadata`` is stored beside (a sharded average's
+        rank, world size and slices), ``at`` (the checkpoint's optimizer step and tokens) as
+        ``saved_at``, what :meth:`load_state` gives back as :attr:`saved_at`."""
         from hf_pma.snapshots.writer import write_safetensors
+        from hf_pma.utils.fs import atomic_write_file
 
         metadata = {
             **(extra_metadata or {}),
@@ -307,9 +320,9 @@ class OnlineAverage:
                 }
             ),
         }
-        tmp = f"{os.fspath(path)}.tmp"
-        write_safetensors(tmp, self._average, metadata=metadata)
-        os.replace(tmp, path)
+        if at is not None:
+            metadata["saved_at"] = json.dumps({"step": int(at[0]), "tokens": int(at[1])})
+        atomic_write_file(path, lambda tmp: write_safetensors(tmp, self._average, metadata=metadata))
 
     @classmethod
     def load_state(cls, path: str | os.PathLike[str]) -> OnlineAverage:
@@ -342,6 +355,7 @@ class OnlineAverage:
                 if average.records and len(average.records) != count:
                     raise ValueError(f"'count' is {count} but 'records' holds {len(average.records)}")
                 average._load_bookkeeping(state)
+                average.saved_at = _saved_at(metadata, path)
                 average.metadata = dict(metadata)
             except (KeyError, TypeError, ValueError) as err:
                 raise ValueError(f"{escape(path)} is not an hf-pma online average: {escape(err)}") from None
@@ -406,3 +420,17 @@ class OnlineAverage:
                 f"hf-pma: {where} holds an online average taken with {other.options}; this run asks for "
                 f"{self.options}: resume with the same online options"
             )
+
+
+def _saved_at(metadata: dict[str, str], path: str | os.PathLike[str]) -> tuple[int, int] | None:
+    """The ``saved_at`` of a saved average's metadata (``None`` when absent); ``ValueError`` when
+    it is not an optimizer step and a token count."""
+    from hf_pma.io.guarded import parse_json
+
+    if "saved_at" not in metadata:
+        return None
+    value = parse_json(metadata["saved_at"], f"{escape(path)}: metadata 'saved_at'")
+    counts = [value.get(key) for key in ("step", "tokens")] if isinstance(value, dict) else [None]
+    if len(counts) != 2 or not all(type(c) is int and 0 <= c < 2**63 for c in counts):
+        raise ValueError("'saved_at' is not an optimizer step and a token count")
+    return counts[0], counts[1]

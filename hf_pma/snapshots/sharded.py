@@ -73,8 +73,11 @@ from hf_pma.snapshots.sinks import (
     DiskSnapshotSink,
     OnlineAverageSink,
     ResumePoint,
+    check_nothing_lost,
     check_rank_files_agree,
+    check_saved_for,
     online_state_name,
+    restore_staged_states,
 )
 from hf_pma.snapshots.writer import (
     check_replaceable,
@@ -82,7 +85,7 @@ from hf_pma.snapshots.writer import (
     write_metadata_files,
     write_snapshot_record,
 )
-from hf_pma.utils.fs import atomic_write_text, fsync_dir, fsync_tree, remove_tree
+from hf_pma.utils.fs import atomic_write_text, fsync_dir, publish_folder
 from hf_pma.utils.text import escape, shown
 
 logger = logging.get_logger(__name__)
@@ -209,13 +212,9 @@ def finish_sharded_snapshot(
         write_extras(tmp)
     (tmp / SHARDED_TMP_MARKER).unlink(missing_ok=True)  # the mark never ends up in the snapshot
     write_snapshot_record(tmp, record)
-    fsync_tree(tmp)
     final = pma_dir / record.path
     check_replaceable(final, pma_dir)  # never a folder or file that is not entirely hf-pma's
-    if final.exists():
-        remove_tree(final)
-    os.replace(tmp, final)
-    fsync_dir(pma_dir)
+    publish_folder(tmp, final)  # an older one of the same name is replaced whole, even by a crash
     deleted = add_snapshot(pma_dir, record, keep_last=keep_last)
     return record, deleted
 
@@ -482,6 +481,11 @@ class ShardedOnlineAverageSink(OnlineAverageSink):
         the main process checks the final folder can be written. A failure stops every rank."""
         from hf_pma.utils.distributed import all_ranks_checked
 
+        if resume is not None:  # a state staged for the checkpoint, and not moved in before a kill: moved now
+            all_ranks_checked(
+                lambda: restore_staged_states(self.pma_dir, resume) if self.is_main else None,
+                "restoring the online average staged for the checkpoint",
+            )
         counts = all_ranks_checked(lambda: self._restore(resume), "restoring the sharded online average")
         if resume is not None:
             missing = [r for r, c in enumerate(counts) if c is None]
@@ -490,16 +494,14 @@ class ShardedOnlineAverageSink(OnlineAverageSink):
                     f"hf-pma: {escape(resume.checkpoint_dir)} lacks the online average of rank(s) {missing}: "
                     "resume from a checkpoint that every rank saved"
                 )
-            if missing:
-                logger.warning(
-                    f"hf-pma: no online average in {escape(resume.checkpoint_dir)}; the online average restarts empty"
-                )
-            elif len(set(counts)) > 1:
+            # The same on every rank (every rank read the checkpoint's state): all raise, or none.
+            check_nothing_lost(resume, None if missing else counts[0], self.average.options)
+            if not missing and len(set(counts)) > 1:
                 raise ValueError(
                     f"hf-pma: the ranks' online averages in {escape(resume.checkpoint_dir)} hold different numbers of "
                     f"snapshots ({counts}): the checkpoint is inconsistent"
                 )
-            elif self.is_main:
+            if not missing and self.is_main:
                 logger.info(
                     f"hf-pma: restored the sharded online {self.average.kind} average of {counts[0]} snapshots "
                     f"({self.world_size} ranks)"
@@ -519,10 +521,10 @@ class ShardedOnlineAverageSink(OnlineAverageSink):
         # taken for "no average", which would restart it empty).
         if not os.path.lexists(first) and not os.path.lexists(single):
             return None
-        average = OnlineAverage.load_state(
-            path if os.path.lexists(path) else first if os.path.lexists(first) else single
-        )
+        read = path if os.path.lexists(path) else first if os.path.lexists(first) else single
+        average = OnlineAverage.load_state(read)
         self.average.check_same_options(average, escape(path))
+        check_saved_for(average.saved_at, resume, read)
         saved_world = average.metadata.get("world_size", "1" if not os.path.lexists(first) else None)
         if saved_world == str(self.world_size) and os.path.lexists(first):
             if not os.path.lexists(path):
@@ -674,27 +676,27 @@ class ShardedOnlineAverageSink(OnlineAverageSink):
 
         return restore
 
-    def save_checkpoint(self, checkpoint_dir: Path) -> None:
-        """Every rank: its part of the average into the checkpoint, ``pma_online-rank<r>.safetensors``."""
-        self.settle()
-        if self.average.count == 0:
-            return
-        if not checkpoint_dir.is_dir():
-            logger.warning(f"hf-pma: {escape(checkpoint_dir)} is not a folder; the online average was not saved in it")
-            return
+    # Every rank stages and saves its own part, ``pma_online-rank<r>.safetensors`` (the mechanism
+    # of OnlineAverageSink.stage_checkpoint / save_checkpoint), once the average holds a snapshot.
+
+    def _state_name(self) -> str:
+        return online_state_name(self.rank)
+
+    def _keeps_state(self) -> bool:
+        return self.average.count > 0
+
+    def _state_metadata(self) -> dict[str, str]:
+        """This rank's file's metadata: world size, rank and where each slice sits."""
         layout = {name: _slice_layout(self._slices[name]) for name in self.average._average}
-        self.average.save_state(
-            checkpoint_dir / online_state_name(self.rank),
-            extra_metadata={
-                "world_size": str(self.world_size),
-                "rank": str(self.rank),
-                "slices": json.dumps(layout),
-                # The layout of a sharded snapshot's rank file: readable by global offsets at any world size.
-                DCP_SHARDING_INFO_KEY: json.dumps({n: {SAVED_OFFSETS_KEY: entry[0]} for n, entry in layout.items()}),
-                GLOBAL_SHAPES_KEY: json.dumps({n: entry[2] for n, entry in layout.items()}),
-                DCP_VERSION_KEY: _DCP_VERSION,
-            },
-        )
+        return {
+            "world_size": str(self.world_size),
+            "rank": str(self.rank),
+            "slices": json.dumps(layout),
+            # The layout of a sharded snapshot's rank file: readable by global offsets at any world size.
+            DCP_SHARDING_INFO_KEY: json.dumps({n: {SAVED_OFFSETS_KEY: entry[0]} for n, entry in layout.items()}),
+            GLOBAL_SHAPES_KEY: json.dumps({n: entry[2] for n, entry in layout.items()}),
+            DCP_VERSION_KEY: _DCP_VERSION,
+        }
 
     # -- the end --------------------------------------------------------------------------------
 

@@ -18,6 +18,7 @@ Every method is called on every process, in the same order, so a sink may use co
     sink.take(model, record)           # copy the weights now (the next step changes them)
     sink.commit()                      # the record is final (its loss is known): hand it to the writer
     sink.before_checkpoint()           # a Trainer checkpoint follows: the write in flight lands first
+    sink.stage_checkpoint(step, tokens)  # ... of that step: what the sink resumes from, staged before it
     sink.save_checkpoint(dir)          # on_save: what the sink needs to resume, in the checkpoint
     sink.close(model)                  # train end: wait for the writes, write final outputs
 """
@@ -25,7 +26,9 @@ Every method is called on every process, in the same order, so a sink may use co
 from __future__ import annotations
 
 import dataclasses
+import errno
 import os
+import re
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, ClassVar
@@ -63,12 +66,29 @@ from hf_pma.snapshots.writer import (
     write_folder_atomically,
     write_model_folder,
 )
-from hf_pma.utils.fs import atomic_write_json, is_library_folder, temporary_path
+from hf_pma.utils.fs import (
+    atomic_write_json,
+    fsync_dir,
+    is_library_folder,
+    remove_stale_temporaries,
+    temporary_path,
+)
 from hf_pma.utils.text import escape
 
 logger = logging.get_logger(__name__)
 
-__all__ = ["ONLINE_STATE_NAME", "online_state_name", "ResumePoint", "SnapshotSink", "DiskSnapshotSink", "OnlineAverageSink"]
+__all__ = [
+    "ONLINE_STATE_NAME",
+    "STAGED_STATE_DIR",
+    "online_state_name",
+    "ResumePoint",
+    "SnapshotSink",
+    "DiskSnapshotSink",
+    "OnlineAverageSink",
+    "check_saved_for",
+    "check_nothing_lost",
+    "restore_staged_states",
+]
 
 # File in a Trainer checkpoint folder holding the online average (online mode only).
 ONLINE_STATE_NAME = "pma_online.safetensors"
@@ -79,6 +99,137 @@ def online_state_name(rank: int) -> str:
     return f"pma_online-rank{rank}.safetensors"
 
 
+# Under the snapshot folder: the online average's state for a checkpoint about to be written,
+# ``step-<step>-<file>``, written before the checkpoint and moved into it once it is written (a
+# checkpoint and its average are never one atomic write: this is what survives a kill between).
+STAGED_STATE_DIR = "staged-online-state"
+_STAGED_RE = re.compile(r"step-(\d{1,19})-(pma_online(?:-rank\d{1,7})?\.safetensors)")
+
+
+def staged_state_path(pma_dir: Path, step: int, name: str) -> Path:
+    """Where the state file ``name`` of the checkpoint of optimizer step ``step`` is staged."""
+    return pma_dir / STAGED_STATE_DIR / f"step-{step}-{name}"
+
+
+def _staged_entries(pma_dir: Path) -> list[tuple[int, str, Path]]:
+    """The staged state files (``(step, file name in the checkpoint, path)``); hf-pma's names only."""
+    folder = pma_dir / STAGED_STATE_DIR
+    if not folder.is_dir() or folder.is_symlink():
+        return []
+    entries = []
+    for entry in os.scandir(folder):
+        match = _STAGED_RE.fullmatch(entry.name)
+        if match and entry.is_file(follow_symlinks=False):
+            entries.append((int(match[1]), match[2], Path(entry.path)))
+    return entries
+
+
+def _stamp(path: Path, folder: Path) -> tuple[int, int] | None:
+    """The ``saved_at`` (step, tokens) in the header of a saved average; ``None`` when unreadable
+    or absent (never taken for the state of a checkpoint)."""
+    from hf_pma.io.safetensors import SafetensorsReader
+    from hf_pma.snapshots.online import _saved_at
+
+    try:
+        with SafetensorsReader(path, folder) as reader:
+            return _saved_at(reader.metadata, path)
+    except (OSError, ValueError):
+        return None
+
+
+def restore_staged_states(pma_dir: Path, resume: ResumePoint) -> list[str]:
+    """Main process, on resume: finish the move of the average's state into the resumed checkpoint
+    that a kill interrupted. Every file staged for ``resume``'s step and tokens goes into the
+    checkpoint in place of a missing or stale (other step's) one; one the checkpoint already holds
+    is dropped. Returns the names moved in."""
+    staging = pma_dir / STAGED_STATE_DIR
+    if staging.is_dir() and not staging.is_symlink():  # a kill mid-write leaves a temporary
+        remove_stale_temporaries(staging)
+    moved = []
+    at = (resume.step, resume.tokens)
+    for step, name, staged in _staged_entries(pma_dir):
+        if step != resume.step or _stamp(staged, staged.parent) != at:
+            continue  # another checkpoint's (a later save of this step overwrites it)
+        target = resume.checkpoint_dir / name
+        if os.path.lexists(target) and _stamp(target, resume.checkpoint_dir) == at:
+            staged.unlink()  # moved in already; the kill came before the staged name was gone
+            continue
+        os.replace(staged, target)  # the one way a missing or stale file is replaced: ours, by stamp
+        moved.append(name)
+    if moved:
+        fsync_dir(resume.checkpoint_dir)
+        logger.warning(
+            f"hf-pma: {escape(resume.checkpoint_dir)} lacked its online average (a run stopped before saving it "
+            f"there); restored it from {escape(pma_dir / STAGED_STATE_DIR)}"
+        )
+    return moved
+
+
+def _move_staged(staged: Path, target: Path, rewrite: Any) -> None:
+    """``staged`` becomes ``target`` by one rename; across filesystems (or when it is gone),
+    ``rewrite()`` writes ``target`` afresh and the staged file is removed."""
+    try:
+        os.replace(staged, target)
+    except OSError as err:
+        if err.errno not in (errno.EXDEV, errno.ENOENT):
+            raise
+        rewrite()
+        staged.unlink(missing_ok=True)
+    fsync_dir(target.parent)
+
+
+def _earlier_with_average(resume: ResumePoint) -> str:
+    """How to resume instead: the latest earlier ``checkpoint-<k>`` beside the resumed one that
+    holds an online average, named; or what to look for."""
+    best = None
+    parent = resume.checkpoint_dir.parent
+    for entry in os.scandir(parent) if parent.is_dir() else []:
+        match = re.fullmatch(r"checkpoint-(\d{1,19})", entry.name)
+        if match and int(match[1]) < resume.step and (best is None or int(match[1]) > best[0]):
+            names = (ONLINE_STATE_NAME, online_state_name(0))
+            if any(os.path.lexists(os.path.join(entry.path, n)) for n in names):
+                best = (int(match[1]), entry.name)
+    if best is not None:
+        return f"resume from {escape(best[1])} beside it, which holds one"
+    return "resume from an earlier checkpoint holding pma_online*.safetensors, or start over in a new output_dir"
+
+
+def check_saved_for(saved_at: tuple[int, int] | None, resume: ResumePoint, path: Path) -> None:
+    """``ValueError`` (one line) when the average read from ``path`` was saved for another
+    checkpoint than ``resume``'s (another step or token count): resumed, it would hold other
+    snapshots than the run had at that step. ``None`` (an older hf-pma's file) is taken as is."""
+    if saved_at is not None and saved_at != (resume.step, resume.tokens):
+        raise ValueError(
+            f"hf-pma: {escape(path)} holds the online average of step {saved_at[0]} ({saved_at[1]:,} tokens), not of "
+            f"this checkpoint's step {resume.step} ({resume.tokens:,} tokens): {_earlier_with_average(resume)}"
+        )
+
+
+def check_nothing_lost(resume: ResumePoint, count: int | None, options: dict[str, Any]) -> None:
+    """On resume, what was restored (``count`` snapshots; ``None``: no average in the checkpoint)
+    against what the checkpoint's own state says the run held, when it says it of this step and an
+    average of these ``options`` (not another callback's): ``ValueError`` (one line, how to resume
+    instead) rather than an average of fewer snapshots than the uninterrupted run's."""
+    said = resume.online if isinstance(resume.online, dict) else None
+    if said is not None and (said.get("step") != resume.step or said.get("options") != options):
+        said = None
+    held = said.get("count") if said is not None else None
+    if held is not None and (type(held) is not int or held < 0):
+        raise ValueError(f"hf-pma: {escape(resume.checkpoint_dir)}: its state's online 'count' is not a count")
+    if count is None and held:
+        raise ValueError(
+            f"hf-pma: {escape(resume.checkpoint_dir)} lacks the online average of {held} snapshots the run held (stopped "
+            f"before saving it?): {_earlier_with_average(resume)}"
+        )
+    if count is not None and held is not None and count != held:
+        raise ValueError(
+            f"hf-pma: the online average in {escape(resume.checkpoint_dir)} holds {count} snapshots, but the run held "
+            f"{held} when it wrote the checkpoint: {_earlier_with_average(resume)}"
+        )
+    if count is None and held is None:
+        logger.warning(f"hf-pma: no online average in {escape(resume.checkpoint_dir)}; the online average restarts empty")
+
+
 @dataclasses.dataclass(frozen=True)
 class ResumePoint:
     """Where a resumed run starts: its token count, optimizer step and Trainer checkpoint folder."""
@@ -86,6 +237,9 @@ class ResumePoint:
     tokens: int
     step: int
     checkpoint_dir: Path
+    #: What the checkpoint's own state says of its online average (``{"step", "count", "options"}``:
+    #: the snapshots it held when the checkpoint was written); ``None`` when it says nothing.
+    online: dict[str, Any] | None = None
 
 
 class SnapshotSink:
@@ -214,6 +368,10 @@ class SnapshotSink:
         if self.worker.busy:
             self.worker.wait(reason="the checkpoint", warn=False)
         self.worker.raise_if_failed()
+
+    def stage_checkpoint(self, step: int, tokens: int) -> None:
+        """A checkpoint of optimizer step ``step`` (``tokens`` seen) follows, and nothing changes
+        before it: stage what :meth:`save_checkpoint` puts into it; nothing by default."""
 
     def save_checkpoint(self, checkpoint_dir: Path) -> None:
         """Store in a Trainer checkpoint folder what this sink needs to resume; nothing by default."""
@@ -381,7 +539,7 @@ class DiskSnapshotSink(SnapshotSink):
 
 # What every rank's file of one sharded online average holds alike (the bookkeeping of the same
 # snapshots; the tensors, rank and slices differ).
-RANK_SHARED_METADATA = ("kind", "alpha", "count", "online_state")
+RANK_SHARED_METADATA = ("kind", "alpha", "count", "online_state", "saved_at")
 
 
 def check_rank_files_agree(files: list[Path], folder: Path, first: dict[str, str] | None = None) -> None:
@@ -480,26 +638,32 @@ class OnlineAverageSink(SnapshotSink):
         self.staging = StagingBuffers()
         self._model_dtype: torch.dtype | None = None
         self._interval_tokens: int | None = None
+        # The state staged for the next checkpoint, and what it was staged as (step, tokens, count, last tokens).
+        self._staged: tuple[Path, tuple[Any, ...]] | None = None
 
     def open(self, resume: ResumePoint | None) -> dict[str, Any]:
         """Check the folder is writable; on resume, restore the average saved in the checkpoint."""
         if not self.is_main:
             return {}
         if resume is not None:
+            restore_staged_states(self.pma_dir, resume)
             path = resume.checkpoint_dir / ONLINE_STATE_NAME
             ranks = resume.checkpoint_dir / online_state_name(0)
+            restored = None
             # Present: anything there (a FIFO, a link), which the one way in then refuses. Only rank
             # files: saved by a sharded run, read by global offsets.
             if not os.path.lexists(path) and os.path.lexists(ranks):
-                self.average = _read_sharded_average(resume.checkpoint_dir, self.average)
-                logger.info(f"hf-pma: restored the online {self.average.kind} average of {self.average.count} snapshots")
+                restored = _read_sharded_average(resume.checkpoint_dir, self.average)
+                check_saved_for(restored.saved_at, resume, ranks)
             elif os.path.lexists(path):
                 restored = OnlineAverage.load_state(path)
                 self.average.check_same_options(restored, escape(path))
+                check_saved_for(restored.saved_at, resume, path)
+            count = restored.count if restored is not None else None
+            check_nothing_lost(resume, count, self.average.options)
+            if restored is not None:
                 self.average = restored
                 logger.info(f"hf-pma: restored the online {self.average.kind} average of {self.average.count} snapshots")
-            else:
-                logger.warning(f"hf-pma: no online average at {path}; the online average restarts empty")
             self.average.device = self.online_device  # a restored average goes where this run keeps it
         self._check_target()
         return {}
@@ -510,7 +674,14 @@ class OnlineAverageSink(SnapshotSink):
         return self.pma_dir / f"online-{self.average.kind}"
 
     def _check_target(self) -> None:
-        """Main process: the final folder is absent or hf-pma's, and the snapshot folder writable."""
+        """Main process: the final folder is absent or hf-pma's, the staging folder absent or a real
+        folder, and the snapshot folder writable."""
+        staging = self.pma_dir / STAGED_STATE_DIR
+        if staging.is_symlink() or (os.path.lexists(staging) and not staging.is_dir()):
+            raise FileExistsError(
+                f"hf-pma: {escape(staging)} is a link or a file, not the folder hf-pma stages the online average "
+                "in before each checkpoint: move it away"
+            )
         target = self.target
         if os.path.lexists(target) and not is_library_folder(target, MERGE_RECORD_NAME):
             raise FileExistsError(
@@ -657,13 +828,67 @@ class OnlineAverageSink(SnapshotSink):
 
         return restore
 
-    def save_checkpoint(self, checkpoint_dir: Path) -> None:
-        """Save the average into the Trainer checkpoint folder (main process)."""
-        if not self.is_main:
-            return
+    # -- checkpoints: the state is staged before the checkpoint, moved in after it ----------------
+
+    def _state_name(self) -> str:
+        """This process's file of the average in a checkpoint folder."""
+        return ONLINE_STATE_NAME
+
+    def _state_metadata(self) -> dict[str, str] | None:
+        """What is stored beside the average in its checkpoint file (a sharded average: its slices)."""
+        return None
+
+    def _keeps_state(self) -> bool:
+        """Whether this process saves (a part of) the average into checkpoints."""
+        return self.is_main
+
+    def stage_checkpoint(self, step: int, tokens: int) -> None:
+        """The average as of optimizer step ``step`` is written (atomically, stamped with ``step``
+        and ``tokens``) to ``<pma_dir>/staged-online-state/step-<step>-<file>`` before the Trainer writes
+        that step's checkpoint: a kill after the checkpoint, before :meth:`save_checkpoint` moved
+        the state in, leaves it where the next :meth:`open` finds it and moves it in."""
         self.settle()
-        if checkpoint_dir.is_dir():
-            self.average.save_state(checkpoint_dir / ONLINE_STATE_NAME)
+        if not self._keeps_state():
+            return
+        key = (step, tokens, self.average.count, self.average.last_tokens)
+        if self._staged is not None and self._staged[1] == key and os.path.lexists(self._staged[0]):
+            return  # staged already: the step's log, then the save, each say a checkpoint follows
+        path = staged_state_path(self.pma_dir, step, self._state_name())
+        path.parent.mkdir(exist_ok=True)
+        if path.parent.is_symlink() or not path.parent.is_dir():  # never written through a link
+            raise FileExistsError(f"hf-pma: {escape(path.parent)} is not a folder hf-pma made: move it away")
+        self.average.save_state(path, self._state_metadata(), at=(step, tokens))
+        self._staged = (path, key)
+
+    def save_checkpoint(self, checkpoint_dir: Path) -> None:
+        """Move the state staged for this checkpoint into it (one rename); written there directly,
+        stamped with no step, when none was staged or the average changed since (direct calls)."""
+        self.settle()
+        if not self._keeps_state():
+            return
+        staged, self._staged = self._staged, None
+        if not checkpoint_dir.is_dir():
+            logger.warning(f"hf-pma: {escape(checkpoint_dir)} is not a folder; the online average was not saved in it")
+            return
+        target = checkpoint_dir / self._state_name()
+        if staged is None or staged[1][2:] != (self.average.count, self.average.last_tokens):
+            # Not staged, or changed since (direct calls; the taker stages right before): no step to stamp.
+            self.average.save_state(target, self._state_metadata())
+            if staged is not None:
+                staged[0].unlink(missing_ok=True)
+            return
+        at = staged[1][:2]
+        _move_staged(staged[0], target, lambda: self.average.save_state(target, self._state_metadata(), at=at))
+        self._prune_staged(checkpoint_dir)
+
+    def _prune_staged(self, checkpoint_dir: Path) -> None:
+        """Drop this process's staged files whose Trainer checkpoint is gone (rotated away, or never
+        written): nothing will resume from them. Only beside ``checkpoint-<step>`` folders."""
+        if re.fullmatch(r"checkpoint-\d+", checkpoint_dir.name) is None:
+            return
+        for step, name, staged in _staged_entries(self.pma_dir):
+            if name == self._state_name() and not os.path.lexists(checkpoint_dir.parent / f"checkpoint-{step}"):
+                staged.unlink(missing_ok=True)
 
     def close(self, model: torch.nn.Module | None) -> None:
         """Write the average as a model folder ``<pma_dir>/online-<kind>`` (main process)."""

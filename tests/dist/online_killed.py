@@ -6,13 +6,16 @@ batches, steps and callbacks).
 ``--phase kill``: the weights of online_sharded.py trained with its online callbacks (``ema``'s
 average kept with ``online_device="device"``, the others ``"cpu"``). At ``CHECKPOINT_STEP`` a
 checkpoint is saved as the Trainer saves one under FSDP (``SHARDED_STATE_DICT``): model and
-optimizer through torch DCP, ``trainer_state.json`` with the callbacks' state, and each callback
-adds its ``pma_online-rank<r>.safetensors``. Rank 1 kills itself (``os.kill(os.getpid(),
-signal.SIGKILL)``) at the end of the next step; the launch fails.
+optimizer through torch DCP, ``trainer_state.json`` with the callbacks' state, all before any
+callback's ``on_save``. Rank 1 kills itself (``os.kill(os.getpid(), signal.SIGKILL)``) right
+then, before the online callbacks' ``on_save`` moves each rank's staged
+``pma_online-rank<r>.safetensors`` into the checkpoint (rank 0 may move its own before the launch
+stops it); the launch fails.
 
 ``--phase resume``: a new launch loads that checkpoint (DCP into a fresh sharded model and
-optimizer, the Trainer state) and trains to the end with fresh callbacks, which restore their
-averages from the checkpoint and write ``killed-<kind>/pma/online-<kind>/`` at the end.
+optimizer, the Trainer state) and trains to the end with fresh callbacks, which move the staged
+files into the checkpoint, restore their averages from it and write
+``killed-<kind>/pma/online-<kind>/`` at the end.
 """
 
 from __future__ import annotations
@@ -32,7 +35,6 @@ from tests.dist.online_sharded import CHECKPOINT_STEP, KINDS, STEPS, drive, onli
 from tests.dist.sharded_snapshots import TOKENS_PER_STEP, build
 
 DEVICES = {"sma": "cpu", "ema": "device", "ema-fraction": "cpu", "1-sqrt-decay": "cpu"}
-KILL_STEP = CHECKPOINT_STEP + 1
 STATE = "state"  # the callback that saves the model, the optimizer and trainer_state.json
 
 
@@ -64,11 +66,12 @@ class TrainerCheckpoint(TrainerCallback):
         dist.barrier()
 
 
-class KillAt(TrainerCallback):
-    """Rank 1 dies by SIGKILL at the end of optimizer step ``KILL_STEP`` (after the checkpoint)."""
+class KillBetween(TrainerCallback):
+    """Rank 1 dies by SIGKILL at ``on_save`` of ``CHECKPOINT_STEP``: after the Trainer's checkpoint
+    (listed after ``TrainerCheckpoint``), before the online callbacks' ``on_save`` (listed before them)."""
 
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == KILL_STEP and dist.get_rank() == 1:
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == CHECKPOINT_STEP and dist.get_rank() == 1:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -83,9 +86,9 @@ def main() -> None:
     model, optimizer = build()
     online = {kind: online_callback(args.out, kind, f"killed-{kind}", DEVICES[kind]) for kind in KINDS}
     if args.phase == "kill":
-        callbacks = {**online, STATE: TrainerCheckpoint(list(online.values())), "kill": KillAt()}
+        callbacks = {STATE: TrainerCheckpoint(list(online.values())), "kill": KillBetween(), **online}
         drive(args.out, rank, world, callbacks, model, optimizer, 0)
-        raise SystemExit(f"rank {rank} should have been killed at step {KILL_STEP} of {STEPS}")
+        raise SystemExit(f"rank {rank} should have been killed at step {CHECKPOINT_STEP} of {STEPS}")
     folder = checkpoint_dir(args.out)
     model_state, optimizer_state = get_state_dict(model, optimizer)
     loaded = {"model": model_state, "optim": optimizer_state}

@@ -151,15 +151,18 @@ def drive(
             cb.on_optimizer_step(args[name], state, control, optimizer=optimizer)
         state.global_step = step
         state.num_input_tokens_seen = step * TOKENS_PER_STEP
+        # As the Trainer's flow callback says at the step's end: a checkpoint follows.
+        control.should_save = step == CHECKPOINT_STEP and start == 0
         for name, cb in callbacks.items():
             cb.on_step_end(args[name], state, control, model=model, lr_scheduler=None)
-        if step == CHECKPOINT_STEP and start == 0:
+        if control.should_save:
             if rank == 0:  # what the Trainer writes before on_save
                 for name in callbacks:
                     (out / f"run-{name}" / f"checkpoint-{step}").mkdir(parents=True)
             dist.barrier()
             for name, cb in callbacks.items():
                 cb.on_save(args[name], state, control)
+            control.should_save = False
     for name, cb in callbacks.items():
         cb.on_train_end(args[name], state, control, model=model)
 

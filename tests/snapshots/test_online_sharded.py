@@ -28,7 +28,7 @@ from hf_pma.core.strategies import (
 from hf_pma.merging.consolidate import consolidate_snapshot
 from hf_pma.merging.engine import merge_state_dict
 from hf_pma.snapshots.sharded import ShardedOnlineAverageSink
-from hf_pma.snapshots.sinks import OnlineAverageSink, ResumePoint, online_state_name
+from hf_pma.snapshots.sinks import STAGED_STATE_DIR, OnlineAverageSink, ResumePoint, online_state_name
 from tests.dist.online_sharded import ALPHA, CHECKPOINT_STEP, FRACTION, KINDS, STEPS, eval_batch, online_kind
 from tests.helpers.launcher import Launch, launch, rank_reports, shared_launch_job
 
@@ -38,8 +38,8 @@ pytestmark = [pytest.mark.distributed, pytest.mark.shared_launch("world2")]
 @shared_launch_job("online-kill-resume")
 def kill_then_resume(folder: Path) -> Launch:
     """World size 2: the online run of tests/dist/online_killed.py, rank 1 killed by SIGKILL after the
-    checkpoint, then resumed from that checkpoint in a new launch; what the kill left is recorded in
-    ``killed.json``."""
+    Trainer's checkpoint, before the online averages' ``on_save``, then resumed from that checkpoint
+    in a new launch; what the kill left is recorded in ``killed.json``."""
     from tests.dist.online_killed import checkpoint_dir
 
     killed = launch("online_killed.py", "--out", folder, "--phase", "kill", check=False)
@@ -52,6 +52,10 @@ def kill_then_resume(folder: Path) -> Launch:
             kind: sorted(
                 p.name for p in (folder / f"run-{kind}" / f"checkpoint-{CHECKPOINT_STEP}").glob("pma_online*")
             )
+            for kind in KINDS
+        },
+        "staged": {
+            kind: sorted(p.name for p in (folder / f"killed-{kind}" / "pma" / STAGED_STATE_DIR).glob("step-*"))
             for kind in KINDS
         },
         "final_folders": sorted(str(p.relative_to(folder)) for p in folder.glob("killed-*/pma/online-*")),
@@ -145,9 +149,12 @@ def test_a_run_killed_by_sigkill_and_resumed_ends_with_the_uninterrupted_average
     left = json.loads((folder / "killed.json").read_text())
     assert left["returncode"] != 0, "rank 1 should have died"
     assert {"dcp", "trainer_state.json"} <= set(left["checkpoint"]) and left["final_folders"] == []
-    assert all(
-        files == [online_state_name(0), online_state_name(1)] for files in left["online_checkpoints"].values()
-    )
+    staged = f"step-{CHECKPOINT_STEP}-"
+    for kind in KINDS:  # rank 1's part only staged; rank 0's moved in, or not yet when the launch stopped it
+        assert f"{staged}{online_state_name(1)}" in left["staged"][kind], kind
+        assert online_state_name(1) not in left["online_checkpoints"][kind], kind
+        names = {*left["online_checkpoints"][kind], *(n.removeprefix(staged) for n in left["staged"][kind])}
+        assert names == {online_state_name(0), online_state_name(1)}, kind
     for kind in KINDS:  # the ema average was kept on the "device" (the CPU here), the others on the host
         straight = merge_state_dict([online_folder(run, "straight", kind)])
         resumed = merge_state_dict([online_folder(folder, "killed", kind)])
