@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from hf_pma.io.guarded import check_one_version, pin_folders, reads_one_version
 from hf_pma.merging.sources import CheckpointSource, CheckpointTensors, open_all, resolve_sources
 from hf_pma.utils.logs import progress_bar
 
@@ -74,6 +75,7 @@ def _float_tensors(
     return [(name, ref[name].numel) for name in sorted(ref) if ref[name].is_floating_point]
 
 
+@reads_one_version
 def compute_gram(
     sources: Sequence[str | os.PathLike[str] | CheckpointSource],
     chunk_bytes: int = _DEFAULT_CHUNK_BYTES,
@@ -84,7 +86,8 @@ def compute_gram(
     For each floating-point tensor, elements are read in chunks of at most ``chunk_bytes /
     (8 K)`` from every checkpoint (:meth:`CheckpointSource.open` ``.read(name, start, stop)``),
     centred on the chunk's mean over the K checkpoints and accumulated into ``G += D D^T`` in
-    float64. Memory: about ``chunk_bytes`` whatever the model size.
+    float64. Memory: about ``chunk_bytes`` whatever the model size. The checkpoints are read as
+    one version each (:func:`hf_pma.io.guarded.one_version`), or refused naming the file changed.
     """
     if isinstance(sources, (str, os.PathLike)):
         sources = [sources]
@@ -95,6 +98,7 @@ def compute_gram(
     )
     if len(srcs) < 2:
         raise ValueError(f"diagnostics need at least 2 checkpoints, got {len(srcs)}")
+    pin_folders(s.path for s in srcs)
     k = len(srcs)
     chunk = max(1, int(chunk_bytes) // (8 * k))
     opened = open_all(srcs)
@@ -119,6 +123,7 @@ def compute_gram(
     finally:
         for t in opened:
             t.close()
+    check_one_version()  # what was read is one version of every checkpoint
     if not bool(torch.isfinite(gram).all()):
         raise ValueError("the checkpoints hold non-finite weights (NaN or Inf): no geometry to report")
     gram = 0.5 * (gram + gram.T)  # exact symmetry despite rounding

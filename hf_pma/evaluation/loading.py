@@ -22,7 +22,9 @@ from hf_pma.evaluation.model_checks import (
     custom_code_error,
     resolve_model,
 )
+from hf_pma.io.guarded import check_one_version, one_version, pin_folder
 from hf_pma.utils.fs import read_claim
+from hf_pma.utils.hub_client import install_hub_client
 from hf_pma.utils.text import escape
 
 logger = logging.get_logger(__name__)
@@ -53,6 +55,8 @@ def load_tokenizer(name: str) -> Any:
 
     if Path(name).is_dir():
         check_loadable_folder(name)
+    else:
+        install_hub_client()  # transformers downloads it: bounded in bytes and time, like hf-pma's own
     try:
         return AutoTokenizer.from_pretrained(name, **LOAD_KWARGS)
     except (OSError, ValueError) as err:
@@ -68,6 +72,8 @@ def config_vocab_rows(name: str) -> int | None:
 
     if Path(name).is_dir():
         check_loadable_folder(name)  # no custom code; config.json read through the bounded reader first
+    else:
+        install_hub_client()  # transformers downloads it: bounded in bytes and time, like hf-pma's own
     try:
         config = AutoConfig.from_pretrained(name, **LOAD_KWARGS)
     except (OSError, ValueError) as err:
@@ -93,11 +99,14 @@ def load_model_for_eval(
 
     A model folder is read under its claim, shared (:func:`hf_pma.utils.fs.read_claim`): a merge
     replacing it meanwhile (``--overwrite``) waits for the load, or the load for it, so the
-    config, weights and tokenizer all come from one version of the folder.
+    config, weights and tokenizer all come from one version of the folder; a folder that does
+    not take claims (another tool writing it) is read as one version too, or refused with a
+    :class:`~hf_pma.io.guarded.SourceChangedError` naming the file that changed meanwhile.
     """
     folder = Path(model)
     with read_claim(folder, what="model folder") if folder.is_dir() else contextlib.nullcontext():
-        return _load_model_for_eval(model, tokenizer, dtype, device)
+        with one_version(folder):
+            return _load_model_for_eval(model, tokenizer, dtype, device)
 
 
 def _load_model_for_eval(
@@ -117,6 +126,7 @@ def _load_model_for_eval(
         tok, tok_name = tok_obj, type(tok_obj).__name__
     else:
         name, tok_name = resolve_model(model, tokenizer)
+        pin_folder(tok_name)  # a tokenizer folder (its run folder's): one version too
         tok = load_tokenizer(tok_name)
     rows = config_vocab_rows(name)
     if rows is not None:  # cheap check before the weights are read
@@ -135,6 +145,7 @@ def _load_model_for_eval(
         first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
         raise ValueError(f"model {escape(name)} does not load: {escape(first.strip())}") from None
     check_tokenizer(loaded.get_input_embeddings().weight.shape[0], tok, name, tok_name)
+    check_one_version()  # transformers read the files checked above by name: still that version
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     loaded.to(device).eval()
     return loaded, tok

@@ -18,7 +18,7 @@ from pathlib import Path
 from hf_pma.core.manifest import EVAL_RECORD_NAME, MANIFEST_NAME, PMA_SUBDIR, tokenizer_candidates
 from hf_pma.io.guarded import check_file, read_json
 from hf_pma.io.safetensors import SafetensorsReader
-from hf_pma.utils.fs import check_output_file
+from hf_pma.utils.fs import check_output_file, restore_interrupted
 from hf_pma.utils.names import looks_local
 from hf_pma.utils.text import escape
 
@@ -186,7 +186,10 @@ def _check_model_folder(path: Path) -> None:
         for what, ok in (("config.json", (path / "config.json").is_file()), ("weights", weights))
         if not ok
     ]
-    raise FileNotFoundError(f"model folder {path} is not readable: no {' and no '.join(missing)} in it")
+    raise FileNotFoundError(
+        f"model folder {path} is not readable: no {' and no '.join(missing)} in it; give a model folder "
+        "(config.json and *.safetensors), such as a snapshot or a merge"
+    )
 
 
 def resolve_model(
@@ -198,6 +201,7 @@ def resolve_model(
     (or sits in a run folder that holds) a tokenizer, or that the Hub has the model; one-line
     ``FileNotFoundError`` / ``ValueError`` / ``ConnectionError`` otherwise."""
     path = Path(model)
+    restore_interrupted(path)  # a merge --overwrite killed midway: its new folder goes in place first
     if path.exists():
         _check_model_folder(path)
         if tokenizer is None and find_tokenizer:

@@ -17,43 +17,65 @@ filesystem others write to), so what it holds is checked per file, when it is op
   (:data:`JSON_LIMITS`) and a nesting limit (:data:`MAX_JSON_DEPTH`).
 * **One line.** Every refusal is one line naming the file and why
   (:class:`UnsafeFileError`, a ``ValueError``, which the CLI reports with exit status 2).
+* **One version.** Inside :func:`one_version` (a merge, a consolidation, an evaluation's load,
+  a push), every file opened directly in a pinned folder (:func:`pin_folder`: a source, a model
+  folder) is pinned: its identity (device, inode, size, ``mtime_ns``, ``ctime_ns``) is taken
+  when it is first opened. Opening it again with another identity, or
+  :meth:`OneVersion.check` finding its path or its folder's (device, inode) changed, is a
+  :class:`SourceChangedError` naming it: a file rewritten in place, replaced, or a folder
+  swapped under its name while it was read. A file deleted meanwhile is no change (the reader
+  holds the version it opened; whoever opens it again fails on its absence).
 
 Entry points: :func:`open_file` (a raw descriptor, for ``pread``), :func:`read_bytes`,
 :func:`read_json` (records, configs, indexes), :func:`parse_json` (JSON text already in memory,
 such as a safetensors header's metadata), :func:`check_file` (a path to hand to a library that
 opens it itself), :func:`check_folder` (a subfolder, such as a run's ``pma/``, confined the same
 way), :func:`copy_file` (a support file into a folder hf-pma is writing) and
-:func:`regular_files` (every regular file under a folder: what a copy or an upload takes).
+:func:`regular_files` (every regular file under a folder: what a copy or an upload takes);
+:func:`one_version` / :func:`reads_one_version` (a command's reads as one version),
+:func:`pin_folder` and :func:`check_one_version` (after the last read, before publishing).
 Torch-free; the files a folder names are never executed or imported here.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
+import dataclasses
 import errno
+import functools
 import json
 import os
 import stat
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from hf_pma.utils.text import escape, is_printable
 
 __all__ = [
     "JSON_LIMITS",
     "MAX_JSON_DEPTH",
+    "FileIdentity",
+    "OneVersion",
+    "SourceChangedError",
     "UnsafeFileError",
     "check_file",
     "check_folder",
     "confinement_root",
     "copy_file",
     "json_depth",
+    "one_version",
+    "check_one_version",
     "open_file",
     "opened",
     "parse_json",
+    "pin_folder",
+    "pin_folders",
     "read_bytes",
     "read_json",
+    "reads_one_version",
     "regular_files",
 ]
 
@@ -89,6 +111,184 @@ class UnsafeFileError(ValueError):
     """A file under a user's folder that hf-pma refuses to read: a symbolic link leading outside
     the folder, something that is not a regular file, a file over a size limit, JSON too large or
     too deep. The one-line message names the file and why."""
+
+
+class SourceChangedError(UnsafeFileError):
+    """A file or folder that changed while hf-pma read it (rewritten in place, replaced, or its
+    folder swapped under its name): what was read may mix two versions, so the command stops
+    before anything is published. The one-line message names it and says what to do."""
+
+
+@dataclasses.dataclass(frozen=True)
+class FileIdentity:
+    """What tells one version of a file from another: a write changes ``size`` or the times
+    (``ctime_ns`` even when ``mtime`` is set back), a replacement the device or inode."""
+
+    dev: int
+    ino: int
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+
+    @classmethod
+    def of(cls, info: os.stat_result) -> FileIdentity:
+        """The identity of what ``os.stat`` / ``os.fstat`` described."""
+        return cls(info.st_dev, info.st_ino, info.st_size, info.st_mtime_ns, info.st_ctime_ns)
+
+
+def _changed(path: str | os.PathLike[str], how: str) -> SourceChangedError:
+    return SourceChangedError(
+        f"{escape(path)} {how} while this command read it; run it again once nothing writes there"
+    )
+
+
+class OneVersion:
+    """The folders pinned for one command and the files read from them, each with its identity
+    when first seen (see :func:`one_version`). Thread-safe."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._folders: dict[str, tuple[str, int, int]] = {}  # absolute path -> (as named, device, inode)
+        self._trees: set[str] = set()  # folders whose every file below is pinned, not only the top
+        self._files: dict[str, tuple[str, FileIdentity]] = {}  # absolute path -> (as named, identity)
+
+    def pin_folder(self, folder: str | os.PathLike[str], *, tree: bool = False) -> None:
+        """Pin ``folder`` (its device and inode) and, from now on, every file opened directly in
+        it (``tree``: anywhere below it). A folder that is not there is left to its reader."""
+        key = os.path.abspath(folder)
+        try:
+            info = os.stat(key)
+        except OSError:
+            return
+        with self._lock:
+            shown_as, *pinned = self._folders.setdefault(key, (os.fspath(folder), info.st_dev, info.st_ino))
+            if tree:
+                self._trees.add(key)
+        if pinned != [info.st_dev, info.st_ino]:
+            raise _changed(shown_as, "was replaced by another folder")
+
+    def _covers(self, key: str) -> bool:
+        parent = os.path.dirname(key)
+        return parent in self._folders or any(key.startswith(t + os.sep) for t in self._trees)
+
+    def pin_file(self, path: str | os.PathLike[str], info: os.stat_result) -> None:
+        """Record what ``path`` was when opened (``info``: its ``fstat``), if its folder is
+        pinned; a :class:`SourceChangedError` when it was opened before as another version."""
+        key = os.path.abspath(path)
+        identity = FileIdentity.of(info)
+        with self._lock:
+            if not self._covers(key):
+                return
+            shown_as, first = self._files.setdefault(key, (os.fspath(path), identity))
+        if first != identity:
+            raise _changed(shown_as, _how(first, identity))
+
+    def check(self) -> None:
+        """Every pinned folder and file is still the version first seen; else a
+        :class:`SourceChangedError` naming the first that is not. Call it after the last read
+        and before anything is published."""
+        with self._lock:
+            folders, files = dict(self._folders), dict(self._files)
+        for key, (shown_as, dev, ino) in folders.items():
+            now = _stat_or_none(key)
+            if now is not None and (now.st_dev, now.st_ino) != (dev, ino):
+                raise _changed(shown_as, "was replaced by another folder")
+        for key, (shown_as, first) in files.items():
+            now = _stat_or_none(key)
+            if now is not None and FileIdentity.of(now) != first:
+                raise _changed(shown_as, _how(first, FileIdentity.of(now)))
+
+
+def _how(first: FileIdentity, now: FileIdentity) -> str:
+    if (first.dev, first.ino) != (now.dev, now.ino):
+        return "was replaced by another file"
+    return (
+        "was rewritten" if first.size == now.size else f"changed size ({first.size:,} to {now.size:,} bytes)"
+    )
+
+
+def _stat_or_none(path: str) -> os.stat_result | None:
+    """What ``path`` is now (links followed, as it was opened), ``None`` when it is gone."""
+    try:
+        info = os.stat(path)
+    except FileNotFoundError:
+        return None
+    except OSError as err:  # a link loop, a folder made unreadable: not what was read
+        raise SourceChangedError(
+            f"{escape(path)} cannot be checked again ({escape(err.strerror)}); run the command again"
+        ) from None
+    if not (stat.S_ISREG(info.st_mode) or stat.S_ISDIR(info.st_mode)):
+        return info  # a FIFO or a device now: another file, never opened
+    # NFS revalidates what it caches of a file on open (close-to-open), not on every stat.
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except OSError:
+        return info
+    try:
+        return os.fstat(fd)
+    finally:
+        os.close(fd)
+
+
+_ONE_VERSION: contextvars.ContextVar[OneVersion | None] = contextvars.ContextVar(
+    "hf_pma_one_version", default=None
+)
+
+
+@contextlib.contextmanager
+def one_version(*folders: str | os.PathLike[str], tree: bool = False) -> Iterator[OneVersion]:
+    """Read as one version: pin ``folders`` (see :meth:`OneVersion.pin_folder`) and every file
+    opened directly in them (``tree``: below them) for the rest of the block, in this thread
+    and context. Inside another ``one_version`` block, the same pins are shared. Call
+    :meth:`OneVersion.check` (or :func:`check_one_version`) where the reading is done and
+    before anything is published: nothing is checked on leaving."""
+    session = _ONE_VERSION.get()
+    token = None
+    if session is None:
+        session = OneVersion()
+        token = _ONE_VERSION.set(session)
+    try:
+        for folder in folders:
+            session.pin_folder(folder, tree=tree)
+        yield session
+    finally:
+        if token is not None:
+            _ONE_VERSION.reset(token)
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def reads_one_version(fn: _F) -> _F:
+    """Run ``fn`` inside :func:`one_version` (a new one, or the caller's)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with one_version():
+            return fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
+
+
+def pin_folder(folder: str | os.PathLike[str], *, tree: bool = False) -> None:
+    """:meth:`OneVersion.pin_folder` in the current :func:`one_version` block; nothing outside one."""
+    session = _ONE_VERSION.get()
+    if session is not None:
+        session.pin_folder(folder, tree=tree)
+
+
+def pin_folders(folders: Iterable[str | os.PathLike[str] | None]) -> None:
+    """:func:`pin_folder` for each of ``folders`` that is not ``None``."""
+    for folder in folders:
+        if folder is not None:
+            pin_folder(folder)
+
+
+def check_one_version() -> None:
+    """:meth:`OneVersion.check` of the current :func:`one_version` block; nothing outside one."""
+    session = _ONE_VERSION.get()
+    if session is not None:
+        session.check()
 
 
 def _kind_of(mode: int) -> str:
@@ -189,6 +389,9 @@ def open_file(
             raise UnsafeFileError(
                 f"{escape(path)} is larger than {max_bytes:,} bytes ({info.st_size:,} bytes)"
             )
+        session = _ONE_VERSION.get()
+        if session is not None:  # a file of a pinned folder: the version read is remembered
+            session.pin_file(path, info)
         if hasattr(os, "set_blocking"):
             os.set_blocking(fd, True)
     except BaseException:

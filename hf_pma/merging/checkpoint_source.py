@@ -24,7 +24,7 @@ from hf_pma.core.manifest import (
     read_snapshot_record,
     tokenizer_candidates,
 )
-from hf_pma.io.guarded import UnsafeFileError, read_json
+from hf_pma.io.guarded import UnsafeFileError, pin_folder, read_json
 from hf_pma.io.safetensors import CheckpointFormatError
 from hf_pma.io.sharded import sharded_weight_files
 from hf_pma.merging.weight_files import CheckpointTensors, file_present, find_weight_files, open_weight_files
@@ -188,7 +188,9 @@ def source_from_folder(
 ) -> CheckpointSource:
     """The source in ``folder``; ``root``: the folder the user gave, which every file read must
     stay inside after links (default ``folder``). Without ``tokens`` and ``step``, they (and the
-    record) come from the folder's snapshot record or ``trainer_state.json``."""
+    record) come from the folder's snapshot record or ``trainer_state.json``. Inside
+    :func:`hf_pma.io.guarded.one_version`, the folder is pinned before its first file is read."""
+    pin_folder(folder)
     found = find_weight_files(folder, root)
     sharded = found is None and (files := _sharded_files(folder)) is not None
     if sharded:

@@ -19,6 +19,7 @@ import numpy as np
 
 from hf_pma.core.manifest import MERGE_RECORD_NAME, SNAPSHOT_RECORD_NAME
 from hf_pma.core.outputs import record_own_files
+from hf_pma.io.guarded import check_one_version, reads_one_version
 from hf_pma.io.safetensors import SafetensorsWriter
 from hf_pma.merging.casts import decode_float, encode_float
 from hf_pma.merging.checkpoint_source import open_all
@@ -54,6 +55,7 @@ _CHUNK_ELEMS = 1 << 20
 _MARKERS = (SNAPSHOT_RECORD_NAME, MERGE_RECORD_NAME)
 
 
+@reads_one_version
 def consolidate_snapshot(
     snapshot: str | os.PathLike[str],
     output_dir: str | os.PathLike[str],
@@ -67,7 +69,9 @@ def consolidate_snapshot(
     ``snapshot`` is a folder of per-rank ``shard-*-model-*.safetensors`` files (an hf-pma sharded
     snapshot, or a folder written by torch DCP's ``HuggingFaceStorageWriter(save_distributed=True)``
     with a ``config.json`` beside). ``dtype`` casts floating tensors. The values are the stored
-    ones, bit for bit, when no ``dtype`` is given.
+    ones, bit for bit, when no ``dtype`` is given. The snapshot is read as one version: a file
+    of it changed meanwhile is a :class:`~hf_pma.io.guarded.SourceChangedError`, and nothing is
+    published.
     """
     out_dtype = parse_dtype_name(dtype)
     max_bytes = parse_size(max_shard_size, "max_shard_size")
@@ -132,6 +136,7 @@ def _consolidate_into(
         if out_dtype is not None:
             record["dtype"] = out_dtype
         atomic_write_json(tmp / SNAPSHOT_RECORD_NAME, record_own_files(tmp, record, SNAPSHOT_RECORD_NAME))
+        check_one_version()  # the rank files and support files read are one version of the snapshot
         # What --overwrite replaces is checked again: the user may have added a file meanwhile.
         publish_folder(tmp, output_dir, replace=overwrite, check_replaced=_replaceable(_MARKERS))
     except BaseException:
@@ -142,13 +147,15 @@ def _consolidate_into(
     logger.info(f"Consolidated {source.path} ({len(source.files)} rank files) into {output_dir}")
 
 
+@reads_one_version
 def load_sharded_model(
     snapshot: str | os.PathLike[str], dtype: str | torch.dtype = "auto"
 ) -> torch.nn.Module:
     """A causal LM built from a sharded snapshot's ``config.json`` with its weights loaded in memory
     (what ``from_pretrained`` gives for a plain folder; used by evaluation).
 
-    ``dtype``: ``"auto"`` keeps the stored dtype, else floating weights are cast to it.
+    ``dtype``: ``"auto"`` keeps the stored dtype, else floating weights are cast to it. The
+    snapshot is read as one version (:func:`hf_pma.io.guarded.one_version`).
     """
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -160,6 +167,7 @@ def load_sharded_model(
     with source.open() as tensors:
         state = tensors.state_dict()
     config = AutoConfig.from_pretrained(snapshot, trust_remote_code=False)
+    check_one_version()  # transformers read config.json by name: the version checked above, still
     stored = next((t.dtype for t in state.values() if t.is_floating_point()), torch.float32)
     target = stored if dtype == "auto" else parse_dtype(dtype)
     model = AutoModelForCausalLM.from_config(config, dtype=target, trust_remote_code=False)

@@ -34,7 +34,14 @@ from hf_pma.core.outputs import check_overwrite_target, record_own_files
 from hf_pma.core.selection import check_window, snapshot_intervals
 from hf_pma.core.strategies import merge_coefficients, validate_strategy
 from hf_pma.core.window_choice import WindowChoice, check_window_count, is_auto
-from hf_pma.io.guarded import check_file, copy_file, read_json
+from hf_pma.io.guarded import (
+    check_file,
+    check_one_version,
+    copy_file,
+    pin_folders,
+    read_json,
+    reads_one_version,
+)
 from hf_pma.io.safetensors import (
     DTYPE_ITEMSIZE,
     SAFETENSORS_NAMES,
@@ -62,7 +69,7 @@ from hf_pma.merging.chunks import (
 from hf_pma.merging.same_model import check_same_model
 from hf_pma.merging.sources import resolve_sources_and_window
 from hf_pma.merging.weight_files import CheckpointTensors
-from hf_pma.merging.windows import describe_sources, select_auto, select_window, sources_span
+from hf_pma.merging.windows import describe_sources, select_auto, select_window, sources_span, too_few_sources
 from hf_pma.utils.fs import (
     atomic_write_json,
     check_output_folder,
@@ -203,7 +210,7 @@ def _as_sources(
             return select_auto(sources)
         if last is not None:
             if len(sources) < last:
-                raise ValueError(f"asked for the last {last} sources but got only {len(sources)}")
+                raise too_few_sources(last, sources)
             sources = sources[-last:]
         return select_window(sources, window_tokens, window_steps), None
     if is_auto(last) and (window_tokens is not None or window_steps is not None):
@@ -250,6 +257,7 @@ def _announce(sources: Sequence[CheckpointSource], what: str, window: dict[str, 
         logger.info(f"{what}: {describe_sources(sources, window.get('requested'), window.get('unit'))}")
 
 
+@reads_one_version
 def merge_state_dict(
     sources: Sequence[str | os.PathLike[str] | CheckpointSource],
     *,
@@ -271,7 +279,8 @@ def merge_state_dict(
 
     Same inputs, checks and arithmetic as :func:`merge_checkpoints` (bit-identical tensors), for
     callers that load the result straight into a model (PMA-init, loss-spike recovery). Every
-    option after ``sources`` is given by keyword.
+    option after ``sources`` is given by keyword. Every source is read as one version, or a
+    :class:`~hf_pma.io.guarded.SourceChangedError` names the file that changed meanwhile.
     """
     import torch
 
@@ -281,6 +290,7 @@ def merge_state_dict(
     out_dtype = parse_dtype(dtype)
     validate_strategy(strategy, alpha, weights)  # before a Hub source is downloaded
     srcs, choice = _as_sources(sources, last, window_tokens, window_steps, include_final)
+    pin_folders(s.path for s in srcs)
     _say_window("merge", choice)
     coefs = merge_coefficients(len(srcs), strategy, alpha, weights)
     check_same_model(srcs, allow_different_configs)
@@ -311,6 +321,7 @@ def merge_state_dict(
             clip=clip_to_dtype,
         )
         _report_clipped(clipped, plans)
+        check_one_version()  # what was read is one version of every source
         return state
     finally:
         for tensors in opened:
@@ -617,6 +628,7 @@ def write_shard_index(folder: Path, prefix: str, shards: Sequence[OutputShard]) 
     )
 
 
+@reads_one_version
 def merge_checkpoints(
     sources: Sequence[str | os.PathLike[str] | CheckpointSource] | str | os.PathLike[str],
     output_dir: str | os.PathLike[str],
@@ -720,6 +732,7 @@ def merge_checkpoints(
     coefs = merge_coefficients(len(srcs), strategy, alpha, weights)
     window = _window_record(srcs, window_tokens, window_steps, window_choice)
     tok_folder = tokenizer_folder(srcs, tokenizer)
+    pin_folders([*(s.path for s in srcs), tok_folder])  # one version of each, or nothing published
     check_config_file(srcs[-1], tok_folder)
     notes: dict[str, Any] = {
         "config_differences": check_same_model(srcs, allow_different_configs),
@@ -873,7 +886,7 @@ class _MergeJob:
             _announce(srcs, self.what + processes, self.window)
         owners = _owners(self.shards, self.world_size)
         mine = [shard for shard, owner in zip(self.shards, owners) if owner == self.rank]
-        return write_output_shards(
+        clipped = write_output_shards(
             self.tmp,
             mine,
             srcs,
@@ -885,6 +898,8 @@ class _MergeJob:
             self.progress,
             clip=self.clip,
         )
+        check_one_version()  # every rank read one version of every source, or all stop
+        return clipped
 
     def finish(self) -> None:
         """On rank 0: the shard index, the support files, the merge record, and the folder moved
@@ -900,6 +915,7 @@ class _MergeJob:
         )
         # The record lists every file written, so a later --overwrite replaces only hf-pma's own.
         atomic_write_json(self.tmp / MERGE_RECORD_NAME, record_own_files(self.tmp, record, MERGE_RECORD_NAME))
+        check_one_version()  # the support files copied come from the version the weights did
         # What --overwrite replaces is checked again: the user may have added a file meanwhile.
         publish_folder(self.tmp, self.output_dir, replace=self.overwrite, check_replaced=_replaceable((MERGE_RECORD_NAME,)))
 

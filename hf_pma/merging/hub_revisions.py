@@ -23,7 +23,9 @@ The Hub's answers are input (:mod:`hf_pma.utils.hub_client`): commit ids, file n
 hashes and ref names are checked before they name a path, a cache entry or a record; every
 request has a connect and a read timeout; a download stops at the size the metadata announced
 and is verified against the hash it gave (sha256 for LFS files, the git blob id for the
-others) before it enters the cache.
+others) before it enters the cache. Each file is one transfer over all its requests and
+redirects (:func:`hf_pma.utils.hub_transport.expect_transfer`): its resumes are bounded in
+number and share one deadline.
 """
 
 from __future__ import annotations
@@ -577,6 +579,8 @@ def _fetch(
     keeps it for a rerun."""
     from huggingface_hub.utils import hf_raise_for_status
 
+    from hf_pma.utils.hub_transport import HubTransferRefused, expect_transfer
+
     size = f.size
     flags = os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
     fd = os.open(target, flags, 0o644)
@@ -590,6 +594,9 @@ def _fetch(
                 digest.update(block)
                 have += len(block)
             stalls = 0
+            # One transfer, whatever requests it takes: the size, a number of resumes and one
+            # deadline bound it in all (a Hub answering 16 bytes at a time is not resumed forever).
+            expect_transfer(url, size)
             while have < size:
                 asked = dict(headers, Range=f"bytes={have}-") if have else headers
                 before = have
@@ -619,6 +626,8 @@ def _fetch(
                             have += len(chunk)
                 except _DownloadRefused:
                     raise
+                except HubTransferRefused as err:
+                    raise _DownloadRefused(f"downloading {f.path} of {r.spec}: {err}") from None
                 except Exception as err:  # noqa: BLE001 - a transfer that broke off is resumed
                     if type(err).__name__ not in ("RemoteProtocolError", "ReadError"):
                         raise

@@ -159,8 +159,8 @@ def run_sources(path: str | os.PathLike[str], include_final: bool = False) -> li
         )
         hint = f"; its subfolders {', '.join(runs[:5])} do: name one" if runs else ""
         raise FileNotFoundError(
-            f"{path} holds no model weights, no PMA manifest (manifest.json or pma/manifest.json) "
-            f"and no Trainer checkpoint-* folders{hint}"
+            f"{path} holds no model weights, snapshots or checkpoints: give a run's output_dir (its pma/ "
+            f"or checkpoint-* folders), a snapshot or a model folder{hint}"
         )
     if layout.manifest is not None:
         sources = _expand_manifest(layout.manifest, layout)

@@ -30,6 +30,7 @@ import torch
 from transformers.utils import logging
 
 from hf_pma.core.strategies import merge_coefficients
+from hf_pma.io.guarded import check_one_version, pin_folders, reads_one_version
 from hf_pma.io.torch_adapters import DTYPE_FROM_SAFETENSORS, is_dtensor, local_tensor
 from hf_pma.merging.chunks import DEFAULT_CHUNK_BYTES, TensorPlan, chunk_elements, chunk_tasks, run_chunks
 from hf_pma.merging.engine import validate_sources
@@ -237,6 +238,7 @@ class SliceSwap:
     (its CPU copy of the live weights) describe what it cost.
     """
 
+    @reads_one_version
     def __init__(
         self,
         model: torch.nn.Module,
@@ -255,6 +257,7 @@ class SliceSwap:
             if all(isinstance(s, CheckpointSource) for s in sources)
             else resolve_sources(list(sources))
         )
+        pin_folders(s.path for s in srcs)  # read as one version, or refused before the swap holds
         coefs = merge_coefficients(len(srcs), strategy, alpha, weights)
         check_same_model(srcs)  # one model: configurations compared before the first tensor
         self._slots: list[LocalSlot] = []
@@ -285,6 +288,7 @@ class SliceSwap:
                     tasks, [str(s.path) for s in srcs], opened, coefs, accumulate_dtype, chunk_bytes, workers
                 )
             self.bytes_read = len(srcs) * sum(s.numel * infos[s.name].itemsize for s in mine)
+            check_one_version()  # on every process: a change anywhere puts the live weights back
 
         try:
             all_ranks_checked(merge_mine, "merging the snapshots into this process's shards")

@@ -56,6 +56,7 @@ from hf_pma.merging.windows import (
     select_window,
     sources_span,
 )
+from hf_pma.utils.fs import restore_interrupted
 from hf_pma.utils.names import check_revision_name, looks_local
 from hf_pma.utils.parsing import check_int, parameter_error
 from hf_pma.utils.text import shown
@@ -210,6 +211,7 @@ def _expand(
 ) -> list[Any]:
     """The checkpoints an item names: local sources now, Hub revisions still to download."""
     path = Path(item)
+    restore_interrupted(path)  # a merge --overwrite killed midway: its new folder goes in place first
     if not path.exists():
         spec = parse_hub_spec(item) if isinstance(item, str) and not looks_local(item) else None
         if spec is None:

@@ -8,6 +8,7 @@ These work on local sources and on Hub revisions not yet downloaded alike (both 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from hf_pma.core.selection import WindowSpan, check_window, window_by_progress, window_span
@@ -15,12 +16,14 @@ from hf_pma.core.window_choice import WindowChoice, choose_window, is_auto, poin
 from hf_pma.merging.checkpoint_source import CheckpointSource
 from hf_pma.merging.hub_revisions import HubRevision
 from hf_pma.utils.logs import get_logger
+from hf_pma.utils.text import escape
 
 logger = get_logger(__name__)
 
 __all__ = [
     "order_by_progress",
     "select_newest",
+    "too_few_sources",
     "select_window",
     "select_auto",
     "apply_window",
@@ -49,10 +52,19 @@ def select_newest(items: list[Any], last: int | None = None, every: int | None =
         items = items[::-1][::every][::-1]
     if last is not None:
         if len(items) < last:
-            names = ", ".join(x.spec if isinstance(x, HubRevision) else str(x.path) for x in items)
-            raise ValueError(f"asked for the last {last} sources but found only {len(items)}: {names}")
+            raise too_few_sources(last, items)
         items = items[-last:]
     return items
+
+
+def too_few_sources(last: int, items: Sequence[Any]) -> ValueError:
+    """The error of ``last`` newer than the ``items`` found: one short line naming how many there
+    are, the first and the newest (not every path), and the ``last`` that takes them all."""
+    names = [escape(x.spec if isinstance(x, HubRevision) else Path(getattr(x, "path", x)).name) for x in items]
+    span = f" ({names[0]} .. {names[-1]})" if len(names) > 1 else f" ({names[0]})" if names else ""
+    return ValueError(
+        f"found {len(items)} sources{span}, fewer than last={last}: pass last={len(items)} to merge them all"
+    )
 
 
 def select_auto(items: list[Any]) -> tuple[list[Any], WindowChoice]:

@@ -26,11 +26,22 @@ from hf_pma.core.manifest import (
     PLOT_NAME,
     TRAINING_RECORD_NAME,
 )
-from hf_pma.io.guarded import JSON_LIMITS, open_file, opened, read_bytes, read_json, regular_files
+from hf_pma.io.guarded import (
+    JSON_LIMITS,
+    SourceChangedError,
+    check_one_version,
+    open_file,
+    opened,
+    pin_folder,
+    read_bytes,
+    read_json,
+    reads_one_version,
+    regular_files,
+)
 from hf_pma.io.safetensors import SafetensorsReader
 from hf_pma.io.sharded import sharded_weight_files
 from hf_pma.publishing.records import find_local_paths, find_tokens, load_records
-from hf_pma.utils.fs import check_output_file, read_claim
+from hf_pma.utils.fs import check_output_file, read_claim, restore_interrupted
 from hf_pma.utils.hub_client import install_hub_client
 from hf_pma.utils.limits import allow_open_files
 from hf_pma.utils.logs import get_logger
@@ -113,6 +124,7 @@ def check_model_folder(folder: str | os.PathLike[str]) -> list[Path]:
     ``ValueError`` naming the missing or broken file.
     """
     folder = Path(folder)
+    restore_interrupted(folder)  # a merge --overwrite killed midway: its new folder goes in place first
     if not folder.is_dir():
         raise FileNotFoundError(f"{escape(folder)} is not a folder")
     # A dangling or outside link counts as present: the guarded reader then says what is wrong with it.
@@ -235,6 +247,16 @@ def _http_status(err: BaseException) -> int | None:
     return getattr(response, "status_code", None)
 
 
+def _check_uploaded_one_version(commit_url: str) -> None:
+    """A file changed while it was uploaded: the commit is made, and may mix two versions; say
+    which, in one line, for the user to push again."""
+    try:
+        check_one_version()
+    except SourceChangedError as err:
+        raise SourceChangedError(f"{err} (the commit {commit_url} may hold a mix of both: push again)") from None
+
+
+@reads_one_version
 def push_folder_to_hub(
     folder: str | os.PathLike[str],
     repo_id: str,
@@ -256,7 +278,9 @@ def push_folder_to_hub(
 
     Exactly the regular files inside the folder are uploaded (:func:`files_to_push`), each read
     through :func:`hf_pma.io.guarded.open_file`; ``ignore_patterns`` (default
-    :data:`DEFAULT_IGNORE_PATTERNS`) leaves some out.
+    :data:`DEFAULT_IGNORE_PATTERNS`) leaves some out. The folder is read as one version
+    (:func:`hf_pma.io.guarded.one_version`): a file changed after it was checked is refused,
+    naming it, before the commit (and named after it when it changed during the upload).
 
     Raises, before any request: ``ValueError`` for an invalid repo id or revision (git's ref-name
     rules), an incomplete folder, a symbolic link leading outside the folder or a special file
@@ -276,6 +300,7 @@ def push_folder_to_hub(
     check_repo_id(repo_id)
     if revision is not None:
         check_revision_name(revision, "revision")
+    pin_folder(folder, tree=True)  # every file checked below is the version uploaded, or refused
     check_model_folder(folder)
     patterns = list(DEFAULT_IGNORE_PATTERNS if ignore_patterns is None else ignore_patterns)
     files = files_to_push(folder, patterns)  # links out of the folder, FIFOs, devices: refused here
@@ -333,12 +358,14 @@ def push_folder_to_hub(
         operations = [
             CommitOperationAdd(path_in_repo=relative, path_or_fileobj=handles[relative]) for relative in files
         ]
+        check_one_version()  # hashed above: still the version checked, or no commit
         info = api.create_commit(
             repo_id=full_id,
             operations=operations,
             commit_message=commit_message or f"Upload {folder.name} with hf-pma",
             revision=revision,
         )
+        _check_uploaded_one_version(info.commit_url)
     except HfHubHTTPError as err:
         status = _http_status(err)
         if status == 401:
