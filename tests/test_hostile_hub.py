@@ -220,7 +220,7 @@ def test_a_body_that_never_ends_stops_at_the_announced_size(merges, server, mode
     line = _error_line(merges["results"]["endless"], "merge")
     size = len(model_files["config.json"])
     assert (
-        f"downloading config.json of evil/endless-model@step300: the Hub sent more than the {size} bytes"
+        f"downloading config.json of evil/endless-model@step300: the Hub at {server.url} sent more than {size:,} bytes"
         in line
     )
     assert 0 < server.sent[("evil/endless-model", "config.json")] < ENDLESS_CAP // 2  # the client hung up

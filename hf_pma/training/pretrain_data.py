@@ -78,6 +78,9 @@ def read_documents(
         )
     import datasets
 
+    from hf_pma.utils.hub_client import install_hub_client
+
+    install_hub_client()  # datasets downloads it: bounded in bytes and time, like hf-pma's own
     ds = datasets.load_dataset(dataset_name, dataset_config_name, split=dataset_split, streaming=streaming)
     if text_column not in (ds.column_names or []):
         raise ValueError(f"{dataset_name} has no column {text_column!r} (columns: {ds.column_names})")

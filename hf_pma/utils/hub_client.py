@@ -21,6 +21,10 @@ A Hub is a server hf-pma does not control: its answers are input, like a file in
   a branch or tag name a git ref name that shows as it is (:func:`check_ref_name`). Each check
   raises :class:`HubAnswerError` (a ``ValueError``: one line, the value escaped) before the
   value reaches a path, a cache look-up or a record.
+* **Answers of the right type.** A repo's info, tree listing, paths-info and refs are checked
+  by :func:`check_api_answer` as they arrive (the client's transport calls it, whoever asked:
+  hf-pma, ``huggingface_hub``, transformers): the JSON types of the fields that
+  ``huggingface_hub`` reads, else :class:`HubAnswerError` (one line) instead of a traceback.
 
 Torch-free.
 """
@@ -32,6 +36,7 @@ import math
 import os
 import re
 import threading
+from collections.abc import Callable
 from typing import Any
 
 from hf_pma.utils.logs import get_logger
@@ -54,6 +59,9 @@ __all__ = [
     "check_content_hash",
     "check_file_name",
     "check_ref_name",
+    "api_answer_check",
+    "api_answer_kinds",
+    "check_api_answer",
 ]
 
 HUB_TIMEOUT_ENV = "HF_PMA_HUB_TIMEOUT"
@@ -148,11 +156,11 @@ def _client_factory() -> Any:
         event_hooks={"request": [hf_request_event_hook, _fill_timeouts]},
         follow_redirects=True,
         timeout=httpx2.Timeout(read, connect=connect, pool=connect),
-        transport=BoundedTransport(httpx2.HTTPTransport(), lambda: hub_timeouts()[1]),
+        transport=BoundedTransport(httpx2.HTTPTransport(), lambda: hub_timeouts()[1], api_answer_check),
     )
     # Proxies from the environment get transports of their own: bounded the same way.
     client._mounts = {
-        pattern: None if transport is None else BoundedTransport(transport, lambda: hub_timeouts()[1])
+        pattern: None if transport is None else BoundedTransport(transport, lambda: hub_timeouts()[1], api_answer_check)
         for pattern, transport in client._mounts.items()
     }
     return client
@@ -285,3 +293,128 @@ def check_ref_name(value: Any, what: str) -> str:
             "character a branch or tag name cannot hold"
         ) from None
     return value
+
+
+# ---------------------------------------------------------------- answers of the right type
+
+# The API endpoints whose answers are checked: ``kind`` names the answer; a path of one
+# segment more than a repo's info (``/api/models/gpt2/refs``) may be either.
+_API_PATH = re.compile(
+    r"/api/(?:models|datasets|spaces)/(?P<repo>[^/]+(?:/[^/]+)?)"
+    r"/(?P<kind>revision|tree|paths-info|refs)(?:/(?P<rest>.*))?$"
+)
+_API_INFO = re.compile(r"/api/(?:models|datasets|spaces)/[^/]+(?:/[^/]+)?$")
+_API_KINDS = {"revision": "info", "tree": "tree", "paths-info": "tree", "refs": "refs"}
+_TEXT, _COUNT = "text", "count"
+
+
+def api_answer_kinds(path: str) -> tuple[str, ...]:
+    """The kinds of answer the API path ``path`` may give: ``"info"`` (a repo's info or
+    revision), ``"tree"`` (a tree listing or paths-info), ``"refs"``; more than one where the
+    path reads two ways (``/api/models/org/refs``: the refs of ``org``, or the info of
+    ``org/refs``); ``()`` for another path."""
+    found = _API_PATH.search(path)
+    if found is None:
+        return ("info",) if _API_INFO.search(path) else ()
+    kind = _API_KINDS[found.group("kind")]
+    if found.group("rest") is None and "/" not in found.group("repo"):
+        return (kind, "info")  # one segment after a one-part repo: also a two-part repo's info
+    return (kind,)
+
+
+def _type_name(value: Any) -> str:
+    if isinstance(value, dict):
+        return "an object"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, bool):
+        return "a boolean"
+    return {str: "a string", int: "a number", float: "a number", type(None): "null"}.get(type(value), "not JSON")
+
+
+def _need(value: Any, kind: Any, where: str, what: str, optional: bool = False) -> Any:
+    """``value`` if it is of ``kind`` (``dict``, ``list``, :data:`_TEXT`, :data:`_COUNT`: an
+    integer from 0), or ``None`` when ``optional``; ``HubAnswerError`` otherwise."""
+    ok = {
+        dict: isinstance(value, dict),
+        list: isinstance(value, list),
+        _TEXT: isinstance(value, str),
+        _COUNT: isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+    }[kind]
+    if ok or (optional and value is None):
+        return value
+    wanted = {dict: "an object", list: "a list", _TEXT: "a string", _COUNT: "a byte count"}[kind]
+    raise HubAnswerError(
+        f"the Hub's answer to {shown(where, 120)} is malformed: {what} is {_type_name(value)}, where {wanted} "
+        "belongs; refused"
+    )
+
+
+def _check_lfs(lfs: Any, where: str, what: str, hash_key: str) -> None:
+    if _need(lfs, dict, where, what, optional=True) is not None:
+        _need(lfs.get(hash_key), _TEXT, where, f"{what}.{hash_key}")
+        _need(lfs.get("size"), _COUNT, where, f"{what}.size")
+
+
+def _check_info(data: Any, where: str) -> None:
+    _need(data, dict, where, "the repo's info")
+    _need(data.get("sha"), _TEXT, where, "sha", optional=True)
+    _need(data.get("lastModified"), _TEXT, where, "lastModified", optional=True)
+    for i, tag in enumerate(_need(data.get("tags"), list, where, "tags", optional=True) or []):
+        _need(tag, _TEXT, where, f"tags[{i}]")
+    for i, item in enumerate(_need(data.get("siblings"), list, where, "siblings", optional=True) or []):
+        _need(item, dict, where, f"siblings[{i}]")
+        _need(item.get("rfilename"), _TEXT, where, f"siblings[{i}].rfilename")
+        _need(item.get("size"), _COUNT, where, f"siblings[{i}].size", optional=True)
+        _need(item.get("blobId"), _TEXT, where, f"siblings[{i}].blobId", optional=True)
+        _check_lfs(item.get("lfs"), where, f"siblings[{i}].lfs", "sha256")
+
+
+def _check_tree(data: Any, where: str) -> None:
+    for i, item in enumerate(_need(data, list, where, "the tree listing")):
+        _need(item, dict, where, f"entry {i}")
+        kind = _need(item.get("type"), _TEXT, where, f"entry {i}'s type")
+        _need(item.get("path"), _TEXT, where, f"entry {i}'s path")
+        _need(item.get("oid"), _TEXT, where, f"entry {i}'s oid")
+        if kind == "file":
+            _need(item.get("size"), _COUNT, where, f"entry {i}'s size")
+            _check_lfs(item.get("lfs"), where, f"entry {i}'s lfs", "oid")
+
+
+def _check_refs(data: Any, where: str) -> None:
+    _need(data, dict, where, "the refs")
+    for group in ("branches", "tags", "converts", "pullRequests"):
+        items = _need(data.get(group), list, where, group, optional=group == "pullRequests") or []
+        for i, item in enumerate(items):
+            _need(item, dict, where, f"{group}[{i}]")
+            for key in ("name", "ref", "targetCommit"):
+                _need(item.get(key), _TEXT, where, f"{group}[{i}].{key}")
+
+
+_CHECKS = {"info": _check_info, "tree": _check_tree, "refs": _check_refs}
+
+
+def api_answer_check(path: str) -> Callable[[Any], Any] | None:
+    """The check of the parsed JSON answer at the API path ``path`` (:func:`check_api_answer`
+    of its kinds), ``None`` for a path whose answers are not checked; what the client's
+    transport calls for every API answer."""
+    kinds = api_answer_kinds(path)
+    if not kinds:
+        return None
+    return lambda data: check_api_answer(kinds, data, path)
+
+
+def check_api_answer(kinds: tuple[str, ...], data: Any, where: str) -> Any:
+    """``data`` (a parsed JSON answer of one of ``kinds``, see :func:`api_answer_kinds`) if it
+    has the types ``huggingface_hub`` reads in it; :class:`HubAnswerError` naming ``where`` (the
+    API path) and the first field of another type otherwise (not JSON at all included)."""
+    first: HubAnswerError | None = None
+    for kind in kinds:
+        try:
+            _CHECKS[kind](data, where)
+            return data
+        except HubAnswerError as err:
+            first = first or err
+    if first is not None:
+        raise first
+    return data

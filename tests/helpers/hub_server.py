@@ -51,6 +51,13 @@ A hostile Hub, per repo: ``server.hostile[repo_id]`` is a dict of what that repo
   hangs up;
 * ``"redirects": True``: API answers wait ``REDIRECT_WAIT_S`` seconds, then redirect to the same
   URL (each within any read timeout; ``server.sent[(repo_id, "api")]`` counts the redirects).
+* ``"announce": True``: file answers announce ``HUGE_ANNOUNCED`` bytes (more than any disk);
+* ``"cdn": CdnServer``: file answers redirect to that CDN stand-in (another host), announcing
+  the real size (``X-Linked-Size``); the CDN sends ``CDN_ANNOUNCED`` bytes for any file;
+* ``"cut": True``: file answers announce the rest of the file (``X-Linked-Size``, and a ``206``'s
+  ``Content-Range`` from a ``Range``), send ``CUT_BYTES`` of it (one chunk) and hang up, every time;
+* ``"wrong_type": (KIND, ...)``: those API answers (``info``, ``revision``, ``tree``, ``refs``)
+  are JSON of another type than theirs (``WRONG_TYPES``).
 """
 
 from __future__ import annotations
@@ -86,6 +93,18 @@ REDIRECT_WAIT_S = 0.9
 # The gzip bomb: 512 MiB of zeros, compressed (made once per process, on first use).
 BOMB_INFLATED = 512 * 2**20
 _bomb: list[bytes] = []
+# What an "announce" file's HEAD says it holds (more than any disk), and what a "cut" answer sends.
+HUGE_ANNOUNCED = 2**50
+CUT_BYTES = 16
+# What a CDN stand-in announces for any file (and sends until the client hangs up, or the cap).
+CDN_ANNOUNCED = 89 * 2**20
+# The answers of "wrong_type": JSON, but not of the type the endpoint gives.
+WRONG_TYPES: dict[str, Any] = {
+    "tree": {"type": "file", "path": "tokenizer.json"},
+    "info": [{"rfilename": "model.safetensors"}],
+    "revision": [{"rfilename": "model.safetensors"}],
+    "refs": {"branches": "main", "tags": [], "converts": []},
+}
 
 
 def gzip_bomb() -> bytes:
@@ -316,6 +335,9 @@ class HubServer:
         if kind in ("info", "revision", "refs", "tree") and {"drip", "drip_headers", "bomb", "huge", "redirects"} & set(mode):
             self._serve_hostile_api(handler, repo_name, mode)
             return
+        if kind in mode.get("wrong_type", ()):  # valid JSON of another type than the endpoint's
+            self._reply(handler, 200, WRONG_TYPES[kind])
+            return
         # Reads need no token unless the repo is private (a missing repo answers 404 RepoNotFound).
         public_read = method in ("GET", "HEAD") and bool(repo_name) and not (repo_name in self.repos and self.repos[repo_name].private)
         if token not in self.tokens and not (token is None and public_read):
@@ -479,6 +501,9 @@ class HubServer:
         if hostile.get("endless") and method == "GET":
             self._serve_endless(handler, repo.repo_id, path, oid, etag, size)
             return
+        if {"announce", "cdn", "cut"} & set(hostile):
+            self._serve_unbounded(handler, method, hostile, repo.repo_id, path, oid, etag, len(data))
+            return
         start, stop = 0, len(data)
         ranged = handler.headers.get("Range")
         if ranged and method == "GET":
@@ -513,6 +538,38 @@ class HubServer:
             handler.close_connection = True
             return
         handler.wfile.write(body)
+
+    def _serve_unbounded(
+        self, handler: BaseHTTPRequestHandler, method: str, mode: dict[str, Any], repo_id: str, path: str, oid: str, etag: str, size: int
+    ) -> None:
+        """A file answer that would take more than the file (see the module's ``announce``,
+        ``cdn`` and ``cut`` modes); ``server.sent[(repo_id, path)]`` counts the bytes sent."""
+        ranged = re.fullmatch(r"bytes=(\d+)-", (handler.headers.get("Range") or "").strip())
+        start = int(ranged.group(1)) if ranged and method == "GET" else 0
+        cdn = mode.get("cdn")
+        handler.send_response(302 if cdn else 206 if start else 200)
+        handler.send_header("X-Repo-Commit", oid)
+        handler.send_header("ETag", f'"{etag}"')
+        handler.send_header("X-Linked-Etag", f'"{etag}"')
+        handler.send_header("X-Linked-Size", str(HUGE_ANNOUNCED if mode.get("announce") else size))
+        if cdn:
+            handler.send_header("Location", f"{cdn.url}/cdn/{repo_id}/{path}")
+        if start:
+            handler.send_header("Content-Range", f"bytes {start}-{size - 1}/{size}")
+        cut = method == "GET" and mode.get("cut")
+        if cut:  # chunked: the 16 bytes arrive (progress, for a client) before the answer breaks off
+            handler.send_header("Transfer-Encoding", "chunked")
+        else:
+            handler.send_header("Content-Length", "0" if cdn else str(HUGE_ANNOUNCED if mode.get("announce") else size))
+        handler.send_header("Connection", "close")
+        handler.end_headers()
+        handler.close_connection = True
+        if cut:  # 16 bytes of the rest, then hang up
+            n = min(CUT_BYTES, size - start)
+            with self._lock:  # counted before it can arrive
+                self.sent[(repo_id, path)] = self.sent.get((repo_id, path), 0) + n
+            handler.wfile.write(b"%x\r\n" % n + b"\0" * n + b"\r\n")
+            handler.wfile.flush()
 
     def _count_sent(self, repo_id: str, n: int) -> None:
         with self._lock:
@@ -594,6 +651,56 @@ class HubServer:
             pass
         with self._lock:
             self.sent[(repo_id, path)] = self.sent.get((repo_id, path), 0) + sent
+
+
+class CdnServer:
+    """A CDN stand-in on another port of 127.0.0.1 (another host, for ``huggingface_hub``): every
+    GET is answered with ``Content-Length: CDN_ANNOUNCED`` and zeros until the client hangs up
+    (or ``ENDLESS_CAP``); ``cdn.sent[path]`` counts the bytes sent (each chunk before it is
+    written: the count is there before the client reads a byte). Use as a context manager."""
+
+    def __init__(self) -> None:
+        self.sent: dict[str, int] = {}
+        self._stopping = threading.Event()
+        cdn = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, format: str, *args: Any) -> None:
+                pass
+
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "application/octet-stream")
+                self.send_header("Content-Length", str(CDN_ANNOUNCED))
+                self.end_headers()
+                self.close_connection = True
+                chunk, sent = b"\0" * 65536, 0
+                try:
+                    while sent < min(CDN_ANNOUNCED, ENDLESS_CAP) and not cdn._stopping.is_set():
+                        sent += len(chunk)
+                        cdn.sent[self.path] = cdn.sent.get(self.path, 0) + len(chunk)  # counted before it can arrive
+                        self.wfile.write(chunk)
+                except OSError:  # the client hung up
+                    pass
+
+        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self._httpd.daemon_threads = True
+
+    @property
+    def url(self) -> str:
+        host, port = self._httpd.server_address[:2]
+        return f"http://{host}:{port}"
+
+    def __enter__(self) -> CdnServer:
+        threading.Thread(target=self._httpd.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stopping.set()
+        self._httpd.shutdown()
+        self._httpd.server_close()
 
 
 @contextlib.contextmanager
