@@ -32,6 +32,7 @@ from hf_pma.core.manifest import (
 from hf_pma.io.guarded import read_bytes, read_json
 from hf_pma.utils.fs import is_library_folder
 from hf_pma.utils.parsing import parameter_error
+from hf_pma.utils.read_files import listed_folder_among
 from hf_pma.utils.text import escape
 
 __all__ = [
@@ -134,33 +135,17 @@ def _resolved(path: Path) -> Path | None:
         return None
 
 
-def _listed_paths(manifest: Path) -> list[str]:
-    # Read leniently: this only looks for a reason to refuse, a malformed manifest is no reason to allow.
-    try:
-        data = read_json(manifest)
-    except (OSError, ValueError):
-        return []
-    entries = data.get("snapshots") if isinstance(data, dict) else None
-    if not isinstance(entries, list):
-        return []
-    return [
-        e["path"] for e in entries if isinstance(e, dict) and isinstance(e.get("path"), str) and e["path"]
-    ]
-
-
 def listing_manifest(folder: str | os.PathLike[str]) -> Path | None:
     """The manifest (``manifest.json`` or ``pma/manifest.json`` in ``folder``'s parents) that
-    lists ``folder`` as a snapshot, if any."""
+    lists ``folder`` as a snapshot, if any. Each is read bounded in bytes and entries
+    (:func:`hf_pma.utils.read_files.listed_folder_among`): a manifest above an output may be anyone's."""
     target = _resolved(Path(folder))
     if target is None:
         return None
     for parent in target.parents:
         for manifest in (parent / MANIFEST_NAME, parent / PMA_SUBDIR / MANIFEST_NAME):
-            if not manifest.is_file():
-                continue
-            for relative in _listed_paths(manifest):
-                if _resolved(manifest.parent / relative) == target:
-                    return manifest
+            if listed_folder_among(manifest, {target}) is not None:
+                return manifest
     return None
 
 

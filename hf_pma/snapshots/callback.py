@@ -118,6 +118,12 @@ class PMACallback(TrainerCallback, ExportableState):
     (``"all"``) when ``include_num_input_tokens_seen`` is ``"no"``, and ``"non_padding"`` is
     respected when set.
 
+    The snapshot folder is held from train begin to train end (:class:`hf_pma.utils.fs.FolderClaim`):
+    a second training into it stops at its start naming this one; on a filesystem without
+    ``flock`` (Lustre without ``-o flock``) the claim file itself is the lock, so training goes on
+    wherever the Trainer's checkpoints do; a folder moved away while training stops it at the
+    next snapshot with :class:`hf_pma.utils.fs.FolderMovedError` rather than start over at its path.
+
     Guards for the zero-argument default: one warning at train begin when the schedule has no
     constant-LR phase (PMA's premise), the disk budget above, and the cost budget
     (``max_overhead``): after the third snapshot, one line says what snapshots cost this run's

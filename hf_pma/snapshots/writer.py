@@ -49,7 +49,7 @@ from hf_pma.core.manifest import (
 )
 from hf_pma.utils.distributed import is_peft_model, unwrap_model
 from hf_pma.utils.formatting import format_bytes
-from hf_pma.utils.fs import atomic_write_json, write_folder_atomically
+from hf_pma.utils.fs import atomic_write_json, check_claimed_folder, write_folder_atomically
 from hf_pma.utils.logs import quiet_info
 from hf_pma.utils.parsing import check_int, parse_size
 from hf_pma.utils.text import escape
@@ -276,6 +276,7 @@ def write_snapshot(job: SnapshotJob, pma_dir: str | os.PathLike[str], max_shard_
     Returns the record with ``num_bytes`` filled in.
     """
     record = job.record
+    check_claimed_folder(pma_dir)  # a training's folder moved away: never a new one at its path
     check_replaceable(Path(pma_dir) / job.name, pma_dir)
 
     def write(tmp: Path) -> None:

@@ -10,6 +10,11 @@ leftovers of a process that died (SIGKILL, power cut, OOM kill) are recognised a
 that owns it may still be alive: on this host, while its pid is alive; from another host
 (a shared filesystem), only once nothing in it changed for :data:`FOREIGN_STALE_AFTER_S`.
 
+A name being replaced holds its old folder or its new one, whole, after a crash at any point
+(:func:`publish_folder`: the two are swapped in one step where the filesystem can; elsewhere a
+crash between two renames is completed by :func:`restore_interrupted`, which every writer and
+reader of a name runs first).
+
 A write that runs out of space (``ENOSPC``, or ``EDQUOT`` on a quota) raises
 :class:`NoSpaceError`, which names the target, the bytes needed (when known) and the bytes
 free; the temporary is removed first, so nothing half-written is left behind.
@@ -17,8 +22,10 @@ free; the temporary is removed first, so nothing half-written is left behind.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import errno
+import functools
 import hashlib
 import itertools
 import json
@@ -35,7 +42,7 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from hf_pma.utils.parsing import is_int
-from hf_pma.utils.read_files import output_place_problem, peek_json
+from hf_pma.utils.read_files import listed_folder_among, output_place_problem
 from hf_pma.utils.text import escape, shown
 
 __all__ = [
@@ -52,6 +59,9 @@ __all__ = [
     "check_output_folder",
     "CLAIM_WAIT_S",
     "FolderClaim",
+    "FolderMovedError",
+    "check_claimed_folder",
+    "claim_file_of",
     "claim_output",
     "claim_path",
     "hold_claim",
@@ -75,6 +85,7 @@ __all__ = [
     "remove_path",
     "remove_stale_temporaries",
     "remove_tree",
+    "restore_interrupted",
     "temporary_path",
     "write_folder_atomically",
 ]
@@ -100,10 +111,11 @@ _TEMP_RE = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|deleting)-(?P<host>[A-Za-z0
 
 
 def _logger() -> Any:
-    # Imported on use: this module stays free of heavy imports (the CLI's parser loads it).
-    from transformers.utils import logging
+    # The project's helper: the same hf_pma logger, without importing transformers (the CLI's
+    # parser and the torch-free merge load this module).
+    from hf_pma.utils.logs import get_logger
 
-    return logging.get_logger(__name__)
+    return get_logger(__name__)
 
 
 def _host() -> str:
@@ -218,6 +230,8 @@ def remove_stale_temporaries(folder: str | os.PathLike[str], name: str | None = 
 
     With ``name``, only those of the target ``folder/name`` (``.<name>.tmp-*``,
     ``.<name>.deleting-*``). Other files and the temporaries of live processes are left alone.
+    A target that an interrupted replacement left missing is restored first
+    (:func:`restore_interrupted`), so what is removed is never the only copy of it.
     """
     folder = Path(folder)
     if not folder.is_dir():
@@ -225,15 +239,87 @@ def remove_stale_temporaries(folder: str | os.PathLike[str], name: str | None = 
     wanted = embedded_name(folder / name) if name is not None else None
     with os.scandir(folder) as entries:
         candidates = sorted(Path(e.path) for e in entries if e.name.startswith("."))
+    targets = {wanted} if wanted is not None else {i["name"] for p in candidates if (i := parse_temporary(p.name))}
+    missing = set()  # targets still missing: a pair of theirs may be the only copy (a shortened name, a failed restore)
+    for embedded in sorted(targets):
+        target = folder / (name if embedded == wanted else embedded)
+        if embedded != wanted and "~" in embedded:  # shortened (embedded_name): the target is not known from it
+            missing.add(embedded)
+        elif restore_interrupted(target) is None and not os.path.lexists(target):
+            missing.add(embedded)
     removed = []
     for path in candidates:
         info = parse_temporary(path.name)
         if info is None or (name is not None and info["name"] != wanted) or not is_stale_temporary(path):
             continue
+        if info["name"] in missing and _pair_of(path) is not None:
+            continue  # never the only copy of a name: its next writer or reader restores it
         remove_path(path)
         _logger().info(f"hf-pma: removed {path}, left by an interrupted write")
         removed.append(path)
     return removed
+
+
+def _pair_of(path: Path) -> Path | None:
+    """The other half of an interrupted replacement that ``path`` (a ``tmp`` or ``deleting``
+    temporary) belongs to: the same host, pid and counter under the other kind, when it exists.
+    :func:`publish_folder` moves an old folder aside under its new one's numbers, so such a pair
+    means the new one was complete when the old was moved."""
+    match = _TEMP_RE.fullmatch(path.name)
+    if match is None:
+        return None
+    other = "deleting" if match["kind"] == "tmp" else "tmp"
+    pair = path.with_name(f".{match['name']}.{other}-{match['host']}-{match['pid']}-{match['n']}")
+    return pair if os.path.lexists(pair) else None
+
+
+def _own_folder(path: Path) -> bool:
+    """A real folder (not a link) of this user: what a restore may rename into a name."""
+    try:
+        info = path.lstat()
+    except OSError:
+        return False
+    return stat.S_ISDIR(info.st_mode) and info.st_uid == os.geteuid()
+
+
+def restore_interrupted(target: str | os.PathLike[str]) -> Path | None:
+    """Put back ``target`` when a replacement of it was interrupted between its two renames.
+
+    :func:`publish_folder`, where the filesystem cannot swap two names at once, moves the old
+    folder aside (``.<name>.deleting-<host>-<pid>-<n>``) and then renames the complete new one
+    (``.<name>.tmp-<host>-<pid>-<n>``, the same numbers) to ``target``. A crash between the two
+    leaves ``target`` missing; this renames the new one into place (rolls forward), removes the
+    old one, and logs one warning saying so. Only a stale pair (its process is gone:
+    :func:`is_stale_temporary`) of real folders owned by this user is touched, and only while
+    ``target`` is missing. Returns ``target`` when it restored it, else ``None``. Every writer
+    and reader of a name passes here first (:func:`remove_stale_temporaries`,
+    :func:`check_output_folder`, :class:`FolderClaim`).
+    """
+    target = Path(target)
+    if os.path.lexists(target) or not target.parent.is_dir():
+        return None
+    prefix = f".{embedded_name(target)}.tmp-"
+    try:
+        with os.scandir(target.parent) as entries:
+            news = sorted(Path(e.path) for e in entries if e.name.startswith(prefix))
+    except OSError:
+        return None
+    pairs = [(new, old) for new in news if parse_temporary(new.name) and (old := _pair_of(new)) is not None]
+    pairs = [(new, old) for new, old in pairs if _own_folder(new) and is_stale_temporary(new) and is_stale_temporary(old)]
+    if not pairs:
+        return None
+    new, old = max(pairs, key=lambda pair: pair[0].lstat().st_mtime)  # the latest, should there be more
+    try:
+        os.rename(new, target)  # onto nothing: fails if another process restored it meanwhile
+    except OSError:
+        return None
+    fsync_dir(target.parent)
+    remove_path(old)
+    _logger().warning(
+        f"hf-pma: restored {escape(target)}: a replacement of it was interrupted between its two renames; "
+        f"its new version is in place and the old one ({escape(old.name)}) removed"
+    )
+    return target
 
 
 # ---------------------------------------------------------------- confinement
@@ -478,8 +564,15 @@ def publish_folder(
     replace: bool = True,
     check_replaced: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Rename the complete folder ``tmp`` to ``final_dir`` durably; an old ``final_dir`` is moved
-    aside first and deleted only after the new one is in place.
+    """Rename the complete folder ``tmp`` to ``final_dir`` durably; an old ``final_dir`` is deleted
+    only after the new one is in place, and a crash at any point leaves ``final_dir`` whole.
+
+    The two are swapped in one step where the filesystem can (Linux ``renameat2`` with
+    ``RENAME_EXCHANGE``): ``final_dir`` never goes missing, and the old one, left under the
+    temporary name by a crash, is removed as a stale temporary. Elsewhere (a filesystem that
+    refuses the swap, such as NFS; other systems) the old one is moved aside under the new one's
+    numbers first; a crash between the two renames leaves that pair, and the next command that touches ``final_dir`` renames the
+    new one into place (:func:`restore_interrupted`).
 
     With ``replace=False`` an existing non-empty ``final_dir`` is never replaced: the rename
     fails (the kernel refuses to rename a folder onto a non-empty one, atomically) and
@@ -505,20 +598,100 @@ def publish_folder(
             ) from None
         fsync_dir(final_dir.parent)
         return final_dir
-    old = None
-    try:
-        if final_dir.exists():
-            old = temporary_path(final_dir, "deleting")
-            os.replace(final_dir, old)
+    if not os.path.lexists(final_dir):
         os.replace(tmp, final_dir)
+        fsync_dir(final_dir.parent)
+        return final_dir
+    tmp = _paired_temporary(tmp, final_dir)  # whatever a crash leaves is then a temporary of this library
+    if not _exchange(tmp, final_dir):
+        _replace_by_two_renames(tmp, final_dir)
+        return final_dir
+    fsync_dir(final_dir.parent)  # one step: the name never went missing; the old one is now at tmp
+    remove_path(tmp)
+    return final_dir
+
+
+def _paired_temporary(tmp: Path, final_dir: Path) -> Path:
+    """``tmp`` under a temporary name of this process beside ``final_dir`` (renamed to one if it
+    has another name, such as the folder the ranks write a sharded snapshot into), so that the old
+    folder moved aside can take its numbers (:func:`_pair_of`), and the old one swapped to it is
+    removed as a stale temporary after a crash."""
+    info = parse_temporary(tmp.name)
+    mine = info is not None and info["kind"] == "tmp" and info["host"] == _host() and info["pid"] == os.getpid()
+    if mine and tmp.parent == final_dir.parent and info["name"] == embedded_name(final_dir):
+        return tmp
+    named = temporary_path(final_dir)
+    os.rename(tmp, named)
+    fsync_dir(final_dir.parent)
+    return named
+
+
+def _replace_by_two_renames(tmp: Path, final_dir: Path) -> None:
+    """Replace ``final_dir`` by the complete folder ``tmp`` where names cannot be swapped at once:
+    the old one is moved aside under the new one's numbers (``.<name>.deleting-<host>-<pid>-<n>``
+    beside ``.<name>.tmp-<host>-<pid>-<n>``), then the new one is renamed into place. A crash
+    between the two leaves that pair, which :func:`restore_interrupted` completes."""
+    old = _pair_name(tmp)
+    if os.path.lexists(old):
+        raise FileExistsError(f"cannot move {escape(final_dir)} aside: {escape(old)} exists; remove it and try again")
+    os.rename(final_dir, old)
+    try:
+        _rename_into_place(tmp, final_dir)
     except BaseException:  # Ctrl-C or an error between the two renames: the old folder goes back
-        if old is not None and old.exists() and not final_dir.exists():
-            os.replace(old, final_dir)
+        if os.path.lexists(old) and not os.path.lexists(final_dir):
+            os.rename(old, final_dir)
         raise
     fsync_dir(final_dir.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
-    return final_dir
+    remove_path(old)
+
+
+def _rename_into_place(tmp: Path, final_dir: Path) -> None:
+    """The second rename of :func:`_replace_by_two_renames` (a function of its own: tests stop a
+    process right before it)."""
+    os.rename(tmp, final_dir)
+
+
+def _pair_name(tmp: Path) -> Path:
+    """The ``deleting`` temporary name with the numbers of the ``tmp`` temporary ``tmp``."""
+    match = _TEMP_RE.fullmatch(tmp.name)
+    assert match is not None and match["kind"] == "tmp", tmp  # _paired_temporary made it so
+    return tmp.with_name(f".{match['name']}.deleting-{match['host']}-{match['pid']}-{match['n']}")
+
+
+# Linux's renameat2() flag that swaps two names in one step (ext4, xfs, btrfs, tmpfs; NFS and
+# other filesystems refuse it, other systems have no renameat2: :func:`_replace_by_two_renames`).
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+_UNSWAPPABLE_ERRNOS = (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP)
+
+
+@functools.lru_cache(maxsize=1)
+def _renameat2() -> Callable[..., int] | None:
+    try:
+        import ctypes
+
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError, ImportError):  # no libc symbol (not glibc >= 2.28, not Linux)
+        return None
+    function.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+    function.restype = ctypes.c_int
+    return function
+
+
+def _exchange(first: Path, second: Path) -> bool:
+    """Swap the names ``first`` and ``second`` atomically; ``False`` (nothing done) where the system
+    or the filesystem cannot."""
+    function = _renameat2()
+    if function is None:
+        return False
+    import ctypes
+
+    if function(_AT_FDCWD, os.fsencode(first), _AT_FDCWD, os.fsencode(second), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _UNSWAPPABLE_ERRNOS:
+        return False
+    raise OSError(err, os.strerror(err), str(first), None, str(second))
 
 
 def write_folder_atomically(
@@ -533,7 +706,8 @@ def write_folder_atomically(
 
     ``final_dir`` either does not exist or is complete: a crash leaves at most a temporary
     folder, removed by the next write to ``final_dir`` (:func:`remove_stale_temporaries`), never a
-    half-written ``final_dir``. ``needed`` (bytes, when known) is checked against the free space
+    half-written ``final_dir``; a replacement killed between its two renames is completed first
+    (:func:`restore_interrupted`). ``needed`` (bytes, when known) is checked against the free space
     first; running out of space raises :class:`NoSpaceError` and leaves nothing behind.
 
     ``overwrite=None`` (the library's own folders: snapshots, caches): an existing ``final_dir``
@@ -581,8 +755,9 @@ def claim_path(final_dir: str | os.PathLike[str]) -> Path:
 
 class NoFileLocksError(OSError):
     """The filesystem of a claim file gives no file locks (``flock`` fails with ``ENOLCK``,
-    ``EOPNOTSUPP``...: Lustre without ``-o flock``, NFS without lockd): hf-pma cannot keep two
-    writers apart there, so it refuses, in one line naming the claim file, rather than interleave."""
+    ``EOPNOTSUPP``...: Lustre without ``-o flock``, NFS without lockd). Claims no longer raise it
+    (the claim file itself is the lock there: :func:`_take_file_lock`); kept for callers that
+    catch it."""
 
     def __init__(self, path: Path, what: str, final_dir: Path, why: str) -> None:
         self.path = path
@@ -635,6 +810,13 @@ def recorded_holder_state(info: dict[str, Any]) -> str:
     """Whether the process a claim records (``{"host", "pid", "start_ticks", "boot_id"}``) is
     ``"alive"``, ``"gone"`` (ended, or its pid now belongs to another process, or recorded before
     this boot) or ``"unknown"`` (another host, or a record without a start time)."""
+    state = _holder_state(info)
+    return "gone" if state == "other boot" else state
+
+
+def _holder_state(info: dict[str, Any]) -> str:
+    """:func:`recorded_holder_state`, telling ``"other boot"`` apart: a boot id other than this
+    one's is a reboot since, or another machine of the same host name, which only a lock can tell."""
     if info.get("host") != _host():
         return "unknown"
     pid = info.get("pid")
@@ -642,7 +824,7 @@ def recorded_holder_state(info: dict[str, Any]) -> str:
         return "unknown"
     boot = _boot_id()
     if isinstance(info.get("boot_id"), str) and boot is not None and info["boot_id"] != boot:
-        return "gone"
+        return "other boot"
     ticks = process_start_ticks(pid)
     if ticks is None:
         return "gone" if not _pid_alive(pid) else "unknown"
@@ -663,18 +845,29 @@ def _claim_record(fd: int) -> dict[str, Any] | None:
 
 
 def _claim_holder(fd: int, path: Path) -> str:
-    """Who holds the claim file open on ``fd`` (locked by another process), for an error: the
-    recorded holder when it is alive; otherwise (gone, or it cannot be told) the claim file to
-    remove once no process of that job is left."""
-    info = _claim_record(fd)
+    """Who holds the claim file open on ``fd`` (locked by another process), for an error."""
+    return _holder_words(_claim_record(fd), path)
+
+
+def _holder_words(info: dict[str, Any] | None, path: Path, file_lock: bool = False) -> str:
+    """Who holds the claim file ``path`` by its record ``info``, for an error: the recorded holder
+    when it is alive; otherwise (gone, or it cannot be told) the claim file to remove once no
+    process of that job is left. ``file_lock``: the claim is the file itself (no ``flock`` there)."""
     if info is None:
+        if file_lock:
+            return f"a process that has not said which yet: if no job of yours is running there, remove {escape(path)}"
         return "processes reading it, or one that has not said which yet"
     who = f"host {escape(info['host'])}, pid {escape(info['pid'])}"
-    state = recorded_holder_state(info)
+    state = _holder_state(info)
     if state == "alive":
         return who
     if info["host"] != _host():
         return f"{who}, on another host, which hf-pma cannot check: if that process is gone, remove {escape(path)}"
+    if state == "other boot":  # it is held now, so not simply "ended": a machine of the same name?
+        return (
+            f"{who}, recorded by another boot of this host name (a reboot since, or another machine named so), "
+            f"which hf-pma cannot check: if that process is gone, remove {escape(path)}"
+        )
     if state == "gone":
         return (
             f"{who}, which has ended (its pid may now be another process's), yet a process it started still holds "
@@ -695,7 +888,9 @@ CLAIM_WAIT_S = 30.0
 # A waiter says why it waits once it has waited this long.
 _ANNOUNCE_WAIT_S = 0.5
 
-# The claims this process holds, by claim file: {key: [fd, count, shared]}. A claim taken again
+# The claims this process holds, by claim file: {key: [fd, count, shared, file_lock, folder]}
+# (``folder``: a pinned claim's folder identity, (st_dev, st_ino), or False before it is made;
+# None for a claim that is not pinned). A claim taken again
 # by this process while it holds it (a manifest entry written by the training that holds its run
 # folder, the card of a merge being written) goes on at once.
 _HELD: dict[str, list[Any]] = {}
@@ -717,6 +912,20 @@ def _forget_claims_in_child() -> None:
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_claims_in_child)
+
+
+def _release_lock_files_at_exit() -> None:
+    """At a normal exit, remove the lock files this process still holds (no ``flock`` there: the
+    kernel releases nothing). A killed process leaves them, naming itself: taken over next time."""
+    with _HELD_LOCK:
+        held = [(key, entry) for key, entry in _HELD.items() if entry[3]]
+        for key, _ in held:
+            del _HELD[key]
+    for key, entry in held:
+        _release_file_lock(Path(key), entry[0])
+
+
+atexit.register(_release_lock_files_at_exit)
 
 
 def _claim_key(path: Path) -> str:
@@ -750,12 +959,16 @@ def _is_current_claim(fd: int, path: Path) -> bool:
     return mine.st_nlink > 0 and (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino)
 
 
-def _release_claim(path: Path, fd: int, shared: bool = False) -> None:
+def _release_claim(path: Path, fd: int, shared: bool = False, file_lock: bool = False) -> None:
     """Unlock and close ``fd``, removing the claim file first when no other process holds it: an
     exclusive holder is the only one; a shared one removes it only when it can lock it exclusively
-    at once (the last reader). A waiter that opened the removed file sees it gone and opens anew."""
+    at once (the last reader). A waiter that opened the removed file sees it gone and opens anew.
+    A lock file (``file_lock``: no ``flock`` there) goes only while it is still this process's."""
     import fcntl
 
+    if file_lock:
+        _release_file_lock(path, fd)
+        return
     try:
         if shared:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # another reader holds it: it stays
@@ -767,9 +980,9 @@ def _release_claim(path: Path, fd: int, shared: bool = False) -> None:
         os.close(fd)
 
 
-def _register(key: str, fd: int, shared: bool) -> None:
+def _register(key: str, fd: int, shared: bool, file_lock: bool = False) -> None:
     with _HELD_LOCK:
-        _HELD[key] = [fd, 1, shared]
+        _HELD[key] = [fd, 1, shared, file_lock, None]
 
 
 def _unregister(key: str, fd: int) -> bool:
@@ -790,8 +1003,8 @@ def claim_output(final_dir: str | os.PathLike[str], overwrite: bool = False) -> 
     dies, so a killed job never blocks the next one), which records the holder's host, pid, the
     pid's start time and the boot id. A second job does not wait: it stops at once with
     :class:`OutputBusyError` naming the folder and the holder (a merge can take hours, and its
-    result would replace or be replaced by the other's). On a filesystem without ``flock`` it
-    stops with :class:`NoFileLocksError` (one line naming the claim file), never interleaving.
+    result would replace or be replaced by the other's). On a filesystem without ``flock`` the
+    claim file, made exclusively, is the lock (:func:`_take_file_lock`), never interleaving.
     Once claimed, :func:`check_output_folder` runs again (a job that finished meanwhile left a
     non-empty folder). Publish with ``publish_folder(tmp, final_dir, replace=overwrite)`` inside
     the block. The claim file is removed on release. Yields ``final_dir``. The same claim guards
@@ -802,19 +1015,21 @@ def claim_output(final_dir: str | os.PathLike[str], overwrite: bool = False) -> 
     final_dir.parent.mkdir(parents=True, exist_ok=True)
     path = claim_path(final_dir)
     key = _claim_key(path)
-    fd = _acquire_claim(path, final_dir)  # never re-entrant: a second claim in this process is refused too
+    # Never re-entrant: a second claim in this process is refused too.
+    fd, file_lock = _acquire_claim(path, final_dir)
     try:
-        _write_claim_record(fd)
-        _register(key, fd, False)
+        if not file_lock:  # a lock file recorded its holder as it was made
+            _write_claim_record(fd)
+        _register(key, fd, False, file_lock)
     except BaseException:
-        _release_claim(path, fd)
+        _release_claim(path, fd, file_lock=file_lock)
         raise
     try:
         check_output_folder(final_dir, overwrite)
         yield final_dir
     finally:
         if _unregister(key, fd):
-            _release_claim(path, fd)
+            _release_claim(path, fd, file_lock=file_lock)
 
 
 class FolderClaim:
@@ -833,15 +1048,22 @@ class FolderClaim:
     :class:`OutputBusyError` naming the folder and the holder (its host and pid; when that
     process is gone or cannot be checked, the claim file to remove). The kernel releases the
     ``flock`` when the holder dies (and a forked child does not keep it: it closes the claims
-    it inherited); on a filesystem without ``flock`` the claim is refused
-    (:class:`NoFileLocksError`). A folder whose parent cannot be written (a read-only place) is
-    not claimed: nothing could race there that hf-pma writes.
+    it inherited). On a filesystem without ``flock`` the claim file itself is the lock, made
+    exclusively (:func:`_take_file_lock`: a dead holder on this host is taken over, any other
+    named with the file to remove); a reader there waits for a writer and goes on without
+    holding it. A writable folder whose parent cannot be written keeps its claim in this user's
+    private folder under ``/tmp`` (:func:`claim_file_of`), said once. A folder that cannot be
+    written itself is not claimed: nothing could race there that hf-pma writes.
 
     Args:
         folder: the folder to claim.
         what: how an error names it (``"snapshot folder"``).
         busy: what the holder is doing, for the error (``"is in use by another training"``).
         shared: a reader's claim, held together with other readers' (not with a writer's).
+        pin: record the folder's identity (``st_dev``, ``st_ino``) when claimed, or when first
+            seen once claimed: :meth:`check`, and every re-entry of the claim (a manifest entry
+            of the training holding it), stop with :class:`FolderMovedError` once the folder at
+            that path is another one, or none (moved, removed).
     """
 
     def __init__(
@@ -851,12 +1073,14 @@ class FolderClaim:
         what: str = "folder",
         busy: str = "is being written by another process",
         shared: bool = False,
+        pin: bool = False,
     ) -> None:
         self.folder = Path(folder).absolute()
         self.path = claim_path(self.folder)
         self.what = what
         self.busy = busy
         self.shared = shared
+        self.pin = pin
         self._key = _claim_key(self.path)
         self._held = False
 
@@ -869,29 +1093,36 @@ class FolderClaim:
         """Take the claim, waiting up to ``wait`` seconds for another process to release it."""
         if self._held:
             return self
+        restore_interrupted(self.folder)  # a reader or writer never meets a name a crash left missing
+        self.path = claim_file_of(self.folder)  # beside it, or away from a read-only parent
+        self._key = _claim_key(self.path)
         with _HELD_LOCK:
             entry = _HELD.get(self._key)
             if entry is not None:
                 if entry[2] and not self.shared:  # an upgrade would let a writer in between: a bug of ours
                     raise RuntimeError(f"hf-pma: {escape(self.folder)} is read under a shared claim; it cannot be written meanwhile")
+                _check_pinned(entry, self.folder, self.what)
                 entry[1] += 1
                 self._held = True
                 return self
         try:
-            fd = _acquire_claim(self.path, self.folder, wait=wait, what=self.what, busy=self.busy, shared=self.shared)
-        except NoFileLocksError:
-            if not self.shared:
-                raise  # a writer never goes on unclaimed
-            # A reader may: no writer of hf-pma's can claim a folder there either, so none replaces it meanwhile.
-            _logger().debug(f"hf-pma: {escape(self.folder)} read without a claim (no file locks there)")
-            return self
+            fd, file_lock = _acquire_claim(
+                self.path, self.folder, wait=wait, what=self.what, busy=self.busy, shared=self.shared
+            )
         except OSError as err:
             if isinstance(err, FileExistsError) or err.errno not in _UNCLAIMABLE_ERRNOS:
                 raise  # held by another process, a planted claim file: refused
             _logger().debug(f"hf-pma: no claim on {escape(self.folder)} ({escape(err)})")
             return self  # not held: a folder in a place that cannot be written, or not there yet
+        if self.shared and file_lock:
+            # Without flock a reader waited for any writer, and goes on without holding the file:
+            # readers of a folder do not queue behind one another (a model load takes minutes).
+            _release_claim(self.path, fd, file_lock=True)
+            return self
         try:
-            if not self.shared:
+            if file_lock:
+                pass  # the lock file recorded its holder as it was made
+            elif not self.shared:
                 _write_claim_record(fd)
             elif os.fstat(fd).st_size:
                 with contextlib.suppress(OSError):  # readers record no one: a holder that died is not named
@@ -899,9 +1130,22 @@ class FolderClaim:
         except BaseException:
             _release_claim(self.path, fd, self.shared)
             raise
-        _register(self._key, fd, self.shared)
+        _register(self._key, fd, self.shared, file_lock)
+        if self.pin:
+            with _HELD_LOCK:
+                _HELD[self._key][4] = _folder_identity(self.folder) or False
         self._held = True
         return self
+
+    def check(self) -> None:
+        """Raise :class:`FolderMovedError` when the folder at this claim's path is no longer the
+        one claimed (``pin``: moved or removed while held); nothing when unpinned or not held."""
+        if not self._held:
+            return
+        with _HELD_LOCK:
+            entry = _HELD.get(self._key)
+            if entry is not None:
+                _check_pinned(entry, self.folder, self.what)
 
     def release(self) -> None:
         """Give the claim back (the claim file is removed when this was its last holder)."""
@@ -916,7 +1160,7 @@ class FolderClaim:
             if entry[1] > 0:
                 return
             del _HELD[self._key]
-        _release_claim(self.path, entry[0], entry[2])
+        _release_claim(self.path, entry[0], entry[2], entry[3])
 
     def __enter__(self) -> FolderClaim:
         return self.acquire()
@@ -960,25 +1204,122 @@ def read_claim(
 
 def holds_claim(folder: str | os.PathLike[str]) -> bool:
     """Whether this process holds ``folder``'s claim now."""
+    folder = Path(folder).absolute()
     with _HELD_LOCK:
-        return _claim_key(claim_path(Path(folder).absolute())) in _HELD
+        return _claim_key(claim_path(folder)) in _HELD or _claim_key(claim_file_of(folder)) in _HELD
 
 
-def _open_claim(path: Path, final_dir: Path, what: str = "output folder", shared: bool = False) -> int | None:
+def check_claimed_folder(folder: str | os.PathLike[str], what: str = "snapshot folder") -> None:
+    """Before writing into ``folder``: :class:`FolderMovedError` when this process holds its claim,
+    pinned (a training's snapshot folder), and the folder at that path is no longer the one
+    claimed. Nothing otherwise (not held here, not pinned)."""
+    folder = Path(folder).absolute()
+    if not _HELD:
+        return
+    keys = (_claim_key(claim_path(folder)), _claim_key(claim_file_of(folder)))
+    with _HELD_LOCK:
+        entry = _HELD.get(keys[0]) or _HELD.get(keys[1])
+        if entry is not None:
+            _check_pinned(entry, folder, what)
+
+
+class FolderMovedError(RuntimeError):
+    """The folder a job claimed (a training's snapshot folder) is no longer at its path: moved or
+    removed while held, or another folder there now. Writing on would start a new run there."""
+
+
+def _folder_identity(folder: Path) -> tuple[int, int] | None:
+    try:
+        info = os.lstat(folder)
+    except OSError:
+        return None
+    return (info.st_dev, info.st_ino) if stat.S_ISDIR(info.st_mode) else None
+
+
+def _check_pinned(entry: list[Any], folder: Path, what: str) -> None:
+    """A pinned claim's folder check (``entry``: its :data:`_HELD` entry; ``_HELD_LOCK`` held):
+    unpinned (``None``) passes; the first sight of the folder (``False``: not made when claimed)
+    records its identity; later, another folder or none stops the job."""
+    if entry[4] is None:
+        return
+    now = _folder_identity(folder)
+    if entry[4] is False:
+        entry[4] = now or False
+        return
+    if now != entry[4]:
+        how = "is gone" if now is None else "is another folder now"
+        raise FolderMovedError(
+            f"{what} {escape(folder)} {how}: it was moved or removed while this job held it; hf-pma stops rather than "
+            "start over there: move it back (then resume), or start a new run"
+        )
+
+
+# Folders whose claim is kept away from them (a read-only parent), said once each.
+_PLACES_SAID: set[str] = set()
+
+
+def claim_file_of(folder: str | os.PathLike[str]) -> Path:
+    """Where ``folder``'s claim file is: :func:`claim_path`, beside it; but for a writable folder
+    whose parent is not writable (its records can be written, no file beside it can), this user's
+    private ``/tmp/hf-pma-claims-<uid>/<st_dev>-<st_ino>.claim``, keyed by the folder's identity
+    (not its name). Processes on other hosts do not see that one: said once per folder."""
+    folder = Path(folder).absolute()
+    beside = claim_path(folder)
+    if os.access(beside.parent, os.W_OK | os.X_OK) or not os.access(folder, os.W_OK | os.X_OK):
+        return beside
+    identity = _folder_identity(Path(os.path.realpath(folder)))
+    if identity is None:
+        return beside
+    place = _private_claims_dir() / f"{identity[0]:x}-{identity[1]:x}.claim"
+    if str(folder) not in _PLACES_SAID:
+        _PLACES_SAID.add(str(folder))
+        _logger().warning(
+            f"hf-pma: {escape(beside.parent)} is read-only, so the claim of {escape(folder)} is kept in {escape(place)}: "
+            "jobs on other hosts writing that folder are not kept apart"
+        )
+    return place
+
+
+def _private_claims_dir() -> Path:
+    """This user's folder of claims kept away from their folders: ``/tmp/hf-pma-claims-<uid>``
+    (``/tmp``, not ``$TMPDIR``: every job of the host must find the same one), 0700, its own."""
+    place = Path("/tmp") / f"hf-pma-claims-{os.getuid()}"
+    with contextlib.suppress(FileExistsError):
+        place.mkdir(mode=0o700)
+    info = os.lstat(place)
+    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        raise PermissionError(
+            f"refusing {escape(place)} as the folder of claims: it is not a private folder of this user (a link, "
+            "another owner, or open to others); remove it"
+        )
+    return place
+
+
+def _open_claim(path: Path, final_dir: Path, what: str = "output folder", shared: bool = False) -> tuple[int, bool] | None:
     """Open (creating it) the claim file ``path`` of ``final_dir``, never through a symbolic link,
     and only when it is a regular file of its own (one link): the claim is truncated and written,
     so anything else (a link or a hard link to another file, a FIFO, a folder) is refused in one
-    line naming it. ``None`` when its holder removed it meanwhile (no links left: open it anew).
-    A reader in a place it cannot write opens an existing claim file read-only."""
+    line naming it. The open file, and whether this open made it (exclusively: it is then this
+    process's alone, a lock by itself where there is no ``flock``). ``None`` when its holder
+    removed it meanwhile (no links left: open it anew). A reader in a place it cannot write
+    opens an existing claim file read-only."""
     refused = (
         f"the claim file {escape(path)} of {what} {escape(final_dir)} is not a regular file that hf-pma "
         "made ({}); remove it or choose another output folder"
     )
     flags = os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)
+    created = False
     try:
         try:
             # Readable by its owner only: another user could otherwise lock it (even read-only) and hold it.
-            fd = os.open(path, flags | os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fd, created = os.open(path, flags | os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600), True
+            except FileExistsError:
+                fd = os.open(path, flags | os.O_RDWR)
+        except FileNotFoundError:
+            if path.parent.is_dir():
+                return None  # removed by its holder between our two opens: open anew
+            raise
         except OSError as err:
             if not shared or err.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
                 raise
@@ -1005,7 +1346,7 @@ def _open_claim(path: Path, final_dir: Path, what: str = "output folder", shared
     if why is not None:
         os.close(fd)
         raise FileExistsError(refused.format(why))
-    return fd
+    return fd, created
 
 
 def _acquire_claim(
@@ -1015,37 +1356,36 @@ def _acquire_claim(
     what: str = "output folder",
     busy: str = "is being written by another process",
     shared: bool = False,
-) -> int:
-    """Open and lock the claim file ``path`` of ``final_dir`` (shared or exclusive); the open file once locked.
+) -> tuple[int, bool]:
+    """Open and lock the claim file ``path`` of ``final_dir`` (shared or exclusive): the open file
+    once locked, and whether the lock is the file itself (no ``flock`` on that filesystem).
 
     Waits up to ``wait`` seconds for a holder to release it (in the kernel's queue of waiters:
     :func:`_lock_within`), then raises :class:`OutputBusyError`: ``<what> <final_dir> <busy>
     (<holder>)``. A claim file that its holder removed between our open and our lock is opened
-    anew, so a waiter only ever holds the file at ``path``. Without ``flock`` on the filesystem:
-    :class:`NoFileLocksError`."""
+    anew, so a waiter only ever holds the file at ``path``. Where ``flock`` fails (``ENOLCK``...:
+    Lustre without ``-o flock``, NFS without lockd) the claim file, made exclusively, is the lock
+    (:func:`_take_file_lock`); a holder of that kind is respected here too (mixed mounts)."""
     import fcntl
 
     mode = fcntl.LOCK_SH if shared else fcntl.LOCK_EX
-    start = time.monotonic()
-    deadline, announce_at = start + wait, start + _ANNOUNCE_WAIT_S
-    holder = None
+    waiter = _ClaimWait(wait, what, final_dir, busy)
     while True:
-        fd = _open_claim(path, final_dir, what, shared)
-        if fd is None:
+        opened = _open_claim(path, final_dir, what, shared)
+        if opened is None:
             continue  # removed by its holder just now: the next open makes or finds the current one
+        fd, created = opened
         try:
             fcntl.flock(fd, mode | fcntl.LOCK_NB)
             locked = True
         except BlockingIOError:
             holder = _claim_holder(fd, path)
             now = time.monotonic()
-            if now >= deadline:
+            if now >= waiter.deadline:
                 os.close(fd)
-                raise OutputBusyError(_busy_message(what, final_dir, busy, holder, wait)) from None
-            if announce_at is not None and now >= announce_at:  # a wait that may be long says why, once
-                announce_at = None
-                _logger().warning(f"hf-pma: {what} {escape(final_dir)} {busy} ({holder}); waiting up to {wait:g}s")
-            until = deadline if announce_at is None else min(deadline, announce_at)
+                raise OutputBusyError(waiter.message(holder)) from None
+            waiter.announce(holder, now)
+            until = waiter.deadline if waiter.announce_at is None else min(waiter.deadline, waiter.announce_at)
             try:
                 locked = _lock_within(fd, mode, until - now)
             except OSError as err:
@@ -1053,10 +1393,196 @@ def _acquire_claim(
             if not locked:
                 continue  # the wait's thread owns fd now; look again (and announce, or give up)
         except OSError as err:
-            _refuse_lock_error(fd, path, what, final_dir, err)
-        if _is_current_claim(fd, path):
-            return fd
-        os.close(fd)  # the holder released (and removed) it between our open and our lock: retry
+            if err.errno not in _NO_LOCK_ERRNOS:
+                _refuse_lock_error(fd, path, what, final_dir, err)
+            return _without_flock(fd, created, path, final_dir, waiter), True
+        if not _is_current_claim(fd, path):
+            os.close(fd)  # the holder released (and removed) it between our open and our lock: retry
+            continue
+        info = _claim_record(fd)
+        if _is_file_lock(info) and _holder_state(info) != "gone":
+            os.close(fd)  # held by a process whose mount has no flock: the file is its lock
+            waiter.pause(_holder_words(info, path, file_lock=True))
+            continue
+        return fd, False
+
+
+class _ClaimWait:
+    """A claim's wait for another holder: its deadline, one line saying why once it lasts, and
+    (where the claim is polled: a lock file) a pause that doubles up to :data:`_POLL_MAX_S`."""
+
+    def __init__(self, wait: float, what: str, final_dir: Path, busy: str) -> None:
+        start = time.monotonic()
+        self.wait, self.what, self.final_dir, self.busy = wait, what, final_dir, busy
+        self.start, self.deadline, self.announce_at = start, start + wait, start + _ANNOUNCE_WAIT_S
+        self.delay = _POLL_FIRST_S
+
+    def message(self, holder: str) -> str:
+        return _busy_message(self.what, self.final_dir, self.busy, holder, self.wait)
+
+    def announce(self, holder: str, now: float) -> None:
+        if self.announce_at is not None and now >= self.announce_at:  # a wait that may be long says why, once
+            self.announce_at = None
+            _logger().warning(
+                f"hf-pma: {self.what} {escape(self.final_dir)} {self.busy} ({holder}); waiting up to {self.wait:g}s"
+            )
+
+    def pause(self, holder: str, grace: float = 0.0) -> None:
+        """Wait a little for ``holder``; :class:`OutputBusyError` once the wait (at least ``grace``) is over."""
+        now = time.monotonic()
+        until = max(self.deadline, self.start + grace)
+        if now >= until:
+            raise OutputBusyError(self.message(holder))
+        self.announce(holder, now)
+        time.sleep(min(self.delay, until - now))
+        self.delay = min(2 * self.delay, _POLL_MAX_S)
+
+
+# ---------------------------------------------------------------- a claim without flock: the file is the lock
+
+# Polling a lock file: the first pause, and the longest (a holder's section lasts milliseconds).
+_POLL_FIRST_S = 0.001
+_POLL_MAX_S = 0.05
+# A takeover of a dead holder's lock file takes microseconds: another taker gives it this long.
+_TAKEOVER_GRACE_S = 2.0
+# An empty takeover guard this old was left by a taker killed between making and writing it.
+_EMPTY_GUARD_STALE_S = 10.0
+
+
+def _is_file_lock(info: dict[str, Any] | None) -> bool:
+    """Whether a claim record is a lock file's (made where ``flock`` fails): the file is the lock."""
+    return isinstance(info, dict) and info.get("lock") == "file"
+
+
+def _without_flock(fd: int, created: bool, path: Path, final_dir: Path, waiter: _ClaimWait) -> int:
+    """The claim where ``flock`` fails on ``fd``: the claim file itself, made exclusively. The
+    file this open made is already this process's (it records so now); another one is waited
+    for, or taken over from a dead holder (:func:`_take_file_lock`)."""
+    if created:
+        _write_file_lock_record(fd, path)
+        return fd
+    os.close(fd)
+    return _take_file_lock(path, final_dir, waiter)
+
+
+def _take_file_lock(path: Path, final_dir: Path, waiter: _ClaimWait) -> int:
+    """Take the lock file ``path`` (as git's ``index.lock``): made with ``O_CREAT|O_EXCL|O_NOFOLLOW``
+    (0600), recording host, pid, the pid's start time and the boot id. A live holder is waited
+    for (polled) and then named; a holder on another host, of another boot or unknown is named
+    with the file to remove; a dead holder on this host is taken over (:func:`_take_over`)."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    while True:
+        try:
+            fd = os.open(path, flags, 0o600)
+        except FileExistsError:
+            found = _read_lock_file(path, waiter)
+            if found is None:
+                continue  # released meanwhile: make it anew
+            info, identity = found
+            words = _holder_words(info, path, file_lock=True)
+            if info is not None and _holder_state(info) == "gone":
+                if not _take_over(path, identity, info):
+                    waiter.pause(words, grace=_TAKEOVER_GRACE_S)  # another process is taking it over
+                continue
+            waiter.pause(words)
+            continue
+        _write_file_lock_record(fd, path)
+        return fd
+
+
+def _read_lock_file(path: Path, waiter: _ClaimWait) -> tuple[dict[str, Any] | None, tuple[int, int]] | None:
+    """The record and ``(st_dev, st_ino)`` of the lock file at ``path``; ``None`` when it is gone.
+    Anything but a regular file of one link is refused in one line (never read through a link)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        return None
+    except OSError as err:
+        if err.errno != errno.ELOOP:
+            raise
+        raise FileExistsError(_not_claim_file(path, waiter, "a symbolic link")) from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_nlink > 1:
+            raise FileExistsError(_not_claim_file(path, waiter, "not a regular file of one link"))
+        return _claim_record(fd), (info.st_dev, info.st_ino)
+    finally:
+        os.close(fd)
+
+
+def _not_claim_file(path: Path, waiter: _ClaimWait, why: str) -> str:
+    return (
+        f"the claim file {escape(path)} of {waiter.what} {escape(waiter.final_dir)} is not a regular file that "
+        f"hf-pma made ({why}); remove it or choose another output folder"
+    )
+
+
+def _write_file_lock_record(fd: int, path: Path) -> None:
+    """Record this process in the lock file it just made; on failure (a full disk) remove it again."""
+    data = json.dumps({**_claim_identity(), "lock": "file"}).encode()
+    try:
+        os.pwrite(fd, data, 0)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        os.close(fd)
+        raise
+
+
+def _take_over(path: Path, identity: tuple[int, int], info: dict[str, Any]) -> bool:
+    """Remove the lock file of a dead holder on this host, if it is still that file: same inode and
+    same record (an inode number is reused at once). Two takers never both remove: the removal
+    happens under a guard made exclusively (``<claim>.takeover``), and re-reads the file under
+    it. ``False`` when another taker holds the guard (try again shortly)."""
+    guard = path.with_name(f"{path.name}.takeover")
+    try:
+        gfd = os.open(guard, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o600)
+    except FileExistsError:
+        _remove_stale_guard(guard)
+        return False
+    try:
+        os.pwrite(gfd, json.dumps(_claim_identity()).encode(), 0)
+        with contextlib.suppress(OSError):
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+            try:
+                now = os.fstat(fd)
+                if (now.st_dev, now.st_ino) == identity and _claim_record(fd) == info:
+                    os.unlink(path)
+                    _logger().info(f"hf-pma: took over {escape(path)} from pid {escape(info['pid'])}, which has ended")
+            finally:
+                os.close(fd)
+    finally:
+        os.close(gfd)
+        with contextlib.suppress(OSError):
+            os.unlink(guard)
+    return True
+
+
+def _remove_stale_guard(guard: Path) -> None:
+    """Remove a takeover guard whose taker was killed mid-takeover (it lives microseconds):
+    its recorded taker is gone, or it is empty and old."""
+    with contextlib.suppress(OSError):
+        fd = os.open(guard, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+        try:
+            info, size, age = _claim_record(fd), os.fstat(fd).st_size, time.time() - os.fstat(fd).st_mtime
+        finally:
+            os.close(fd)
+        if (info is not None and _holder_state(info) == "gone") or (size == 0 and age > _EMPTY_GUARD_STALE_S):
+            os.unlink(guard)
+
+
+def _release_file_lock(path: Path, fd: int) -> None:
+    """Close the lock file ``fd``, removing it only while it is still this process's: the file at
+    ``path`` (same inode) recording this very process (removed by hand and made anew: left alone)."""
+    try:
+        info = _claim_record(fd)
+        ours = _is_file_lock(info) and info["host"] == _host() and info["pid"] == os.getpid()
+        if ours and info.get("start_ticks") == process_start_ticks(os.getpid()) and _is_current_claim(fd, path):
+            os.unlink(path)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def _refuse_lock_error(fd: int, path: Path, what: str, final_dir: Path, err: OSError) -> NoReturn:
@@ -1180,6 +1706,7 @@ def check_output_folder(output_dir: str | os.PathLike[str], overwrite: bool) -> 
     """
     output_dir = Path(output_dir)
     shown_dir = escape(output_dir)
+    restore_interrupted(output_dir)  # before anything is judged: a replacement killed midway is completed
     if output_dir.is_symlink():
         raise FileExistsError(
             f"output path {shown_dir} is a symbolic link; hf-pma never writes an output through a link: give the "
@@ -1232,8 +1759,10 @@ def listed_snapshot_of(path: str | os.PathLike[str]) -> tuple[Path, Path] | None
 
     Looks, after symbolic links, in every folder above ``path`` for a run manifest
     (:data:`RUN_MANIFESTS`) whose ``snapshots`` list names ``path`` or a folder above it. The
-    manifests are read leniently (this only looks for a reason to refuse: one that cannot be read
-    lists nothing). Nothing is written.
+    manifests are read leniently and bounded (:func:`hf_pma.utils.read_files.listed_folder_among`: this
+    only looks for a reason to refuse, so one that cannot be read, or is larger than
+    :data:`~hf_pma.utils.read_files.PEEK_MAX_BYTES` or lists more than
+    :data:`~hf_pma.utils.read_files.PEEK_MAX_ENTRIES` snapshots, lists nothing). Nothing is written.
     """
     target = _resolved(Path(path))
     if target is None:
@@ -1242,13 +1771,9 @@ def listed_snapshot_of(path: str | os.PathLike[str]) -> tuple[Path, Path] | None
     for folder in target.parents:
         for relative in RUN_MANIFESTS:
             manifest = folder / relative
-            data = peek_json(manifest)
-            entries = data.get("snapshots") if isinstance(data, dict) else None
-            for entry in entries if isinstance(entries, list) else []:
-                name = entry.get("path") if isinstance(entry, dict) else None
-                if not isinstance(name, str) or not name.strip() or "\x00" in name:
-                    continue
-                snapshot, base = _resolved(manifest.parent / name), _resolved(manifest.parent)
-                if snapshot in wanted and base is not None and base in snapshot.parents:  # strictly inside its run
-                    return snapshot, manifest
+            base = _resolved(manifest.parent)
+            inside = {w for w in wanted if base is not None and base in w.parents}  # strictly inside its run
+            snapshot = listed_folder_among(manifest, inside)  # bounded: anyone may have put it there
+            if snapshot is not None:
+                return snapshot, manifest
     return None

@@ -22,6 +22,7 @@ import fnmatch
 import json
 import os
 import stat
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,11 @@ __all__ = [
     "MODEL_FOLDER_PATTERNS",
     "is_read_file_name",
     "folder_kind",
+    "PEEK_MAX_BYTES",
+    "PEEK_MAX_ENTRIES",
+    "PEEK_MAX_PARTS",
+    "listed_folder_among",
+    "listed_paths",
     "output_place_problem",
     "peek_json",
 ]
@@ -129,11 +135,23 @@ def is_read_file_name(name: str) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in READ_FILE_PATTERNS)
 
 
-def peek_json(path: Path, limit: int = 64 * 2**20) -> Any:
+# What the checks of an output read of a record that is not the run's own (a manifest in a folder
+# above or beside the output, which anyone who can write there may have put there): at most this
+# many bytes, known by fstat before a byte is read, and this many entries and path components
+# (each one a system call to resolve), counted before one is resolved. hf-pma lists a snapshot
+# by its folder's name (one component, ~300 bytes of record), so these hold 10,000 snapshots; a
+# larger file is not looked into (it lists nothing: it only ever gave a reason to refuse).
+PEEK_MAX_BYTES = 4 * 2**20
+PEEK_MAX_ENTRIES = 10_000
+PEEK_MAX_PARTS = 2 * PEEK_MAX_ENTRIES
+
+
+def peek_json(path: Path, limit: int = PEEK_MAX_BYTES) -> Any:
     """The JSON value of ``path`` when it is a regular file (not a link) of at most ``limit`` bytes
-    holding valid JSON; ``None`` otherwise. Only for looking for a reason to refuse an output
-    (the checks of the way out, :mod:`hf_pma.utils.fs`): utils sits below :mod:`hf_pma.io.guarded`,
-    the way in of everything read for use (the layout test keeps subpackages importing downward only)."""
+    holding valid JSON; ``None`` otherwise (a larger file is not read at all). Only for looking for
+    a reason to refuse an output (the checks of the way out, :mod:`hf_pma.utils.fs`): utils sits
+    below :mod:`hf_pma.io.guarded`, the way in of everything read for use (the layout test keeps
+    subpackages importing downward only)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
     except OSError:
@@ -160,10 +178,74 @@ def _read_all(fd: int, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-def _lists_snapshots(path: Path) -> bool:
-    """Whether ``path`` is a regular file (not a link) holding a run manifest (a ``snapshots`` list)."""
+def _snapshot_entries(path: Path) -> list[Any] | None:
+    """The ``snapshots`` list of the run manifest ``path`` (a regular file, not a link), read
+    within :data:`PEEK_MAX_BYTES` and holding at most :data:`PEEK_MAX_ENTRIES` entries; ``None``
+    for anything else (missing, too large, too many, not a manifest)."""
     data = peek_json(path)
-    return isinstance(data, dict) and isinstance(data.get("snapshots"), list)
+    entries = data.get("snapshots") if isinstance(data, dict) else None
+    return entries if isinstance(entries, list) and len(entries) <= PEEK_MAX_ENTRIES else None
+
+
+def listed_paths(path: str | os.PathLike[str]) -> list[str]:
+    """The snapshot paths (as written, not resolved) that the run manifest ``path`` lists, read
+    bounded (:func:`_snapshot_entries`, and at most :data:`PEEK_MAX_PARTS` path components in all);
+    none for a file that is missing, over the bounds or not a manifest. The one reader of a
+    manifest that an output check finds above or beside an output (through :func:`listed_folder_among`:
+    :func:`hf_pma.utils.fs.listed_snapshot_of`, :func:`hf_pma.core.outputs.listing_manifest`)."""
+    entries = _snapshot_entries(Path(path)) or []
+    names = (entry.get("path") if isinstance(entry, dict) else None for entry in entries)
+    names = [name for name in names if isinstance(name, str) and name.strip() and "\x00" not in name]
+    parts = sum(name.count("/") + name.count("\\") + 1 for name in names)
+    return names if parts <= PEEK_MAX_PARTS else []
+
+
+def listed_folder_among(path: str | os.PathLike[str], wanted: Collection[Path]) -> Path | None:
+    """The first of ``wanted`` (resolved paths) that the run manifest ``path`` lists, after
+    symbolic links, relative to the manifest's folder; ``None`` when it lists none of them (read
+    bounded: :func:`listed_paths`). The manifest's folder is resolved once; a name of one
+    component costs one ``lstat`` in it (a link among them is resolved in full), any other name
+    is resolved in full (at most :data:`PEEK_MAX_PARTS` components in all)."""
+    path = Path(path)
+    names = listed_paths(path) if wanted else []
+    if not names:
+        return None
+    wanted_by_name = {os.fspath(w): w for w in wanted}
+    try:
+        base = os.path.realpath(path.parent)
+        fd = os.open(base, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0) | getattr(os, "O_CLOEXEC", 0))
+    except (OSError, ValueError):
+        return None
+    try:
+        for name in names:
+            found = wanted_by_name.get(_resolved_name(base, fd, name))
+            if found is not None:
+                return found
+    finally:
+        os.close(fd)
+    return None
+
+
+def _resolved_name(base: str, fd: int, name: str) -> str:
+    """``base/name`` after symbolic links (``base`` resolved, ``fd`` open on it); ``""`` when it
+    cannot be resolved."""
+    joined = os.path.join(base, name)
+    try:
+        if "/" not in name and "\\" not in name and name not in (".", ".."):
+            try:
+                if not stat.S_ISLNK(os.lstat(name, dir_fd=fd).st_mode):
+                    return joined
+            except FileNotFoundError:
+                return joined  # missing: it resolves to itself, as a missing output does
+        return os.path.realpath(joined)
+    except (OSError, ValueError):
+        return ""
+
+
+def _lists_snapshots(path: Path) -> bool:
+    """Whether ``path`` is a regular file (not a link) holding a run manifest (a ``snapshots`` list)
+    within the bounds of :func:`_snapshot_entries`."""
+    return _snapshot_entries(path) is not None
 
 
 def folder_kind(folder: str | os.PathLike[str]) -> str | None:

@@ -261,7 +261,8 @@ def test_exclusions_and_listing(tmp_path):
 
 
 class BreakOutputAt(TrainerCallback):
-    """At the end of step ``step``, replace the snapshot folder by a file (the disk went away)."""
+    """At the end of step ``step``, put a file where the next snapshot goes (its write fails). A
+    snapshot folder moved away instead stops the run before the write (tests/test_lock_fallback.py)."""
 
     def __init__(self, callback: PMACallback, step: int):
         self.callback, self.step = callback, step
@@ -269,9 +270,7 @@ class BreakOutputAt(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.step:
             self.callback.wait()
-            pma_dir = self.callback.pma_dir
-            os.replace(pma_dir, pma_dir.with_name("pma-moved"))
-            pma_dir.write_text("not a folder any more")
+            (self.callback.pma_dir / f"snapshot-{4 * TPS}").write_text("in the way")
 
 
 @pytest.mark.parametrize("async_write", [True, False])
@@ -284,7 +283,7 @@ def test_writer_failure_is_raised_in_training(tmp_path, async_write):
     # The write of step 4 fails. Sync: raised at once (when the step's loss is logged).
     # Async: raised by the next event after the failure, at the latest by the next snapshot (6).
     assert max(recorder.tokens) in ({4} if not async_write else {4, 5})
-    assert [r.step for r in manifest_snapshots(tmp_path / "pma-moved")] == [2]
+    assert [r.step for r in manifest_snapshots(tmp_path / "pma")] == [2]
 
 
 def test_crash_mid_write_leaves_a_valid_manifest_and_resume_repairs(tmp_path):

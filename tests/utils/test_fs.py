@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import socket
@@ -12,19 +13,23 @@ import time
 import pytest
 
 from hf_pma.core.manifest import clean_incomplete
+from hf_pma.core.outputs import listing_manifest
 from hf_pma.utils.fs import (
     FOREIGN_STALE_AFTER_S,
     NoSpaceError,
     atomic_write_text,
+    check_output_folder,
     confined_path,
     is_confined,
     is_library_folder,
     is_stale_temporary,
+    listed_snapshot_of,
     parse_temporary,
     remove_stale_temporaries,
     temporary_path,
     write_folder_atomically,
 )
+from hf_pma.utils.read_files import PEEK_MAX_BYTES, PEEK_MAX_ENTRIES, PEEK_MAX_PARTS
 
 
 def _dead_pid() -> int:
@@ -220,3 +225,62 @@ def test_is_library_folder_needs_a_real_folder_its_marker_and_its_name(tmp_path)
     (run / "file").write_text("x")
     assert not is_library_folder(run / "file", "pma.json")
     assert not is_library_folder(run / "missing", "pma.json")
+
+
+# ---------------------------------------------------------------- bounded reads of others' manifests
+
+
+def _manifest_listing(path, listed: str, entries: int = 1, pad: int = 0) -> None:
+    """A run manifest at ``path`` listing ``entries`` snapshots, ``listed`` last, padded to size."""
+    snapshots = [{"path": f"other-{i}"} for i in range(entries - 1)] + [{"path": listed}]
+    path.write_text(json.dumps({"snapshots": snapshots, "pad": "x" * pad}))
+
+
+@pytest.mark.parametrize("where", ["manifest.json", "pma/manifest.json"])
+def test_an_output_check_reads_a_manifest_above_it_only_within_its_byte_bound(tmp_path, where):
+    shared = tmp_path / "shared"
+    (shared / "pma").mkdir(parents=True)
+    manifest = shared / where
+    out, listed = manifest.parent / "sub" / "m", "sub"
+    _manifest_listing(manifest, listed, pad=PEEK_MAX_BYTES - 200)
+    assert manifest.stat().st_size <= PEEK_MAX_BYTES
+    with pytest.raises(FileExistsError, match="a snapshot listed in"):  # within the bound: read, and it lists sub
+        check_output_folder(out, overwrite=False)
+    assert listing_manifest(out.parent) == manifest
+    _manifest_listing(manifest, listed, pad=PEEK_MAX_BYTES)  # one past the bound: not read at all
+    assert manifest.stat().st_size > PEEK_MAX_BYTES
+    check_output_folder(out, overwrite=False)
+    assert listed_snapshot_of(out) is None and listing_manifest(out.parent) is None
+
+
+def test_an_output_check_resolves_at_most_the_entry_bound_of_a_manifest_above_it(tmp_path):
+    out = tmp_path / "sub" / "m"
+    manifest = tmp_path / "manifest.json"
+    _manifest_listing(manifest, "sub", entries=PEEK_MAX_ENTRIES)
+    assert listed_snapshot_of(out) == ((tmp_path / "sub").resolve(), manifest)
+    _manifest_listing(manifest, "sub", entries=PEEK_MAX_ENTRIES + 1)  # within the bytes, one entry too many
+    assert manifest.stat().st_size <= PEEK_MAX_BYTES
+    check_output_folder(out, overwrite=False)
+    assert listed_snapshot_of(out) is None and listing_manifest(tmp_path / "sub") is None
+    # Within the entries, too many path components in all (each one a system call to resolve).
+    deep = [{"path": "gone/" * (PEEK_MAX_PARTS // 100)} for _ in range(100)] + [{"path": "sub"}]
+    manifest.write_text(json.dumps({"snapshots": deep}))
+    check_output_folder(out, overwrite=False)
+    assert listed_snapshot_of(out) is None and listing_manifest(tmp_path / "sub") is None
+
+
+def test_a_large_manifest_in_a_shared_parent_does_not_hold_up_a_merge_below_it(tmp_path):
+    from tests.helpers.cli import run_cli
+    from tests.helpers.models import make_tiny_model, save_model_folder
+
+    source = save_model_folder(tmp_path / "src", make_tiny_model(seed=0))
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    # Entries past both bounds, the last naming the merge's folder: the file is not read, so it
+    # holds up nothing (and gives no reason to refuse: it is not a run's manifest hf-pma reads).
+    entries = [{"path": f"gone/{i}/" + "d/" * 20} for i in range(PEEK_MAX_ENTRIES * 8)] + [{"path": "sub"}]
+    (shared / "manifest.json").write_text(json.dumps({"snapshots": entries}))
+    assert (shared / "manifest.json").stat().st_size > PEEK_MAX_BYTES
+    result = run_cli("merge", source, "-o", shared / "sub" / "m", "-q")
+    assert result.returncode == 0, result.stderr
+    assert (shared / "sub" / "m" / "pma_merge.json").is_file()
