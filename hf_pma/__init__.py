@@ -83,6 +83,8 @@ _LAZY = {
     "warn_if_fewer_processes": "hf_pma.utils.distributed",
     "redact": "hf_pma.utils.secrets",
     "command_line": "hf_pma.utils.text",
+    "CommandLineParser": "hf_pma.utils.parsing",
+    "hf_argument_parser": "hf_pma.utils.parsing",
 }
 
 if TYPE_CHECKING:  # what _LAZY says, for type checkers and IDEs (nothing is imported at run time)
@@ -128,6 +130,7 @@ if TYPE_CHECKING:  # what _LAZY says, for type checkers and IDEs (nothing is imp
     from hf_pma.training.trainer import PMATrainer
     from hf_pma.utils.distributed import is_main_process, run_on_main_process, warn_if_fewer_processes
     from hf_pma.utils.logs import enable_logging
+    from hf_pma.utils.parsing import CommandLineParser, hf_argument_parser
     from hf_pma.utils.secrets import redact
     from hf_pma.utils.text import command_line
 
@@ -195,6 +198,8 @@ __all__ = [
     "warn_if_fewer_processes",
     "redact",
     "command_line",
+    "CommandLineParser",
+    "hf_argument_parser",
 ]
 
 

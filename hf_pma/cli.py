@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import importlib
+import re
 import signal
 import sys
 import threading
@@ -36,8 +37,11 @@ COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The full argument parser of ``hf-pma``."""
-    parser = argparse.ArgumentParser(
+    """The full argument parser of ``hf-pma``: a :class:`~hf_pma.utils.parsing.CommandLineParser`
+    (no abbreviated options; an unknown one refused in one line naming the closest)."""
+    from hf_pma.utils.parsing import CommandLineParser
+
+    parser = CommandLineParser(
         prog="hf-pma",
         description="Pre-trained Model Averaging (PMA) for Hugging Face models: merge, evaluate and publish snapshots.",
     )
@@ -118,18 +122,58 @@ PARAMETER_DESTS = {"x_values": "x"}
 
 
 def flag_words(err: BaseException, parser: argparse.ArgumentParser, command: str) -> str:
-    """The error's text with the library parameter it names (the ``parameter`` of
-    :func:`hf_pma.utils.parsing.parameter_error`: ``last must be a positive integer, got 0``)
-    shown as the flag of ``command`` that sets it (``--last must be ...``); the text as it is
-    when the error names no parameter, or one that the command has no flag for."""
+    """The error's text in the words of ``command``'s flags: the library parameter it starts with
+    (the ``parameter`` of :func:`hf_pma.utils.parsing.parameter_error`: ``last must be a positive
+    integer, got 0``) as its flag (``--last must be ...``), and a keyword form that names a flag
+    of the command (``pass overwrite=True (--overwrite)``, ``include_final (--include-final)``,
+    ``last=16``) as that flag (``pass --overwrite``, ``--include-final``, ``--last 16``). Names
+    the command has no flag for stay as they are."""
+    flags = _command_flags(parser, command)
     text, name = str(err), getattr(err, "parameter", None)
-    if not isinstance(name, str) or not text.startswith(name):
-        return text
-    dest = PARAMETER_DESTS.get(name, name)
+    if isinstance(name, str) and text.startswith(name):
+        flag = flags.get(PARAMETER_DESTS.get(name, name))
+        text = flag + text[len(name) :] if flag else text
+    return _KEYWORD_FORM.sub(lambda m: _as_flag(m, flags, text), text)
+
+
+# ``name=True (--flag)``, ``name=True / --flag``, ``--flag (name=True)``, ``name=, --flag``,
+# ``--flag, name=``, ``name (--flag)``, ``name=value (--flag)``, ``name=value``: the library's keyword forms that a command error shows
+# as the command's flag (:func:`flag_words`).
+_KEYWORD_FORM = re.compile(
+    r"(?P<before>--[\w-]+) \((?P<kw>\w+)=True\)"
+    r"|(?P<pair>\b[a-z_][a-z0-9_]*=, (?P<after>--[\w-]+)|(?P<first>--[\w-]+), [a-z_][a-z0-9_]*=(?=\)|\s|$))"
+    r"|\b(?P<name>[a-z_][a-z0-9_]*)(?:=(?P<value>[^\s(),;]+))?"
+    r"(?: \((?P<paren>--[\w-]+)\)| / (?P<slash>--[\w-]+))?"
+)
+
+
+def _as_flag(match: re.Match[str], flags: dict[str, str], text: str) -> str:
+    """One keyword form as the command's flag; as it is when the command has no flag for it, or
+    when ``text`` names the flag already (``dtype='float32', --dtype``)."""
+    if match.group("before"):
+        return match.group("before")
+    if match.group("pair"):  # ``tokenizer=, --tokenizer``: the flag alone, where the command has it
+        flag = match.group("after") or match.group("first")
+        return flag if flag in flags.values() else match.group(0)
+    name, value = match.group("name"), match.group("value")
+    given = match.group("paren") or match.group("slash")
+    flag = flags.get(PARAMETER_DESTS.get(name, name))
+    if flag is None or (value is None and given is None) or (given is not None and given != flag):
+        return match.group(0)
+    if given is None and re.search(rf"{re.escape(flag)}\b", text):
+        return match.group(0)  # a plain word, or a name this command has no (such) flag for
+    return flag if value in (None, "True") else f"{flag} {value}"
+
+
+def _command_flags(parser: argparse.ArgumentParser, command: str) -> dict[str, str]:
+    """The ``dest`` of each option of ``command`` -> its longest flag (``overwrite`` -> ``--overwrite``)."""
     subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
     sub = subparsers[0].choices.get(command) if subparsers else None
-    flags = [max(a.option_strings, key=len) for a in (sub._actions if sub else []) if a.dest == dest and a.option_strings]
-    return flags[0] + text[len(name) :] if flags else text
+    flags: dict[str, str] = {}
+    for action in sub._actions if sub else []:
+        if action.option_strings:
+            flags.setdefault(action.dest, max(action.option_strings, key=len))
+    return flags
 
 
 # The exit code of a command stopped by Ctrl-C (SIGINT): 128 + 2, as a shell reports it.

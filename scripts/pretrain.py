@@ -35,7 +35,6 @@ from transformers import (
     AutoModelForCausalLM,
     AutoTokenizer,
     DataCollatorForLanguageModeling,
-    HfArgumentParser,
     LlamaConfig,
     set_seed,
 )
@@ -53,6 +52,7 @@ from hf_pma import (
     enable_logging,
     fits_context,
     full_batches,
+    hf_argument_parser,
     is_main_process,
     make_tasks_from_split,
     pack_dataset,
@@ -146,10 +146,8 @@ class _Formatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescription
 def parse_arguments(argv: list[str]) -> tuple:
     """The run's model, data, comparison and training arguments: the embedded default config (or a
     YAML/JSON file given as the first argument, which replaces it), changed by the flags."""
-    dataclass_types = (ModelArguments, DataArguments, ComparisonArguments, PMATrainingArguments)
-    parser = HfArgumentParser(
-        dataclass_types, description=__doc__.split("\n\n")[0], epilog=USAGE_NOTE, formatter_class=_Formatter
-    )
+    types = (ModelArguments, DataArguments, ComparisonArguments, PMATrainingArguments)  # parsed: no abbreviations, typos named
+    parser = hf_argument_parser(types, description=__doc__.split("\n\n")[0], epilog=USAGE_NOTE, formatter_class=_Formatter)
     model_args, data, comparison, args = parse_with_config(parser, argv, DEFAULT_CONFIG, spelled=ANNEAL_SPELLING)
     if data.token_budget:  # the global batch is known: processes x per device x accumulation
         batch = args.per_device_train_batch_size * args.gradient_accumulation_steps * args.world_size

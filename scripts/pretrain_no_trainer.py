@@ -7,7 +7,6 @@ and loss-spike recovery. Copy it, then put your model and data in place of the s
     hf-pma merge runs/loop/pma --last 4 -o runs/loop/merged    # the tokenizer is runs/loop's
 """
 
-import argparse
 from pathlib import Path
 
 import torch
@@ -18,12 +17,15 @@ from transformers import DataCollatorForLanguageModeling as Collator
 from transformers import LlamaConfig, LlamaForCausalLM, get_constant_schedule_with_warmup
 
 from hf_pma import PMASnapshots, SpikeRecovery, pack_dataset, stdlib_documents, train_bpe_tokenizer
+from hf_pma.utils.parsing import CommandLineParser
 
-parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+parser = CommandLineParser(description=__doc__.split("\n\n")[0])  # no abbreviations; a typo: the closest named
 for flag, default in ("--output_dir", "runs/loop"), ("--max_steps", 200), ("--accumulation", 2), ("--save_every", 50):
     parser.add_argument(flag, default=default, type=type(default))
 parser.add_argument("--resume", action="store_true", help="load_state from OUTPUT_DIR/state first")
 args = parser.parse_args()
+if args.resume and not (Path(args.output_dir) / "state").is_dir():
+    parser.refuse(f"--resume: no saved state in {Path(args.output_dir) / 'state'}; run without --resume to start")
 accelerator, out = Accelerator(gradient_accumulation_steps=args.accumulation), Path(args.output_dir)
 set_seed(0)
 docs = stdlib_documents(max_bytes=600_000)  # held out: the first 10 documents
@@ -45,7 +47,7 @@ pma = PMASnapshots(model, accelerator, optimizer=optimizer, lr_scheduler=schedul
 accelerator.register_for_checkpointing(pma)  # save_state / load_state carry its token count
 recovery = SpikeRecovery(factor=3.0, window=20, last=3)
 if args.resume:
-    accelerator.load_state(out / "state")  # before the first pma.step
+    accelerator.load_state(out / "state")  # before the first pma.step; a finished run: no step left, evaluated
 batches = accelerator.skip_first_batches(train, pma.global_step * args.accumulation % len(train))
 while pma.global_step < args.max_steps:
     for batch in batches:

@@ -101,7 +101,7 @@ def test_run_cli_in_process_puts_back_what_the_command_changes(tmp_path, monkeyp
     quiet = run_cli("merge", tmp_path / "missing", "-o", tmp_path / "m", "-q")
     assert quiet.returncode == 2 and quiet.stderr.count("\n") == 1 and "Traceback" not in quiet.stderr
     usage = run_cli("merge", "--strategy", "median")
-    assert usage.returncode == 2 and "usage: hf-pma merge" in usage.stderr
+    assert usage.returncode == 2 and usage.stderr.startswith("hf-pma merge: error: argument --strategy: invalid choice")
     assert run_cli("--help").returncode == 0
     assert [(lg.level, list(lg.handlers), [h.formatter for h in lg.handlers]) for lg in loggers] == before
     assert dict(os.environ) == env and os.getcwd() == cwd and torch.get_num_threads() == threads
@@ -193,3 +193,25 @@ def test_a_bad_hub_timeout_is_named_by_its_flag_on_the_command_line(tmp_path):
         set_hub_timeout("0")
     done = run_cli("merge", tmp_path / "a", tmp_path / "b", "-o", tmp_path / "m", "--hub-timeout", "0")
     assert done.returncode == 2 and "--hub-timeout '0' is not a timeout" in done.stderr, done.stderr
+
+
+def test_library_keyword_forms_are_shown_as_the_commands_flags():
+    """``overwrite=True (--overwrite)`` and the like, written for library users and command users
+    at once, reach a command user as the command's flag alone (hf_pma.cli.flag_words)."""
+    from hf_pma.cli import build_parser, flag_words
+
+    parser = build_parser()
+
+    def shown(text: str, command: str = "merge") -> str:
+        return flag_words(ValueError(text), parser, command)
+
+    assert shown("x is not empty; pass overwrite=True (--overwrite) to replace it") == "x is not empty; pass --overwrite to replace it"
+    assert shown("left as it is (pass overwrite=True / --overwrite to replace it)").endswith("(pass --overwrite to replace it)")
+    assert shown("pass --include-final (include_final=True) or name it") == "pass --include-final or name it"
+    assert shown("leave include_final (--include-final) off") == "leave --include-final off"
+    assert shown("found 3, fewer than last=5: pass last=3") == "found 3, fewer than --last 5: pass --last 3"
+    assert shown("give the window in steps (--window-steps, window_steps=)") == "give the window in steps (--window-steps)"
+    assert shown("no tokenizer: pass one (tokenizer=, --tokenizer)", "eval") == "no tokenizer: pass one (--tokenizer)"
+    # Names the command has no flag for, and plain words, stay as they are.
+    assert shown("above max_overhead=1.0% (a=b)") == "above max_overhead=1.0% (a=b)"
+    assert shown("pass overwrite=True (--overwrite)", "inspect") == "pass overwrite=True (--overwrite)"

@@ -36,11 +36,12 @@ from hf_pma.core.strategies import merge_coefficients
 from hf_pma.core.window_choice import is_auto
 from hf_pma.evaluation.corpus import documents_fingerprint
 from hf_pma.evaluation.options import EvalOptions
+from hf_pma.io.guarded import reads_one_version
 from hf_pma.merging.sources import CheckpointSource, resolve_sources, vanished_source_error
 from hf_pma.merging.windows import select_auto
 from hf_pma.utils.formatting import format_number, markdown_table
 from hf_pma.utils.fs import atomic_write_file
-from hf_pma.utils.parsing import check_int, is_number
+from hf_pma.utils.parsing import check_int, folded, is_number
 from hf_pma.utils.text import escape, plot_text
 
 logger = logging.get_logger(__name__)
@@ -331,6 +332,7 @@ def _source_list(run: Any) -> list[CheckpointSource]:
     return resolve_sources([run])
 
 
+@reads_one_version
 def run_sweep(
     run: str | os.PathLike[str] | Sequence[str | os.PathLike[str] | CheckpointSource],
     windows: Sequence[int | str] = DEFAULT_WINDOWS,
@@ -515,8 +517,9 @@ def sweep_table(report: Mapping[str, Any]) -> str:
             f"{report['best']}, does not beat it: keep the last snapshot)"
         )
     skipped = [f"{s['strategy']} N={s['window']} k={s['every']} ({s['reason']})" for s in report.get("skipped", [])]
-    if skipped:
-        footer += f"\nskipped {len(skipped)}: " + "; ".join(skipped)
+    if skipped:  # a line of its own, folded: a sweep of many windows skips many
+        listed = folded(skipped, 3, "; ") + (" (all in the report's 'skipped')" if len(skipped) > 4 else "")
+        footer += f"\nskipped {len(skipped)}: {listed}"
     return markdown_table(header, rows, align="ll" + "r" * (len(columns) + 1) + "l") + "\n\n" + footer
 
 

@@ -57,9 +57,9 @@ def add_heldout_arguments(parser: argparse.ArgumentParser) -> None:
         "files, or a dataset name[:config]",
     )
     parser.add_argument(
-        "--text-column", default="text", help="column of the text in --eval-file tables (default: text)"
+        "--text-column", default="text", help="column of the text in --eval-file tables (default: %(default)s)"
     )
-    parser.add_argument("--eval-split", default="test", help="split of a --eval-file dataset (default: test)")
+    parser.add_argument("--eval-split", default="test", help="split of a --eval-file dataset (default: %(default)s)")
 
 
 def load_heldout(args: argparse.Namespace) -> list[str] | None:

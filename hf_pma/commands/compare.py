@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from hf_pma.commands import add_heldout_arguments, load_heldout, set_verbosity
-from hf_pma.core.strategies import STRATEGIES
+from hf_pma.core.strategies import DEFAULT_ALPHA, STRATEGIES
 from hf_pma.evaluation.options import EvalOptions
 from hf_pma.utils.argtypes import positive_count, window_count
 
@@ -56,9 +56,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="merge each run's snapshots within the last T tokens",
     )
     p.add_argument(
-        "--strategy", choices=list(STRATEGIES), default="sma", help="merge strategy (default: sma)"
+        "--strategy", choices=list(STRATEGIES), default="sma", help="merge strategy (default: %(default)s)"
     )
-    p.add_argument("--alpha", type=float, default=0.2, help="EMA smoothing factor (default: 0.2)")
+    p.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="EMA smoothing factor (default: %(default)s)")
     EvalOptions.add_arguments(p)
     add_heldout_arguments(p)
     p.add_argument(
@@ -79,9 +79,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         type=int,
         default=1000,
         metavar="N",
-        help="resamples of the held-out documents for the interval of Kendall's tau (default: 1000; 0: none)",
+        help="resamples of the held-out documents for the interval of Kendall's tau (default: %(default)s; 0: none)",
     )
-    p.add_argument("--bootstrap-seed", type=int, default=0, metavar="S", help="seed of the resamples (default: 0)")
+    p.add_argument("--bootstrap-seed", type=int, default=0, metavar="S", help="seed of the resamples (default: %(default)s)")
     p.add_argument(
         "--no-window-check",
         action="store_true",

@@ -23,7 +23,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dtype", choices=["float32", "bfloat16", "float16"], help="cast floating tensors (default: keep)"
     )
-    p.add_argument("--max-shard-size", default="5GB", help="largest output shard (default: 5GB)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest output shard (default: %(default)s)")
     add_output_arguments(p)
     p.set_defaults(func=run)
 

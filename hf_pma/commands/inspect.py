@@ -10,7 +10,7 @@ from typing import Any
 
 from hf_pma.commands import add_revision_arguments, positive_int, set_verbosity
 from hf_pma.core.selection import DEFAULT_WINDOW
-from hf_pma.core.strategies import STRATEGIES
+from hf_pma.core.strategies import DEFAULT_ALPHA, STRATEGIES
 from hf_pma.utils.argtypes import positive_count
 
 # What --window defaults to after the run's own window, said from what the code does
@@ -65,9 +65,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         action="store_true",
         help="also take the final model saved at the run folder's top, as the newest",
     )
-    p.add_argument("--every", type=positive_int, default=1, help="take every k-th snapshot (default: 1)")
-    p.add_argument("--strategy", choices=STRATEGIES, default="sma", help="merge weights (default: sma)")
-    p.add_argument("--alpha", type=float, default=0.2, help="EMA smoothing factor (default: 0.2)")
+    p.add_argument("--every", type=positive_int, default=1, help="take every k-th snapshot (default: %(default)s)")
+    p.add_argument("--strategy", choices=STRATEGIES, default="sma", help="merge weights (default: %(default)s)")
+    p.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="EMA smoothing factor (default: %(default)s)")
     p.add_argument(
         "--last", type=positive_int, help="read only the newest K snapshots (default: all, for the series)"
     )
@@ -83,7 +83,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("-o", "--output", metavar="FILE", help="write the table and diagnostics as JSON here")
     p.add_argument("--no-diagnostics", action="store_true", help="only list the snapshots (reads no weights)")
     p.add_argument(
-        "--chunk-mb", type=positive_int, default=64, help="memory for the Gram matrix chunks (default: 64)"
+        "--chunk-mb", type=positive_int, default=64, help="memory for the Gram matrix chunks (default: %(default)s)"
     )
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar or info logs")
     p.set_defaults(func=run)

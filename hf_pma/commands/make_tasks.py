@@ -30,23 +30,23 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="text file (one document), .jsonl/.json/.csv/.parquet (one per row), folder of text files, or a "
         "dataset name[:config]",
     )
-    p.add_argument("--text-column", default="text", help="column of the text in tables (default: text)")
-    p.add_argument("--split", default="train", help="split of a dataset INPUT (default: train)")
+    p.add_argument("--text-column", default="text", help="column of the text in tables (default: %(default)s)")
+    p.add_argument("--split", default="train", help="split of a dataset INPUT (default: %(default)s)")
     p.add_argument(
-        "--eval-fraction", type=float, default=0.1, help="share of documents held out (default: 0.1)"
+        "--eval-fraction", type=float, default=0.1, help="share of documents held out (default: %(default)s)"
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of the split and the items (default: 0)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the split and the items (default: %(default)s)")
     p.add_argument(
         "--kinds",
         default=",".join(TASK_KINDS),
-        help=f"comma-separated task kinds (default: {','.join(TASK_KINDS)})",
+        help="comma-separated task kinds (default: %(default)s)",
     )
     p.add_argument("--num-items", type=int, default=defaults.num_items, help="items per task")
     p.add_argument("--num-choices", type=int, default=defaults.num_choices, help="choices per item")
     p.add_argument("--context-lines", type=int, default=defaults.context_lines, help="lines of context")
     p.add_argument("--min-line-chars", type=int, default=defaults.min_line_chars, help="shortest answer line")
     p.add_argument("--max-line-chars", type=int, default=defaults.max_line_chars, help="longest answer line")
-    p.add_argument("--prefix", default="pma", help="task name prefix: <prefix>_next_line, ... (default: pma)")
+    p.add_argument("--prefix", default="pma", help="task name prefix: <prefix>_next_line, ... (default: %(default)s)")
     p.add_argument(
         "--write-train", action="store_true", help="also write the training documents as train.jsonl"
     )

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from hf_pma.commands import add_output_arguments, add_revision_arguments, positive_int
-from hf_pma.core.strategies import STRATEGIES
+from hf_pma.core.strategies import DEFAULT_ALPHA, STRATEGIES
 from hf_pma.utils.argtypes import positive_count, window_count
 
 
@@ -43,8 +43,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("sources", nargs="+", metavar="SOURCE")
-    p.add_argument("--strategy", default="sma", choices=STRATEGIES, help="merge weights (default: sma)")
-    p.add_argument("--alpha", type=float, default=0.2, help="EMA smoothing factor (default: 0.2)")
+    p.add_argument("--strategy", default="sma", choices=STRATEGIES, help="merge weights (default: %(default)s)")
+    p.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="EMA smoothing factor (default: %(default)s)")
     p.add_argument("--weights", type=_weights, help="explicit weights, oldest first, e.g. 1,1,2 (normalized)")
     window = p.add_mutually_exclusive_group()
     window.add_argument(
@@ -109,7 +109,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("--accumulate-dtype", choices=["float32", "float64"], default="float32")
-    p.add_argument("--max-shard-size", default="5GB", help="largest output shard (default: 5GB)")
+    p.add_argument("--max-shard-size", default="5GB", help="largest output shard (default: %(default)s)")
     p.add_argument(
         "--workers",
         type=positive_int,

@@ -13,8 +13,9 @@ from hf_pma.commands import (
     positive_int,
     set_verbosity,
 )
-from hf_pma.core.strategies import STRATEGIES
+from hf_pma.core.strategies import DEFAULT_ALPHA, STRATEGIES
 from hf_pma.evaluation.options import EvalOptions
+from hf_pma.io.guarded import reads_one_version
 
 
 def _int_list(text: str) -> list[int]:
@@ -96,7 +97,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--every", type=_int_list, default=[1, 2, 4], help="take every k-th snapshot (default: 1,2,4)")
     p.add_argument("--strategy", type=_strategy_list, default=["sma", "wma", "ema"], help="strategies (default: sma,wma,ema)")
-    p.add_argument("--alpha", type=float, default=0.2, help="EMA smoothing factor (default: 0.2)")
+    p.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="EMA smoothing factor (default: %(default)s)")
     EvalOptions.add_arguments(p)
     add_heldout_arguments(p)
     p.add_argument("--metric", help="TASK/METRIC that picks the best merge (default: lm/loss, else the first task's acc)")
@@ -114,8 +115,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+@reads_one_version
 def run(args: argparse.Namespace) -> int:
-    """Run ``hf-pma sweep``."""
+    """Run ``hf-pma sweep``: every merge it evaluates, and the best one it writes, from one
+    version of each snapshot (:func:`hf_pma.io.guarded.one_version`)."""
     from hf_pma.analysis.sweep import (
         DEFAULT_WINDOWS,
         parse_metric,

@@ -28,6 +28,7 @@ from collections.abc import Callable, Sequence
 from hf_pma.utils.parsing import check_int, is_number
 
 __all__ = [
+    "DEFAULT_ALPHA",
     "STRATEGIES",
     "DECAY_SHAPES",
     "sma_weights",
@@ -42,6 +43,9 @@ __all__ = [
     "ema_half_life_update",
     "ema_half_life_updates",
 ]
+
+# The EMA factor a when none is given (every command, the callback and the online average).
+DEFAULT_ALPHA = 0.2
 
 
 def _check_count(n: int) -> None:
@@ -61,7 +65,7 @@ def wma_weights(n: int) -> list[float]:
     return [i / total for i in range(1, n + 1)]
 
 
-def ema_weights(n: int, alpha: float = 0.2) -> list[float]:
+def ema_weights(n: int, alpha: float = DEFAULT_ALPHA) -> list[float]:
     """Exponential moving average started from the oldest snapshot.
 
     ``w_1 = (1-a)^(n-1)``, ``w_i = a (1-a)^(n-i)`` for ``i >= 2``: these sum to exactly 1, unlike
@@ -182,7 +186,7 @@ STRATEGIES = ("sma", "wma", "ema", "linear-decay", "cosine-decay", "1-sqrt-decay
 def merge_coefficients(
     n: int,
     strategy: str = "sma",
-    alpha: float = 0.2,
+    alpha: float = DEFAULT_ALPHA,
     weights: Sequence[float] | None = None,
 ) -> list[float]:
     """The coefficients ``w_1 .. w_n`` of a merge of ``n`` snapshots (oldest first) for a strategy
@@ -207,7 +211,7 @@ def merge_coefficients(
     raise ValueError(f"unknown merge strategy {strategy!r}; choose one of {', '.join(STRATEGIES)} or give weights")
 
 
-def validate_strategy(strategy: str, alpha: float = 0.2, weights: Sequence[float] | None = None) -> None:
+def validate_strategy(strategy: str, alpha: float = DEFAULT_ALPHA, weights: Sequence[float] | None = None) -> None:
     """Raise ``ValueError`` now for a bad strategy name or alpha, or bad explicit ``weights``
     (used by argument checks, before any source is read or downloaded)."""
     if weights is not None:
@@ -219,7 +223,7 @@ def validate_strategy(strategy: str, alpha: float = 0.2, weights: Sequence[float
 def merge_weights(
     n: int,
     strategy: str = "sma",
-    alpha: float = 0.2,
+    alpha: float = DEFAULT_ALPHA,
     weights: Sequence[float] | None = None,
 ) -> list[float]:
     """Deprecated name of :func:`merge_coefficients` (it returns the merge's coefficients, not

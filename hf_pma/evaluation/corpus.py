@@ -144,6 +144,9 @@ def _read_dataset(name: str, text_column: str, split: str) -> list[str]:
                 raise ValueError(f"{path} has no split {split!r} (splits: {', '.join(data)})")
             data = data[split]
     else:
+        from hf_pma.utils.hub_client import install_hub_client
+
+        install_hub_client()  # datasets downloads it: bounded in bytes and time, like hf-pma's own
         repo, _, config = name.partition(":")
         data = datasets.load_dataset(repo, config or None, split=split)
     if text_column not in data.column_names:

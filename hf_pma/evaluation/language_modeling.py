@@ -10,7 +10,7 @@ model must then be a full copy on the main process, not FSDP/ZeRO-3 shards.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch

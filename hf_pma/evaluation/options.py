@@ -89,7 +89,7 @@ class EvalOptions:
             meta = dict(f.metadata)
             help_text, kind = meta.pop("help"), meta.pop("kind", None)
             if f.default is not None:
-                help_text += f" (default: {f.default})"
+                help_text += " (default: %(default)s)"  # rendered from the value the flag has
             if kind is not None:
                 meta["type"] = positive_int if kind == "positive" else non_negative_int
             parser.add_argument("--" + f.name.replace("_", "-"), default=f.default, help=help_text, **meta)

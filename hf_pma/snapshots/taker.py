@@ -60,7 +60,7 @@ from hf_pma.snapshots.sharded import ShardedOnlineAverageSink, ShardedSnapshotSi
 from hf_pma.snapshots.sinks import DiskSnapshotSink, OnlineAverageSink, ResumePoint, SnapshotSink
 from hf_pma.snapshots.writer import SnapshotWriter
 from hf_pma.utils.distributed import check_folder_shared, is_peft_model, run_on_main_process
-from hf_pma.utils.fs import FolderClaim
+from hf_pma.utils.fs import FolderClaim, FolderMovedError
 from hf_pma.utils.logs import notice
 from hf_pma.utils.parsing import check_int, is_number, parameter_error, parse_dtype, parse_size
 from hf_pma.utils.text import escape, shown
@@ -577,7 +577,7 @@ class SnapshotTaker:
             self._take(model, tick, boundary, epoch, log_follows, checkpoint_follows)
             self._review_cost(tick.step_tokens)
         if checkpoint_follows and self._pending is None:
-            self._sink.before_checkpoint()
+            self._checkpoint_follows()
 
     def logged(self, step: int, loss: float | None = None, checkpoint_follows: bool = False) -> None:
         """The loop logged at optimizer step ``step`` (its training ``loss``, if any): the record of
@@ -596,7 +596,7 @@ class SnapshotTaker:
         self._require_begun("commit")
         self._commit(checkpoint_follows)
         if checkpoint_follows:
-            self._sink.before_checkpoint()
+            self._checkpoint_follows()
         else:
             self._sink.raise_if_failed()
 
@@ -617,6 +617,7 @@ class SnapshotTaker:
         try:
             self._losses.detach()
             self._commit(checkpoint_follows=False)
+            self._check_folder()  # the online average and the last manifest entry: not into a new folder
             self._sink.close(model)
             # Snapshots set aside by a resume and passed since are dropped.
             self._sink.reached(self._tokens)
@@ -683,7 +684,8 @@ class SnapshotTaker:
         self._taken = []
         self._last_snapshot_step = step
         self._last_loss = None
-        self._resume = ResumePoint(tokens, step, resume_dir or self._pma_dir.parent) if resumed else None
+        online = (saved_state or {}).get("online") if resumed else None
+        self._resume = ResumePoint(tokens, step, resume_dir or self._pma_dir.parent, online) if resumed else None
         if model is not None:
             self._losses.attach(model)
 
@@ -734,8 +736,9 @@ class SnapshotTaker:
                 "real folder inside output_dir (remove the link, or set output_dir to where it points)"
             )
         if self._run_claim is None:
+            # Pinned: a folder moved away while training is noticed (its identity, not its name).
             self._run_claim = FolderClaim(
-                self._pma_dir, what="snapshot folder", busy="is in use by another training"
+                self._pma_dir, what="snapshot folder", busy="is in use by another training", pin=True
             )
         # The claim file lies beside the folder (a file there: the sink says so).
         with contextlib.suppress(OSError):
@@ -745,6 +748,18 @@ class SnapshotTaker:
     def _release_folder(self) -> None:
         if self._run_claim is not None:
             self._run_claim.release()
+
+    def _check_folder(self) -> None:
+        """Every process: stop together when the snapshot folder is no longer the one claimed at
+        :meth:`begin` (moved or removed while training), before anything more is written to its
+        path: a run that wrote on would start a new manifest there, and the moved one stop short."""
+        error = None
+        if self._is_main and self._run_claim is not None:
+            try:
+                self._run_claim.check()
+            except FolderMovedError as err:
+                error = str(err)
+        self._raise_together(error, FolderMovedError)
 
     def _make_sink(self, processing_class: Any | None, model: Any | None = None) -> SnapshotSink:
         """The sink these options ask for: an online average, per-rank shards, or full folders."""
@@ -805,14 +820,14 @@ class SnapshotTaker:
         torch.distributed.broadcast_object_list(payload, src=0)
         self.schedule.load_state(payload[0])
 
-    def _raise_together(self, error: str | None) -> None:
-        """Raise the main process's budget error on every process (so none waits in a collective)."""
+    def _raise_together(self, error: str | None, kind: type[Exception] = SnapshotBudgetError) -> None:
+        """Raise the main process's error (a budget's by default) on every process (so none waits in a collective)."""
         if self._distributed():
             payload = [error]
             torch.distributed.broadcast_object_list(payload, src=0)
             error = payload[0]
         if error is not None:
-            raise SnapshotBudgetError(error)
+            raise kind(error)
 
     def _choose_interval(self, tokens_per_step: int) -> None:
         """The automatic V, from the first step's tokens and the planned run (same on every rank)."""
@@ -861,7 +876,13 @@ class SnapshotTaker:
         """:meth:`SnapshotSchedule.state` with every step's LR read (what a checkpoint stores)."""
         if self._lr_backlog:
             self.schedule.catch_up(self._read_lr_backlog())
-        return self.schedule.state()
+        state = self.schedule.state()
+        if self._sink is not None and self._is_online() and not self._ended:
+            # What a checkpoint's average must hold: a resume that finds fewer refuses.
+            self._sink.settle()
+            average = self._sink.average
+            state["online"] = {"step": self._step, "count": average.count, "options": average.options}
+        return state
 
     def _advance(self, lr: float | torch.Tensor, checkpoint_follows: bool) -> StepTick:
         """The schedule moves on by this step; an LR tensor is read only when this step may
@@ -962,8 +983,15 @@ class SnapshotTaker:
                     self._plan, interval, tokens_per_step, self._step, tokens=self._tokens
                 )
                 total = len(self._taken) + (later or 0)
-                notice(logger, planning.widened_message(widened, estimate, self.max_overhead, total))
-        self._say_cost(estimate, interval, tokens_per_step)
+                # One cost line: the widened one says what they cost and what was done about it.
+                self._cost_reported = True
+                message = planning.widened_message(widened, estimate, self.max_overhead, total)
+                if widened.budget_met:
+                    notice(logger, message)
+                else:  # still over max_overhead: a warning, as the cost line over it is
+                    logger.warning(message)
+        if why is None:
+            self._say_cost(estimate, interval, tokens_per_step)
         self._cost_measured = planning.cost_record(estimate, steps_now, self.max_overhead, widened=why is not None)
         return interval, why
 
@@ -1043,6 +1071,7 @@ class SnapshotTaker:
     ) -> None:
         """Every rank: the sink copies the weights now; the record is committed once its loss is known."""
         self._commit(checkpoint_follows=False)  # at most one snapshot taken and not committed
+        self._check_folder()  # never a snapshot into a folder recreated at a moved one's path
         record = SnapshotRecord(
             path=snapshot_dirname(tick.tokens),
             tokens=tick.tokens,
@@ -1087,7 +1116,14 @@ class SnapshotTaker:
         if self._sink.worker.submitted > submitted:
             taken.task = submitted
         if checkpoint_follows:
-            self._sink.before_checkpoint()
+            self._checkpoint_follows()
+
+    def _checkpoint_follows(self) -> None:
+        """A checkpoint of this step follows and nothing changes before it: the write in flight
+        lands, then what the sink resumes from (an online average) is staged, before the
+        checkpoint exists, so that no kill leaves the checkpoint without it."""
+        self._sink.before_checkpoint()
+        self._sink.stage_checkpoint(self._step, self._tokens)
 
 
 def _check_begin_arguments(given: dict[str, Any]) -> None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging as std_logging
 import os
 import re
 from pathlib import Path
@@ -23,10 +24,16 @@ from hf_pma.core.strategies import validate_strategy
 from hf_pma.core.window_choice import check_window_count, is_auto
 from hf_pma.snapshots.budget import check_max_overhead
 from hf_pma.utils.names import parse_hub_id, scheduler_name
-from hf_pma.utils.parsing import check_int, parse_size
+from hf_pma.utils.parsing import check_int, closest_options, folded, parse_dataclasses, parse_size
 from hf_pma.utils.text import shown
 
-__all__ = ["PMATrainingArguments", "deepspeed_zero_stage", "parse_with_config"]
+__all__ = [
+    "PMATrainingArguments",
+    "deepspeed_zero_stage",
+    "parse_with_config",
+    "quiet_unused_deepspeed",
+    "uses_deepspeed",
+]
 
 logger = logging.get_logger(__name__)
 
@@ -52,6 +59,36 @@ def deepspeed_zero_stage(deepspeed: str | dict | None) -> int | None:
     return None
 
 
+def uses_deepspeed(deepspeed: str | dict | None) -> bool:
+    """Whether a run uses DeepSpeed: the ``deepspeed`` argument, or ``accelerate launch``'s."""
+    launched = os.environ.get("ACCELERATE_USE_DEEPSPEED", "false").lower() in ("1", "true", "yes")
+    return deepspeed is not None or launched
+
+
+# What DeepSpeed logs when it is imported on a machine without a GPU. accelerate imports it in every
+# Trainer's set-up once it is installed (``[all]`` installs it), whether the run uses it or not.
+_DEEPSPEED_ON_CPU = "Setting accelerator to CPU"
+
+
+class _UnusedDeepSpeedFilter(std_logging.Filter):
+    """Drops DeepSpeed's accelerator-detection line (a run without DeepSpeed)."""
+
+    def filter(self, record: std_logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(_DEEPSPEED_ON_CPU)
+
+
+def quiet_unused_deepspeed(deepspeed: str | dict | None) -> None:
+    """Before a run without DeepSpeed (``deepspeed``: the ``TrainingArguments`` field) imports it
+    through accelerate: no "Setting accelerator to CPU ... unable to detect it" line first (a
+    filter on DeepSpeed's logger, which it keeps when it sets its level at import). A run with
+    DeepSpeed shows it as DeepSpeed logs it."""
+    if uses_deepspeed(deepspeed):
+        return
+    ds_logger = std_logging.getLogger("DeepSpeed")
+    if not any(isinstance(f, _UnusedDeepSpeedFilter) for f in ds_logger.filters):
+        ds_logger.addFilter(_UnusedDeepSpeedFilter())
+
+
 CONFIG_SUFFIXES = (".yaml", ".yml", ".json")
 
 
@@ -70,7 +107,9 @@ def read_arguments_file(path: str | os.PathLike[str], parser: Any) -> dict[str, 
     known = {f.name for dc in parser.dataclass_types for f in dataclasses.fields(dc)}
     unknown = sorted(set(values) - known)
     if unknown:
-        raise ValueError(f"{path}: unknown argument(s) {', '.join(unknown)}")
+        meant = [o.lstrip("-") for o in closest_options(f"--{unknown[0]}", parser)]
+        hint = f"; did you mean {' or '.join(meant)}?" if meant else ""
+        raise ValueError(f"{path}: unknown argument(s) {folded(unknown)}{hint}")
     return values
 
 
@@ -80,14 +119,23 @@ def parse_with_config(
     default_config: str | os.PathLike[str] | None = None,
     spelled: dict[str, str] | None = None,
 ) -> tuple[Any, ...]:
-    """``parser.parse_args_into_dataclasses(argv)`` (an ``HfArgumentParser``) over a config file:
+    """``parser.parse_args_into_dataclasses(argv)`` (an ``HfArgumentParser``; through
+    :func:`hf_pma.utils.parsing.parse_dataclasses`: an unknown option refused in one line naming
+    the closest) over a config file:
     a YAML/JSON file given as the first argument, else ``default_config``, sets the defaults,
     and the flags after it change them. Without either, the dataclasses' own defaults.
 
     ``spelled`` maps options the script takes under another name to that name (``{"pma_anneal_steps":
     "--anneal_steps"}``): one spelling per option. Given as a flag or in the config file, such an
     option is a one-line ``ValueError`` naming the script's spelling, and ``--help`` hides it.
+
+    It also bounds every Hub download the script makes from then on (its tokenizer, config and
+    model through transformers, its data through datasets) in bytes and time, as hf-pma bounds
+    its own (:func:`hf_pma.utils.hub_client.install_hub_client`).
     """
+    from hf_pma.utils.hub_client import install_hub_client
+
+    install_hub_client()
     spelled = spelled or {}
     for action in parser._actions:
         if action.dest in spelled:
@@ -101,7 +149,7 @@ def parse_with_config(
         if name in spelled:
             raise ValueError(f"{name}: this script takes {spelled[name]} instead (one spelling per option)")
     parser.set_defaults(**values)
-    return tuple(parser.parse_args_into_dataclasses(argv))
+    return parse_dataclasses(parser, argv)
 
 
 # An option's name in the online average's messages (outside the quoted values they echo) -> its argument.

@@ -42,6 +42,7 @@ from hf_pma.snapshots.lr_probe import first_group_value, step_lr
 from hf_pma.snapshots.taker import TOKEN_COUNTS, SnapshotTaker, TakenSnapshot
 from hf_pma.training.recovery import SpikeRecovery
 from hf_pma.utils.distributed import unwrap_model
+from hf_pma.utils.logs import notice
 from hf_pma.utils.parsing import check_int, is_int, is_number, parameter_error
 from hf_pma.utils.text import escape, shown
 
@@ -178,6 +179,12 @@ class PMASnapshots:
     def global_step(self) -> int:
         """Optimizer steps counted so far, resumed ones included."""
         return self._global_step
+
+    @property
+    def finished(self) -> bool:
+        """Whether the run has reached ``max_steps`` (a resumed run may have reached it before this
+        process started: then :meth:`swapped` and :meth:`end` work on its snapshots, with no step)."""
+        return self.max_steps is not None and self._global_step >= self.max_steps
 
     @property
     def pma_dir(self) -> Path | None:
@@ -354,7 +361,9 @@ class PMASnapshots:
         last = check_window_count(last, "last", allow_none=True)
         model = model if model is not None else self.model
         if not self._begun:
-            raise ValueError("PMASnapshots.swapped(): no snapshot yet (before the first step)")
+            if self._global_step == 0:
+                raise ValueError("PMASnapshots.swapped(): no snapshot yet (before the first step)")
+            self._begin(model)  # a resumed run with no step left (it had finished): its snapshots on disk
         taker = self.taker
         taker.wait()
         if taker.online is not None:
@@ -450,6 +459,9 @@ class PMASnapshots:
         self._tokens = state["tokens"]
         self._global_step = state["global_step"]
         self._saved_schedule = dict(schedule) if self._global_step > 0 else None
+        if self.finished and (self.accelerator is None or self.accelerator.is_main_process):
+            done = f"step {self._global_step} of max_steps {self.max_steps}"
+            notice(logger, f"hf-pma: the resumed run had finished ({done}): nothing left to train")
 
     def _before_save_state(self, models: Any, weights: Any, output_dir: str) -> None:
         """``accelerator.save_state``: the snapshot in flight lands first; online averages are saved beside."""

@@ -31,7 +31,7 @@ from hf_pma.merging.slices import SliceSwap, reshard
 from hf_pma.merging.swap import backup_weights, load_weights, restore_weights
 from hf_pma.snapshots.callback import PMACallback
 from hf_pma.training.annealing import SaveCheckpointAt, anneal_from_checkpoint, annealing_check
-from hf_pma.training.arguments import PMATrainingArguments
+from hf_pma.training.arguments import PMATrainingArguments, quiet_unused_deepspeed
 from hf_pma.training.recovery import LossSpikeError, SpikeRecovery, pma_init
 from hf_pma.training.saving import save_full_model
 from hf_pma.utils.distributed import all_ranks_checked, is_peft_model, local_world_size
@@ -121,6 +121,7 @@ class PMATrainer(Trainer):
             )
         extra = [self._pma_fork_saver] if self._pma_fork_saver else []
         kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), *([] if given else [callback]), *extra]
+        quiet_unused_deepspeed(args.deepspeed)  # accelerate imports DeepSpeed in the Trainer's set-up
         super().__init__(model, args, *pargs, **kwargs)
         enable_logging()  # hf-pma's records at the verbosity the Trainer just set for transformers
         self.pma_callback.accelerator = self.accelerator

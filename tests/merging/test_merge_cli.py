@@ -68,7 +68,7 @@ def test_cli_merge_explicit_weights_and_errors(tmp_path):
     missing = run_cli("merge", a, tmp_path / "missing", "-o", tmp_path / "m2")
     assert missing.returncode == 2 and "missing does not exist" in missing.stderr
     too_few = run_cli("merge", a, b, "-o", tmp_path / "m3", "--last", "5")
-    assert too_few.returncode == 2 and "last 5 sources but found only 2" in too_few.stderr
+    assert too_few.returncode == 2 and "found 2 sources" in too_few.stderr and "fewer than --last 5: pass --last 2" in too_few.stderr
     bad_weights = run_cli("merge", a, b, "-o", tmp_path / "m4", "--weights", "1,-1")
     assert bad_weights.returncode == 2 and "negative" in bad_weights.stderr
     assert not any((tmp_path / n).exists() for n in ("m2", "m3", "m4"))

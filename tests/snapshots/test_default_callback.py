@@ -156,7 +156,8 @@ def test_a_run_with_one_snapshot_says_what_it_blocked_and_wrote_at_the_end(tmp_p
 
 @pytest.fixture
 def slow_copy(monkeypatch):
-    """Every snapshot blocks the training thread 0.3 s more (far above 1% of these steps)."""
+    """Every snapshot blocks the training thread 1 s more: far above 1% of these steps, and above it
+    surely (the low end of the measured interval) even when another job makes the steps noisy."""
     import time
 
     from hf_pma.snapshots import sinks
@@ -164,7 +165,7 @@ def slow_copy(monkeypatch):
     real = sinks.gather_full_state_dict
 
     def slow(*args, **kwargs):
-        time.sleep(0.3)
+        time.sleep(1.0)
         return real(*args, **kwargs)
 
     monkeypatch.setattr(sinks, "gather_full_state_dict", slow)
@@ -190,8 +191,9 @@ def test_a_costly_automatic_interval_is_widened_keeping_ten_snapshots_in_the_con
     measured = manifest["interval_choice"]["cost"]
     assert manifest["interval_choice"]["cost_reviewed"] and measured["decision"] == "widened"
     assert measured["share_low"] > measured["budget"] == 0.01 and measured["steps_between"] == 2
-    cost = [m for m in messages(caplog) if "of training time in this run" in m]
-    assert len(cost) == 1 and "at a snapshot every 6 steps" in cost[0]
+    # One line says what they cost: the widened one (no second cost line at the new interval).
+    cost = [m for m in messages(caplog) if "snapshots cost" in m]
+    assert len(cost) == 1 and "(every 6 steps: about" in cost[0]
 
 
 def test_a_given_interval_is_kept_and_a_warning_says_which_would_do(tmp_path, caplog, slow_copy):
