@@ -183,6 +183,14 @@ def test_a_write_killed_between_its_two_renames_is_rolled_forward_by_whatever_co
     assert len(restored) == 1 and str(target) in restored[0], restored
 
 
+def test_a_name_with_a_newline_is_replaced_and_restored_as_any_other(tmp_path):
+    """A folder's name may hold a newline (``-o $'a\\nb'``): its temporaries are still recognised,
+    so a crash between the renames is restored, and nothing is left behind."""
+    target = _crash_between_renames(tmp_path, "mo\ndel")
+    assert restore_interrupted(target) == target
+    assert _version(target) == "new" and _temporaries(target.parent) == []
+
+
 def test_a_shortened_name_left_missing_is_kept_by_a_folder_wide_cleanup_and_restored_by_its_next_writer(
     tmp_path,
 ):

@@ -374,3 +374,39 @@ def test_a_claim_pinned_before_its_folder_exists_follows_the_folder_made_under_i
             claim.check()
     finally:
         claim.release()
+
+
+@pytest.mark.parametrize("no_flock", [True, False], ids=["without flock", "with flock"])
+@pytest.mark.parametrize("planted", ["huge pid", "deep json"])
+def test_a_planted_claim_file_is_one_line_with_or_without_flock(tmp_path, no_flock, planted):
+    """A lock file naming a pid no process can have (2**70: os.kill would overflow) cannot be
+    checked: one line naming the file to remove, with or without flock (a mount without it may
+    hold it), the file left as it was. A claim file nested past the JSON parser's depth records no
+    holder: without flock it is named the same way; with flock, which no one holds on it, it is taken."""
+    out = tmp_path / "merged"
+    claim = claim_path(out)
+    text = json.dumps({"host": _host(), "pid": 2**70, "lock": "file"}) if planted == "huge pid" else "[" * 5000
+    claim.write_text(text)
+    said = take(out, 0.05, no_flock=no_flock)
+    if planted == "deep json" and not no_flock:
+        assert json.loads(said)["pid"] != 2**70 and not claim.exists()
+        return
+    assert said.startswith(f"BUSY merged folder {out} is being written by another process (") and "\n" not in said
+    assert "which hf-pma cannot check" in said or "has not said which yet" in said, said
+    assert claim.read_text() == text
+
+
+def test_an_empty_lock_file_left_by_a_killed_maker_is_taken_over_once_old(tmp_path):
+    """A process killed between making its lock file and writing its record leaves it empty: once
+    older than the few seconds that takes, the next claim takes it over; a fresh one is waited for."""
+    from hf_pma.utils import fs
+
+    out = tmp_path / "merged"
+    claim = claim_path(out)
+    claim.touch()
+    assert take(out, 0.05).startswith("BUSY ")  # just made: its maker may be writing its record
+    old = time.time() - 2 * fs._EMPTY_FILE_STALE_S
+    os.utime(claim, (old, old))
+    record = json.loads(take(out))
+    assert record["lock"] == "file" and record["host"] == _host()
+    assert not claim.exists()

@@ -104,7 +104,15 @@ _counter = itertools.count()
 _HOST_CHARS = 64
 _SUFFIX_RESERVE = 1 + 10 + _HOST_CHARS + 1 + 10 + 1 + 20
 _HASH_CHARS = 12
-_TEMP_RE = re.compile(r"\.(?P<name>.+)\.(?P<kind>tmp|deleting)-(?P<host>[A-Za-z0-9_.-]+)-(?P<pid>\d+)-(?P<n>\d+)")
+# The largest pid a process can have (Linux's PID_MAX_LIMIT, 2^22): a record naming a larger one
+# was not written by a process of this host (and os.kill would overflow on it).
+_PID_MAX = 2**22
+
+
+# DOTALL: a folder's name may hold a newline (its temporaries are still this library's).
+_TEMP_RE = re.compile(
+    r"\.(?P<name>.+)\.(?P<kind>tmp|deleting)-(?P<host>[A-Za-z0-9_.-]+)-(?P<pid>\d{1,12})-(?P<n>\d{1,20})", re.DOTALL
+)
 
 
 # ---------------------------------------------------------------- temporary names
@@ -165,12 +173,14 @@ def temporary_path(target: str | os.PathLike[str], kind: str = "tmp") -> Path:
 def parse_temporary(name: str) -> dict[str, Any] | None:
     """``{"name", "kind", "host", "pid"}`` of a temporary name of this library; ``None`` otherwise."""
     match = _TEMP_RE.fullmatch(name)  # not "$": it matches before a trailing newline
-    if match is None:
+    if match is None or not 0 < int(match["pid"]) <= _PID_MAX:
         return None
     return {"name": match["name"], "kind": match["kind"], "host": match["host"], "pid": int(match["pid"])}
 
 
 def _pid_alive(pid: int) -> bool:
+    if not 0 < pid <= _PID_MAX:
+        return False
     if pid == os.getpid():
         return True
     try:
@@ -820,7 +830,7 @@ def _holder_state(info: dict[str, Any]) -> str:
     if info.get("host") != _host():
         return "unknown"
     pid = info.get("pid")
-    if not is_int(pid) or pid <= 0:
+    if not is_int(pid) or not 0 < pid <= _PID_MAX:
         return "unknown"
     boot = _boot_id()
     if isinstance(info.get("boot_id"), str) and boot is not None and info["boot_id"] != boot:
@@ -837,7 +847,7 @@ def _claim_record(fd: int) -> dict[str, Any] | None:
     """The holder a claim file records (``{"host", "pid", ...}``), ``None`` when it records none."""
     try:
         info = json.loads(os.pread(fd, 4096, 0) or b"null")
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):  # RecursionError: "[[[[..." nested past the parser's depth
         return None
     if not isinstance(info, dict) or not isinstance(info.get("host"), str) or "pid" not in info:
         return None
@@ -1445,8 +1455,9 @@ _POLL_FIRST_S = 0.001
 _POLL_MAX_S = 0.05
 # A takeover of a dead holder's lock file takes microseconds: another taker gives it this long.
 _TAKEOVER_GRACE_S = 2.0
-# An empty takeover guard this old was left by a taker killed between making and writing it.
-_EMPTY_GUARD_STALE_S = 10.0
+# An empty lock file or takeover guard this old was left by a process killed between making it
+# and writing its record (microseconds apart).
+_EMPTY_FILE_STALE_S = 10.0
 
 
 def _is_file_lock(info: dict[str, Any] | None) -> bool:
@@ -1480,7 +1491,7 @@ def _take_file_lock(path: Path, final_dir: Path, waiter: _ClaimWait) -> int:
                 continue  # released meanwhile: make it anew
             info, identity = found
             words = _holder_words(info, path, file_lock=True)
-            if info is not None and _holder_state(info) == "gone":
+            if (info is not None and _holder_state(info) == "gone") or (info is None and _left_empty(path, identity)):
                 if not _take_over(path, identity, info):
                     waiter.pause(words, grace=_TAKEOVER_GRACE_S)  # another process is taking it over
                 continue
@@ -1529,8 +1540,19 @@ def _write_file_lock_record(fd: int, path: Path) -> None:
         raise
 
 
-def _take_over(path: Path, identity: tuple[int, int], info: dict[str, Any]) -> bool:
-    """Remove the lock file of a dead holder on this host, if it is still that file: same inode and
+def _left_empty(path: Path, identity: tuple[int, int]) -> bool:
+    """Whether the lock file at ``path`` (``identity``: its device and inode) is empty and older
+    than :data:`_EMPTY_FILE_STALE_S`: its maker was killed between making it and writing its record."""
+    try:
+        info = os.lstat(path)
+    except OSError:
+        return False
+    return (info.st_dev, info.st_ino) == identity and info.st_size == 0 and time.time() - info.st_mtime > _EMPTY_FILE_STALE_S
+
+
+def _take_over(path: Path, identity: tuple[int, int], info: dict[str, Any] | None) -> bool:
+    """Remove the lock file of a dead holder on this host (``info``: its record; ``None``: an empty
+    file its maker left, :func:`_left_empty`), if it is still that file: same inode and
     same record (an inode number is reused at once). Two takers never both remove: the removal
     happens under a guard made exclusively (``<claim>.takeover``), and re-reads the file under
     it. ``False`` when another taker holds the guard (try again shortly)."""
@@ -1546,9 +1568,11 @@ def _take_over(path: Path, identity: tuple[int, int], info: dict[str, Any]) -> b
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
             try:
                 now = os.fstat(fd)
-                if (now.st_dev, now.st_ino) == identity and _claim_record(fd) == info:
+                same = _claim_record(fd) == info and (info is not None or now.st_size == 0)
+                if (now.st_dev, now.st_ino) == identity and same:
                     os.unlink(path)
-                    _logger().info(f"hf-pma: took over {escape(path)} from pid {escape(info['pid'])}, which has ended")
+                    whose = f"pid {escape(info['pid'])}, which has ended" if info else "a process killed before it wrote its record"
+                    _logger().info(f"hf-pma: took over {escape(path)} from {whose}")
             finally:
                 os.close(fd)
     finally:
@@ -1567,7 +1591,7 @@ def _remove_stale_guard(guard: Path) -> None:
             info, size, age = _claim_record(fd), os.fstat(fd).st_size, time.time() - os.fstat(fd).st_mtime
         finally:
             os.close(fd)
-        if (info is not None and _holder_state(info) == "gone") or (size == 0 and age > _EMPTY_GUARD_STALE_S):
+        if (info is not None and _holder_state(info) == "gone") or (size == 0 and age > _EMPTY_FILE_STALE_S):
             os.unlink(guard)
 
 

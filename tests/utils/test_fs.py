@@ -64,6 +64,9 @@ def test_temporary_names_round_trip():
         "name": "snapshot-12", "kind": "deleting", "host": "my-host.example", "pid": 77}
     for other in ("merged", ".merged", ".merged.tmp", ".tmp-merged-12-0", ".merged.old-1234abcd"):
         assert parse_temporary(other) is None
+    # a name with a newline is still a name; a pid no process can have is no temporary of ours
+    assert parse_temporary(temporary_path("/x/a\nb").name)["name"] == "a\nb"
+    assert parse_temporary(f".merged.tmp-h-{2**70}-0") is None
 
 
 def test_stale_temporaries_are_removed_and_live_ones_kept(tmp_path, live_pid):
