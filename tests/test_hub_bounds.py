@@ -354,3 +354,54 @@ def test_a_script_parsed_by_hf_pma_downloads_through_the_bounded_client():
         assert options.name == "y" and _http._GLOBAL_CLIENT_FACTORY is hub_client._client_factory
     finally:
         _http.set_client_factory(before)
+
+
+@pytest.mark.parametrize("value", ["²", "9" * 5000, "-1", "1e9", "0x10", " 12 34", ""])
+def test_a_size_header_that_is_not_a_plain_number_is_no_size(value):
+    """``"²".isdigit()`` is true and ``int("9" * 5000)`` raises: a size is ASCII digits, at most 19."""
+    from hf_pma.utils.hub_transport import header_size
+
+    assert header_size(value) is None
+    assert header_size(" 1234 ") == 1234 and header_size("9" * 19) == int("9" * 19)
+
+
+def _answering(handler):
+    """A client over hf-pma's bounded transport whose answers ``handler(request)`` makes."""
+    import httpx2
+
+    from hf_pma.utils.hub_transport import BoundedTransport
+
+    return httpx2.Client(transport=BoundedTransport(httpx2.MockTransport(handler), lambda: 30), follow_redirects=True)
+
+
+@pytest.mark.parametrize("header", ["x-linked-size", "content-length", "content-range"])
+@pytest.mark.parametrize("value", ["²", "9" * 5000])
+def test_size_headers_that_are_no_number_leave_the_bounds_in_force(header, value):
+    """A file answer whose size headers cannot be read as a number is bounded as one that gives
+    none (at most MAX_ANSWER_BYTES), never an error of the parser."""
+    import httpx2
+
+    text = f"bytes 0-9/{value}" if header == "content-range" else value
+    headers = [(header.encode(), text.encode())]  # as a server sends them: bytes, "²" in UTF-8
+
+    def handler(request):
+        return httpx2.Response(200, headers=headers, content=b"x" * 10)
+
+    with _answering(handler) as c:
+        assert len(c.get("https://hub.example/org/m/resolve/main/f.bin").content) == 10
+
+
+def test_a_block_read_gets_no_more_than_the_bytes_it_asked_for():
+    """A block read (``Range: bytes=0-99``, as HfFileSystem and datasets read) answered with the
+    whole file (200, 80 MiB announced) is refused after its 100 bytes, whatever was announced."""
+    import httpx2
+
+    from hf_pma.utils.hub_transport import HubAnswerTooLarge
+
+    big = 80 * 2**20
+
+    def handler(request):
+        return httpx2.Response(200, headers={"Content-Length": str(big)}, content=b"\0" * big)
+
+    with _answering(handler) as c, pytest.raises(HubAnswerTooLarge):
+        c.get("https://hub.example/org/m/resolve/main/data.parquet", headers={"Range": "bytes=0-99"})

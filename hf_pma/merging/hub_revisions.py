@@ -52,6 +52,7 @@ from hf_pma.utils.hub_client import (
     hub_failure_line,
     install_hub_client,
 )
+from hf_pma.utils.hub_transport import header_size
 from hf_pma.utils.logs import get_logger, progress_bar
 from hf_pma.utils.names import parse_hub_id
 from hf_pma.utils.parsing import is_int, parameter_error
@@ -608,11 +609,11 @@ def _fetch(
                             out.seek(0)
                             out.truncate(0)
                             digest, have = _hasher(f), 0
-                        length = response.headers.get("Content-Length")
+                        length = header_size(response.headers.get("Content-Length"))
                         plain = response.headers.get("Content-Encoding", "identity") == "identity"
-                        if plain and length is not None and length.isdigit() and have + int(length) > size:
+                        if plain and length is not None and have + length > size:
                             raise _DownloadRefused(
-                                f"downloading {f.path} of {r.spec}: the Hub announces {have + int(length)} bytes, "
+                                f"downloading {f.path} of {r.spec}: the Hub announces {have + length} bytes, "
                                 f"its metadata {size}"
                             )
                         for chunk in response.iter_bytes():

@@ -67,6 +67,7 @@ __all__ = [
     "BoundedTransport",
     "bound_network_reads",
     "expect_transfer",
+    "header_size",
 ]
 
 # The most an answer may hold after decompression when the Hub announced no size for it (API
@@ -190,15 +191,27 @@ def _check_free_space(url: Any, size: int, response: Any) -> None:
     raise_if_no_space(folder, size)
 
 
+# A size or offset in a header: ASCII digits only (``"²".isdigit()`` is true, ``int("²")`` fails) and
+# at most 19 of them (below 2**63; Python refuses to read numbers of over 4,300 digits).
+_NUMBER = r"([0-9]{1,19})"
+
+
+def header_size(value: Any) -> int | None:
+    """A size a header gives (``Content-Length``, ``X-Linked-Size``): ``None`` unless it is a
+    plain number of at most 19 ASCII digits, so that no header makes the bounds fail to read it."""
+    found = re.fullmatch(rf"\s*{_NUMBER}\s*", value) if isinstance(value, str) else None
+    return int(found.group(1)) if found else None
+
+
 def _range_start(request: Any) -> int:
-    found = re.fullmatch(r"\s*bytes=(\d+)-\d*\s*", request.headers.get("Range", ""))
+    found = re.fullmatch(rf"\s*bytes={_NUMBER}-[0-9]*\s*", request.headers.get("Range", ""))
     return int(found.group(1)) if found else 0
 
 
 def _range_length(request: Any) -> int | None:
     """The bytes a closed range asks for (``bytes=a-b``: a block read, as ``HfFileSystem`` and
     ``datasets`` make them, not a resume); ``None`` for no range or an open one."""
-    found = re.fullmatch(r"\s*bytes=(\d+)-(\d+)\s*", request.headers.get("Range", ""))
+    found = re.fullmatch(rf"\s*bytes={_NUMBER}-{_NUMBER}\s*", request.headers.get("Range", ""))
     return max(int(found.group(2)) - int(found.group(1)) + 1, 0) if found else None
 
 
@@ -295,15 +308,15 @@ def _is_download(request: Any) -> bool:
 def _file_size(response: Any) -> int | None:
     """The size of the whole file an answer announces, as ``huggingface_hub`` reads it:
     ``X-Linked-Size``, the total of a ``Content-Range``, the ``Content-Length`` of a ``200``."""
-    linked = response.headers.get("x-linked-size", "").strip()
-    if linked.isdigit():
-        return int(linked)
-    total = re.fullmatch(r"\s*bytes \d+-\d+/(\d+)\s*", response.headers.get("content-range", ""))
+    linked = header_size(response.headers.get("x-linked-size"))
+    if linked is not None:
+        return linked
+    total = re.fullmatch(rf"\s*bytes [0-9]+-[0-9]+/{_NUMBER}\s*", response.headers.get("content-range", ""))
     if total:
         return int(total.group(1))
-    length = response.headers.get("content-length", "").strip()
-    if response.status_code == 200 and length.isdigit() and "content-encoding" not in response.headers:
-        return int(length)
+    length = header_size(response.headers.get("content-length"))
+    if response.status_code == 200 and length is not None and "content-encoding" not in response.headers:
+        return length
     return None
 
 
@@ -331,9 +344,9 @@ def _announced_size(response: Any, encoded: bool) -> int | None:
     """The size the Hub announced for this body after decompression, if any."""
     names = ("x-linked-size",) if encoded else ("content-length", "x-linked-size")
     for name in names:
-        value = response.headers.get(name)
-        if value is not None and value.strip().isdigit():
-            return int(value)
+        value = header_size(response.headers.get(name))
+        if value is not None:
+            return value
     return None
 
 
@@ -492,7 +505,7 @@ class BoundedTransport(httpx2.BaseTransport):
             # an answer announcing less (cut short) is held to that: the smaller one holds.
             own = announced if response.status_code in (200, 206) else None
             announced = max(transfer.size - start, 0) if own is None else min(own, max(transfer.size - start, 0))
-        if block is not None and response.status_code == 206:
+        if block is not None:  # a block read gets the bytes it asked for, whatever the answer announces
             announced = block if announced is None else min(announced, block)
         # A download may send what was announced for it; any other answer at most MAX_ANSWER_BYTES.
         limit = MAX_ANSWER_BYTES if announced is None else announced if download else min(announced, MAX_ANSWER_BYTES)
