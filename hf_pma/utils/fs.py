@@ -1791,13 +1791,17 @@ def listed_snapshot_of(path: str | os.PathLike[str]) -> tuple[Path, Path] | None
     target = _resolved(Path(path))
     if target is None:
         return None
-    wanted = {target, *target.parents}
-    for folder in target.parents:
+    chain = [target, *target.parents]  # deepest first: what lies strictly inside chain[i] is chain[:i]
+    depth = {folder: i for i, folder in enumerate(chain)}
+    for folder in target.parents:  # linear in the depth: an output 2,000 folders deep is checked at once
         for relative in RUN_MANIFESTS:
             manifest = folder / relative
+            if not os.path.lexists(manifest):
+                continue
             base = _resolved(manifest.parent)
-            inside = {w for w in wanted if base is not None and base in w.parents}  # strictly inside its run
-            snapshot = listed_folder_among(manifest, inside)  # bounded: anyone may have put it there
+            if base not in depth:  # its run is not above the path: nothing of the path is inside it
+                continue
+            snapshot = listed_folder_among(manifest, set(chain[: depth[base]]))  # bounded: anyone may have put it there
             if snapshot is not None:
                 return snapshot, manifest
     return None

@@ -287,3 +287,19 @@ def test_a_large_manifest_in_a_shared_parent_does_not_hold_up_a_merge_below_it(t
     result = run_cli("merge", source, "-o", shared / "sub" / "m", "-q")
     assert result.returncode == 0, result.stderr
     assert (shared / "sub" / "m" / "pma_merge.json").is_file()
+
+
+def test_an_output_deep_below_a_run_is_checked_in_work_linear_in_its_depth(tmp_path, monkeypatch):
+    """The check that an output is not inside a run's snapshot looks at every folder above it, but
+    resolves only the manifests that are there (a path 250 folders deep took a minute, cubic in
+    its depth, when every level's candidate was resolved and compared with every other)."""
+    from hf_pma.utils import fs
+
+    manifest = tmp_path / "manifest.json"
+    _manifest_listing(manifest, "sub")
+    out = tmp_path.joinpath("sub", *["a"] * 300, "out")
+    resolved = []
+    real = fs._resolved
+    monkeypatch.setattr(fs, "_resolved", lambda path: resolved.append(path) or real(path))
+    assert listed_snapshot_of(out) == ((tmp_path / "sub").resolve(), manifest)
+    assert len(resolved) == 2  # the output, and the one manifest's folder
