@@ -223,3 +223,34 @@ def test_the_command_line_page_shows_what_the_commands_print(tmp_path):
     for command, said in zip(lines[::2], lines[1::2]):
         done = run_cli(*shlex.split(command.removeprefix("$ hf-pma ")), cwd=tmp_path)
         assert (done.returncode, done.stderr.strip()) == (2, said), command
+
+
+@pytest.mark.parametrize(
+    "name, text, said",
+    [
+        ("broken.yaml", "a: [1, 2\n", "is not valid YAML (line 2)"),
+        ("unsafe.yaml", "!!python/object/apply:os.system ['true']\n", "could not determine a constructor"),
+        ("keys.yaml", "1: 2\n", "expected a mapping of argument names to values"),
+        ("list.yaml", "- a\n", "expected a mapping of argument names to values"),
+        ("broken.json", '{"a": 1,}', "is not valid JSON"),
+        ("deep.json", "[" * 100_000, "nested deeper than"),
+    ],
+)
+def test_a_config_file_that_cannot_be_read_is_one_line_naming_it(tmp_path, name, text, said):
+    """A script's config file that is not a mapping of names (broken, nested past any sense, a
+    tag that would build a Python object) is one ValueError line naming the file, never a parser's traceback."""
+    import dataclasses
+
+    from transformers import HfArgumentParser
+
+    from hf_pma.training.arguments import parse_with_config
+
+    @dataclasses.dataclass
+    class Options:
+        a: int = 0
+
+    config = tmp_path / name
+    config.write_text(text)
+    with pytest.raises(ValueError) as err:
+        parse_with_config(HfArgumentParser([Options]), [str(config)])
+    assert said in str(err.value) and str(config) in str(err.value) and "\n" not in str(err.value)

@@ -25,7 +25,7 @@ from hf_pma.core.window_choice import check_window_count, is_auto
 from hf_pma.snapshots.budget import check_max_overhead
 from hf_pma.utils.names import parse_hub_id, scheduler_name
 from hf_pma.utils.parsing import check_int, closest_options, folded, parse_dataclasses, parse_size
-from hf_pma.utils.text import shown
+from hf_pma.utils.text import escape, shown
 
 __all__ = [
     "PMATrainingArguments",
@@ -97,13 +97,24 @@ def read_arguments_file(path: str | os.PathLike[str], parser: Any) -> dict[str, 
     dataclasses (an ``HfArgumentParser``); one-line errors naming the file."""
     import yaml
 
+    from hf_pma.io.guarded import JSON_LIMITS, parse_json, read_bytes
+
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"config file {path} does not exist")
-    text = path.read_text()
-    values = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
-    if not isinstance(values, dict):
-        raise ValueError(f"{path}: expected a mapping of argument names to values")
+        raise FileNotFoundError(f"config file {escape(path)} does not exist")
+    data = read_bytes(path, path.parent, max_bytes=JSON_LIMITS["config"])
+    if path.suffix == ".json":
+        values = parse_json(data, f"config file {escape(path)}")  # bounded in depth, one line
+    else:
+        try:
+            values = yaml.safe_load(data)
+        except (yaml.YAMLError, RecursionError) as err:  # a tag it will not build (!!python/...) included
+            where = getattr(err, "problem_mark", None)
+            at = f" (line {where.line + 1})" if where is not None else ""
+            why = escape(getattr(err, "problem", None) or err)[:120]
+            raise ValueError(f"config file {escape(path)} is not valid YAML{at}: {why}") from None
+    if not isinstance(values, dict) or not all(isinstance(k, str) for k in values):
+        raise ValueError(f"{escape(path)}: expected a mapping of argument names to values")
     known = {f.name for dc in parser.dataclass_types for f in dataclasses.fields(dc)}
     unknown = sorted(set(values) - known)
     if unknown:
