@@ -302,3 +302,16 @@ def test_merge_overwrite_killed_after_the_swap_keeps_the_new_merge_and_the_next_
     assert _merged_sources(tmp_path / leftover) == 2  # the old one, not yet deleted
     assert run_cli("merge", *sources[:2], "-o", out, "--overwrite", "-q").returncode == 0
     assert _merged_sources(out) == 2 and _temporaries(tmp_path) == []
+
+
+def test_a_pair_left_by_another_host_is_named_never_touched(tmp_path, caplog):
+    """A replacement interrupted on another host (its process cannot be checked from here) is not
+    restored by this one, but the missing name's reader is told which folder holds its new version."""
+    new, old = tmp_path / ".model.tmp-node-b-77-7", tmp_path / ".model.deleting-node-b-77-7"
+    new.mkdir()
+    old.mkdir()
+    with caplog.at_level("WARNING", logger="hf_pma"):
+        assert restore_interrupted(tmp_path / "model") is None
+    said = [r.getMessage() for r in caplog.records if "is missing" in r.getMessage()]
+    assert len(said) == 1 and f"({new.name} holds its new version)" in said[0] and "rename that folder to model" in said[0]
+    assert new.is_dir() and old.is_dir() and not (tmp_path / "model").exists()

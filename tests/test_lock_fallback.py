@@ -410,3 +410,24 @@ def test_an_empty_lock_file_left_by_a_killed_maker_is_taken_over_once_old(tmp_pa
     record = json.loads(take(out))
     assert record["lock"] == "file" and record["host"] == _host()
     assert not claim.exists()
+
+
+def test_a_dead_holder_whose_lock_another_process_is_taking_over_is_said_so(tmp_path):
+    """A dead holder's lock file while another (live) taker holds the takeover guard: the waiter
+    says the lock is being taken over and names the guard, never that the dead holder's
+    processes still hold it."""
+    from hf_pma.utils.fs import _claim_identity
+
+    out = tmp_path / "merged"
+    claim = claim_path(out)
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    claim.write_text(json.dumps({"host": _host(), "pid": dead.pid, "start_ticks": 1, "lock": "file"}))
+    guard = claim.with_name(claim.name + ".takeover")
+    guard.write_text(json.dumps(_claim_identity()))  # this test's process: a live taker
+    said = take(out, 0.05)
+    assert said == (
+        f"BUSY merged folder {out} is being written by another process (host {_host()}, pid {dead.pid}, which has "
+        f"ended; another process is taking its lock over: if none is, remove {guard}) (waited 0.05s); wait for it to "
+        "finish or choose another folder"
+    )

@@ -314,9 +314,15 @@ def restore_interrupted(target: str | os.PathLike[str]) -> Path | None:
             news = sorted(Path(e.path) for e in entries if e.name.startswith(prefix))
     except OSError:
         return None
-    pairs = [(new, old) for new in news if parse_temporary(new.name) and (old := _pair_of(new)) is not None]
-    pairs = [(new, old) for new, old in pairs if _own_folder(new) and is_stale_temporary(new) and is_stale_temporary(old)]
+    found = [(new, old) for new in news if parse_temporary(new.name) and (old := _pair_of(new)) is not None]
+    pairs = [(new, old) for new, old in found if _own_folder(new) and is_stale_temporary(new) and is_stale_temporary(old)]
     if not pairs:
+        if found:  # another host's, another user's or a live job's: said, never touched
+            _logger().warning(
+                f"hf-pma: {escape(target)} is missing while a replacement of it is in its two renames or was "
+                f"interrupted there ({escape(found[-1][0].name)} holds its new version): once no job replaces "
+                f"it, rename that folder to {escape(target.name)}"
+            )
         return None
     new, old = max(pairs, key=lambda pair: pair[0].lstat().st_mtime)  # the latest, should there be more
     try:
@@ -878,6 +884,9 @@ def _holder_words(info: dict[str, Any] | None, path: Path, file_lock: bool = Fal
             f"{who}, recorded by another boot of this host name (a reboot since, or another machine named so), "
             f"which hf-pma cannot check: if that process is gone, remove {escape(path)}"
         )
+    if state == "gone" and file_lock:  # taken over at once, unless another process is doing so
+        guard = path.with_name(f"{path.name}.takeover")
+        return f"{who}, which has ended; another process is taking its lock over: if none is, remove {escape(guard)}"
     if state == "gone":
         return (
             f"{who}, which has ended (its pid may now be another process's), yet a process it started still holds "
