@@ -3,12 +3,14 @@
 The rule runs once per merge, ``inspect``, ``compare`` and end of training, over every snapshot a
 run lists. Its worst layout is a flat loss far from the run's start: the cap (a fifth of the tokens
 trained) never ends the window, so the trend test runs for every window length. This prints the
-median seconds of one choice over ``--repeats`` runs for each layout and number of snapshots, as a
-Markdown table::
+median seconds of one choice over ``--repeats`` runs (with their range) for each layout and number
+of snapshots, as a Markdown table::
 
     python benchmarks/window_rule_cost.py [--snapshots 1000 3000 10000] [--repeats 5]
 
-Pure Python and single-threaded: seconds on any machine, load included.
+Pure Python and single-threaded: seconds on any machine, load included. The rule before it was made
+near-linear runs with the same command from a checkout of commit 1bf79bb
+(``git worktree add /tmp/old 1bf79bb && PYTHONPATH=/tmp/old python benchmarks/window_rule_cost.py``).
 """
 
 from __future__ import annotations
@@ -41,18 +43,18 @@ LAYOUTS: dict[str, tuple[int, Callable[[int, random.Random], float]]] = {
 }
 
 
-def median_seconds(points: list[RunPoint], repeats: int) -> float:
-    """The median wall time of one choice over ``points``."""
+def timed(points: list[RunPoint], repeats: int) -> str:
+    """The median wall time of one choice over ``points``, with the range of the ``repeats``."""
     times = []
     for _ in range(repeats):
         started = time.perf_counter()
         choose_window(points)
         times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return f"{statistics.median(times):.3f} s ({min(times):.3f}-{max(times):.3f})"
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--snapshots", type=int, nargs="+", default=[1000, 3000, 10000], help="run lengths")
     p.add_argument("--repeats", type=int, default=5, help="choices timed per cell (default: 5)")
     args = p.parse_args(argv)
@@ -61,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     print("| layout | " + " | ".join(f"{n:,} snapshots" for n in args.snapshots) + " |")
     print("|---|" + "---:|" * len(args.snapshots))
     for name, (start, loss) in LAYOUTS.items():
-        cells = [f"{median_seconds(_points(n, start, loss), args.repeats):.3f} s" for n in args.snapshots]
+        cells = [timed(_points(n, start, loss), args.repeats) for n in args.snapshots]
         print(f"| {name} | " + " | ".join(cells) + " |", flush=True)
     return 0
 

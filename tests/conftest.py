@@ -165,6 +165,24 @@ def pytest_sessionfinish(session, exitstatus):
 
 
 @pytest.fixture
+def slow_copy(monkeypatch):
+    """Every snapshot blocks the training thread 1 s more: far above 1% of a tiny model's steps, and
+    above it surely (the low end of the measured interval) even when another job makes the steps
+    noisy, so that the automatic interval is widened whatever the machine's load."""
+    import time
+
+    from hf_pma.snapshots import sinks
+
+    real = sinks.gather_full_state_dict
+
+    def slow(*args, **kwargs):
+        time.sleep(1.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(sinks, "gather_full_state_dict", slow)
+
+
+@pytest.fixture
 def no_trainer_objects(monkeypatch):
     """Building a TrainerState, TrainerControl, TrainingArguments or TrainerCallback raises: what
     runs under this fixture is proven to need no ``Trainer`` object."""

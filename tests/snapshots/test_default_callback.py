@@ -154,23 +154,6 @@ def test_a_run_with_one_snapshot_says_what_it_blocked_and_wrote_at_the_end(tmp_p
     assert "too few to measure what they add to the step time" in cost[0]
 
 
-@pytest.fixture
-def slow_copy(monkeypatch):
-    """Every snapshot blocks the training thread 1 s more: far above 1% of these steps, and above it
-    surely (the low end of the measured interval) even when another job makes the steps noisy."""
-    import time
-
-    from hf_pma.snapshots import sinks
-
-    real = sinks.gather_full_state_dict
-
-    def slow(*args, **kwargs):
-        time.sleep(1.0)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(sinks, "gather_full_state_dict", slow)
-
-
 def test_a_costly_automatic_interval_is_widened_keeping_ten_snapshots_in_the_constant_phase(tmp_path, caplog, slow_copy):
     callback = PMACallback()
     with caplog.at_level(logging.INFO, logger="hf_pma"):

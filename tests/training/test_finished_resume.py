@@ -11,7 +11,6 @@ import logging
 import subprocess
 import sys
 
-import pytest
 import torch
 from accelerate import Accelerator
 from transformers import Trainer
@@ -128,23 +127,6 @@ def test_a_trainer_without_deepspeed_starts_without_its_accelerator_line(tmp_pat
         cwd=REPO_ROOT, env=script_env(tmp_path), capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert imported.stdout.strip() == "False", imported.stderr[-2000:]
-
-
-@pytest.fixture
-def slow_copy(monkeypatch):
-    """Every snapshot blocks the training thread 0.3 s more (far above 1% of these steps): the
-    automatic interval is widened, whatever the machine's load."""
-    import time
-
-    from hf_pma.snapshots import sinks
-
-    real = sinks.gather_full_state_dict
-
-    def slow(*args, **kwargs):
-        time.sleep(0.3)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(sinks, "gather_full_state_dict", slow)
 
 
 def test_a_widened_automatic_interval_says_its_cost_in_one_line(tmp_path, caplog, slow_copy):
