@@ -151,8 +151,6 @@ def run(args: argparse.Namespace) -> int:
     selection = ("last", "every", "revisions", "cache_dir", "include_final", "window_tokens", "window_steps")
     if args.weights is not None and args.last == "auto":
         args.last = None  # explicit weights name every source: no window
-    if args.last == "auto" and (args.window_tokens or args.window_steps):
-        args.last = None
     sources, choice = resolve_sources_and_window(args.sources, **{k: getattr(args, k) for k in selection})
     _warn_whole_run(args, sources)
     same_names = (

@@ -69,7 +69,7 @@ from hf_pma.merging.chunks import (
 from hf_pma.merging.same_model import check_same_model
 from hf_pma.merging.sources import resolve_sources_and_window
 from hf_pma.merging.weight_files import CheckpointTensors
-from hf_pma.merging.windows import describe_sources, select_auto, select_window, sources_span, too_few_sources
+from hf_pma.merging.windows import apply_window, describe_sources, sources_span
 from hf_pma.utils.fs import (
     atomic_write_json,
     check_output_folder,
@@ -203,18 +203,8 @@ def _as_sources(
     ):
         last = check_window_count(last, "last", allow_none=True)
         check_window(window_tokens, window_steps, None if is_auto(last) else last)
-        sources = list(sources)
-        if is_auto(last):
-            if window_tokens is not None or window_steps is not None:
-                return select_window(sources, window_tokens, window_steps), None
-            return select_auto(sources)
-        if last is not None:
-            if len(sources) < last:
-                raise too_few_sources(last, sources)
-            sources = sources[-last:]
-        return select_window(sources, window_tokens, window_steps), None
-    if is_auto(last) and (window_tokens is not None or window_steps is not None):
-        last = None
+        # The one path a window is chosen by, for sources as for names (resolve_sources_and_window).
+        return apply_window(list(sources), last=last, window_tokens=window_tokens, window_steps=window_steps)
     return resolve_sources_and_window(
         sources,
         last=last,

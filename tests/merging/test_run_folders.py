@@ -284,3 +284,17 @@ def test_window_tokens_selects_by_progress_and_is_recorded(tmp_path, capsys):
         "| merge window | the snapshots within the last 3,000 tokens (4,000 to 6,000 tokens, a span of 2,000) |"
         in card
     )
+
+
+def test_a_window_in_tokens_with_last_auto_is_one_path_for_names_and_sources(tmp_path):
+    """``last="auto"`` beside a window in tokens takes that window, whether the merge is given a
+    run's name or the run's sources (one function chooses for both: merging.windows.apply_window)."""
+    from hf_pma.merging.engine import _as_sources
+
+    run = _fake_run(tmp_path / "run", final=False)
+    by_name, choice = _as_sources([str(run)], "auto", window_tokens=3 * INTERVAL)
+    by_sources, same = _as_sources(resolve_sources([run]), "auto", window_tokens=3 * INTERVAL)
+    assert [s.tokens for s in by_name] == [s.tokens for s in by_sources] == [4000, 5000, 6000]
+    assert choice is None and same is None  # the window was given: nothing chosen automatically
+    with pytest.raises(ValueError, match="give one of window_tokens and last"):
+        _as_sources(resolve_sources([run]), 2, window_tokens=3 * INTERVAL)
