@@ -385,8 +385,10 @@ def run_sweep(
     )
     if metric is not None:
         parse_metric(metric)
-    for s in skipped:
-        logger.info(f"skipping {s['strategy']} N={s['window']} k={s['every']}: {s['reason']}")
+    for s in skipped:  # each one for -v; the report lists them, the log says how many
+        logger.debug(f"skipping {s['strategy']} N={s['window']} k={s['every']}: {s['reason']}")
+    if skipped and combos:
+        logger.info(f"skipping {len(skipped)} combination(s) that do not fit the run's {len(sources)} snapshot(s)")
     if not combos:
         raise ValueError(
             f"no combination fits the run's {len(sources)} snapshot(s): use smaller windows or every values "

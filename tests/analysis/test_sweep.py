@@ -256,3 +256,19 @@ def test_sweep_cli_rejects_bad_input_before_evaluating(tmp_path, tiny_tokenizer)
     assert done.returncode == 2 and "--window" in done.stderr
     done = run_cli("sweep", run, "--strategy", "sma,median", "--eval-file", heldout)
     assert done.returncode == 2 and "unknown strategy 'median'" in done.stderr
+
+
+def test_a_sweep_that_nothing_fits_is_one_line_and_what_it_skips_is_counted(tmp_path, tiny_tokenizer):
+    """A run with one snapshot fits no combination: one error line, not one INFO line per skipped
+    combination first; a sweep that skips some says how many in one line (-v lists each)."""
+    heldout = tmp_path / "heldout.txt"
+    heldout.write_text(sample_text(2000))
+    one, _ = write_run(tmp_path / "one", 1, noise_deviation(), tokenizer=tiny_tokenizer)
+    done = run_cli("sweep", one, "--eval-file", heldout, "--window", "3,6", "-o", tmp_path / "s.json")
+    assert done.returncode == 2 and done.stderr.strip().count("\n") == 0, done.stderr
+    assert "no combination fits the run's 1 snapshot(s)" in done.stderr
+    three, _ = write_run(tmp_path / "three", 3, noise_deviation(), tokenizer=tiny_tokenizer)
+    done = run_cli("sweep", three, "--eval-file", heldout, "--window", "2,6", "--every", "1", "-o", tmp_path / "t.json")
+    assert done.returncode == 0, done.stderr
+    said = [line for line in done.stderr.splitlines() if "skipping" in line]
+    assert len(said) == 1 and "skipping 3 combination(s) that do not fit the run's 3 snapshot(s)" in said[0], said
