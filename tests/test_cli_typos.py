@@ -190,6 +190,8 @@ REFUSALS = [
     ["card", "EMPTY"],
     ["push", "EMPTY", "--repo-id", "bad id!"],
     ["make-tasks", "MISSING", "-o", "OUT"],
+    ["make-tasks", "TEXT", "-o", "OUT", "--num-items", "0"],
+    ["merge", "RUN", "-o", "OUT", "--max-shard-size", "1XB"],
 ]
 
 
@@ -210,6 +212,11 @@ def test_the_library_words_become_the_commands(folders):
     assert line.endswith("found 3 sources (snapshot-1000 .. snapshot-3000), fewer than --last 50: pass --last 3 to merge them all")
     empty = run_cli("merge", folders["EMPTY"], "-o", folders["OUT"])
     assert "give a run's output_dir" in empty.stderr
+    # a library check's parameter is said as the command's flag, whichever check made it
+    shard = run_cli("merge", folders["RUN"], "-o", folders["OUT"], "--max-shard-size", "1XB")
+    assert assert_one_line_refusal(shard.stderr, "hf-pma merge").endswith("--max-shard-size '1XB' cannot be parsed: use bytes or a value like '5GB' or '500MiB'")
+    items = run_cli("make-tasks", folders["TEXT"], "-o", folders["OUT"], "--num-items", "0")
+    assert assert_one_line_refusal(items.stderr, "hf-pma make-tasks").endswith("--num-items must be at least 1, got 0")
 
 
 def test_the_command_line_page_shows_what_the_commands_print(tmp_path):

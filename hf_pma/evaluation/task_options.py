@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from hf_pma.utils.parsing import parameter_error
+
 __all__ = ["TASK_KINDS", "TaskOptions"]
 
 TASK_KINDS = ("next_line", "cloze")
@@ -28,11 +30,11 @@ class TaskOptions:
     def validate(self) -> None:
         """Raise ``ValueError`` naming the first bad option."""
         if self.num_items < 1:
-            raise ValueError(f"num_items must be at least 1, got {self.num_items}")
+            raise parameter_error("num_items", f"must be at least 1, got {self.num_items}")
         if self.num_choices < 2:
-            raise ValueError(f"num_choices must be at least 2, got {self.num_choices}")
+            raise parameter_error("num_choices", f"must be at least 2, got {self.num_choices}")
         if self.context_lines < 1:
-            raise ValueError(f"context_lines must be at least 1, got {self.context_lines}")
+            raise parameter_error("context_lines", f"must be at least 1, got {self.context_lines}")
         if not 1 <= self.min_line_chars <= self.max_line_chars:
             raise ValueError(
                 f"need 1 <= min_line_chars <= max_line_chars, got {self.min_line_chars} and {self.max_line_chars}"

@@ -89,13 +89,13 @@ def parse_dtype(dtype: str | torch.dtype | None, name: str = "dtype") -> torch.d
 def parse_size(size: int | str, name: str = "size") -> int:
     """Bytes: ``"5GB"`` -> 5_000_000_000, ``"2GiB"`` -> 2 * 2**30, ``1000`` -> 1000."""
     if isinstance(size, bool):
-        raise ValueError(f"{name} must be a size like '5GB' or a number of bytes, got {size!r}")
+        raise parameter_error(name, f"must be a size like '5GB' or a number of bytes, got {size!r}")
     if isinstance(size, int):
         value = size
     else:
         match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B)?\s*", str(size), flags=re.IGNORECASE)
         if not match:
-            raise ValueError(f"cannot parse {name} {size!r}; use bytes or a value like '5GB' or '500MiB'")
+            raise parameter_error(name, f"{shown(size, 40)} cannot be parsed: use bytes or a value like '5GB' or '500MiB'")
         number, unit = float(match.group(1)), (match.group(2) or "B").upper()
         base = 1024 if "I" in unit else 1000
         value = int(number * base ** "BKMGT".index(unit[0]))

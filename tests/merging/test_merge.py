@@ -330,7 +330,7 @@ def test_same_source_twice_and_bad_arguments(tmp_path):
         merge_checkpoints([srcs[0], srcs[0]], tmp_path / "o", progress=False)
     with pytest.raises(ValueError, match="unknown dtype 'int8'"):
         merge_checkpoints(srcs, tmp_path / "o", dtype="int8", progress=False)
-    with pytest.raises(ValueError, match="cannot parse max_shard_size .five gigs."):
+    with pytest.raises(ValueError, match="max_shard_size .five gigs. cannot be parsed"):
         merge_checkpoints(srcs, tmp_path / "o", max_shard_size="five gigs", progress=False)
     with pytest.raises(ValueError, match="accumulate_dtype"):
         merge_checkpoints(srcs, tmp_path / "o", accumulate_dtype=torch.float16, progress=False)
