@@ -360,6 +360,22 @@ def test_a_run_folder_moved_while_training_stops_it_at_the_next_snapshot(tmp_pat
         assert not out.exists()
 
 
+def test_a_run_folder_replaced_by_a_link_to_it_is_not_the_folder_claimed(tmp_path):
+    """A link put at the claimed folder's name is not the folder claimed, even when it leads to it
+    (its inode by ``stat`` unchanged): a write into it stops with the moved-folder line (the
+    background writer wrote on and failed with a raw FileExistsError)."""
+    from hf_pma.utils.fs import check_claimed_folder
+
+    pma = tmp_path / "run" / PMA_SUBDIR
+    pma.mkdir(parents=True)
+    with FolderClaim(pma, what="snapshot folder", pin=True):
+        check_claimed_folder(pma)  # the folder claimed: nothing to say
+        os.rename(pma, tmp_path / "run" / "elsewhere")
+        os.symlink(tmp_path / "run" / "elsewhere", pma)
+        with pytest.raises(FolderMovedError, match=f"snapshot folder {pma} is gone: it was moved or removed"):
+            check_claimed_folder(pma)
+
+
 def test_a_claim_pinned_before_its_folder_exists_follows_the_folder_made_under_it(tmp_path):
     """A training claims its snapshot folder before making it: the folder made under the claim is
     the one followed; removing it afterwards is noticed by the holder's check."""

@@ -1235,9 +1235,11 @@ def check_claimed_folder(folder: str | os.PathLike[str], what: str = "snapshot f
     folder = Path(folder).absolute()
     if not _HELD:
         return
-    keys = (_claim_key(claim_path(folder)), _claim_key(claim_file_of(folder)))
+    # The claim as it was taken, by the folder's name: a link put at that name since resolves elsewhere.
+    by_name = Path(os.path.realpath(folder.parent)) / f".{embedded_name(folder)}.claim"
+    keys = (_claim_key(claim_path(folder)), _claim_key(claim_file_of(folder)), _claim_key(by_name))
     with _HELD_LOCK:
-        entry = _HELD.get(keys[0]) or _HELD.get(keys[1])
+        entry = next((_HELD[key] for key in keys if key in _HELD), None)
         if entry is not None:
             _check_pinned(entry, folder, what)
 
