@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -79,14 +80,19 @@ def merge_changed_midway(tmp_path: Path, sources: list[Path], change) -> tuple[i
     try:
         line = child.stdout.readline()
         assert line.startswith("PAUSED "), line + child.stderr.read()
-        change()
-        child.stdin.write("\n")
-        child.stdin.flush()
-        child.wait(timeout=300)
-        return child.returncode, child.stderr.read()
+        return _changed_then_resumed(child, change)
     finally:
         if child.poll() is None:
             child.kill()
+
+
+def _changed_then_resumed(child: subprocess.Popen, change: Callable[[], None]) -> tuple[int, str]:
+    """With ``child`` paused mid-read: ``change()`` its sources, let it go on, and its exit code and stderr."""
+    change()
+    child.stdin.write("\n")
+    child.stdin.flush()
+    child.wait(timeout=300)
+    return child.returncode, child.stderr.read()
 
 
 def _nothing_published(tmp_path: Path) -> None:
@@ -154,11 +160,7 @@ def command_changed_midway(stage: str, argv: list, change, env: dict | None = No
                 break
         else:
             pytest.fail(f"never paused at {stage}; exit {child.wait()}: {''.join(seen)}")
-        change()
-        child.stdin.write("\n")
-        child.stdin.flush()
-        child.wait(timeout=300)
-        return child.returncode, child.stderr.read()
+        return _changed_then_resumed(child, change)
     finally:
         if child.poll() is None:
             child.kill()
