@@ -204,7 +204,8 @@ def test_a_lock_file_that_cannot_be_checked_is_named_with_the_file_to_remove(tmp
     assert json.loads(claim.read_text()) == record
 
 
-CRASHING_WRITER = """
+# What the counting children run first: their arguments, then all start together (a barrier file).
+COUNTER_START = """
 import os, sys, time
 from pathlib import Path
 from hf_pma.utils.fs import hold_claim
@@ -212,6 +213,9 @@ folder, counter, ready, go, cycles = sys.argv[1:6]
 Path(ready).touch()
 while not Path(go).exists():
     time.sleep(0.001)
+"""
+
+CRASHING_WRITER = COUNTER_START + """
 for _ in range(int(cycles)):
     pid = os.fork()
     if pid == 0:  # takes the claim, writes, and dies holding it: its lock file names a dead pid
@@ -252,14 +256,7 @@ def test_racing_takers_of_dead_holders_lock_files_lose_no_update(tmp_path):
 
 # ---------------------------------------------------------------- a writable folder in a read-only place
 
-RMW = """
-import sys, time
-from pathlib import Path
-from hf_pma.utils.fs import hold_claim
-folder, counter, ready, go, cycles = sys.argv[1:6]
-Path(ready).touch()
-while not Path(go).exists():
-    time.sleep(0.001)
+RMW = COUNTER_START + """
 for _ in range(int(cycles)):
     with hold_claim(folder, what="counter folder"):
         value = int(Path(counter).read_text()) + 1
