@@ -54,7 +54,11 @@ CURVE_KS = (1, 2, 3, 4, 6, 8, 10, 12, 16, 24, 32)
 
 PRESETS: dict[str, dict[str, Any]] = {
     "smoke": dict(lengths="60,120", lrs="3e-3,6e-3", seeds="0,1", corpus_bytes=600_000, eval_docs=20),
-    "cpu": dict(lengths="300,1000,3000", lrs="1.5e-3,3e-3,6e-3,1.2e-2", seeds="0,1", corpus_bytes=9_000_000, eval_docs=40),
+    # 6,000 steps at two learning rates and one seed: does what suits 3,000 steps hold twice as long?
+    "cpu": dict(
+        lengths="300,1000,3000,6000", lrs="1.5e-3,3e-3,6e-3,1.2e-2", seeds="0,1", seeds_at="6000=0",
+        lrs_at="6000=3e-3+1.2e-2", corpus_bytes=9_000_000, eval_docs=40,
+    ),
 }
 
 
@@ -70,9 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--parallel", type=int, default=2, help="runs trained at once (1 thread each)")
     p.add_argument(
         "--seeds-at",
-        default="",
         help="fewer seeds at some lengths, e.g. 3000=0 (when the CPU time for every seed of the longest runs is not there)",
     )
+    p.add_argument("--lrs-at", help="fewer learning rates at some lengths, e.g. 6000=3e-3+1.2e-2")
     p.add_argument("--curve-lengths", help="run lengths whose selection curves are evaluated (default: every length)")
     p.add_argument("--new-curves", action="store_true", help="evaluate the selection curves again (else curves.json is reused)")
     p.add_argument("--new-compare", action="store_true", help="run hf-pma compare again (else compare-*.json are reused)")
@@ -86,7 +90,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.lrs = [float(v) for v in str(args.lrs).split(",")]
     args.seeds = [int(v) for v in str(args.seeds).split(",")]
     args.seeds_at = {
-        int(k): [int(x) for x in v.split("+")] for k, v in (item.split("=") for item in args.seeds_at.split(",") if item)
+        int(k): [int(x) for x in v.split("+")] for k, v in (item.split("=") for item in (args.seeds_at or "").split(",") if item)
+    }
+    args.lrs_at = {
+        int(k): [float(x) for x in v.split("+")] for k, v in (item.split("=") for item in (args.lrs_at or "").split(",") if item)
     }
     args.curve_lengths = [int(v) for v in args.curve_lengths.split(",")] if args.curve_lengths else args.lengths
     results = HERE.parent / "results" / "window_choice"
@@ -110,6 +117,11 @@ def sweep_args(args: argparse.Namespace, steps: int) -> argparse.Namespace:
 def seeds_of(args: argparse.Namespace, steps: int) -> list[int]:
     """The seeds run at this length (``--seeds-at``, else ``--seeds``)."""
     return args.seeds_at.get(steps, args.seeds)
+
+
+def lrs_of(args: argparse.Namespace, steps: int) -> list[float]:
+    """The learning rates run at this length (``--lrs-at``, else ``--lrs``)."""
+    return args.lrs_at.get(steps, args.lrs)
 
 
 def run_name(steps: int, lr: float, seed: int) -> str:
@@ -138,8 +150,9 @@ def train_all(args: argparse.Namespace) -> tuple[list[dict], tuple]:
         (sweep_args(args, steps), run_name(steps, lr, seed), lr, seed)
         for steps in args.lengths
         for seed in seeds_of(args, steps)
-        for lr in args.lrs
+        for lr in lrs_of(args, steps)
     ]
+    jobs.sort(key=lambda job: -job[0].steps)  # longest first: the two workers finish together
     with ThreadPoolExecutor(max_workers=args.parallel) as pool:
         futures = [pool.submit(sp.train_run, a, name, lr, seed, (96, 3), data) for a, name, lr, seed in jobs]
         timings = []
@@ -163,7 +176,7 @@ def curves(args: argparse.Namespace, selection: Path, skip: set[str] = frozenset
     out = {}
     for steps in args.curve_lengths:
         for seed in seeds_of(args, steps):
-            for lr in args.lrs:
+            for lr in lrs_of(args, steps):
                 name = run_name(steps, lr, seed)
                 if name in skip:
                     continue
@@ -206,7 +219,7 @@ def compare(args: argparse.Namespace, steps: int, window: str, heldout: Path, re
     if output.is_file() and not args.new_compare:  # kept: a compare of the same runs
         return json.loads(output.read_text())
     flags, splits = WINDOWS[window]
-    runs = [str(args.scratch / "runs" / run_name(steps, lr, seed)) for seed in seeds_of(args, steps) for lr in args.lrs]
+    runs = [str(args.scratch / "runs" / run_name(steps, lr, seed)) for seed in seeds_of(args, steps) for lr in lrs_of(args, steps)]
     command = [sys.executable, "-m", "hf_pma.cli", "compare", *runs, "--eval-file", str(heldout if splits else report),
                "--block-size", "128", "--tokenizer", str(args.scratch / "data" / "tokenizer"), *flags,
                "--bootstrap", "0", "-o", str(output), "-q"]
@@ -238,7 +251,7 @@ def summarize(args: argparse.Namespace, reports: dict[tuple[int, str], dict]) ->
             report = reports[(steps, "auto" if window == "last" else window)]
             by_name = {e["name"]: e for e in report["runs"]}
             for seed in seeds_of(args, steps):
-                names = [run_name(steps, lr, seed) for lr in args.lrs]
+                names = [run_name(steps, lr, seed) for lr in lrs_of(args, steps)]
                 entries = [by_name[n] for n in names]
                 pred = [e["last"]["value"] if window == "last" else e["merge"]["value"] for e in entries]
                 ann = [e["annealed"]["value"] for e in entries]
@@ -301,6 +314,10 @@ def plot(curve: dict[str, Any], output: Path) -> None:
     fig.savefig(output)
 
 
+def _g(x: float) -> str:
+    return f"{x:g}"
+
+
 def tables(args, summary, curve, timings, times, loads) -> str:  # noqa: ANN001
     s = summary["summary"]
     lines = [
@@ -309,7 +326,8 @@ def tables(args, summary, curve, timings, times, loads) -> str:  # noqa: ANN001
         f"`{' '.join(['python', 'benchmarks/window_choice.py', *args.argv])}`: "
         f"{len(timings)} runs ({', '.join(map(str, args.lengths))} steps x LR {', '.join(f'{x:g}' for x in args.lrs)} x seeds "
         f"{', '.join(map(str, args.seeds))}"
-        f"{''.join(f'; at {n} steps seed {chr(43).join(map(str, v))} only' for n, v in args.seeds_at.items())}), batch 8 x 128 tokens, a snapshot every 20 steps, each with an annealed fork over "
+        f"{''.join(f'; at {n} steps seed {chr(43).join(map(str, v))} only' for n, v in args.seeds_at.items())}"
+        f"{''.join(f'; at {n} steps LR {chr(43).join(map(_g, v))} only' for n, v in args.lrs_at.items())}), batch 8 x 128 tokens, a snapshot every 20 steps, each with an annealed fork over "
         f"its last {100 * args.anneal_share:.0f}% (linear to 0). Of {args.eval_docs} held-out documents, every 4th is the "
         "selection split (where `hf-pma compare` checks the automatic window, and where the curves are measured); every "
         "result is on the others (the report split).",
@@ -365,7 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     t1 = time.time()
     saved = args.output_dir / "curves.json"
     curve = json.loads(saved.read_text()) if saved.is_file() and not args.new_curves else {}
-    wanted = {run_name(n, lr, seed) for n in args.curve_lengths for lr in args.lrs for seed in seeds_of(args, n)}
+    wanted = {run_name(n, lr, seed) for n in args.curve_lengths for lr in lrs_of(args, n) for seed in seeds_of(args, n)}
     curve = {name: c for name, c in curve.items() if name in wanted}
     selection, report = split_files(data[1])
     curve.update(curves(args, selection, skip=set(curve)))
