@@ -68,7 +68,7 @@ from hf_pma.merging.sources import (
     run_layout,
     tokenizer_folder,
 )
-from hf_pma.merging.windows import select_auto
+from hf_pma.merging.windows import apply_window
 from hf_pma.utils.formatting import format_number, markdown_table
 from hf_pma.utils.logs import get_logger
 from hf_pma.utils.parsing import is_number, parameter_error
@@ -384,7 +384,7 @@ def _plan_window(
 ) -> tuple[list[int], list[float], str, WindowChoice | None]:
     count, tokens, where = recorded or (None, None, None)
     if is_auto(last) or (last is None and window_tokens is None and not tokens and (count is None or is_auto(count))):
-        chosen, choice = select_auto(sources)
+        chosen, choice = apply_window(sources, last="auto")
         indices = list(range(len(sources) - len(chosen), len(sources)))
         weights = _window_weights(len(indices), strategy, alpha)
         how = "--last auto" if is_auto(last) else ("the run's own" if count else "the default")

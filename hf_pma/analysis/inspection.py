@@ -35,7 +35,7 @@ from hf_pma.core.window_choice import AUTO, is_auto
 from hf_pma.io.guarded import read_json
 from hf_pma.merging.hub_revisions import parse_hub_spec
 from hf_pma.merging.sources import CheckpointSource, model_source, resolve_sources, run_layout
-from hf_pma.merging.windows import select_auto
+from hf_pma.merging.windows import apply_window
 from hf_pma.utils.logs import get_logger
 from hf_pma.utils.parsing import is_int
 
@@ -116,7 +116,7 @@ def window_size(
     if count and not is_auto(count):
         return count, f"the run's own, {where}"
     if every == 1 and len(sources) > 1:  # chosen from the snapshots' records, as a merge does
-        choice = select_auto(list(sources))[1]
+        choice = apply_window(list(sources), last="auto")[1]
         return choice.count, choice.describe() + (f" (the run's own, {where})" if count else "")
     return DEFAULT_WINDOW, "the default: the run records no merge window"
 

@@ -38,7 +38,7 @@ from hf_pma.evaluation.corpus import documents_fingerprint
 from hf_pma.evaluation.options import EvalOptions
 from hf_pma.io.guarded import reads_one_version
 from hf_pma.merging.sources import CheckpointSource, resolve_sources, vanished_source_error
-from hf_pma.merging.windows import select_auto
+from hf_pma.merging.windows import apply_window
 from hf_pma.utils.formatting import format_number, markdown_table
 from hf_pma.utils.fs import atomic_write_file
 from hf_pma.utils.parsing import check_int, folded, is_number
@@ -377,7 +377,7 @@ def run_sweep(
         raise ValueError(
             f"windows in tokens need every snapshot's token count; {len(missing)} have none: {', '.join(missing[:5])}"
         )
-    choice = select_auto(sources)[1] if any(is_auto(n) for n in windows) else None
+    choice = apply_window(sources, last="auto")[1] if any(is_auto(n) for n in windows) else None
     if choice is not None:
         logger.info(f"sweep: {choice.describe()}")
     combos, skipped = plan_sweep(

@@ -56,7 +56,6 @@ __all__ = [
     "RunPoint",
     "WindowChoice",
     "choose_window",
-    "choose_for_snapshots",
     "check_window_count",
     "is_auto",
     "point_from_record",
@@ -423,12 +422,6 @@ def _check_settings(max_share: Any, trend_limit: Any, fallback_share: Any) -> No
     number = _finite(trend_limit)
     if number is None or number < 0:
         raise parameter_error("trend_limit", f"must be a finite number >= 0, got {shown(trend_limit, 60)}")
-
-
-def choose_for_snapshots(snapshots: Sequence[tuple[Any, Any]]) -> WindowChoice:
-    """:func:`choose_window` over a run's listed snapshots: ``(record, folder)`` pairs, oldest
-    first, as ``SnapshotTaker.snapshots()`` gives them (each record read by its ``to_dict()``)."""
-    return choose_window([point_from_record(record.to_dict()) for record, _folder in snapshots])
 
 
 def _by_trend(

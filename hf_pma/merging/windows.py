@@ -1,8 +1,11 @@
 """Which sources a merge takes: ordered by training progress, every k-th, the newest N, or those
 within a window of tokens or steps, and a one-line description of the choice.
 
-These work on local sources and on Hub revisions not yet downloaded alike (both have ``tokens``,
-``step`` and a name), so a window is drawn before anything is downloaded.
+These work alike on local sources, on Hub revisions not yet downloaded (so a window is drawn
+before anything is downloaded) and on the ``(record, folder)`` pairs a training run lists its
+snapshots as: :func:`apply_window` is the one way every merge of this library takes its window
+(the CLI's, ``PMATrainer``'s evaluation and card, PMA-init, loss-spike recovery, ``swapped()``,
+``compare``, ``sweep``, ``inspect``).
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from hf_pma.core.selection import WindowSpan, check_window, window_by_progress, window_span
-from hf_pma.core.window_choice import WindowChoice, choose_window, is_auto, point_from_record
+from hf_pma.core.window_choice import RunPoint, WindowChoice, choose_window, is_auto, point_from_record
 from hf_pma.merging.checkpoint_source import CheckpointSource
 from hf_pma.merging.hub_revisions import HubRevision
 from hf_pma.utils.logs import get_logger
@@ -27,6 +30,7 @@ __all__ = [
     "select_window",
     "select_auto",
     "apply_window",
+    "run_point",
     "sources_span",
     "describe_sources",
 ]
@@ -67,11 +71,21 @@ def too_few_sources(last: int, items: Sequence[Any]) -> ValueError:
     )
 
 
+def run_point(item: Any) -> RunPoint:
+    """What ``item`` recorded (tokens, step, learning rate, phase, training loss) as the window
+    rule reads it: a source or Hub revision (``record``, ``tokens``, ``step``), or a ``(record,
+    folder)`` pair of a training run's snapshots (the record a dict or a snapshot record)."""
+    if isinstance(item, tuple) and len(item) == 2:
+        record = item[0]
+        return point_from_record(record.to_dict() if hasattr(record, "to_dict") else record)
+    return point_from_record(getattr(item, "record", None), getattr(item, "tokens", None), getattr(item, "step", None))
+
+
 def select_auto(items: list[Any]) -> tuple[list[Any], WindowChoice]:
     """The newest items the automatic window takes (``window="auto"``), from what each item
-    recorded (tokens, step, learning rate, phase, training loss), and the choice with its reason
-    (see :mod:`hf_pma.core.window_choice`). ``items`` are ordered oldest first."""
-    choice = choose_window([point_from_record(getattr(x, "record", None), x.tokens, x.step) for x in items])
+    recorded (:func:`run_point`), and the choice with its reason (see
+    :mod:`hf_pma.core.window_choice`). ``items`` are ordered oldest first."""
+    choice = choose_window([run_point(x) for x in items])
     return items[-choice.count :], choice
 
 
@@ -82,18 +96,29 @@ def apply_window(
     every: int | None = None,
     window_tokens: int | None = None,
     window_steps: int | None = None,
+    fewer: bool = False,
 ) -> tuple[list[Any], WindowChoice | None]:
-    """Every ``every``-th item, then the newest ``last`` (``"auto"``: :func:`select_auto`) or those
-    within ``window_tokens`` / ``window_steps``; returns the items and the automatic choice
-    (``None`` when the window was given)."""
+    """The window of a merge, the one path every merge takes it by: every ``every``-th item, then
+    those within ``window_tokens`` / ``window_steps`` of the newest when either is given (they win
+    over ``last="auto"``), else the newest ``last`` (``"auto"``: :func:`select_auto`; ``None``:
+    all). Returns the items and the automatic choice (``None`` when the window was given).
+
+    ``items`` (oldest first) are sources, Hub revisions or a run's ``(record, folder)`` pairs
+    (:func:`run_point`). With ``fewer`` a run that has fewer items than ``last`` merges them all (a
+    training run early on); else that is a ``ValueError`` (:func:`too_few_sources`)."""
+    if window_tokens is not None or window_steps is not None:
+        return select_window(select_newest(items, None if is_auto(last) else last, every), window_tokens, window_steps), None
+    strided = select_newest(items, None, every)
     if is_auto(last):
-        if window_tokens is not None or window_steps is not None:
-            return select_window(select_newest(items, None, every), window_tokens, window_steps), None
-        return select_auto(select_newest(items, None, every))
-    return select_window(select_newest(items, last, every), window_tokens, window_steps), None
+        return select_auto(strided) if strided else ([], None)
+    if fewer and last is not None:
+        last = min(last, len(strided))
+    return (select_newest(strided, last) if last else strided), None
 
 
 def _item_name(item: Any) -> str:
+    if isinstance(item, tuple) and len(item) == 2:
+        return Path(item[1]).name
     return item.spec if isinstance(item, HubRevision) else item.name
 
 
@@ -108,7 +133,8 @@ def select_window(
         return items
     check_window(window_tokens, window_steps)
     unit, span = ("tokens", window_tokens) if window_tokens is not None else ("steps", window_steps)
-    positions = [x.tokens if unit == "tokens" else x.step for x in items]
+    points = [run_point(x) for x in items]
+    positions = [p.tokens if unit == "tokens" else p.step for p in points]
     try:
         chosen = window_by_progress(positions, span, unit)
     except ValueError:

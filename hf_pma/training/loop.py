@@ -37,7 +37,7 @@ from transformers.utils import logging
 
 from hf_pma.core.manifest import MAX_RECORD_INT, SnapshotRecord
 from hf_pma.core.schedule import check_schedule_state, positive_int_or_none
-from hf_pma.core.window_choice import check_window_count, choose_for_snapshots, is_auto
+from hf_pma.core.window_choice import check_window_count, is_auto
 from hf_pma.snapshots.lr_probe import first_group_value, step_lr
 from hf_pma.snapshots.taker import TOKEN_COUNTS, SnapshotTaker, TakenSnapshot
 from hf_pma.training.recovery import SpikeRecovery
@@ -355,6 +355,7 @@ class PMASnapshots:
         """
         from hf_pma.merging.engine import merge_state_dict
         from hf_pma.merging.swap import backup_weights, load_weights, restore_weights
+        from hf_pma.merging.windows import apply_window
 
         if model is not None:
             _check_module(model, "model")
@@ -383,13 +384,10 @@ class PMASnapshots:
         if self.accelerator is not None:
             self.accelerator.wait_for_everyone()  # every process sees the main process's manifest
         snapshots = taker.snapshots()  # every process reads the manifest
-        listed = [folder for _, folder in snapshots]
-        if is_auto(last) and snapshots:
-            choice = choose_for_snapshots(snapshots)
+        chosen, choice = apply_window(snapshots, last=last, fewer=True)
+        if choice is not None:
             logger.info(f"PMASnapshots.swapped(): {choice.describe()}")
-            listed = listed[-choice.count :]
-        elif last is not None:
-            listed = listed[-last:]
+        listed = [folder for _, folder in chosen]
         if not listed:
             raise ValueError(f"PMASnapshots.swapped(): no snapshot in {escape(taker.pma_dir)} yet")
         merged = merge_state_dict(listed)

@@ -34,11 +34,11 @@ import torch
 from transformers.utils import logging
 
 from hf_pma.core.strategies import validate_strategy
-from hf_pma.core.window_choice import check_window_count, choose_for_snapshots, is_auto
+from hf_pma.core.window_choice import check_window_count
 from hf_pma.merging.engine import merge_state_dict
 from hf_pma.merging.sources import resolve_sources
 from hf_pma.merging.swap import load_weights
-from hf_pma.merging.windows import select_auto, select_window
+from hf_pma.merging.windows import apply_window
 from hf_pma.snapshots.taker import SnapshotTaker
 from hf_pma.utils.distributed import all_ranks_checked
 from hf_pma.utils.parsing import check_int, is_number, parameter_error
@@ -96,13 +96,11 @@ def pma_init(
     validate_strategy(strategy, alpha)  # before any source is read (one source merges as sma)
     resolved = resolve_sources(sources)
     choice = None
-    if len(sources) == 1 and window_tokens is not None:
-        resolved = select_window(resolved, window_tokens=window_tokens)  # a run's last T tokens
-    elif len(sources) == 1 and len(resolved) > 1 and is_auto(window):
-        resolved, choice = select_auto(resolved)  # a run folder: the window its records choose
-        logger.warning(f"{what}: {choice.describe()}")
-    elif len(sources) == 1 and not is_auto(window) and len(resolved) > window:
-        resolved = resolved[-window:]  # a run folder: merge its newest ``window``
+    if len(sources) == 1 and (len(resolved) > 1 or window_tokens is not None):
+        # A run folder: its window (sources named one by one are all merged).
+        resolved, choice = apply_window(resolved, last=window, window_tokens=window_tokens, fewer=True)
+        if choice is not None:
+            logger.warning(f"{what}: {choice.describe()}")
     strategy = strategy if len(resolved) > 1 else "sma"
     state = merge_state_dict(resolved, strategy=strategy, alpha=alpha)
     load_weights(model, state, origin=f"{what} ({', '.join(str(s.path) for s in resolved)})")
@@ -223,14 +221,9 @@ def recover_from_spike(
     if during and taker.is_main:
         taker.exclude_snapshots(during, reason=f"loss spike at step {step}")
     all_ranks_checked(lambda: None, "waiting for the main process")
-    usable = taker.snapshots()
-    choice = None
-    if is_auto(last) and usable:
-        choice = choose_for_snapshots(usable)
-        usable = usable[-choice.count :]
+    usable, choice = apply_window(taker.snapshots(), last=last, fewer=True)
+    if choice is not None:
         logger.warning(f"loss-spike recovery at step {step}: {choice.describe()}")
-    elif not is_auto(last):
-        usable = usable[-last:]
     if not usable:
         said = f" (loss {loss:.4g})" if loss is not None else ""
         raise LossSpikeError(

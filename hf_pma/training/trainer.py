@@ -23,12 +23,12 @@ from transformers import Trainer
 from transformers.utils import logging
 
 from hf_pma.core.manifest import PMA_SUBDIR, TRAINING_RECORD_NAME
-from hf_pma.core.selection import window_by_progress
-from hf_pma.core.window_choice import WindowChoice, choose_for_snapshots, is_auto
+from hf_pma.core.window_choice import WindowChoice
 from hf_pma.merging.chunks import default_workers
 from hf_pma.merging.engine import merge_checkpoints, merge_state_dict
 from hf_pma.merging.slices import SliceSwap, reshard
 from hf_pma.merging.swap import backup_weights, load_weights, restore_weights
+from hf_pma.merging.windows import apply_window
 from hf_pma.snapshots.callback import PMACallback
 from hf_pma.training.annealing import SaveCheckpointAt, anneal_from_checkpoint, annealing_check
 from hf_pma.training.arguments import PMATrainingArguments, quiet_unused_deepspeed
@@ -179,18 +179,10 @@ class PMATrainer(Trainer):
         # The main process finishes the write in flight; the others then read the same manifest.
         self._pma_barrier(self.pma_callback.wait, "waiting for the snapshot being written")
         snapshots = self.pma_callback.snapshots()
-        window = last if last is not None else (None if self.args.pma_window_tokens else self.args.pma_window)
-        choice = None
-        if not snapshots:
-            paths: list[Path] = []
-        elif window is None:
-            chosen = window_by_progress([record.tokens for record, _ in snapshots], self.args.pma_window_tokens, "tokens")
-            paths = [snapshots[i][1] for i in chosen]
-        elif is_auto(window):
-            choice = choose_for_snapshots(snapshots)
-            paths = [path for _record, path in snapshots[-choice.count :]]
-        else:
-            paths = [path for _record, path in snapshots][-window:]
+        window_tokens = None if last is not None else self.args.pma_window_tokens
+        window = last if last is not None else (None if window_tokens else self.args.pma_window)
+        chosen, choice = apply_window(snapshots, last=window, window_tokens=window_tokens, fewer=True)
+        paths = [path for _record, path in chosen]
         return paths, (self.args.pma_strategy if len(paths) > 1 else "sma"), choice
 
     def pma_merged_state_dict(self, last: int | str | None = None, strategy: str | None = None) -> dict[str, torch.Tensor] | None:
