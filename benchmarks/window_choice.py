@@ -19,7 +19,7 @@ alone (``--no-window-check``) and ``--last 8``; every result is on the other doc
 * Kendall's tau with the annealed ranking within each (length, seed) group (the 4 learning rates);
 * the mean absolute error against the annealed loss.
 
-It also evaluates, on the selection documents (never the report's), the SMA of the newest k
+It also evaluates, on the selection documents (never the report's), the merge (with the rule's weights) of the newest k
 snapshots for k = 1, 2, 3, ... in every run: the curves that show where the rule lands against the
 best k in hindsight (``curves.json``, ``window_choice.png``).
 
@@ -49,7 +49,7 @@ import sweep_prediction as sp  # the same runs, data and tokenizer as the sweep 
 HERE = Path(__file__).resolve()
 REPO = HERE.parents[1]
 FIXED_N = 8
-# The windows k whose newest-k SMA each curve evaluates (with auto's and FIXED_N).
+# The windows k whose newest-k merge each curve evaluates (with auto's and FIXED_N).
 CURVE_KS = (1, 2, 3, 4, 6, 8, 10, 12, 16, 24, 32)
 
 PRESETS: dict[str, dict[str, Any]] = {
@@ -168,6 +168,7 @@ def curves(args: argparse.Namespace, selection: Path, skip: set[str] = frozenset
     import torch
 
     from hf_pma.analysis.sweep import SweepEvaluator
+    from hf_pma.core.strategies import merge_coefficients
     from hf_pma.merging.sources import resolve_sources
     from hf_pma.merging.windows import select_auto
 
@@ -185,7 +186,11 @@ def curves(args: argparse.Namespace, selection: Path, skip: set[str] = frozenset
                 choice = select_auto(sources)[1]
                 evaluator = SweepEvaluator(sources[-1].path, texts, block_size=128, tokenizer=args.scratch / "data" / "tokenizer")
                 ks = sorted({k for k in (*CURVE_KS, choice.count, FIXED_N) if k <= len(sources)})
-                losses = {k: evaluator.evaluate_merge(sources[-k:], weights=[1 / k] * k)["lm"]["loss"] for k in ks}
+                # The rule's own weights (WMA) at every k: where its window lands on its own curve.
+                losses = {
+                    k: evaluator.evaluate_merge(sources[-k:], weights=merge_coefficients(k, choice.strategy if k > 1 else "sma"))["lm"]["loss"]
+                    for k in ks
+                }
                 annealed = evaluator.evaluate_merge([run / "annealed"], weights=[1.0])["lm"]["loss"]
                 out[name] = {
                     "steps": steps, "lr": lr, "seed": seed, "snapshots": len(sources),
@@ -242,6 +247,24 @@ def kendall(a: list[float], b: list[float]) -> float:
     return float(kendalltau(a, b).statistic)
 
 
+def separated(entries: list[dict]) -> bool:
+    """Whether the group's annealed losses are separated by more than 2 SE: every two runs next to
+    each other in the annealed ranking differ by more than twice the paired standard error of the
+    difference (over the same report documents)."""
+    import statistics
+
+    losses = []
+    for e in entries:
+        nll, tokens = e["annealed"]["per_text"]["nll"], e["annealed"]["per_text"]["tokens"]
+        losses.append([n / t if t else math.nan for n, t in zip(nll, tokens)])
+    order = sorted(range(len(losses)), key=lambda i: statistics.fmean(x for x in losses[i] if not math.isnan(x)))
+    for a, b in zip(order, order[1:]):
+        diffs = [y - x for x, y in zip(losses[a], losses[b]) if not (math.isnan(x) or math.isnan(y))]
+        if statistics.fmean(diffs) <= 2 * statistics.stdev(diffs) / math.sqrt(len(diffs)):
+            return False
+    return True
+
+
 def summarize(args: argparse.Namespace, reports: dict[tuple[int, str], dict]) -> dict[str, Any]:
     """Per window: every run's merge - last (paired SE), gain share, tau per (length, seed), MAE."""
     rows, groups, summary = [], [], {}
@@ -256,7 +279,7 @@ def summarize(args: argparse.Namespace, reports: dict[tuple[int, str], dict]) ->
                 pred = [e["last"]["value"] if window == "last" else e["merge"]["value"] for e in entries]
                 ann = [e["annealed"]["value"] for e in entries]
                 taus.append(kendall(pred, ann))
-                groups.append({"window": window, "steps": steps, "seed": seed, "tau": taus[-1]})
+                groups.append({"window": window, "steps": steps, "seed": seed, "tau": taus[-1], "separated": separated(entries)})
                 for e, p, a in zip(entries, pred, ann):
                     errors.append(abs(p - a))
                     paired = (e["merge"] or {}).get("paired") or {}
@@ -267,6 +290,7 @@ def summarize(args: argparse.Namespace, reports: dict[tuple[int, str], dict]) ->
                     rows.append({
                         "window": window, "run": e["name"], "steps": steps, "lr": e["name"].split("-")[1][2:], "seed": seed,
                         "n": 1 if window == "last" else e["merge"]["window"], "diff": diff, "se": se,
+                        "strategy": None if window == "last" else e["merge"]["strategy"],
                         "worse_beyond_1se": bool(diff is not None and se is not None and diff > se),
                         "annealing_gain": gain.get("diff"), "annealing_se": gain.get("stderr"),
                         "gain_share": share, "gain_counts": big_gain,
@@ -280,15 +304,18 @@ def summarize(args: argparse.Namespace, reports: dict[tuple[int, str], dict]) ->
             "min_gain_share_where_annealing_gains_3se": min(recovered) if recovered else None,
             "runs_where_annealing_gains_3se": len(recovered),
             "runs_recovering_80pct": sum(r >= 0.8 for r in recovered),
+            "runs_recovering_90pct": sum(r >= 0.9 for r in recovered),
             "groups_tau_1": sum(t >= 1 - 1e-9 for t in taus),
             "groups": len(taus),
+            "separated_groups_tau_1": sum(g["tau"] >= 1 - 1e-9 for g in groups if g["window"] == window and g["separated"]),
+            "separated_groups": sum(1 for g in groups if g["window"] == window and g["separated"]),
             "mae": sum(errors) / len(errors),
         }
     return {"rows": rows, "groups": groups, "summary": summary}
 
 
 def plot(curve: dict[str, Any], output: Path) -> None:
-    """Selection loss of the newest-k SMA minus the last snapshot's, against k's share of the run."""
+    """Selection loss of the newest-k merge (the rule's weights) minus the last snapshot's, against k's share of the run."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -310,7 +337,7 @@ def plot(curve: dict[str, Any], output: Path) -> None:
         ax.axhline(0, color="black", lw=0.6)
         ax.set_title(f"{steps} steps (dots: auto; dotted: annealed)", fontsize=9)
         ax.set_xlabel("window span, share of the run")
-        ax.set_ylabel("SMA of newest k - last snapshot (nats)")
+        ax.set_ylabel("merge of newest k - last snapshot (nats)")
     fig.savefig(output)
 
 
@@ -336,28 +363,32 @@ def tables(args, summary, curve, timings, times, loads) -> str:  # noqa: ANN001
         "",
         "## Targets",
         "",
-        "| window | runs worse than last by > 1 SE | share of the gain (runs where annealing gains >= 3 SE) | groups with tau = 1 | mean abs. error vs annealed |",
+        "| window | runs worse than last by > 1 SE | share of the gain (runs where annealing gains >= 3 SE) | groups with tau = 1 (of those separated by > 2 SE) | mean abs. error vs annealed (a share of the last snapshot's) |",
         "|---|---:|---|---:|---:|",
     ]
     for w in (*WINDOWS, "last"):
         r = s[w]
         share = (
-            f"min {100 * r['min_gain_share_where_annealing_gains_3se']:.0f}%, {r['runs_recovering_80pct']} of "
-            f"{r['runs_where_annealing_gains_3se']} at >= 80%"
+            f"min {100 * r['min_gain_share_where_annealing_gains_3se']:.0f}%, {r['runs_recovering_90pct']} of "
+            f"{r['runs_where_annealing_gains_3se']} at >= 90%, {r['runs_recovering_80pct']} at >= 80%"
             if r["min_gain_share_where_annealing_gains_3se"] is not None
             else "-"
         )
         label = {"auto": "auto (the default: checked on the selection split)", "rule": "auto, the rule alone (--no-window-check)", "last": "last snapshot"}.get(w, f"fixed N={w}")
-        lines.append(f"| {label} | {r['runs_worse_than_last_beyond_1se']} of {r['runs']} | {share} | {r['groups_tau_1']} of {r['groups']} | {r['mae']:.4f} |")
-    lines += ["", "## Every run", "", "| run | window | N | merge - last (SE) | annealed - last (SE) | gain share |", "|---|---|---:|---:|---:|---:|"]
+        mae = f"{r['mae']:.4f}" + ("" if w == "last" else f" (1/{s['last']['mae'] / r['mae']:.1f})")
+        lines.append(
+            f"| {label} | {r['runs_worse_than_last_beyond_1se']} of {r['runs']} | {share} | {r['groups_tau_1']} of {r['groups']} "
+            f"({r['separated_groups_tau_1']} of {r['separated_groups']}) | {mae} |"
+        )
+    lines += ["", "## Every run", "", "| run | window | N | weights | merge - last (SE) | annealed - last (SE) | gain share |", "|---|---|---:|---|---:|---:|---:|"]
     for row in summary["rows"]:
         if row["window"] == "last":
             continue
         gain = f"{row['annealing_gain']:+.4f} ({row['annealing_se']:.4f})" if row["annealing_gain"] is not None else "-"
         share = f"{100 * row['gain_share']:.0f}%" if row["gain_share"] is not None and row["gain_counts"] else "-"
-        lines.append(f"| {row['run']} | {row['window']} | {row['n']} | {row['diff']:+.4f} ({row['se']:.4f}) | {gain} | {share} |")
-    lines += ["", "## Kendall's tau with the annealed ranking, per (length, seed)", "", "| window | steps | seed | tau |", "|---|---:|---:|---:|"]
-    lines += [f"| {g['window']} | {g['steps']} | {g['seed']} | {g['tau']:+.2f} |" for g in summary["groups"]]
+        lines.append(f"| {row['run']} | {row['window']} | {row['n']} | {row['strategy']} | {row['diff']:+.4f} ({row['se']:.4f}) | {gain} | {share} |")
+    lines += ["", "## Kendall's tau with the annealed ranking, per (length, seed)", "", "| window | steps | seed | tau | annealed separated by > 2 SE |", "|---|---:|---:|---:|---|"]
+    lines += [f"| {g['window']} | {g['steps']} | {g['seed']} | {g['tau']:+.2f} | {'yes' if g['separated'] else 'no'} |" for g in summary["groups"]]
     lines += ["", "## Selection split: where auto lands against the best k in hindsight", "",
               "| run | snapshots | auto N | best k | loss(auto) - loss(best) | loss(8) - loss(best) | auto's reason |", "|---|---:|---:|---:|---:|---:|---|"]
     for name, c in curve.items():

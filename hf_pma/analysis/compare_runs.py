@@ -49,7 +49,7 @@ from hf_pma.analysis.rank_stats import (
 from hf_pma.analysis.run_settings import group_runs, parse_group_keys, recorded_settings
 from hf_pma.core.manifest import ANNEALED_DIR
 from hf_pma.core.selection import DEFAULT_WINDOW, check_window, window_by_progress
-from hf_pma.core.strategies import merge_coefficients
+from hf_pma.core.strategies import AUTO_STRATEGY, merge_coefficients, resolve_strategy
 from hf_pma.core.window_check import (
     MIN_SELECTION_DOCUMENTS,
     DocumentSplit,
@@ -368,9 +368,10 @@ def _plan_annealed(
     return None, f"{ANNEALED_DIR}/ ends at {tokens:,} tokens, not at {at_tokens:,}: left out"
 
 
-def _window_weights(count: int, strategy: str, alpha: float) -> list[float]:
-    """The merge weights of the newest ``count`` snapshots (one snapshot: weight 1, whatever the strategy)."""
-    return list(merge_coefficients(count, strategy if count > 1 else "sma", alpha))
+def _window_weights(count: int, strategy: str, alpha: float, choice: WindowChoice | None = None) -> list[float]:
+    """The merge weights of the newest ``count`` snapshots (one snapshot: weight 1, whatever the
+    strategy; ``"auto"``: those the automatic window ``choice`` chose with it)."""
+    return list(merge_coefficients(count, resolve_strategy(strategy, choice, count), alpha))
 
 
 def _plan_window(
@@ -386,7 +387,7 @@ def _plan_window(
     if is_auto(last) or (last is None and window_tokens is None and not tokens and (count is None or is_auto(count))):
         chosen, choice = apply_window(sources, last="auto")
         indices = list(range(len(sources) - len(chosen), len(sources)))
-        weights = _window_weights(len(indices), strategy, alpha)
+        weights = _window_weights(len(indices), strategy, alpha, choice)
         how = "--last auto" if is_auto(last) else ("the run's own" if count else "the default")
         return indices, weights, f"{escape(choice.describe())} ({how})", choice
     if last is not None:
@@ -432,7 +433,7 @@ def plan_comparison(
     at_tokens: int | None = None,
     last: int | str | None = None,
     window_tokens: int | None = None,
-    strategy: str = "sma",
+    strategy: str = AUTO_STRATEGY,
     alpha: float = 0.2,
     recorded_windows: Sequence[tuple[int | None, int | None, str | None]] | None = None,
     tokenizer: str | os.PathLike[str] | None = None,
@@ -609,7 +610,7 @@ def _check_window(
     choice = plan.window_choice
     assert choice is not None
     n = len(plan.sources)
-    weights = {k: _window_weights(k, strategy, alpha) for k in candidate_windows(choice.count)}
+    weights = {k: _window_weights(k, strategy, alpha, choice) for k in candidate_windows(choice.count)}
     losses = {k: evaluator.held_out_losses(plan.sources[n - k :], w, texts) for k, w in weights.items()}
     try:
         checked = checked_choice(choice, losses, [s.tokens for s in plan.sources])
@@ -658,7 +659,7 @@ def compare_runs(
     texts: Sequence[str] | None = None,
     options: Any = None,
     *,
-    strategy: str = "sma",
+    strategy: str = AUTO_STRATEGY,
     alpha: float = 0.2,
     metric: str | None = None,
     higher_is_better: bool | None = None,
@@ -744,7 +745,7 @@ def compare_runs(
                 "snapshots": [s.name for s in plan.merge_sources],
                 "tokens": [s.tokens for s in plan.merge_sources],
                 "weights": plan.merge_weights,
-                "strategy": strategy if len(plan.merge_indices) > 1 else "sma",
+                "strategy": resolve_strategy(strategy, plan.window_choice, len(plan.merge_indices)),
                 "window": len(plan.merge_indices),
                 "window_origin": plan.window_origin,
                 "window_choice": plan.window_choice.to_dict() if plan.window_choice else None,

@@ -31,7 +31,8 @@ from hf_pma.analysis.gram import GramMatrix, compute_gram
 from hf_pma.analysis.snapshot_listing import snapshot_rows, source_row
 from hf_pma.core.manifest import MERGE_RECORD_NAME, PMA_SUBDIR, TRAINING_RECORD_NAME
 from hf_pma.core.selection import DEFAULT_WINDOW, window_by_progress
-from hf_pma.core.window_choice import AUTO, is_auto
+from hf_pma.core.strategies import AUTO_STRATEGY, resolve_strategy
+from hf_pma.core.window_choice import AUTO, WindowChoice, is_auto
 from hf_pma.io.guarded import read_json
 from hf_pma.merging.hub_revisions import parse_hub_spec
 from hf_pma.merging.sources import CheckpointSource, model_source, resolve_sources, run_layout
@@ -96,15 +97,16 @@ def window_size(
     window: int | None = None,
     window_tokens: int | None = None,
     every: int = 1,
-) -> tuple[int, str]:
-    """N, the snapshots in the merge window, and where it comes from in words: ``window``, else
-    the snapshots within the last ``window_tokens`` tokens of ``sources`` (every ``every``-th),
-    else the run's own window (:func:`run_window`), else the automatic window (from the
-    snapshots' records; :data:`DEFAULT_WINDOW` with a stride)."""
+) -> tuple[int, str, WindowChoice | None]:
+    """N, the snapshots in the merge window, where it comes from in words, and the automatic
+    window's choice where it chose: ``window``, else the snapshots within the last
+    ``window_tokens`` tokens of ``sources`` (every ``every``-th), else the run's own window
+    (:func:`run_window`), else the automatic window (from the snapshots' records;
+    :data:`DEFAULT_WINDOW` with a stride)."""
     count, tokens, where = (None, None, None) if window or window_tokens else run_window(run)
     tokens = window_tokens or tokens
     if window:
-        return window, "--window"
+        return window, "--window", None
     if tokens:
         strided = list(range(len(sources) - 1, -1, -every))[::-1]
         try:
@@ -112,13 +114,14 @@ def window_size(
         except ValueError as err:
             raise ValueError(f"a window of {tokens:,} tokens: {err}") from None
         origin = "--window-tokens" if window_tokens else f"the run's own, {where}"
-        return n, f"the last {tokens:,} tokens; {origin}"
+        return n, f"the last {tokens:,} tokens; {origin}", None
     if count and not is_auto(count):
-        return count, f"the run's own, {where}"
+        return count, f"the run's own, {where}", None
     if every == 1 and len(sources) > 1:  # chosen from the snapshots' records, as a merge does
         choice = apply_window(list(sources), last="auto")[1]
-        return choice.count, choice.describe() + (f" (the run's own, {where})" if count else "")
-    return DEFAULT_WINDOW, "the default: the run records no merge window"
+        assert choice is not None
+        return choice.count, choice.describe() + (f" (the run's own, {where})" if count else ""), choice
+    return DEFAULT_WINDOW, "the default: the run records no merge window", None
 
 
 def _is_hub(run: str | os.PathLike[str], revisions: str | None) -> bool:
@@ -208,7 +211,7 @@ def diagnose_window(
     window: int | None = None,
     window_tokens: int | None = None,
     every: int = 1,
-    strategy: str = "sma",
+    strategy: str = AUTO_STRATEGY,
     alpha: float = 0.2,
     last: int | None = None,
     reference: str | os.PathLike[str] | None = None,
@@ -227,7 +230,7 @@ def diagnose_window(
     The window shrinks, with a warning, when the run has fewer snapshots. Weights are read a
     chunk of at most ``chunk_bytes`` at a time.
     """
-    weights_fn = strategy_weights(strategy, alpha)  # a bad strategy or alpha: one line now
+    strategy_weights(strategy, alpha)  # a bad strategy or alpha: one line now
     if reference is not None and not Path(reference).exists():
         raise FileNotFoundError(f"reference model {reference} does not exist")
     sources = list(sources) if sources is not None else resolve_sources([run], include_final=include_final)
@@ -236,7 +239,9 @@ def diagnose_window(
     if len(sources) < 2:
         raise ValueError(f"{run} has {len(sources)} usable snapshot(s): the diagnostics need at least 2")
     count = len(sources)
-    size, origin = window_size(run, sources, window, window_tokens, every)
+    size, origin, choice = window_size(run, sources, window, window_tokens, every)
+    strategy = resolve_strategy(strategy, choice)  # "auto": the automatic window's own weights
+    weights_fn = strategy_weights(strategy, alpha)
     if window_indices(count, size, every) is None:
         shrunk = (count - 1) // every + 1
         logger.warning(f"only {count} snapshots: the window shrinks from {size} to {shrunk}")

@@ -32,7 +32,7 @@ import torch
 from transformers.utils import logging
 
 from hf_pma.core.selection import window_by_progress
-from hf_pma.core.strategies import merge_coefficients
+from hf_pma.core.strategies import AUTO_STRATEGY, merge_coefficients, resolve_strategy
 from hf_pma.core.window_choice import is_auto
 from hf_pma.evaluation.corpus import documents_fingerprint
 from hf_pma.evaluation.options import EvalOptions
@@ -118,11 +118,14 @@ def plan_sweep(
     window_tokens: Sequence[int] = (),
     tokens: Sequence[int | None] | None = None,
     auto_count: int | None = None,
+    auto_strategy: str = "sma",
 ) -> tuple[list[Combination], list[dict[str, Any]]]:
     """The combinations that ``count`` snapshots allow, and those they do not (with the reason).
 
     ``windows`` are counts N, or ``"auto"``: the newest ``auto_count`` snapshots (the automatic
-    window's choice, from the run's records; consecutive, so with ``every=1`` only); ``window_tokens`` are windows in tokens T (every k-th snapshot
+    window's choice, from the run's records; consecutive, so with ``every=1`` only; the strategy
+    ``"auto"`` merges it with ``auto_strategy``, the weights that choice chose, and any other
+    window with SMA); ``window_tokens`` are windows in tokens T (every k-th snapshot
     counting back from the newest, then those within the last T tokens; see
     :func:`hf_pma.core.selection.window_by_progress`), which need ``tokens``, the snapshots'
     token counts (oldest first). Pure: no files, no torch. Raises ``ValueError`` for a bad
@@ -149,11 +152,13 @@ def plan_sweep(
         skipped.append({"window": "auto", "every": 1, "strategy": ", ".join(strategies),
                         "reason": "no count chosen from the run's records (auto_count)"})
         auto = False
-    for strategy in strategies:
+    for named in strategies:
+        strategy = resolve_strategy(named)  # "auto" for a window given: SMA
         if auto:
+            chosen = auto_strategy if named == AUTO_STRATEGY else named
             indices = tuple(range(count - auto_count, count))
-            weights = tuple(merge_coefficients(auto_count, strategy if auto_count > 1 else "sma", alpha))
-            combos.append(Combination(auto_count, 1, strategy, indices, weights, auto=True))
+            weights = tuple(merge_coefficients(auto_count, chosen if auto_count > 1 else "sma", alpha))
+            combos.append(Combination(auto_count, 1, chosen, indices, weights, auto=True))
         for k in every:
             for n in windows:
                 first = count - 1 - k * (n - 1)
@@ -381,7 +386,8 @@ def run_sweep(
     if choice is not None:
         logger.info(f"sweep: {choice.describe()}")
     combos, skipped = plan_sweep(
-        len(sources), windows, every, strategies, alpha, window_tokens, tokens, choice.count if choice else None
+        len(sources), windows, every, strategies, alpha, window_tokens, tokens, choice.count if choice else None,
+        choice.strategy if choice else "sma",
     )
     if metric is not None:
         parse_metric(metric)

@@ -56,7 +56,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="merge each run's snapshots within the last T tokens",
     )
     p.add_argument(
-        "--strategy", choices=list(STRATEGIES), default="sma", help="merge strategy (default: %(default)s)"
+        "--strategy", choices=list(STRATEGIES), default="auto", help="merge weights; auto: those the automatic window chose with it (WMA), SMA for a window given (default: %(default)s)"
     )
     p.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="EMA smoothing factor (default: %(default)s)")
     EvalOptions.add_arguments(p)

@@ -66,7 +66,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help="also take the final model saved at the run folder's top, as the newest",
     )
     p.add_argument("--every", type=positive_int, default=1, help="take every k-th snapshot (default: %(default)s)")
-    p.add_argument("--strategy", choices=STRATEGIES, default="sma", help="merge weights (default: %(default)s)")
+    p.add_argument("--strategy", choices=STRATEGIES, default="auto", help="merge weights; auto: those the automatic window chose with it (WMA), SMA for a window given (default: %(default)s)")
     p.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="EMA smoothing factor (default: %(default)s)")
     p.add_argument(
         "--last", type=positive_int, help="read only the newest K snapshots (default: all, for the series)"
@@ -134,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         write_lines(window.text())
         if plot is not None:
             n = len(window.window.indices)
-            window.plot(plot, f"{Path(args.run).name}: {args.strategy} window of {n} (every {args.every})")
+            window.plot(plot, f"{Path(args.run).name}: {window.strategy} window of {n} (every {args.every})")
             write_line()
             write_line(f"plot: {plot}")
         report.update(window.to_dict())

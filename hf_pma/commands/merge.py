@@ -43,7 +43,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument("sources", nargs="+", metavar="SOURCE")
-    p.add_argument("--strategy", default="sma", choices=STRATEGIES, help="merge weights (default: %(default)s)")
+    p.add_argument("--strategy", default="auto", choices=STRATEGIES, help="merge weights; auto: those the automatic window chose with it (WMA), SMA for a window given (default: %(default)s)")
     p.add_argument("--alpha", type=float, default=DEFAULT_ALPHA, help="EMA smoothing factor (default: %(default)s)")
     p.add_argument("--weights", type=_weights, help="explicit weights, oldest first, e.g. 1,1,2 (normalized)")
     window = p.add_mutually_exclusive_group()
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     """Run ``hf-pma merge``."""
     from hf_pma.core.manifest import MERGE_RECORD_NAME
     from hf_pma.core.outputs import check_overwrite_target
-    from hf_pma.core.strategies import validate_strategy
+    from hf_pma.core.strategies import resolve_strategy, validate_strategy
     from hf_pma.merging.engine import merge_checkpoints
     from hf_pma.merging.sources import describe_sources, resolve_sources_and_window, tokenizer_folder
     from hf_pma.utils.fs import check_output_folder
@@ -175,7 +175,7 @@ def run(args: argparse.Namespace) -> int:
         window_choice=choice,
         **{k: getattr(args, k) for k in same_names},
     )
-    how = "explicit weights" if args.weights is not None else args.strategy
+    how = "explicit weights" if args.weights is not None else resolve_strategy(args.strategy, choice, len(sources))
     unit = "tokens" if args.window_tokens else "steps" if args.window_steps else None
     said = describe_sources(sources, args.window_tokens or args.window_steps, unit)
     from hf_pma.utils.text import write_line

@@ -12,6 +12,9 @@ Strategies (i = 1 is the oldest snapshot, N the newest):
 * ``linear-decay``, ``cosine-decay``, ``1-sqrt-decay``: decay emulation after WSM
   (Tian et al. 2025, arXiv 2507.17634), see :func:`decay_emulation_weights`.
 * explicit weights: any non-negative list, normalized.
+* ``auto`` (the default of every merge): the weights the automatic window chose with it
+  (:attr:`hf_pma.core.window_choice.WindowChoice.strategy`, see :func:`resolve_strategy`); SMA
+  where the window was given.
 
 A running average (the online average of :mod:`hf_pma.snapshots.online`) is a list of updates
 ``M = a_i * M_i + (1 - a_i) * M``; :func:`running_average_weights` turns the ``a_i`` into each
@@ -29,7 +32,9 @@ from hf_pma.utils.parsing import check_int, is_number
 
 __all__ = [
     "DEFAULT_ALPHA",
+    "AUTO_STRATEGY",
     "STRATEGIES",
+    "resolve_strategy",
     "DECAY_SHAPES",
     "sma_weights",
     "wma_weights",
@@ -180,7 +185,20 @@ def normalize_weights(weights: Sequence[float]) -> list[float]:
     return [w / total for w in values]
 
 
-STRATEGIES = ("sma", "wma", "ema", "linear-decay", "cosine-decay", "1-sqrt-decay")
+# The default strategy: the automatic window's own weights, SMA for a window that was given.
+AUTO_STRATEGY = "auto"
+STRATEGIES = (AUTO_STRATEGY, "sma", "wma", "ema", "linear-decay", "cosine-decay", "1-sqrt-decay")
+
+
+def resolve_strategy(strategy: str, choice: object | None = None, count: int | None = None) -> str:
+    """The strategy a merge uses: ``strategy`` itself, but for ``"auto"``: the weights the
+    automatic window ``choice`` chose with it (its ``strategy``), else ``"sma"`` (a window that
+    was given, or none). One snapshot (``count == 1``) is itself whatever the strategy."""
+    if count == 1:
+        return "sma"
+    if strategy != AUTO_STRATEGY:
+        return strategy
+    return str(getattr(choice, "strategy", None) or "sma")
 
 
 def merge_coefficients(
@@ -196,6 +214,8 @@ def merge_coefficients(
     have one entry per snapshot.
     """
     _check_count(n)
+    if strategy == AUTO_STRATEGY and weights is None:
+        strategy = "sma"  # no automatic choice at hand (resolve_strategy): the paper's default
     if weights is not None:
         if len(weights) != n:
             raise ValueError(f"got {len(weights)} weights for {n} snapshots; give one weight per snapshot")

@@ -19,6 +19,11 @@ Pure Python: no torch, no files. The rule, in three steps:
    :data:`TREND_LIMIT` times that noise (beyond the fitted fall's own standard error, so that a
    noisy fit does not end the window). ``k = 1`` means the loss still falls faster than its
    noise: too early for a merge to help, and the last snapshot is the answer.
+4. **The weights.** The window the trend test chose is merged with :data:`TREND_STRATEGY` (WMA):
+   snapshot ``i`` of ``N`` weighs ``i / (1 + ... + N)``, so the merge sits a third of the window
+   behind the newest snapshot instead of half, and a longer window averages more noise away for
+   the same lag. ``strategy="auto"`` (every merge's default) merges with these weights; a
+   strategy given by name wins.
 
 The rule is total and near-linear: a value it cannot use (NaN, an infinity, a number that no
 float holds, a count beyond :data:`MAX_PROGRESS`, a value of the wrong type) is unknown, as if
@@ -31,7 +36,7 @@ trained (torchtitan's EMA uses a half-life of 5% of the elapsed steps, which wei
 last 14%: the same order). Without any progress the window cannot follow the run: the newest
 :data:`hf_pma.core.selection.DEFAULT_WINDOW` (the paper's N), said so.
 
-The evidence behind the constants (runs of 300 to 3,000 steps at four learning rates, each with a
+The evidence behind the constants (runs of 300 to 6,000 steps at four learning rates, each with a
 matched annealed fork) is ``benchmarks/window_choice.py`` and the manual's "Choosing the window".
 """
 
@@ -53,6 +58,7 @@ __all__ = [
     "MAX_SHARE",
     "FALLBACK_SHARE",
     "TREND_LIMIT",
+    "TREND_STRATEGY",
     "RunPoint",
     "WindowChoice",
     "choose_window",
@@ -63,12 +69,16 @@ __all__ = [
 
 AUTO = "auto"
 # The longest window, as a share of the tokens trained at the newest snapshot.
-MAX_SHARE = 0.2
+MAX_SHARE = 0.25
 # The window without recorded losses: every snapshot within this share of the tokens trained.
 FALLBACK_SHARE = 0.10
-# The loss may fall by at most this many noise units (its per-snapshot spread) over the window: the
-# merge gives back about half the fall by lagging, and wins more than the noise by averaging.
-TREND_LIMIT = 3.0
+# The loss may fall by at most this many noise units (its per-snapshot spread) over the window: a
+# WMA merge gives back about a third of the fall by lagging (an SMA half), and wins more than the
+# noise by averaging.
+TREND_LIMIT = 5.0
+# The weights of a window the trend test chose: WMA (snapshot i of N weighs i / (1 + ... + N)) lags
+# the run by a third of the window, not half, so it averages a longer window for the same lag.
+TREND_STRATEGY = "wma"
 # Losses needed for the trend test (a noise estimate needs a few differences).
 MIN_LOSSES = 4
 # Points of the line fitted for the trend: at least this many, more when the window is longer.
@@ -78,6 +88,8 @@ CONSTANT_PHASES = ("stable", None)
 # The largest token or step count the rule takes (an int64, as checkpoints store counts); a
 # larger one is unknown, like a missing one.
 MAX_PROGRESS = 2**63 - 1
+# Why the rule's weights, in a few words (the one line says which and why).
+_STRATEGY_WHY = {"wma": "the newest weigh most: lags less than SMA", "sma": "every snapshot alike"}
 # Losses this large or larger are shown in short scientific form (ordinary ones with 3 decimals).
 _SHORT_FROM = 1e6
 # A trend test this close to its limit (in scaled losses) is decided again by the two-pass fit,
@@ -101,13 +113,15 @@ class RunPoint:
 @dataclasses.dataclass(frozen=True)
 class WindowChoice:
     """The window ``window="auto"`` chose: the newest ``count`` snapshots (1: the last snapshot
-    alone), the ``rule`` that decided (``trend``, ``cap``, ``too-early``, ``no-loss``,
-    ``no-progress``, ``single``; ``held-out`` where a check on held-out documents overruled
-    it) and one sentence saying why."""
+    alone), the weights it merges them with (``strategy``: what ``strategy="auto"``, every
+    merge's default, uses), the ``rule`` that decided (``trend``, ``cap``, ``too-early``,
+    ``no-loss``, ``no-progress``, ``single``; ``held-out`` where a check on held-out documents
+    overruled it) and one sentence saying why."""
 
     count: int
     rule: str
     reason: str
+    strategy: str = "sma"
     share: float | None = None
     trend: float | None = None
     noise: float | None = None
@@ -120,8 +134,12 @@ class WindowChoice:
         return {"mode": AUTO, **dataclasses.asdict(self)}
 
     def describe(self) -> str:
-        """``"auto window: the newest 8 snapshots (...): <reason>"``."""
-        what = "the last snapshot alone" if self.count == 1 else f"the newest {self.count} snapshots"
+        """``"auto window: the newest 8 snapshots, WMA (lags less than SMA): <reason>"``."""
+        if self.count == 1:
+            what = "the last snapshot alone"
+        else:
+            why = _STRATEGY_WHY.get(self.strategy, "")
+            what = f"the newest {self.count} snapshots, {self.strategy.upper()}{f' ({why})' if why else ''}"
         return f"auto window: {what}: {self.reason}"
 
 
@@ -476,6 +494,7 @@ def _by_trend(
         f"{unit} {positions[n - chosen]:,} to {end:,} ({_percent(share)}): the training loss {_moves_text(trend)} "
         f"(± {_loss_text(trend_se)}) over them, not clearly more than {trend_limit:g}x "
         f"its noise ({_loss_text(noise)}){stretch_note}{limit}",
+        strategy=TREND_STRATEGY,
         share=share,
         trend=trend,
         noise=noise,

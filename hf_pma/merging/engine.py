@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from hf_pma.core.manifest import MERGE_RECORD_NAME, MODEL_SUPPORT_FILES, TOKENIZER_FILES
 from hf_pma.core.outputs import check_overwrite_target, record_own_files
 from hf_pma.core.selection import check_window, snapshot_intervals
-from hf_pma.core.strategies import merge_coefficients, validate_strategy
+from hf_pma.core.strategies import AUTO_STRATEGY, merge_coefficients, resolve_strategy, validate_strategy
 from hf_pma.core.window_choice import WindowChoice, check_window_count, is_auto
 from hf_pma.io.guarded import (
     check_file,
@@ -251,7 +251,7 @@ def _announce(sources: Sequence[CheckpointSource], what: str, window: dict[str, 
 def merge_state_dict(
     sources: Sequence[str | os.PathLike[str] | CheckpointSource],
     *,
-    strategy: str = "sma",
+    strategy: str = AUTO_STRATEGY,
     alpha: float = 0.2,
     weights: Sequence[float] | None = None,
     dtype: str | torch.dtype | None = None,
@@ -282,7 +282,7 @@ def merge_state_dict(
     srcs, choice = _as_sources(sources, last, window_tokens, window_steps, include_final)
     pin_folders(s.path for s in srcs)
     _say_window("merge", choice)
-    coefs = merge_coefficients(len(srcs), strategy, alpha, weights)
+    coefs = merge_coefficients(len(srcs), resolve_strategy(strategy, choice), alpha, weights)
     check_same_model(srcs, allow_different_configs)
     check_intervals(srcs)
     opened = open_all(srcs, raw=True)
@@ -623,7 +623,7 @@ def merge_checkpoints(
     sources: Sequence[str | os.PathLike[str] | CheckpointSource] | str | os.PathLike[str],
     output_dir: str | os.PathLike[str],
     *,
-    strategy: str = "sma",
+    strategy: str = AUTO_STRATEGY,
     alpha: float = 0.2,
     weights: Sequence[float] | None = None,
     dtype: str | torch.dtype | None = None,
@@ -654,7 +654,9 @@ def merge_checkpoints(
         output_dir: the merged folder; created atomically and exclusively (a second merge into
             the same folder while this one runs stops at once, naming this process; see
             :func:`hf_pma.utils.fs.claim_output`).
-        strategy: ``sma``, ``wma``, ``ema``, ``linear-decay``, ``cosine-decay`` or ``1-sqrt-decay``.
+        strategy: ``auto`` (default: the weights the automatic window chose with it, SMA for a
+            window that was given), ``sma``, ``wma``, ``ema``, ``linear-decay``, ``cosine-decay`` or
+            ``1-sqrt-decay``.
         alpha: EMA smoothing factor.
         weights: explicit weights, oldest first (normalized; overrides ``strategy``).
         dtype: output floating-point dtype; default: each tensor's input dtype.
@@ -719,6 +721,7 @@ def merge_checkpoints(
         _say_window(f"merge into {escape(output_dir)}", window_choice)
     else:  # chosen by the caller (hf-pma merge), which says it
         srcs, _ = _as_sources(sources, None, window_tokens, window_steps, include_final)
+    strategy = resolve_strategy(strategy, window_choice)  # "auto": the automatic window's weights
     coefs = merge_coefficients(len(srcs), strategy, alpha, weights)
     window = _window_record(srcs, window_tokens, window_steps, window_choice)
     tok_folder = tokenizer_folder(srcs, tokenizer)

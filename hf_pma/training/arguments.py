@@ -208,7 +208,11 @@ class PMATrainingArguments(TrainingArguments):
         },
     )
     pma_strategy: str = dataclasses.field(
-        default="sma", metadata={"help": "sma, wma, ema, linear-decay, cosine-decay or 1-sqrt-decay."}
+        default="auto",
+        metadata={
+            "help": "auto (the weights the automatic window chooses with it, WMA; SMA for a window given), sma, wma, "
+            "ema, linear-decay, cosine-decay or 1-sqrt-decay."
+        },
     )
     pma_ema_alpha: float = dataclasses.field(default=0.2, metadata={"help": "EMA smoothing factor (0, 1]."})
     pma_phases: list[str] = dataclasses.field(

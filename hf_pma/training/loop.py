@@ -353,6 +353,7 @@ class PMASnapshots:
 
         Raises ``ValueError`` when there is nothing to swap in yet.
         """
+        from hf_pma.core.strategies import resolve_strategy
         from hf_pma.merging.engine import merge_state_dict
         from hf_pma.merging.swap import backup_weights, load_weights, restore_weights
         from hf_pma.merging.windows import apply_window
@@ -390,7 +391,7 @@ class PMASnapshots:
         listed = [folder for _, folder in chosen]
         if not listed:
             raise ValueError(f"PMASnapshots.swapped(): no snapshot in {escape(taker.pma_dir)} yet")
-        merged = merge_state_dict(listed)
+        merged = merge_state_dict(listed, strategy=resolve_strategy("auto", choice, len(listed)))
         target = unwrap_model(model)
         backup = backup_weights(target)
         try:

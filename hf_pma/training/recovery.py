@@ -33,7 +33,7 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from hf_pma.core.strategies import validate_strategy
+from hf_pma.core.strategies import AUTO_STRATEGY, resolve_strategy, validate_strategy
 from hf_pma.core.window_choice import check_window_count
 from hf_pma.merging.engine import merge_state_dict
 from hf_pma.merging.sources import resolve_sources
@@ -59,7 +59,7 @@ def pma_init(
     *,
     window: int | str = "auto",
     window_tokens: int | None = None,
-    strategy: str = "sma",
+    strategy: str = AUTO_STRATEGY,
     alpha: float = 0.2,
     what: str = "pma_init",
 ) -> dict[str, Any]:
@@ -74,7 +74,8 @@ def pma_init(
         window: snapshots merged from a single run folder; ``"auto"`` (default): chosen from the
             run's records (see :mod:`hf_pma.core.window_choice`), said in one line and recorded.
         window_tokens: instead of ``window``: the snapshots within the last T tokens of a run folder.
-        strategy: the merge strategy (``"sma"``, ``"ema"``, ``"wma"``...) when several sources are merged.
+        strategy: the merge strategy (``"auto"``: the automatic window's own weights, else SMA;
+            ``"sma"``, ``"ema"``, ``"wma"``...) when several sources are merged.
         alpha: the EMA factor for ``strategy="ema"``.
         what: how errors name the sources (``PMATrainer`` says ``pma_init_from``).
     """
@@ -101,7 +102,7 @@ def pma_init(
         resolved, choice = apply_window(resolved, last=window, window_tokens=window_tokens, fewer=True)
         if choice is not None:
             logger.warning(f"{what}: {choice.describe()}")
-    strategy = strategy if len(resolved) > 1 else "sma"
+    strategy = resolve_strategy(strategy, choice, len(resolved))
     state = merge_state_dict(resolved, strategy=strategy, alpha=alpha)
     load_weights(model, state, origin=f"{what} ({', '.join(str(s.path) for s in resolved)})")
     logger.info(
@@ -231,7 +232,7 @@ def recover_from_spike(
         )
     load_weights(
         model,
-        merge_state_dict([path for _, path in usable], strategy="sma"),
+        merge_state_dict([path for _, path in usable], strategy=resolve_strategy("auto", choice, len(usable))),
         origin="loss-spike recovery merge",
     )
     reset = bool(reset_optimizer and optimizer is not None)

@@ -23,6 +23,7 @@ from transformers import Trainer
 from transformers.utils import logging
 
 from hf_pma.core.manifest import PMA_SUBDIR, TRAINING_RECORD_NAME
+from hf_pma.core.strategies import resolve_strategy
 from hf_pma.core.window_choice import WindowChoice
 from hf_pma.merging.chunks import default_workers
 from hf_pma.merging.engine import merge_checkpoints, merge_state_dict
@@ -183,7 +184,7 @@ class PMATrainer(Trainer):
         window = last if last is not None else (None if window_tokens else self.args.pma_window)
         chosen, choice = apply_window(snapshots, last=window, window_tokens=window_tokens, fewer=True)
         paths = [path for _record, path in chosen]
-        return paths, (self.args.pma_strategy if len(paths) > 1 else "sma"), choice
+        return paths, resolve_strategy(self.args.pma_strategy, choice, len(paths)), choice
 
     def pma_merged_state_dict(self, last: int | str | None = None, strategy: str | None = None) -> dict[str, torch.Tensor] | None:
         """The full merge of the newest ``last`` (default ``pma_window``; ``"auto"``: chosen from the
@@ -361,7 +362,7 @@ class PMATrainer(Trainer):
         record (``pma_training.json``) beside the weights. Returns the folder, or ``None`` when
         no snapshot was taken.
         """
-        paths, _, choice = self._pma_merge_window(last)
+        paths, strategy, choice = self._pma_merge_window(last)
         target = Path(output_dir) if output_dir else Path(self.args.output_dir) / PMA_SUBDIR / "merged"
         if not paths:
             logger.warning("No PMA snapshot was taken during training: nothing to merge.")
@@ -370,7 +371,7 @@ class PMATrainer(Trainer):
         merge_checkpoints(
             paths,
             target,
-            strategy=self.args.pma_strategy if len(paths) > 1 else "sma",
+            strategy=strategy,
             alpha=self.args.pma_ema_alpha,
             overwrite=True,
             progress=not self.args.disable_tqdm,

