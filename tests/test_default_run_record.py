@@ -28,7 +28,9 @@ def _flat(value, prefix: str = "") -> dict:
 
 
 def _window(merge_record: dict) -> tuple:
-    return merge_record["num_sources"], [s["tokens"] for s in merge_record["sources"]], merge_record["window"]["auto"]["reason"]
+    auto = merge_record["window"]["auto"]
+    sources = [s["tokens"] for s in merge_record["sources"]]
+    return merge_record["num_sources"], sources, auto["reason"], auto["strategy"], merge_record["strategy"], merge_record["weights"]
 
 
 @pytest.mark.slow

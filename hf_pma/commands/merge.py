@@ -55,7 +55,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         help=(
             "with a run folder or a revision pattern: merge its newest N checkpoints; auto (the default) chooses "
             "N from the run's records (the longest recent constant-LR stretch over which the training loss no "
-            "longer falls beyond its noise, at most a fifth of the tokens trained) and says why; all: every one. "
+            "longer falls beyond its noise, at most a quarter of the tokens trained) and says why; all: every one. "
             "Sources named one by one are all merged"
         ),
     )

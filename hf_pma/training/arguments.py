@@ -197,7 +197,7 @@ class PMATrainingArguments(TrainingArguments):
         metadata={
             "help": "Snapshots merged, N, or auto (default): chosen from the run's records at each merge (the longest "
             "recent constant-LR stretch over which the training loss no longer falls beyond its noise, at most a "
-            "fifth of the tokens trained), said in one line and recorded."
+            "quarter of the tokens trained, merged with WMA by default), said in one line and recorded."
         },
     )
     pma_window_tokens: int | None = dataclasses.field(

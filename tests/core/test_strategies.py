@@ -149,3 +149,18 @@ def test_running_average_weights_and_an_ema_half_life_as_a_share_of_the_tokens_s
     assert ema_half_life_update(None, 300, half_life_tokens=100) == 1.0
     with pytest.raises(ValueError, match="give one of half_life_tokens and half_life_fraction"):
         ema_half_life_update(100, 300, half_life_tokens=100, half_life_fraction=0.1)
+
+
+def test_auto_takes_the_automatic_windows_weights_and_sma_without_one():
+    """``strategy="auto"`` (every merge's default) resolves to the weights the automatic window
+    chose with it, to SMA without a choice (a window given), and one snapshot is itself."""
+    from hf_pma.core.strategies import merge_coefficients, resolve_strategy, wma_weights
+    from hf_pma.core.window_choice import WindowChoice
+
+    choice = WindowChoice(5, "trend", "why", strategy="wma")
+    assert resolve_strategy("auto", choice) == "wma"
+    assert merge_coefficients(5, resolve_strategy("auto", choice)) == wma_weights(5)
+    assert resolve_strategy("auto", None) == "sma"
+    assert resolve_strategy("ema", choice) == "ema"  # a strategy named wins
+    assert resolve_strategy("auto", choice, count=1) == "sma"
+    assert merge_coefficients(4, "auto") == [0.25] * 4
