@@ -5,7 +5,8 @@ run reaches back into weights from before the loss settled in a 300-step run; ``
 (:mod:`hf_pma.core.window_choice`) chooses from the run's own records. This benchmark trains, with
 ``scripts/pretrain.py`` (the default run's model and flags), every run of
 
-* ``--lengths`` (300, 1,000 and 3,000 steps) x ``--lrs`` (4 learning rates) x ``--seeds`` (2),
+* ``--lengths`` (300, 1,000, 3,000 and 6,000 steps) x ``--lrs`` (4 learning rates; 2 at 6,000 steps,
+  ``--lrs-at``) x ``--seeds`` (2; 1 at 6,000 steps, ``--seeds-at``),
   each with an annealed fork over its last ``--anneal-share`` (20%) ending at the same tokens,
   a snapshot every 20 steps, all kept;
 
@@ -27,7 +28,7 @@ Writes ``results.json``, ``tables.md``, ``window_choice.png`` and the compare re
 ``--output-dir``::
 
     python benchmarks/window_choice.py --preset smoke     # minutes: checks the pipeline, numbers mean nothing
-    python benchmarks/window_choice.py                    # --preset cpu: 24 runs, about 1.5 hours on 2 cores
+    python benchmarks/window_choice.py                    # --preset cpu: 26 runs, about 50 minutes on 2 idle cores
 """
 
 from __future__ import annotations

@@ -391,6 +391,24 @@ def test_the_window_choice_page_quotes_the_benchmarks_results():
     assert auto["runs_worse_than_last_beyond_1se"] == 0 and "**Never worse than the last snapshot**: met" in text
     shares_3000 = sorted(r["gain_share"] for r in short if r["steps"] == 3000)
     assert f"({pct(shares_3000[0])} to {pct(shares_3000[-1])})" in text
+    # The rule before, on the same runs and documents.
+    before = json.loads((results / "before" / "results.json").read_text())
+    b_auto, b_rule = before["summary"]["auto"], before["summary"]["rule"]
+
+    def at_90(summary_rows, window):
+        return sum(r["gain_share"] >= 0.9 for r in summary_rows if r["window"] == window and r["gain_counts"])
+
+    assert [r["run"] for r in before["rows"]] == [r["run"] for r in rows]  # the same runs
+    for phrase in (
+        f"from {pct(b_auto['min_gain_share_where_annealing_gains_3se'])} to {pct(auto['min_gain_share_where_annealing_gains_3se'])} "
+        f"for the checked window and from {pct(b_rule['min_gain_share_where_annealing_gains_3se'])} to "
+        f"{pct(rule['min_gain_share_where_annealing_gains_3se'])} for the rule alone",
+        f"went from {at_90(before['rows'], 'auto')} to {at_90(rows, 'auto')} (checked) and from "
+        f"{at_90(before['rows'], 'rule')} to {at_90(rows, 'rule')} (the rule alone)",
+        f"from {b_rule['runs_worse_than_last_beyond_1se']} to {rule['runs_worse_than_last_beyond_1se']} for the rule alone",
+        f"from {b_auto['mae']:.4f} to {auto['mae']:.4f} (the rule alone: {b_rule['mae']:.4f} to {rule['mae']:.4f})",
+    ):
+        assert phrase in text, phrase
     # The example of a checked window is one that compare wrote (without the flag it names).
     example = page.split("(checked_choice_example) -->", 1)[1].split("```text\n", 1)[1].split("\n", 1)[0].strip()
     written = [

@@ -130,6 +130,9 @@ def _strategy_text(strategy: str, merge: dict[str, Any]) -> str:
     text = _STRATEGY_TEXT.get(strategy)
     if text is None:
         return f"{_md(strategy)}: explicit weights"
+    auto = ((merge.get("window") or {}).get("auto") or {}) if isinstance(merge.get("window"), dict) else {}
+    if isinstance(auto, dict) and auto.get("strategy") == strategy and strategy == "wma":
+        return f"{text}, chosen with the automatic window (the newest weigh most: the merge lags the run less than SMA's)"
     if strategy != "ema":
         return text
     fraction, tokens = merge.get("half_life_fraction"), merge.get("half_life_tokens")

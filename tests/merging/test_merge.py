@@ -391,6 +391,10 @@ def test_the_automatic_window_merges_with_its_own_weights_and_a_given_window_wit
     reference = _reference(states[-choice.count :], wma_weights(choice.count))
     for name, tensor in _merged_state(merged).items():
         torch.testing.assert_close(tensor.double(), reference[name], rtol=0, atol=2e-7)
+    from hf_pma.publishing.card import write_model_card
+
+    card = write_model_card(merged, plot=False).read_text()
+    assert "| strategy | WMA: weighted moving average" in card and "chosen with the automatic window" in card
     given = merge_checkpoints(run, tmp_path / "given", last=4, progress=False)
     assert json.loads((given / "pma_merge.json").read_text())["strategy"] == "sma"
     named = merge_checkpoints(run, tmp_path / "named", last="auto", strategy="sma", progress=False)
