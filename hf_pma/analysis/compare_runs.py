@@ -386,6 +386,8 @@ def _plan_window(
     count, tokens, where = recorded or (None, None, None)
     if is_auto(last) or (last is None and window_tokens is None and not tokens and (count is None or is_auto(count))):
         chosen, choice = apply_window(sources, last="auto")
+        assert choice is not None  # a plan has sources
+        choice = choice.merged_with(resolve_strategy(strategy, choice, len(chosen)))
         indices = list(range(len(sources) - len(chosen), len(sources)))
         weights = _window_weights(len(indices), strategy, alpha, choice)
         how = "--last auto" if is_auto(last) else ("the run's own" if count else "the default")

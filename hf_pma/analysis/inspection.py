@@ -97,6 +97,7 @@ def window_size(
     window: int | None = None,
     window_tokens: int | None = None,
     every: int = 1,
+    strategy: str = AUTO_STRATEGY,
 ) -> tuple[int, str, WindowChoice | None]:
     """N, the snapshots in the merge window, where it comes from in words, and the automatic
     window's choice where it chose: ``window``, else the snapshots within the last
@@ -120,6 +121,7 @@ def window_size(
     if every == 1 and len(sources) > 1:  # chosen from the snapshots' records, as a merge does
         choice = apply_window(list(sources), last="auto")[1]
         assert choice is not None
+        choice = choice.merged_with(resolve_strategy(strategy, choice, choice.count))
         return choice.count, choice.describe() + (f" (the run's own, {where})" if count else ""), choice
     return DEFAULT_WINDOW, "the default: the run records no merge window", None
 
@@ -239,7 +241,7 @@ def diagnose_window(
     if len(sources) < 2:
         raise ValueError(f"{run} has {len(sources)} usable snapshot(s): the diagnostics need at least 2")
     count = len(sources)
-    size, origin, choice = window_size(run, sources, window, window_tokens, every)
+    size, origin, choice = window_size(run, sources, window, window_tokens, every, strategy)
     strategy = resolve_strategy(strategy, choice)  # "auto": the automatic window's own weights
     weights_fn = strategy_weights(strategy, alpha)
     if window_indices(count, size, every) is None:

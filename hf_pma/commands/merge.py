@@ -182,5 +182,5 @@ def run(args: argparse.Namespace) -> int:
 
     write_line(f"merged {said}; {how} -> {output}")
     if choice is not None:
-        write_line(choice.describe())
+        write_line(choice.merged_with("custom" if args.weights is not None else how).describe())
     return 0

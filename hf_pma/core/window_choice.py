@@ -122,6 +122,8 @@ class WindowChoice:
     rule: str
     reason: str
     strategy: str = "sma"
+    # True when the merge uses a strategy the caller named instead of the rule's own (merged_with).
+    strategy_named: bool = False
     share: float | None = None
     trend: float | None = None
     noise: float | None = None
@@ -133,12 +135,20 @@ class WindowChoice:
         """A JSON-ready dict (the merge record's ``window_choice``)."""
         return {"mode": AUTO, **dataclasses.asdict(self)}
 
+    def merged_with(self, strategy: str) -> WindowChoice:
+        """This choice as merged with ``strategy``, the weights the merge really uses (a strategy the
+        caller named wins over the rule's own; :func:`hf_pma.core.strategies.resolve_strategy`), so
+        that its line and record say the weights that were used."""
+        if strategy == self.strategy:
+            return self
+        return dataclasses.replace(self, strategy=strategy, strategy_named=True)
+
     def describe(self) -> str:
         """``"auto window: the newest 8 snapshots, WMA (lags less than SMA): <reason>"``."""
         if self.count == 1:
             what = "the last snapshot alone"
         else:
-            why = _STRATEGY_WHY.get(self.strategy, "")
+            why = "as asked" if self.strategy_named else _STRATEGY_WHY.get(self.strategy, "")
             what = f"the newest {self.count} snapshots, {self.strategy.upper()}{f' ({why})' if why else ''}"
         return f"auto window: {what}: {self.reason}"
 

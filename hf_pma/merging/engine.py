@@ -230,6 +230,13 @@ def _window_record(
     return record
 
 
+def _merged_with(choice: WindowChoice | None, strategy: str, weights: Sequence[float] | None) -> WindowChoice | None:
+    """The automatic choice as the merge uses it: with the strategy resolved, or explicit weights."""
+    if choice is None:
+        return None
+    return choice.merged_with("custom" if weights is not None else strategy)
+
+
 def _say_window(what: str, choice: WindowChoice | None) -> None:
     """Every automatically chosen window is said, with its reason, where a plain script shows it."""
     if choice is not None:
@@ -281,8 +288,9 @@ def merge_state_dict(
     validate_strategy(strategy, alpha, weights)  # before a Hub source is downloaded
     srcs, choice = _as_sources(sources, last, window_tokens, window_steps, include_final)
     pin_folders(s.path for s in srcs)
-    _say_window("merge", choice)
-    coefs = merge_coefficients(len(srcs), resolve_strategy(strategy, choice), alpha, weights)
+    strategy = resolve_strategy(strategy, choice)  # "auto": the automatic window's weights
+    _say_window("merge", _merged_with(choice, strategy, weights))
+    coefs = merge_coefficients(len(srcs), strategy, alpha, weights)
     check_same_model(srcs, allow_different_configs)
     check_intervals(srcs)
     opened = open_all(srcs, raw=True)
@@ -716,12 +724,15 @@ def merge_checkpoints(
     max_bytes = parse_size(max_shard_size, "max_shard_size")
     output_dir = Path(output_dir)
     validate_strategy(strategy, alpha, weights)  # before a Hub source is downloaded
+    said = window_choice is not None  # chosen by the caller (hf-pma merge), which says it
     if window_choice is None:
         srcs, window_choice = _as_sources(sources, last, window_tokens, window_steps, include_final)
-        _say_window(f"merge into {escape(output_dir)}", window_choice)
-    else:  # chosen by the caller (hf-pma merge), which says it
+    else:
         srcs, _ = _as_sources(sources, None, window_tokens, window_steps, include_final)
     strategy = resolve_strategy(strategy, window_choice)  # "auto": the automatic window's weights
+    window_choice = _merged_with(window_choice, strategy, weights)
+    if not said:
+        _say_window(f"merge into {escape(output_dir)}", window_choice)
     coefs = merge_coefficients(len(srcs), strategy, alpha, weights)
     window = _window_record(srcs, window_tokens, window_steps, window_choice)
     tok_folder = tokenizer_folder(srcs, tokenizer)

@@ -100,9 +100,10 @@ def pma_init(
     if len(sources) == 1 and (len(resolved) > 1 or window_tokens is not None):
         # A run folder: its window (sources named one by one are all merged).
         resolved, choice = apply_window(resolved, last=window, window_tokens=window_tokens, fewer=True)
-        if choice is not None:
-            logger.warning(f"{what}: {choice.describe()}")
     strategy = resolve_strategy(strategy, choice, len(resolved))
+    if choice is not None:
+        choice = choice.merged_with(strategy)
+        logger.warning(f"{what}: {choice.describe()}")
     state = merge_state_dict(resolved, strategy=strategy, alpha=alpha)
     load_weights(model, state, origin=f"{what} ({', '.join(str(s.path) for s in resolved)})")
     logger.info(

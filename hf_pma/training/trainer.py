@@ -184,7 +184,8 @@ class PMATrainer(Trainer):
         window = last if last is not None else (None if window_tokens else self.args.pma_window)
         chosen, choice = apply_window(snapshots, last=window, window_tokens=window_tokens, fewer=True)
         paths = [path for _record, path in chosen]
-        return paths, resolve_strategy(self.args.pma_strategy, choice, len(paths)), choice
+        strategy = resolve_strategy(self.args.pma_strategy, choice, len(paths))
+        return paths, strategy, (choice.merged_with(strategy) if choice is not None else None)
 
     def pma_merged_state_dict(self, last: int | str | None = None, strategy: str | None = None) -> dict[str, torch.Tensor] | None:
         """The full merge of the newest ``last`` (default ``pma_window``; ``"auto"``: chosen from the

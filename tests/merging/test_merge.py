@@ -398,4 +398,8 @@ def test_the_automatic_window_merges_with_its_own_weights_and_a_given_window_wit
     given = merge_checkpoints(run, tmp_path / "given", last=4, progress=False)
     assert json.loads((given / "pma_merge.json").read_text())["strategy"] == "sma"
     named = merge_checkpoints(run, tmp_path / "named", last="auto", strategy="sma", progress=False)
-    assert json.loads((named / "pma_merge.json").read_text())["weights"] == pytest.approx([1 / choice.count] * choice.count)
+    record = json.loads((named / "pma_merge.json").read_text())
+    assert record["weights"] == pytest.approx([1 / choice.count] * choice.count)
+    # The line and the record say the weights used: the strategy named, not the rule's own.
+    assert record["strategy"] == record["window"]["auto"]["strategy"] == "sma" and record["window"]["auto"]["strategy_named"]
+    assert choice.merged_with("sma").describe().startswith(f"auto window: the newest {choice.count} snapshots, SMA (as asked): ")
