@@ -64,7 +64,7 @@ def select_newest(items: list[Any], last: int | None = None, every: int | None =
 def too_few_sources(last: int, items: Sequence[Any]) -> ValueError:
     """The error of ``last`` newer than the ``items`` found: one short line naming how many there
     are, the first and the newest (not every path), and the ``last`` that takes them all."""
-    names = [escape(x.spec if isinstance(x, HubRevision) else Path(getattr(x, "path", x)).name) for x in items]
+    names = [escape(_item_name(x)) for x in items]
     span = f" ({names[0]} .. {names[-1]})" if len(names) > 1 else f" ({names[0]})" if names else ""
     return ValueError(
         f"found {len(items)} sources{span}, fewer than last={last}: pass last={len(items)} to merge them all"
@@ -117,9 +117,14 @@ def apply_window(
 
 
 def _item_name(item: Any) -> str:
+    """How an item is named in a message: a Hub revision's spec, a folder's name."""
     if isinstance(item, tuple) and len(item) == 2:
-        return Path(item[1]).name
-    return item.spec if isinstance(item, HubRevision) else item.name
+        return Path(item[1]).name  # a run's (record, folder) pair
+    if isinstance(item, HubRevision):
+        return item.spec
+    if isinstance(item, CheckpointSource):
+        return item.name  # a downloaded revision is named by its revision
+    return Path(getattr(item, "path", item)).name
 
 
 def select_window(

@@ -298,3 +298,27 @@ def test_a_window_in_tokens_with_last_auto_is_one_path_for_names_and_sources(tmp
     assert choice is None and same is None  # the window was given: nothing chosen automatically
     with pytest.raises(ValueError, match="give one of window_tokens and last"):
         _as_sources(resolve_sources([run]), 2, window_tokens=3 * INTERVAL)
+
+
+def test_a_runs_snapshot_pairs_and_its_sources_get_the_same_window(tmp_path):
+    """What a training run lists (``(record, folder)`` pairs: PMATrainer, spike recovery,
+    ``swapped()``) and what a merge of its folder resolves (sources) take their window by the one
+    function, so the same run gives the same window, weights and reason either way; ``fewer``
+    merges every snapshot of a run that has fewer than its window, without it that is an error."""
+    from hf_pma.core.manifest import SnapshotRecord, read_manifest
+    from hf_pma.merging.windows import apply_window
+    from tests.helpers.snapshot_runs import noise_deviation, write_run
+
+    flat = [4.0 + (0.01 if i % 2 else -0.01) for i in range(12)]
+    run, _ = write_run(tmp_path / "run", 12, noise_deviation(), losses=flat)
+    records = [SnapshotRecord.from_dict(entry) for entry in read_manifest(run / "pma")["snapshots"]]
+    pairs = [(record, run / "pma" / record.path) for record in records]  # as SnapshotTaker.snapshots() lists them
+    by_pairs, choice = apply_window(pairs, last="auto")
+    by_sources, same = apply_window(resolve_sources([run]), last="auto")
+    assert [r.tokens for r, _ in by_pairs] == [s.tokens for s in by_sources]
+    assert choice == same and choice.strategy == "wma" and 1 < choice.count < 12
+    tokens, _ = apply_window(pairs, window_tokens=3 * 1000)
+    assert [r.tokens for r, _ in tokens] == [s.tokens for s in apply_window(resolve_sources([run]), window_tokens=3000)[0]]
+    assert len(apply_window(pairs, last=20, fewer=True)[0]) == 12
+    with pytest.raises(ValueError, match="fewer than last=20"):
+        apply_window(pairs, last=20)
