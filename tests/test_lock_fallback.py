@@ -27,6 +27,7 @@ from hf_pma.utils.fs import (
     claim_path,
     process_start_ticks,
 )
+from tests.helpers.barriers import release_together, wait_for
 from tests.helpers.data import TokenDataset, pad_collate
 from tests.helpers.models import make_tiny_model
 from tests.helpers.mounts import read_only
@@ -57,16 +58,6 @@ def child(code: str, *args: object, no_flock: bool = True, **kwargs) -> subproce
         text=True,
         **kwargs,
     )
-
-
-def wait_for(path: Path, *procs: subprocess.Popen, timeout: float = 300) -> None:
-    """Wait until ``path`` exists (a barrier file); fail if a process it depends on exits first."""
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        for proc in procs:
-            assert proc.poll() is None, f"a process exited with {proc.returncode} before {path.name} appeared"
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.005)
 
 
 # ---------------------------------------------------------------- a training without flock
@@ -239,12 +230,7 @@ def test_racing_takers_of_dead_holders_lock_files_lose_no_update(tmp_path):
         child(CRASHING_WRITER, folder, counter, tmp_path / f"ready-{n}", go, 50, stderr=subprocess.PIPE)
         for n in names
     ]
-    try:
-        for name in names:
-            wait_for(tmp_path / f"ready-{name}", *procs)
-    finally:
-        go.touch()
-        errors = [p.communicate(timeout=300)[1] for p in procs]
+    errors = release_together(procs, [tmp_path / f"ready-{n}" for n in names], go)
     assert [p.returncode for p in procs] == [0] * 4, errors
     assert counter.read_text() == str(4 * 50)
     leftovers = sorted(os.listdir(tmp_path))
@@ -293,12 +279,7 @@ def test_a_writable_folder_whose_parent_is_read_only_is_still_claimed(tmp_path):
                 )
                 for n in names
             ]
-            try:
-                for name in names:
-                    wait_for(tmp_path / f"ready-{name}", *procs)
-            finally:
-                go.touch()
-                errors = [p.communicate(timeout=300)[1] for p in procs]
+            errors = release_together(procs, [tmp_path / f"ready-{n}" for n in names], go)
             assert [p.returncode for p in procs] == [0] * 4, errors
             assert (folder / "counter").read_text() == "400"
             for err in errors:

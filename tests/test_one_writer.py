@@ -13,7 +13,6 @@ import stat
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -33,6 +32,7 @@ from hf_pma.utils.fs import (
     process_start_ticks,
     recorded_holder_state,
 )
+from tests.helpers.barriers import release_together, wait_for
 from tests.helpers.cli import hf_pma_command, run_cli
 from tests.helpers.data import TokenDataset, pad_collate, sample_text
 from tests.helpers.launcher import launch
@@ -44,16 +44,6 @@ from tests.helpers.training import make_args
 
 TRAIN = Path(__file__).parent / "dist" / "one_writer_train.py"
 ROUNDS = 20
-
-
-def wait_for(path: Path, *procs: subprocess.Popen, timeout: float = 300) -> None:
-    """Wait until ``path`` exists (a barrier file); fail if a process it depends on exits first."""
-    deadline = time.monotonic() + timeout
-    while not path.exists():
-        for proc in procs:
-            assert proc.poll() is None, f"a process exited with {proc.returncode} before {path.name} appeared"
-        assert time.monotonic() < deadline, f"{path} never appeared"
-        time.sleep(0.005)
 
 
 def python(code: str, *args: object, **kwargs) -> subprocess.Popen:
@@ -222,12 +212,7 @@ def race(tmp_path: Path, code: str, target: Path, names: list[str]) -> None:
         python(code, target, name, tmp_path / f"ready-{name}", go, ROUNDS, stderr=subprocess.PIPE)
         for name in names
     ]
-    try:
-        for name in names:
-            wait_for(tmp_path / f"ready-{name}", *writers)
-    finally:
-        go.touch()
-        errors = [w.communicate(timeout=300)[1] for w in writers]
+    errors = release_together(writers, [tmp_path / f"ready-{name}" for name in names], go)
     assert [w.returncode for w in writers] == [0] * len(names), errors
 
 
@@ -370,13 +355,7 @@ def race_on_claim(tmp_path: Path, roles: dict[str, int], *flags: str) -> tuple[l
         )
         for name, cycles in roles.items()
     ]
-    try:
-        for name in roles:
-            wait_for(tmp_path / f"ready-{name}", *procs)
-    finally:
-        go.touch()
-        errors = [p.communicate(timeout=300)[1] for p in procs]
-    return procs, errors
+    return procs, release_together(procs, [tmp_path / f"ready-{name}" for name in roles], go)
 
 
 def test_many_processes_taking_a_claim_thousands_of_times_lose_no_update(tmp_path):
