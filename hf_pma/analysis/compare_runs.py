@@ -58,7 +58,7 @@ from hf_pma.core.window_check import (
     describe_split,
     split_for_selection,
 )
-from hf_pma.core.window_choice import WindowChoice, check_window_count, is_auto
+from hf_pma.core.window_choice import WindowChoice, check_window_count, is_auto, merge_strategy
 from hf_pma.io.guarded import JSON_LIMITS, check_folder, read_bytes
 from hf_pma.merging.sources import (
     CheckpointSource,
@@ -387,7 +387,7 @@ def _plan_window(
     if is_auto(last) or (last is None and window_tokens is None and not tokens and (count is None or is_auto(count))):
         chosen, choice = apply_window(sources, last="auto")
         assert choice is not None  # a plan has sources
-        choice = choice.merged_with(resolve_strategy(strategy, choice, len(chosen)))
+        choice = merge_strategy(strategy, choice, len(chosen))[1]
         indices = list(range(len(sources) - len(chosen), len(sources)))
         weights = _window_weights(len(indices), strategy, alpha, choice)
         how = "--last auto" if is_auto(last) else ("the run's own" if count else "the default")
@@ -813,6 +813,7 @@ def _sweep_pick(
 
     n = len(plan.merge_indices)
     windows = _smaller_windows(n)
+    strategy = merge_strategy(strategy, plan.window_choice, n)[0]  # the merge's own weights, named
     combos = (
         plan_sweep(len(plan.sources), windows=windows, every=[1], strategies=[strategy], alpha=alpha)[0]
         if windows

@@ -32,7 +32,7 @@ from hf_pma.analysis.snapshot_listing import snapshot_rows, source_row
 from hf_pma.core.manifest import MERGE_RECORD_NAME, PMA_SUBDIR, TRAINING_RECORD_NAME
 from hf_pma.core.selection import DEFAULT_WINDOW, window_by_progress
 from hf_pma.core.strategies import AUTO_STRATEGY, resolve_strategy
-from hf_pma.core.window_choice import AUTO, WindowChoice, is_auto
+from hf_pma.core.window_choice import AUTO, WindowChoice, is_auto, merge_strategy
 from hf_pma.io.guarded import read_json
 from hf_pma.merging.hub_revisions import parse_hub_spec
 from hf_pma.merging.sources import CheckpointSource, model_source, resolve_sources, run_layout
@@ -121,7 +121,7 @@ def window_size(
     if every == 1 and len(sources) > 1:  # chosen from the snapshots' records, as a merge does
         choice = apply_window(list(sources), last="auto")[1]
         assert choice is not None
-        choice = choice.merged_with(resolve_strategy(strategy, choice, choice.count))
+        choice = merge_strategy(strategy, choice, choice.count)[1]
         return choice.count, choice.describe() + (f" (the run's own, {where})" if count else ""), choice
     return DEFAULT_WINDOW, "the default: the run records no merge window", None
 

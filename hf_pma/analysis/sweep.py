@@ -140,7 +140,6 @@ def plan_sweep(
     auto = any(is_auto(n) for n in windows)
     windows = _positive_ints([n for n in windows if not is_auto(n)], "window") if len(windows) > auto else []
     every = _positive_ints(every, "every")
-    strategies = list(dict.fromkeys(strategies))
     if not strategies:
         raise ValueError("give at least one strategy")
     for strategy in strategies:
@@ -152,13 +151,16 @@ def plan_sweep(
         skipped.append({"window": "auto", "every": 1, "strategy": ", ".join(strategies),
                         "reason": "no count chosen from the run's records (auto_count)"})
         auto = False
-    for named in strategies:
-        strategy = resolve_strategy(named)  # "auto" for a window given: SMA
-        if auto:
-            chosen = auto_strategy if named == AUTO_STRATEGY else named
+    # Each name once, as the merge would use it: "auto" is the automatic window's own weights there
+    # and SMA for a window given, so it may name a strategy listed beside it.
+    auto_strategies = list(dict.fromkeys(auto_strategy if s == AUTO_STRATEGY else s for s in strategies))
+    given_strategies = list(dict.fromkeys(resolve_strategy(s) for s in strategies))
+    if auto:
+        for chosen in auto_strategies:
             indices = tuple(range(count - auto_count, count))
             weights = tuple(merge_coefficients(auto_count, chosen if auto_count > 1 else "sma", alpha))
             combos.append(Combination(auto_count, 1, chosen, indices, weights, auto=True))
+    for strategy in given_strategies:
         for k in every:
             for n in windows:
                 first = count - 1 - k * (n - 1)

@@ -136,7 +136,8 @@ def run(args: argparse.Namespace) -> int:
     """Run ``hf-pma merge``."""
     from hf_pma.core.manifest import MERGE_RECORD_NAME
     from hf_pma.core.outputs import check_overwrite_target
-    from hf_pma.core.strategies import resolve_strategy, validate_strategy
+    from hf_pma.core.strategies import validate_strategy
+    from hf_pma.core.window_choice import merge_strategy
     from hf_pma.merging.engine import merge_checkpoints
     from hf_pma.merging.sources import describe_sources, resolve_sources_and_window, tokenizer_folder
     from hf_pma.utils.fs import check_output_folder
@@ -175,12 +176,12 @@ def run(args: argparse.Namespace) -> int:
         window_choice=choice,
         **{k: getattr(args, k) for k in same_names},
     )
-    how = "explicit weights" if args.weights is not None else resolve_strategy(args.strategy, choice, len(sources))
+    how = "explicit weights" if args.weights is not None else merge_strategy(args.strategy, choice, len(sources))[0]
     unit = "tokens" if args.window_tokens else "steps" if args.window_steps else None
     said = describe_sources(sources, args.window_tokens or args.window_steps, unit)
     from hf_pma.utils.text import write_line
 
     write_line(f"merged {said}; {how} -> {output}")
     if choice is not None:
-        write_line(choice.merged_with("custom" if args.weights is not None else how).describe())
+        write_line(merge_strategy("custom" if args.weights is not None else args.strategy, choice, len(sources))[1].describe())
     return 0

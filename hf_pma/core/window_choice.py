@@ -64,6 +64,7 @@ __all__ = [
     "choose_window",
     "check_window_count",
     "is_auto",
+    "merge_strategy",
     "point_from_record",
 ]
 
@@ -135,14 +136,6 @@ class WindowChoice:
         """A JSON-ready dict (the merge record's ``window_choice``)."""
         return {"mode": AUTO, **dataclasses.asdict(self)}
 
-    def merged_with(self, strategy: str) -> WindowChoice:
-        """This choice as merged with ``strategy``, the weights the merge really uses (a strategy the
-        caller named wins over the rule's own; :func:`hf_pma.core.strategies.resolve_strategy`), so
-        that its line and record say the weights that were used."""
-        if strategy == self.strategy:
-            return self
-        return dataclasses.replace(self, strategy=strategy, strategy_named=True)
-
     def describe(self) -> str:
         """``"auto window: the newest 8 snapshots, WMA (lags less than SMA): <reason>"``."""
         if self.count == 1:
@@ -151,6 +144,24 @@ class WindowChoice:
             why = "as asked" if self.strategy_named else _STRATEGY_WHY.get(self.strategy, "")
             what = f"the newest {self.count} snapshots, {self.strategy.upper()}{f' ({why})' if why else ''}"
         return f"auto window: {what}: {self.reason}"
+
+
+def merge_strategy(
+    requested: str, choice: WindowChoice | None, count: int | None = None
+) -> tuple[str, WindowChoice | None]:
+    """The strategy a merge of ``count`` sources uses for the ``requested`` one (``"auto"``: the
+    automatic ``choice``'s own weights, else SMA; a name: that name; one source: itself), and the
+    choice as merged with it, so that its line and record say the weights really used
+    (``strategy_named`` when the caller named them, even the rule's own)."""
+    from hf_pma.core.strategies import AUTO_STRATEGY, resolve_strategy
+
+    strategy = resolve_strategy(requested, choice, count)
+    if choice is None:
+        return strategy, None
+    named = requested != AUTO_STRATEGY
+    if not named and strategy == choice.strategy:
+        return strategy, choice
+    return strategy, dataclasses.replace(choice, strategy=strategy, strategy_named=named)
 
 
 def is_auto(value: Any) -> bool:

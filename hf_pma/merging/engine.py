@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any, TypeVar
 from hf_pma.core.manifest import MERGE_RECORD_NAME, MODEL_SUPPORT_FILES, TOKENIZER_FILES
 from hf_pma.core.outputs import check_overwrite_target, record_own_files
 from hf_pma.core.selection import check_window, snapshot_intervals
-from hf_pma.core.strategies import AUTO_STRATEGY, merge_coefficients, resolve_strategy, validate_strategy
-from hf_pma.core.window_choice import WindowChoice, check_window_count, is_auto
+from hf_pma.core.strategies import AUTO_STRATEGY, merge_coefficients, validate_strategy
+from hf_pma.core.window_choice import WindowChoice, check_window_count, is_auto, merge_strategy
 from hf_pma.io.guarded import (
     check_file,
     check_one_version,
@@ -230,11 +230,11 @@ def _window_record(
     return record
 
 
-def _merged_with(choice: WindowChoice | None, strategy: str, weights: Sequence[float] | None) -> WindowChoice | None:
-    """The automatic choice as the merge uses it: with the strategy resolved, or explicit weights."""
-    if choice is None:
-        return None
-    return choice.merged_with("custom" if weights is not None else strategy)
+def _merge_strategy(
+    strategy: str, choice: WindowChoice | None, count: int, weights: Sequence[float] | None
+) -> tuple[str, WindowChoice | None]:
+    """:func:`~hf_pma.core.window_choice.merge_strategy`, or ``"custom"`` for explicit weights."""
+    return merge_strategy("custom" if weights is not None else strategy, choice, count)
 
 
 def _say_window(what: str, choice: WindowChoice | None) -> None:
@@ -288,8 +288,8 @@ def merge_state_dict(
     validate_strategy(strategy, alpha, weights)  # before a Hub source is downloaded
     srcs, choice = _as_sources(sources, last, window_tokens, window_steps, include_final)
     pin_folders(s.path for s in srcs)
-    strategy = resolve_strategy(strategy, choice)  # "auto": the automatic window's weights
-    _say_window("merge", _merged_with(choice, strategy, weights))
+    strategy, choice = _merge_strategy(strategy, choice, len(srcs), weights)  # "auto": the window's own weights
+    _say_window("merge", choice)
     coefs = merge_coefficients(len(srcs), strategy, alpha, weights)
     check_same_model(srcs, allow_different_configs)
     check_intervals(srcs)
@@ -729,8 +729,7 @@ def merge_checkpoints(
         srcs, window_choice = _as_sources(sources, last, window_tokens, window_steps, include_final)
     else:
         srcs, _ = _as_sources(sources, None, window_tokens, window_steps, include_final)
-    strategy = resolve_strategy(strategy, window_choice)  # "auto": the automatic window's weights
-    window_choice = _merged_with(window_choice, strategy, weights)
+    strategy, window_choice = _merge_strategy(strategy, window_choice, len(srcs), weights)
     if not said:
         _say_window(f"merge into {escape(output_dir)}", window_choice)
     coefs = merge_coefficients(len(srcs), strategy, alpha, weights)

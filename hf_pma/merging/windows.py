@@ -15,10 +15,18 @@ from pathlib import Path
 from typing import Any
 
 from hf_pma.core.selection import WindowSpan, check_window, window_by_progress, window_span
-from hf_pma.core.window_choice import RunPoint, WindowChoice, choose_window, is_auto, point_from_record
+from hf_pma.core.window_choice import (
+    RunPoint,
+    WindowChoice,
+    check_window_count,
+    choose_window,
+    is_auto,
+    point_from_record,
+)
 from hf_pma.merging.checkpoint_source import CheckpointSource
 from hf_pma.merging.hub_revisions import HubRevision
 from hf_pma.utils.logs import get_logger
+from hf_pma.utils.parsing import check_int
 from hf_pma.utils.text import escape
 
 logger = get_logger(__name__)
@@ -105,7 +113,10 @@ def apply_window(
 
     ``items`` (oldest first) are sources, Hub revisions or a run's ``(record, folder)`` pairs
     (:func:`run_point`). With ``fewer`` a run that has fewer items than ``last`` merges them all (a
-    training run early on); else that is a ``ValueError`` (:func:`too_few_sources`)."""
+    training run early on); else that is a ``ValueError`` (:func:`too_few_sources`). A ``last``
+    or ``every`` that is not ``"auto"`` or a positive count is a one-line ``ValueError``."""
+    last = check_window_count(last, "last", allow_none=True)
+    check_int(every, "every", allow_none=True)
     if window_tokens is not None or window_steps is not None:
         return select_window(select_newest(items, None if is_auto(last) else last, every), window_tokens, window_steps), None
     strided = select_newest(items, None, every)

@@ -131,7 +131,7 @@ def _strategy_text(strategy: str, merge: dict[str, Any]) -> str:
     if text is None:
         return f"{_md(strategy)}: explicit weights"
     auto = ((merge.get("window") or {}).get("auto") or {}) if isinstance(merge.get("window"), dict) else {}
-    if isinstance(auto, dict) and auto.get("strategy") == strategy and strategy == "wma":
+    if isinstance(auto, dict) and auto.get("strategy") == strategy == "wma" and not auto.get("strategy_named"):
         return f"{text}, chosen with the automatic window (the newest weigh most: the merge lags the run less than SMA's)"
     if strategy != "ema":
         return text

@@ -293,7 +293,7 @@ class PMATrainingArguments(TrainingArguments):
         metadata={"help": "Start from merged weights: a merged folder, a snapshot run folder (its last pma_window are merged), several folders, or Hub revisions (org/model@REV)."},
     )
     pma_spike_recovery: bool = dataclasses.field(
-        default=False, metadata={"help": "On a loss spike, restore the SMA of the last snapshots and continue."}
+        default=False, metadata={"help": "On a loss spike, restore the merge of the last snapshots before it and continue."}
     )
     pma_spike_factor: float = dataclasses.field(
         default=3.0, metadata={"help": "A logged loss above factor x the median of the last pma_spike_window losses is a spike."}

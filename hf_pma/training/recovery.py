@@ -5,7 +5,8 @@
 * :class:`SpikeDetector`: a logged loss above ``factor`` x the median of the last ``window``
   healthy losses, or a non-finite loss or gradient norm, is a spike.
 * :func:`recover_from_spike`: the snapshots taken during the spike are excluded from merges, the
-  model gets the average (SMA) of the last ``last`` snapshots before it, and the optimizer's
+  model gets the merge of the snapshots before it (the automatic window and its weights, or the
+  SMA of the newest ``last``), and the optimizer's
   moments (which hold the spike's gradients) are reset.
 * :class:`SpikeRecovery`: the two together, with a limit on recoveries and their records (the
   run's manifest lists them under ``"recoveries"``).
@@ -34,7 +35,7 @@ import torch
 from transformers.utils import logging
 
 from hf_pma.core.strategies import AUTO_STRATEGY, resolve_strategy, validate_strategy
-from hf_pma.core.window_choice import check_window_count
+from hf_pma.core.window_choice import check_window_count, merge_strategy
 from hf_pma.merging.engine import merge_state_dict
 from hf_pma.merging.sources import resolve_sources
 from hf_pma.merging.swap import load_weights
@@ -100,9 +101,8 @@ def pma_init(
     if len(sources) == 1 and (len(resolved) > 1 or window_tokens is not None):
         # A run folder: its window (sources named one by one are all merged).
         resolved, choice = apply_window(resolved, last=window, window_tokens=window_tokens, fewer=True)
-    strategy = resolve_strategy(strategy, choice, len(resolved))
+    strategy, choice = merge_strategy(strategy, choice, len(resolved))
     if choice is not None:
-        choice = choice.merged_with(strategy)
         logger.warning(f"{what}: {choice.describe()}")
     state = merge_state_dict(resolved, strategy=strategy, alpha=alpha)
     load_weights(model, state, origin=f"{what} ({', '.join(str(s.path) for s in resolved)})")
@@ -191,8 +191,8 @@ def recover_from_spike(
     """Every process: undo a loss spike noticed at optimizer step ``step``.
 
     The snapshots taken after optimizer step ``after_step`` (the last healthy one) are marked
-    excluded from merges (they stay on disk); ``model`` gets the SMA of the last ``last``
-    snapshots left; with ``reset_optimizer`` the optimizer's state (Adam's moments) is cleared.
+    excluded from merges (they stay on disk); ``model`` gets the merge of the snapshots left
+    (``last="auto"``: the automatic window with its weights; a number: the SMA of the newest ``last``); with ``reset_optimizer`` the optimizer's state (Adam's moments) is cleared.
 
     Args:
         model: the model to load the merge into (the module itself, not a DDP wrapper).
@@ -231,9 +231,10 @@ def recover_from_spike(
         raise LossSpikeError(
             f"loss spike at step {step}{said} but no snapshot was taken before it to recover from; {hint}"
         )
+    strategy = resolve_strategy("auto", choice, len(usable))
     load_weights(
         model,
-        merge_state_dict([path for _, path in usable], strategy=resolve_strategy("auto", choice, len(usable))),
+        merge_state_dict([path for _, path in usable], strategy=strategy),
         origin="loss-spike recovery merge",
     )
     reset = bool(reset_optimizer and optimizer is not None)
@@ -242,6 +243,7 @@ def recover_from_spike(
         inner.state.clear()  # Adam moments hold the spike's gradients
     return {
         "snapshots": [r.path for r, _ in usable],
+        "strategy": strategy,
         "window_choice": choice.to_dict() if choice is not None else None,
         "excluded": [int(t) for t in during],
         "reset_optimizer": reset,
@@ -340,8 +342,8 @@ class SpikeRecovery:
         if taker.is_main and taker.writer is not None:
             taker.writer.update_manifest(recoveries=self.recoveries)
         logger.warning(
-            f"PMA recovery #{len(self.recoveries)} at step {step}: loss {loss:.4g}; weights restored to the SMA of "
-            f"{', '.join(record['snapshots'])}"
+            f"PMA recovery #{len(self.recoveries)} at step {step}: loss {loss:.4g}; weights restored to the "
+            f"{str(record.get('strategy', 'sma')).upper()} merge of {', '.join(record['snapshots'])}"
             + (" and optimizer moments reset" if record["reset_optimizer"] else "")
         )
         return record

@@ -23,8 +23,7 @@ from transformers import Trainer
 from transformers.utils import logging
 
 from hf_pma.core.manifest import PMA_SUBDIR, TRAINING_RECORD_NAME
-from hf_pma.core.strategies import resolve_strategy
-from hf_pma.core.window_choice import WindowChoice
+from hf_pma.core.window_choice import WindowChoice, merge_strategy
 from hf_pma.merging.chunks import default_workers
 from hf_pma.merging.engine import merge_checkpoints, merge_state_dict
 from hf_pma.merging.slices import SliceSwap, reshard
@@ -184,8 +183,8 @@ class PMATrainer(Trainer):
         window = last if last is not None else (None if window_tokens else self.args.pma_window)
         chosen, choice = apply_window(snapshots, last=window, window_tokens=window_tokens, fewer=True)
         paths = [path for _record, path in chosen]
-        strategy = resolve_strategy(self.args.pma_strategy, choice, len(paths))
-        return paths, strategy, (choice.merged_with(strategy) if choice is not None else None)
+        strategy, choice = merge_strategy(self.args.pma_strategy, choice, len(paths))
+        return paths, strategy, choice
 
     def pma_merged_state_dict(self, last: int | str | None = None, strategy: str | None = None) -> dict[str, torch.Tensor] | None:
         """The full merge of the newest ``last`` (default ``pma_window``; ``"auto"``: chosen from the
@@ -194,10 +193,11 @@ class PMATrainer(Trainer):
         Builds a whole merged state dict in this process's memory (merged evaluation does not:
         it merges by local slice); every process calling it reads every snapshot.
         """
-        paths, default, _choice = self._pma_merge_window(last)
+        paths, default, choice = self._pma_merge_window(last)
         if not paths:
             return None
-        strategy = strategy or default
+        # A strategy given here ("auto" too) is resolved against the window's own choice.
+        strategy = merge_strategy(strategy, choice, len(paths))[0] if strategy else default
         return merge_state_dict(paths, strategy=strategy, alpha=self.args.pma_ema_alpha, workers=self._pma_workers())
 
     def _evaluate_merge(self, eval_dataset: Any, ignore_keys: list[str] | None, prefix: str) -> dict[str, float]:

@@ -272,3 +272,25 @@ def test_a_sweep_that_nothing_fits_is_one_line_and_what_it_skips_is_counted(tmp_
     assert done.returncode == 0, done.stderr
     said = [line for line in done.stderr.splitlines() if "skipping" in line]
     assert len(said) == 1 and "skipping 3 combination(s) that do not fit the run's 3 snapshot(s)" in said[0], said
+
+
+def test_auto_beside_the_strategy_it_stands_for_plans_each_merge_once():
+    """``--strategy auto,sma`` with a window given, or ``auto,wma`` beside the automatic window that
+    chose WMA, name one merge twice: it is planned once, under the name of the weights it uses."""
+    combos, _ = plan_sweep(12, windows=["auto", 3], every=[1, 2], strategies=["auto", "sma", "wma"], auto_count=4, auto_strategy="wma")
+    labels = [c.label for c in combos]
+    assert len(labels) == len(set(labels)), labels
+    keys = [(c.strategy, c.window, c.every, c.auto) for c in combos]
+    assert sorted(keys, key=str) == sorted(
+        [("wma", 4, 1, True), ("sma", 4, 1, True), ("sma", 3, 1, False), ("sma", 3, 2, False), ("wma", 3, 1, False), ("wma", 3, 2, False)], key=str
+    )
+
+
+@pytest.mark.parametrize("last", [0, -2, True, 2.5, "3", "all"])
+def test_a_window_that_is_no_count_is_refused_in_one_line(last):
+    """The one path every window is taken by refuses a ``last`` that is not "auto" or a positive
+    count (``last=0`` took every source, ``-2`` dropped the oldest two, ``True`` took one)."""
+    from hf_pma.merging.windows import apply_window
+
+    with pytest.raises(ValueError, match="^last must be 'auto' or a positive number of snapshots"):
+        apply_window(list(range(5)), last=last)

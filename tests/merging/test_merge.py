@@ -402,4 +402,13 @@ def test_the_automatic_window_merges_with_its_own_weights_and_a_given_window_wit
     assert record["weights"] == pytest.approx([1 / choice.count] * choice.count)
     # The line and the record say the weights used: the strategy named, not the rule's own.
     assert record["strategy"] == record["window"]["auto"]["strategy"] == "sma" and record["window"]["auto"]["strategy_named"]
-    assert choice.merged_with("sma").describe().startswith(f"auto window: the newest {choice.count} snapshots, SMA (as asked): ")
+    from hf_pma.core.window_choice import merge_strategy
+
+    assert merge_strategy("sma", choice)[1].describe().startswith(f"auto window: the newest {choice.count} snapshots, SMA (as asked): ")
+    # Naming the rule's own weights is still a name: said as asked, and no card says the rule chose them.
+    named_wma = merge_checkpoints(run, tmp_path / "named-wma", last="auto", strategy="wma", progress=False)
+    assert json.loads((named_wma / "pma_merge.json").read_text())["window"]["auto"]["strategy_named"]
+    assert "chosen with the automatic window" not in write_model_card(named_wma, plot=False).read_text()
+    # One snapshot is itself, whatever the strategy named: the record says SMA.
+    one = merge_checkpoints(run, tmp_path / "one", last=1, strategy="ema", progress=False)
+    assert json.loads((one / "pma_merge.json").read_text())["strategy"] == "sma"
