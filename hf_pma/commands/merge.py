@@ -176,12 +176,14 @@ def run(args: argparse.Namespace) -> int:
         window_choice=choice,
         **{k: getattr(args, k) for k in same_names},
     )
-    how = "explicit weights" if args.weights is not None else merge_strategy(args.strategy, choice, len(sources))[0]
+    # Explicit weights name every source (--last auto was cleared above): no automatic choice then.
+    strategy, choice = merge_strategy(args.strategy, choice, len(sources))
+    how = "explicit weights" if args.weights is not None else strategy
     unit = "tokens" if args.window_tokens else "steps" if args.window_steps else None
     said = describe_sources(sources, args.window_tokens or args.window_steps, unit)
     from hf_pma.utils.text import write_line
 
     write_line(f"merged {said}; {how} -> {output}")
     if choice is not None:
-        write_line(merge_strategy("custom" if args.weights is not None else args.strategy, choice, len(sources))[1].describe())
+        write_line(choice.describe())
     return 0

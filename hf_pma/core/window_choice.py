@@ -123,7 +123,7 @@ class WindowChoice:
     rule: str
     reason: str
     strategy: str = "sma"
-    # True when the merge uses a strategy the caller named instead of the rule's own (merged_with).
+    # True when the merge uses a strategy the caller named, not the rule's own (merge_strategy).
     strategy_named: bool = False
     share: float | None = None
     trend: float | None = None

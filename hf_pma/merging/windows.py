@@ -79,11 +79,16 @@ def too_few_sources(last: int, items: Sequence[Any]) -> ValueError:
     )
 
 
+def _is_pair(item: Any) -> bool:
+    """Whether ``item`` is a training run's ``(record, folder)`` pair (``SnapshotTaker.snapshots()``)."""
+    return isinstance(item, tuple) and len(item) == 2
+
+
 def run_point(item: Any) -> RunPoint:
     """What ``item`` recorded (tokens, step, learning rate, phase, training loss) as the window
     rule reads it: a source or Hub revision (``record``, ``tokens``, ``step``), or a ``(record,
     folder)`` pair of a training run's snapshots (the record a dict or a snapshot record)."""
-    if isinstance(item, tuple) and len(item) == 2:
+    if _is_pair(item):
         record = item[0]
         return point_from_record(record.to_dict() if hasattr(record, "to_dict") else record)
     return point_from_record(getattr(item, "record", None), getattr(item, "tokens", None), getattr(item, "step", None))
@@ -129,8 +134,8 @@ def apply_window(
 
 def _item_name(item: Any) -> str:
     """How an item is named in a message: a Hub revision's spec, a folder's name."""
-    if isinstance(item, tuple) and len(item) == 2:
-        return Path(item[1]).name  # a run's (record, folder) pair
+    if _is_pair(item):
+        return Path(item[1]).name
     if isinstance(item, HubRevision):
         return item.spec
     if isinstance(item, CheckpointSource):
