@@ -26,14 +26,10 @@ from hf_pma.io.guarded import (
     read_json,
 )
 from tests.helpers.models import make_tiny_model, save_model_folder
+from tests.helpers.paused_merge import child_env, paused_merge, resume
 from tests.helpers.repo import REPO_ROOT
 
-MERGE_PAUSE = REPO_ROOT / "tests" / "dist" / "merge_pause.py"
 PAUSE_AT = REPO_ROOT / "tests" / "dist" / "pause_at.py"
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
 
 
 def rewrite_in_place(path: Path) -> None:
@@ -68,31 +64,14 @@ def sources(tmp_path):
 def merge_changed_midway(tmp_path: Path, sources: list[Path], change) -> tuple[int, str]:
     """Run ``hf-pma merge`` in a child paused after its first output bytes, ``change()`` the
     sources meanwhile, let it go on; its exit code and stderr."""
-    out = tmp_path / "merged"
-    child = subprocess.Popen(
-        [sys.executable, str(MERGE_PAUSE), *map(str, sources), "-o", str(out), "-q", "--workers", "1"],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(),
-    )
-    try:
-        line = child.stdout.readline()
-        assert line.startswith("PAUSED "), line + child.stderr.read()
+    with paused_merge(*sources, "-o", tmp_path / "merged", "-q", "--workers", "1") as child:
         return _changed_then_resumed(child, change)
-    finally:
-        if child.poll() is None:
-            child.kill()
 
 
 def _changed_then_resumed(child: subprocess.Popen, change: Callable[[], None]) -> tuple[int, str]:
     """With ``child`` paused mid-read: ``change()`` its sources, let it go on, and its exit code and stderr."""
     change()
-    child.stdin.write("\n")
-    child.stdin.flush()
-    child.wait(timeout=300)
-    return child.returncode, child.stderr.read()
+    return resume(child), child.stderr.read()
 
 
 def _nothing_published(tmp_path: Path) -> None:
@@ -150,7 +129,7 @@ def command_changed_midway(stage: str, argv: list, change, env: dict | None = No
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-        env={k: v for k, v in {**_env(), **(env or {})}.items() if v is not None},
+        env={k: v for k, v in {**child_env(), **(env or {})}.items() if v is not None},
     )
     try:
         seen = []

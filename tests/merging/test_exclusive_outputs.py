@@ -24,7 +24,7 @@ from hf_pma.utils.fs import (
 from tests.helpers.cli import hf_pma_command, run_cli
 from tests.helpers.data import corpus
 from tests.helpers.models import make_tiny_model, save_model_folder
-from tests.helpers.repo import REPO_ROOT
+from tests.helpers.paused_merge import child_env, paused_merge, resume
 from tests.helpers.snapshot_runs import noise_deviation, write_run
 
 # A process that claims an output folder, says so, and holds the claim until its stdin closes.
@@ -35,10 +35,6 @@ with claim_output(sys.argv[1]):
     print("claimed", flush=True)
     sys.stdin.read()
 """
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
 
 
 def _merge_cmd(*args) -> list[str]:
@@ -64,7 +60,7 @@ def _holder(target):
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        env=_env(),
+        env=child_env(),
     )
     assert proc.stdout.readline().strip() == "claimed"
     return proc
@@ -78,13 +74,13 @@ def test_two_merges_into_the_same_new_folder_never_both_succeed(tmp_path, source
             _merge_cmd(*sources, "-o", out, "--strategy", "sma"),
             stderr=subprocess.PIPE,
             text=True,
-            env=_env(),
+            env=child_env(),
         ),
         "wma": subprocess.Popen(
             _merge_cmd(*sources, "-o", out, "--strategy", "wma"),
             stderr=subprocess.PIPE,
             text=True,
-            env=_env(),
+            env=child_env(),
         ),
     }
     results = {name: (job.wait(timeout=300), job.stderr.read()) for name, job in jobs.items()}
@@ -107,33 +103,9 @@ def test_two_merges_into_the_same_new_folder_never_both_succeed(tmp_path, source
 
 def test_a_merge_into_a_folder_another_merge_is_writing_stops_and_the_first_one_wins(tmp_path, sources):
     out = tmp_path / "merged"
-    first = subprocess.Popen(
-        [
-            sys.executable,
-            str(REPO_ROOT / "tests" / "dist" / "merge_pause.py"),
-            *map(str, sources),
-            "-o",
-            str(out),
-            "-q",
-            "--strategy",
-            "sma",
-        ],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=_env(),
-    )
-    try:
-        line = first.stdout.readline()
-        assert line.startswith("PAUSED "), line + first.stderr.read()
+    with paused_merge(*sources, "-o", out, "-q", "--strategy", "sma") as first:
         second = run_cli("merge", *sources, "-o", out, "--strategy", "wma", "-q")
-        first.stdin.write("\n")
-        first.stdin.flush()
-        assert first.wait(timeout=300) == 0, first.stderr.read()
-    finally:
-        if first.poll() is None:
-            first.kill()
+        assert resume(first) == 0, first.stderr.read()
     assert second.returncode == 2
     assert (
         f"{out} is being written by another process (host {socket.gethostname()}, pid {first.pid})"
