@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.helpers.launcher import SharedLaunches, launch, shared_launch_job
-from tests.helpers.models import train_tiny_tokenizer
+from tests.helpers.models import make_tiny_model, train_tiny_tokenizer
 from tests.helpers.repo import REPO_ROOT
 
 # The processes the tests start are offline. huggingface_hub reads HF_HUB_OFFLINE once, when it is
@@ -59,6 +59,15 @@ def pytest_make_collect_report(collector):
 def tiny_tokenizer():
     """A session-wide tiny byte-level BPE tokenizer (vocab 512)."""
     return train_tiny_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def model_files(tmp_path_factory, tiny_tokenizer):
+    """A tiny model folder's files, by name: what the local Hub stand-in's repos hold."""
+    folder = tmp_path_factory.mktemp("model")
+    make_tiny_model(seed=0).save_pretrained(folder)
+    tiny_tokenizer.save_pretrained(folder)
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
 
 
 @pytest.fixture

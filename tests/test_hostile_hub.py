@@ -20,7 +20,6 @@ from hf_pma.utils.hub_client import HUB_TIMEOUT_ENV, hub_timeouts, parse_hub_tim
 from tests.helpers.cli import run_cli_in_one_process
 from tests.helpers.data import sample_text
 from tests.helpers.hub_server import BOMB_INFLATED, DRIP_BYTES, ENDLESS_CAP, HubServer, gzip_bomb
-from tests.helpers.models import make_tiny_model
 
 PWNED = "../../../PWNED"
 REFS_GOOD = ("step100", "step200")
@@ -31,10 +30,6 @@ BAD_NAME = "modeling_\x1b]0;owned\x07.py"
 BOUNDED = ("drip", "drip_headers", "redirects", "bomb", "huge")
 
 
-def _files(folder):
-    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
-
-
 def _tree(root):
     return {p.relative_to(root).as_posix() for p in root.rglob("*")}
 
@@ -43,14 +38,6 @@ def _error_line(result, command):
     lines = [line for line in result.stderr.strip().splitlines() if line.startswith(f"hf-pma {command}: ")]
     assert result.returncode == 2 and lines, (result.returncode, result.stderr[-3000:])
     return lines[-1]
-
-
-@pytest.fixture(scope="module")
-def model_files(tmp_path_factory, tiny_tokenizer):
-    folder = tmp_path_factory.mktemp("model")
-    make_tiny_model(seed=0).save_pretrained(folder)
-    tiny_tokenizer.save_pretrained(folder)
-    return _files(folder)
 
 
 @pytest.fixture(scope="module")

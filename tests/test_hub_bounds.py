@@ -19,7 +19,6 @@ from hf_pma.utils.hub_transport import MAX_FILE_REQUESTS
 from tests.helpers.cli import run_cli_in_one_process
 from tests.helpers.data import sample_text
 from tests.helpers.hub_server import CDN_ANNOUNCED, CUT_BYTES, CdnServer, HubServer
-from tests.helpers.models import make_tiny_model
 
 # Repos whose file answers are hostile (hub_server's modes), and those whose API answers are JSON
 # of the wrong type, with the command that reads that answer (transformers lists a tokenizer's
@@ -27,10 +26,6 @@ from tests.helpers.models import make_tiny_model
 FILES = ("announce", "cdn", "cut", "cut2")  # cut2: cut, downloaded by hf-pma's merge
 WRONG = {"tree": ("tree",), "info": ("info", "revision"), "refs": ("refs",)}
 READ_BY = {"tree": "eval", "info": "merge", "refs": "merge"}
-
-
-def _files(folder):
-    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
 
 
 def _error_line(result, command):
@@ -48,14 +43,6 @@ def _complete_looking(root):
         for p in root.rglob("*")
         if p.is_file() and "/blobs/" in p.as_posix() and not p.name.endswith((".lock", ".incomplete"))
     ) + sorted(p.relative_to(root).as_posix() for p in root.rglob("snapshots/*/*"))
-
-
-@pytest.fixture(scope="module")
-def model_files(tmp_path_factory, tiny_tokenizer):
-    folder = tmp_path_factory.mktemp("model")
-    make_tiny_model(seed=0).save_pretrained(folder)
-    tiny_tokenizer.save_pretrained(folder)
-    return _files(folder)
 
 
 @pytest.fixture(scope="module")
