@@ -18,7 +18,7 @@ import pytest
 
 from hf_pma.utils.hub_client import HUB_TIMEOUT_ENV, hub_timeouts, parse_hub_timeout, set_hub_timeout
 from tests.helpers.cli import run_cli_in_one_process
-from tests.helpers.data import sample_text
+from tests.helpers.data import local_model, sample_text
 from tests.helpers.hub_server import BOMB_INFLATED, DRIP_BYTES, ENDLESS_CAP, HubServer, gzip_bomb
 
 PWNED = "../../../PWNED"
@@ -304,12 +304,7 @@ def bounded(server, model_files, tmp_path_factory):
     ``HF_PMA_HUB_TIMEOUT=2``; and ``hf-pma eval`` of a local model with the tokenizer of the repo
     whose file bodies never end (downloaded by transformers)."""
     root = tmp_path_factory.mktemp("bounded")
-    model = root / "model"
-    model.mkdir()
-    for name, data in model_files.items():
-        (model / name).write_bytes(data)
-    text = root / "heldout.txt"
-    text.write_text(sample_text(2000))
+    model, text = local_model(root, model_files)
     gzip_bomb()  # made before the clock of any answer starts
     before = _tree(root)
     # The bounds in size are met long before any deadline: 30 s for those (the flag holds for the

@@ -17,7 +17,7 @@ import pytest
 from hf_pma.utils.hub_client import HUB_TIMEOUT_ENV
 from hf_pma.utils.hub_transport import MAX_FILE_REQUESTS
 from tests.helpers.cli import run_cli_in_one_process
-from tests.helpers.data import sample_text
+from tests.helpers.data import local_model
 from tests.helpers.hub_server import CDN_ANNOUNCED, CUT_BYTES, CdnServer, HubServer
 
 # Repos whose file answers are hostile (hub_server's modes), and those whose API answers are JSON
@@ -70,12 +70,7 @@ def runs(hub, model_files, tmp_path_factory):
     ``HF_PMA_HUB_TIMEOUT=2``; all in one process."""
     server, _ = hub
     root = tmp_path_factory.mktemp("runs")
-    model = root / "model"
-    model.mkdir()
-    for name, data in model_files.items():
-        (model / name).write_bytes(data)
-    text = root / "heldout.txt"
-    text.write_text(sample_text(2000))
+    model, text = local_model(root, model_files)
     eval_names = ("announce", "cdn", "cut", "tree")
     merge_names = ("cdn", "cut2", "info")
     evals = [

@@ -33,6 +33,7 @@ from tests.helpers.models import make_tiny_model
 from tests.helpers.mounts import read_only
 from tests.helpers.repo import REPO_ROOT
 from tests.helpers.training import make_args
+from tests.helpers.two_trainings import check_second_refused, second_training_meanwhile
 
 TRAIN = REPO_ROOT / "tests" / "dist" / "one_writer_train.py"
 # Prefixed to a child's code: its flock fails as on a filesystem without locks.
@@ -67,35 +68,16 @@ def test_a_training_without_flock_trains_and_a_second_one_there_is_refused_namin
     """``Trainer(callbacks=[PMACallback()])`` where flock fails: it trains (rc 0, every snapshot),
     holding the claim file as its lock; a second training into the same folder meanwhile stops at
     its start naming the first (host and pid); the lock file goes with the first one's end."""
-    out, ready, go = tmp_path / "run", tmp_path / "ready", tmp_path / "go"
+    out = tmp_path / "run"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO_ROOT)}
-    command = [sys.executable, "-c", RUN_SCRIPT, str(TRAIN), str(out)]
-    with open(tmp_path / "first.log", "w") as log:
-        first = subprocess.Popen(
-            [*command, ready, go], stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT
-        )
-        second = subprocess.Popen(
-            [*command, "--after", ready], stderr=subprocess.PIPE, text=True, env=env, cwd=REPO_ROOT
-        )
-        try:
-            wait_for(ready, first)
-            record = json.loads(claim_path(out / PMA_SUBDIR).read_text())
-            second_err = second.communicate(timeout=300)[1]
-        finally:
-            go.touch()
-            first.wait(timeout=300)
-            second.kill()
-    assert first.returncode == 0, (tmp_path / "first.log").read_text()[-3000:]
+    first, second, second_err, record = second_training_meanwhile(
+        [sys.executable, "-c", RUN_SCRIPT, TRAIN, out],
+        tmp_path,
+        while_first_holds=lambda: json.loads(claim_path(out / PMA_SUBDIR).read_text()),
+        env=env,
+    )
     assert (record["lock"], record["pid"], record["host"]) == ("file", first.pid, _host())
-    assert second.returncode == 3, second_err[-3000:]
-    assert [line for line in second_err.splitlines() if line.startswith("REFUSED")] == [
-        f"REFUSED rank 0: snapshot folder {out / PMA_SUBDIR} is in use by another training (host {_host()}, "
-        f"pid {first.pid}); wait for it to finish or choose another folder"
-    ]
-    assert [r.path for r in manifest_snapshots(out / PMA_SUBDIR)] == [
-        f"snapshot-{64 * k}" for k in (1, 2, 3, 4)
-    ]
-    assert sorted(os.listdir(out)) == [PMA_SUBDIR]
+    check_second_refused(first, second, second_err, out, tmp_path)
 
 
 # ---------------------------------------------------------------- holders of a lock file

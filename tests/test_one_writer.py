@@ -41,6 +41,7 @@ from tests.helpers.pma_records import merge_record
 from tests.helpers.repo import REPO_ROOT
 from tests.helpers.snapshot_runs import noise_deviation, write_run
 from tests.helpers.training import make_args
+from tests.helpers.two_trainings import check_second_refused, second_training_meanwhile
 
 TRAIN = Path(__file__).parent / "dist" / "one_writer_train.py"
 ROUNDS = 20
@@ -58,33 +59,11 @@ def refusal(stderr: str) -> list[str]:
 
 
 def test_a_second_training_in_the_same_output_dir_stops_at_its_start_naming_the_first(tmp_path):
-    out, ready, go = tmp_path / "run", tmp_path / "ready", tmp_path / "go"
-    with open(tmp_path / "first.log", "w") as log:
-        first = subprocess.Popen(
-            [sys.executable, TRAIN, out, ready, go], stdout=log, stderr=subprocess.STDOUT
-        )
-        # The second imports meanwhile, and starts training once the first holds its folder.
-        second = subprocess.Popen(
-            [sys.executable, TRAIN, out, "--after", ready], stderr=subprocess.PIPE, text=True
-        )
-        try:
-            wait_for(ready, first)
-            second_err = second.communicate(timeout=300)[1]
-        finally:
-            go.touch()
-            first.wait(timeout=300)
-            second.kill()
-    assert first.returncode == 0, (tmp_path / "first.log").read_text()[-3000:]
-    assert second.returncode == 3, second_err[-3000:]
-    assert refusal(second_err) == [
-        f"REFUSED rank 0: snapshot folder {out / PMA_SUBDIR} is in use by another training (host {_host()}, "
-        f"pid {first.pid}); wait for it to finish or choose another folder"
-    ]
+    out = tmp_path / "run"
+    # The second imports meanwhile, and starts training once the first holds its folder.
+    first, second, second_err, _ = second_training_meanwhile([sys.executable, TRAIN, out], tmp_path)
     # The first run's manifest lists its own snapshots only; the claim went with its end.
-    assert [r.path for r in manifest_snapshots(out / PMA_SUBDIR)] == [
-        f"snapshot-{64 * k}" for k in (1, 2, 3, 4)
-    ]
-    assert sorted(os.listdir(out)) == [PMA_SUBDIR]
+    check_second_refused(first, second, second_err, out, tmp_path)
 
 
 HOLD = """

@@ -86,3 +86,15 @@ def pad_collate(features: list[dict]) -> dict:
         mask[row, :n] = 1
     labels = ids.masked_fill(mask == 0, -100)
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def local_model(root: Path, files: dict[str, bytes]) -> tuple[Path, Path]:
+    """A model folder ``root/model`` holding ``files`` (by name), and held-out text beside it
+    (``root/heldout.txt``, 2,000 characters): a local model to evaluate against a Hub's tokenizer."""
+    model = root / "model"
+    model.mkdir()
+    for name, data in files.items():
+        (model / name).write_bytes(data)
+    text = root / "heldout.txt"
+    text.write_text(sample_text(2000))
+    return model, text
