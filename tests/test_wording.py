@@ -6,16 +6,15 @@ from __future__ import annotations
 import re
 
 from hf_pma.commands.inspect import DEFAULT_WINDOW_SAID
-from hf_pma.core.selection import DEFAULT_WINDOW
 from tests.helpers.cli import run_cli
 
 
 def test_inspects_help_says_the_default_window_the_code_uses():
-    """After the run's own window, inspect takes the automatic one (analysis.inspection.merge_window),
-    and a fixed DEFAULT_WINDOW only with a stride: the help says so, from the constant."""
+    """After the run's own window, inspect takes the automatic one over every --every-th snapshot,
+    as merge does (analysis.inspection.window_size): the help says so, and names no fixed count."""
     shown = " ".join(run_cli("inspect", "--help").stdout.split())
     assert shown.count(" ".join(DEFAULT_WINDOW_SAID.split())) == 2  # the description and --window
-    assert f"({DEFAULT_WINDOW} with --every)" in DEFAULT_WINDOW_SAID
+    assert "every --every-th snapshot" in DEFAULT_WINDOW_SAID and not re.search(r"\d", DEFAULT_WINDOW_SAID)
     assert not re.search(r"else \d+\)", shown), shown
 
 

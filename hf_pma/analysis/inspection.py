@@ -7,7 +7,7 @@ diagnostics of its merge window and of the window ending at each snapshot over t
 (:mod:`hf_pma.analysis.geometry`), into a :class:`WindowReport` that renders itself as text
 (:meth:`WindowReport.text`), a figure (:meth:`WindowReport.plot`) and JSON
 (:meth:`WindowReport.to_dict`). The window is the one asked for, else the one the run merged
-(:func:`run_window`: its merge or training record), else :data:`DEFAULT_WINDOW` snapshots.
+(:func:`run_window`: its merge or training record), else the automatic window of a merge.
 """
 
 from __future__ import annotations
@@ -102,8 +102,8 @@ def window_size(
     """N, the snapshots in the merge window, where it comes from in words, and the automatic
     window's choice where it chose: ``window``, else the snapshots within the last
     ``window_tokens`` tokens of ``sources`` (every ``every``-th), else the run's own window
-    (:func:`run_window`), else the automatic window (from the snapshots' records;
-    :data:`DEFAULT_WINDOW` with a stride)."""
+    (:func:`run_window`), else the automatic window (from the records of every ``every``-th
+    snapshot, as ``hf-pma merge --every`` takes it)."""
     count, tokens, where = (None, None, None) if window or window_tokens else run_window(run)
     tokens = window_tokens or tokens
     if window:
@@ -118,8 +118,8 @@ def window_size(
         return n, f"the last {tokens:,} tokens; {origin}", None
     if count and not is_auto(count):
         return count, f"the run's own, {where}", None
-    if every == 1 and len(sources) > 1:  # chosen from the snapshots' records, as a merge does
-        choice = apply_window(list(sources), last="auto")[1]
+    if len(sources) > 1:  # chosen from the (strided) snapshots' records, as a merge does
+        choice = apply_window(list(sources), last="auto", every=every)[1]
         assert choice is not None
         choice = merge_strategy(strategy, choice, choice.count)[1]
         return choice.count, choice.describe() + (f" (the run's own, {where})" if count else ""), choice

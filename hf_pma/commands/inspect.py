@@ -9,13 +9,12 @@ from pathlib import Path
 from typing import Any
 
 from hf_pma.commands import add_revision_arguments, positive_int, set_verbosity
-from hf_pma.core.selection import DEFAULT_WINDOW
 from hf_pma.core.strategies import DEFAULT_ALPHA, STRATEGIES
 from hf_pma.utils.argtypes import positive_count
 
 # What --window defaults to after the run's own window, said from what the code does
-# (analysis.inspection.merge_window): the automatic window, or DEFAULT_WINDOW with a stride.
-DEFAULT_WINDOW_SAID = f"the automatic window chosen from the snapshots' records ({DEFAULT_WINDOW} with --every)"
+# (analysis.inspection.window_size): the automatic window over every --every-th snapshot, as merge takes it.
+DEFAULT_WINDOW_SAID = "the automatic window chosen from the records of every --every-th snapshot, as merge takes it"
 
 
 def run_window(run: str | Path) -> tuple[int | None, int | None, str | None]:

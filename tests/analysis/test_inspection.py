@@ -7,7 +7,9 @@ import json
 
 import pytest
 
-from hf_pma.analysis.inspection import DEFAULT_WINDOW, diagnose_window, list_snapshots, run_window
+from hf_pma.analysis.inspection import diagnose_window, list_snapshots, run_window
+from hf_pma.merging.sources import resolve_sources
+from hf_pma.merging.windows import apply_window
 from hf_pma.utils.text import write_lines
 from tests.helpers.cli import run_cli
 from tests.helpers.snapshot_runs import noise_deviation, write_run
@@ -45,10 +47,20 @@ def test_window_defaults_and_errors_in_library_words(tmp_path):
     run, _ = write_run(tmp_path / "run", 3, noise_deviation())
     report = diagnose_window(run, progress=False)  # the automatic window: the loss still falls
     assert len(report.window.indices) == 1 and report.origin.startswith("auto window: the last snapshot alone")
-    assert len(diagnose_window(run, progress=False, every=2).window.indices) == min(DEFAULT_WINDOW, 2)
     with pytest.raises(FileNotFoundError, match="reference model .*nowhere does not exist"):
         diagnose_window(run, reference=tmp_path / "nowhere", progress=False)
     with pytest.raises(ValueError, match="unknown merge strategy 'median'"):
         diagnose_window(run, strategy="median", progress=False)
     with pytest.raises(ValueError, match="needs? at least 2"):
         diagnose_window(run, last=1, progress=False)
+
+
+def test_with_a_stride_the_window_is_the_one_merge_takes(tmp_path):
+    """``every=2`` chooses the automatic window over every 2nd snapshot, as ``hf-pma merge
+    --every 2`` does (flat losses: the cap, a quarter of the 9,000 tokens, holds 2 of them)."""
+    run, _ = write_run(tmp_path / "run", 9, noise_deviation(), losses=[4.0] * 9)
+    report = diagnose_window(run, progress=False, every=2)
+    merged, choice = apply_window(resolve_sources([run]), last="auto", every=2)
+    assert [s.name for s in merged] == ["snapshot-7000", "snapshot-9000"] and choice.count == 2
+    assert [report.gram.names[i] for i in report.window.indices] == [s.name for s in merged]
+    assert report.origin == choice.describe() and report.every == 2
