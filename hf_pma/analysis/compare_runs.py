@@ -52,13 +52,14 @@ from hf_pma.core.selection import DEFAULT_WINDOW, check_window, window_by_progre
 from hf_pma.core.strategies import AUTO_STRATEGY, merge_coefficients, resolve_strategy
 from hf_pma.core.window_check import (
     MIN_SELECTION_DOCUMENTS,
+    WIDEST_SHARE,
     DocumentSplit,
     candidate_windows,
     checked_choice,
     describe_split,
     split_for_selection,
 )
-from hf_pma.core.window_choice import WindowChoice, check_window_count, is_auto, merge_strategy
+from hf_pma.core.window_choice import WindowChoice, check_window_count, is_auto, merge_strategy, widest_window
 from hf_pma.io.guarded import JSON_LIMITS, check_folder, read_bytes
 from hf_pma.merging.sources import (
     CheckpointSource,
@@ -68,7 +69,7 @@ from hf_pma.merging.sources import (
     run_layout,
     tokenizer_folder,
 )
-from hf_pma.merging.windows import apply_window
+from hf_pma.merging.windows import apply_window, run_point
 from hf_pma.utils.formatting import format_number, markdown_table
 from hf_pma.utils.logs import get_logger
 from hf_pma.utils.parsing import is_number, parameter_error
@@ -612,7 +613,8 @@ def _check_window(
     choice = plan.window_choice
     assert choice is not None
     n = len(plan.sources)
-    weights = {k: _window_weights(k, strategy, alpha, choice) for k in candidate_windows(choice.count)}
+    widest = widest_window([run_point(s) for s in plan.sources], WIDEST_SHARE)
+    weights = {k: _window_weights(k, strategy, alpha, choice) for k in candidate_windows(choice.count, widest)}
     losses = {k: evaluator.held_out_losses(plan.sources[n - k :], w, texts) for k, w in weights.items()}
     try:
         checked = checked_choice(choice, losses, [s.tokens for s in plan.sources])

@@ -8,9 +8,13 @@ split once: every :data:`SELECTION_EVERY`-th document is a *selection* document,
 candidates are evaluated; the others are the *report* documents, the only ones any result is
 reported on (a window chosen on the documents that report it would flatter itself).
 
-The candidates are the rule's window ``k`` and its halvings down to 2 (``k, ceil(k/2), ...``), and
-the last snapshot alone; the one with the lowest mean loss over the selection documents is taken
-(a smaller window only when strictly lower). With fewer than :data:`MIN_SELECTION_DOCUMENTS`
+The candidates are the rule's window ``k``, its halvings down to 2 (``k, ceil(k/2), ...``), the last
+snapshot alone, and two wider windows, ``ceil(1.5 k)`` and ``2 k``, where the run's stretch (one
+phase, one learning rate) holds them within :data:`WIDEST_SHARE` of the run: the rule's cap is a
+share of the run that suits most runs, but a run whose weights carry more noise (a high learning
+rate, late in a long run) gains from a longer window, and only held-out text can tell. The one
+with the lowest mean loss over the selection documents is taken (another than the rule's only
+when strictly lower). With fewer than :data:`MIN_SELECTION_DOCUMENTS`
 selection documents the rule's window stands unchecked, said so.
 
 Pure Python: no torch, no files.
@@ -29,6 +33,8 @@ from hf_pma.core.window_choice import WindowChoice
 __all__ = [
     "SELECTION_EVERY",
     "MIN_SELECTION_DOCUMENTS",
+    "WIDEST_SHARE",
+    "WIDER",
     "DocumentSplit",
     "describe_split",
     "split_for_selection",
@@ -41,6 +47,10 @@ __all__ = [
 SELECTION_EVERY = 4
 # Fewer selection documents than this: the check is not made (too noisy to overrule the rule).
 MIN_SELECTION_DOCUMENTS = 5
+# The widest window the check tries, as a share of the tokens trained (the rule's cap is a quarter).
+WIDEST_SHARE = 0.5
+# The wider windows the check tries, as multiples of the rule's (rounded up).
+WIDER = (1.5, 2.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,18 +104,25 @@ def split_for_selection(documents: int) -> DocumentSplit:
     return DocumentSplit(selection, tuple(i for i in range(documents) if i not in selection))
 
 
-def candidate_windows(count: int) -> list[int]:
+def candidate_windows(count: int, widest: int | None = None) -> list[int]:
     """The windows checked for a rule's window of ``count``: ``count``, its halvings (rounded up)
-    down to 2, and 1 (the last snapshot alone); largest first."""
-    if not isinstance(count, int) or isinstance(count, bool) or count < 1:
-        raise ValueError(f"count must be a positive integer, got {count!r}")
+    down to 2, 1 (the last snapshot alone), and, when ``count`` is 2 or more, its multiples
+    :data:`WIDER` (rounded up) no wider than ``widest`` (the most snapshots a window may take:
+    :func:`hf_pma.core.window_choice.widest_window`; ``None``: none wider); largest first."""
+    for name, value in (("count", count), ("widest", widest)):
+        if value is None and name == "widest":
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
     out, k = [count], count
     while k > 2:
         k = math.ceil(k / 2)
         out.append(k)
     if out[-1] != 1:
         out.append(1)
-    return out
+    if widest is not None and count >= 2:
+        out += [w for w in (math.ceil(count * f) for f in WIDER) if count < w <= widest]
+    return sorted(set(out), reverse=True)
 
 
 def _mean(values: Sequence[float]) -> float:
@@ -115,17 +132,22 @@ def _mean(values: Sequence[float]) -> float:
     return statistics.fmean(kept)
 
 
-def pick_window(losses: Mapping[int, Sequence[float]]) -> int:
+def pick_window(losses: Mapping[int, Sequence[float]], prefer: int | None = None) -> int:
     """The candidate with the lowest mean loss over the selection documents: ``losses`` maps each
-    window (1: the last snapshot) to its per-document losses. A smaller window is taken only when
-    strictly lower; ``ValueError`` when the lists differ in length."""
+    window (1: the last snapshot) to its per-document losses. Another window than ``prefer`` (the
+    rule's; default the largest) is taken only when strictly lower, and of two equal others the
+    larger; ``ValueError`` when the lists differ in length."""
     if not losses:
         raise ValueError("no candidate window")
     lengths = {len(v) for v in losses.values()}
     if len(lengths) != 1:
         raise ValueError("the candidates were not evaluated on the same selection documents")
+    order = sorted(losses, reverse=True)
+    if prefer in losses:
+        order.remove(prefer)
+        order.insert(0, prefer)
     best, best_loss = None, math.inf
-    for k in sorted(losses, reverse=True):
+    for k in order:
         loss = _mean(losses[k])
         if loss < best_loss:
             best, best_loss = k, loss
@@ -142,7 +164,7 @@ def checked_choice(
     candidate's mean loss minus the last snapshot's). ``tokens`` (the snapshots' token counts,
     oldest first) give the span and share of the run of a window the check changed; ``trend``
     and ``noise`` stay the rule's."""
-    picked = pick_window(losses)
+    picked = pick_window(losses, prefer=choice.count)
     last = _mean(losses[1]) if 1 in losses else None
     against = {k: _mean(v) - last for k, v in sorted(losses.items(), reverse=True) if k != 1 and last is not None}
     documents = len(next(iter(losses.values())))

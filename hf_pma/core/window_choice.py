@@ -66,6 +66,7 @@ __all__ = [
     "is_auto",
     "merge_strategy",
     "point_from_record",
+    "widest_window",
 ]
 
 AUTO = "auto"
@@ -450,6 +451,24 @@ def choose_window(
         f"{100 * fallback_share:.0f}% of the {unit} trained ({_percent(share)})",
         share=share,
     )
+
+
+def widest_window(points: Sequence[RunPoint], max_share: float) -> int:
+    """The most of the newest ``points`` a window may take: those of the newest's stretch (one
+    phase and, in a constant phase, one learning rate, as the rule's step 1 takes them) within
+    ``max_share`` of the tokens (else steps) trained; 1 when the points record no progress (a
+    window cannot be measured against the run)."""
+    _check_settings(max_share, 0.0, max_share)
+    points = [_usable(p) for p in points]
+    progress = _progress(points) if points else None
+    if progress is None:
+        return 1 if points else 0
+    positions = progress[1]
+    stretch, end = _stretch(points, positions), positions[-1]
+    count = 1
+    while count < stretch and end - positions[-count - 1] <= max_share * end:
+        count += 1
+    return count
 
 
 def _check_settings(max_share: Any, trend_limit: Any, fallback_share: Any) -> None:

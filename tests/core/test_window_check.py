@@ -9,13 +9,14 @@ import pytest
 from hf_pma.core.window_check import (
     MIN_SELECTION_DOCUMENTS,
     SELECTION_EVERY,
+    WIDEST_SHARE,
     candidate_windows,
     checked_choice,
     describe_split,
     pick_window,
     split_for_selection,
 )
-from hf_pma.core.window_choice import WindowChoice
+from hf_pma.core.window_choice import RunPoint, WindowChoice, widest_window
 
 
 def test_every_fourth_document_selects_and_the_others_report():
@@ -45,6 +46,51 @@ def test_too_few_documents_for_a_selection_split_report_all_and_say_so():
 )
 def test_candidates_are_the_window_its_halvings_and_the_last_snapshot(count, expected):
     assert candidate_windows(count) == expected
+
+
+@pytest.mark.parametrize(
+    "count, widest, expected",
+    [
+        (8, 16, [16, 12, 8, 4, 2, 1]),  # 1.5x and 2x the rule's window
+        (8, 13, [12, 8, 4, 2, 1]),  # 2x would reach beyond the widest window
+        (8, 8, [8, 4, 2, 1]),  # the rule's window is already the widest
+        (3, 40, [6, 5, 3, 2, 1]),  # 1.5x rounds up
+        (1, 40, [1]),  # too early: the last snapshot alone, nothing wider
+    ],
+)
+def test_wider_candidates_stay_within_the_widest_window(count, widest, expected):
+    assert candidate_windows(count, widest) == expected
+
+
+@pytest.mark.parametrize("bad", [0, -1, True, 2.0, "8"])
+def test_a_bad_widest_window_is_refused(bad):
+    with pytest.raises(ValueError, match="widest must be a positive integer"):
+        candidate_windows(4, bad)
+
+
+def test_the_widest_window_keeps_to_the_stretch_and_the_share():
+    stable = [RunPoint(tokens=1000 * i, lr=1e-3, loss=3.0, phase="stable") for i in range(1, 11)]
+    assert widest_window(stable, WIDEST_SHARE) == 6  # tokens 5,000 to 10,000: half of the run
+    assert widest_window(stable, 1.0) == 10
+    warm = [RunPoint(tokens=1000 * i, lr=1e-4 * i, loss=3.0, phase="warmup") for i in range(1, 8)]
+    assert widest_window(warm + stable[7:], 1.0) == 3  # never into warmup
+    lr_change = [RunPoint(tokens=p.tokens, lr=2e-3, loss=3.0, phase="stable") for p in stable[:8]] + stable[8:]
+    assert widest_window(lr_change, 1.0) == 2  # never across a change of learning rate
+    assert widest_window([RunPoint(loss=3.0)] * 5, 1.0) == 1  # no progress: nothing to measure a share by
+    assert widest_window([], 1.0) == 0
+    with pytest.raises(ValueError, match="max_share"):
+        widest_window(stable, 0)
+
+
+def test_a_wider_window_is_taken_only_when_strictly_lower_than_the_rules():
+    tie = {8: [5.0, 5.0], 4: [5.1, 5.1], 1: [5.2, 5.2]}
+    assert pick_window({16: [5.0, 5.0], **tie}, prefer=8) == 8
+    assert pick_window({16: [4.9, 5.0], 12: [4.9, 5.0], **tie}, prefer=8) == 16  # equal others: the larger
+    rule = WindowChoice(2, "cap", "tokens 4,000 to 5,000 (20% of the run): ...", share=0.2)
+    wider = checked_choice(rule, {4: [4.8, 4.8], 3: [4.9, 4.9], 2: [5.0, 5.0], 1: [5.1, 5.1]}, [1000, 2000, 3000, 4000, 5000])
+    assert (wider.count, wider.rule, wider.share) == (4, "held-out", 0.6)
+    assert wider.reason.startswith("tokens 2,000 to 5,000 (60% of the run): the best on 2 selection documents")
+    assert wider.reason.endswith("the rule had chosen the newest 2: " + rule.reason)
 
 
 def test_the_lowest_mean_loss_wins_and_a_smaller_window_only_when_strictly_lower():
