@@ -38,7 +38,7 @@ from hf_pma.merging.hub_revisions import parse_hub_spec
 from hf_pma.merging.sources import CheckpointSource, model_source, resolve_sources, run_layout
 from hf_pma.merging.windows import apply_window
 from hf_pma.utils.logs import get_logger
-from hf_pma.utils.parsing import is_int
+from hf_pma.utils.parsing import check_int, is_int
 
 logger = get_logger(__name__)
 
@@ -233,6 +233,7 @@ def diagnose_window(
     chunk of at most ``chunk_bytes`` at a time.
     """
     strategy_weights(strategy, alpha)  # a bad strategy or alpha: one line now
+    check_int(every, "every")
     if reference is not None and not Path(reference).exists():
         raise FileNotFoundError(f"reference model {reference} does not exist")
     sources = list(sources) if sources is not None else resolve_sources([run], include_final=include_final)

@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import statistics
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from hf_pma.core.window_choice import WindowChoice
+from hf_pma.utils.text import shown
 
 __all__ = [
     "SELECTION_EVERY",
@@ -49,8 +50,8 @@ SELECTION_EVERY = 4
 MIN_SELECTION_DOCUMENTS = 5
 # The widest window the check tries, as a share of the tokens trained (the rule's cap is a quarter).
 WIDEST_SHARE = 0.5
-# The wider windows the check tries, as multiples of the rule's (rounded up).
-WIDER = (1.5, 2.0)
+# The wider windows the check tries, as fractions of the rule's (rounded up): 1.5x and 2x.
+WIDER = ((3, 2), (2, 1))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,23 +114,27 @@ def candidate_windows(count: int, widest: int | None = None) -> list[int]:
         if value is None and name == "widest":
             continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+            raise ValueError(f"{name} must be a positive integer, got {shown(value, 60)}")
     out, k = [count], count
     while k > 2:
-        k = math.ceil(k / 2)
+        k = -(-k // 2)  # integer arithmetic: exact for any count
         out.append(k)
     if out[-1] != 1:
         out.append(1)
     if widest is not None and count >= 2:
-        out += [w for w in (math.ceil(count * f) for f in WIDER) if count < w <= widest]
+        out += [w for w in (-(-count * num // den) for num, den in WIDER) if count < w <= widest]
     return sorted(set(out), reverse=True)
 
 
 def _mean(values: Sequence[float]) -> float:
-    kept = [v for v in values if not math.isnan(v)]
+    """The mean of the documents' losses, NaN (a document without a scored token) left out; a
+    value that is no real number is a one-line ``ValueError``."""
+    if any(not isinstance(v, numbers.Real) or isinstance(v, bool) for v in values):
+        raise ValueError("a selection document's loss is not a number")
+    kept = [float(v) for v in values if not math.isnan(v)]
     if not kept:
         raise ValueError("no selection document with scored tokens")
-    return statistics.fmean(kept)
+    return math.fsum(v / len(kept) for v in kept)  # divided first: no overflow for huge losses
 
 
 def pick_window(losses: Mapping[int, Sequence[float]], prefer: int | None = None) -> int:
@@ -142,17 +147,28 @@ def pick_window(losses: Mapping[int, Sequence[float]], prefer: int | None = None
     lengths = {len(v) for v in losses.values()}
     if len(lengths) != 1:
         raise ValueError("the candidates were not evaluated on the same selection documents")
+    if prefer is not None and (not isinstance(prefer, int) or isinstance(prefer, bool)):
+        raise ValueError(f"prefer must be a window (an integer) or None, got {shown(prefer, 60)}")
     order = sorted(losses, reverse=True)
     if prefer in losses:
         order.remove(prefer)
         order.insert(0, prefer)
-    best, best_loss = None, math.inf
-    for k in order:
-        loss = _mean(losses[k])
-        if loss < best_loss:
-            best, best_loss = k, loss
-    assert best is not None
+    means = {k: _mean(losses[k]) for k in order}
+    best = order[0]
+    for k in order[1:]:
+        if means[k] < means[best]:  # strictly lower (an infinite or NaN mean never wins)
+            best = k
     return best
+
+
+def _progress_known(tokens: Sequence[int] | None, picked: int) -> bool:
+    """Whether ``tokens`` give the span of the newest ``picked``: counts, not decreasing, the newest
+    positive."""
+    if not tokens or picked > len(tokens) or picked < 1:
+        return False
+    first, newest = tokens[-picked], tokens[-1]
+    counts = all(isinstance(t, int) and not isinstance(t, bool) for t in (first, newest))
+    return counts and 0 <= first <= newest and newest > 0
 
 
 def checked_choice(
@@ -176,7 +192,7 @@ def checked_choice(
         reason = f"{choice.reason}; checked on {where}: the rule's window does best ({measured})"
     else:
         share, span = None, ""
-        if tokens and picked <= len(tokens) and tokens[-1] > 0:
+        if _progress_known(tokens, picked):
             share = (tokens[-1] - tokens[-picked]) / tokens[-1]
             span = f"tokens {tokens[-picked]:,} to {tokens[-1]:,} ({100 * share:.0f}% of the run): " if picked > 1 else ""
         verdict = (

@@ -248,18 +248,25 @@ def _same_lr(a: float | None, b: float | None) -> bool:
 
 
 def _stretch(points: Sequence[RunPoint], positions: list[int]) -> int:
-    """How many of the newest points share the newest's phase and (in a constant phase) LR,
-    with progress increasing."""
-    newest = points[-1]
-    count = 1
-    for i in range(len(points) - 2, -1, -1):
+    """How many of the newest points share the newest's phase and (in a constant phase) learning
+    rate, with progress increasing. Where the newest's phase or rate is unknown, the nearest
+    known one stands for it, and a point in warmup ends a stretch that is not: an unknown value
+    never joins weights from before a change."""
+    phase = next((p.phase for p in reversed(points) if p.phase is not None), None)
+    if points[-1].phase is None and phase == "warmup":  # unknown after warmup: not warmup itself
+        phase = None
+    lr = None
+    count = 0
+    for i in range(len(points) - 1, -1, -1):
         p = points[i]
-        if positions[i] >= positions[i + 1]:
+        if count and positions[i] >= positions[i + 1]:
             break
-        if p.phase != newest.phase and None not in (p.phase, newest.phase):
+        if p.phase is not None and p.phase != phase:
             break
-        if newest.phase in CONSTANT_PHASES and not _same_lr(p.lr, newest.lr):
-            break
+        if phase in CONSTANT_PHASES and p.lr is not None:
+            if lr is not None and not _same_lr(p.lr, lr):
+                break
+            lr = p.lr
         count += 1
     return count
 
@@ -457,11 +464,13 @@ def widest_window(points: Sequence[RunPoint], max_share: float) -> int:
     """The most of the newest ``points`` a window may take: those of the newest's stretch (one
     phase and, in a constant phase, one learning rate, as the rule's step 1 takes them) within
     ``max_share`` of the tokens (else steps) trained; 1 when the points record no progress (a
-    window cannot be measured against the run)."""
+    window cannot be measured against the run) or the newest is in warmup (too early to merge)."""
     _check_settings(max_share, 0.0, max_share)
+    if points is None or isinstance(points, (str, bytes)):
+        raise ValueError(f"points must be a sequence of run points, got {shown(points, 60)}")
     points = [_usable(p) for p in points]
     progress = _progress(points) if points else None
-    if progress is None:
+    if progress is None or points[-1].phase == "warmup":  # no share to measure; too early to merge
         return 1 if points else 0
     positions = progress[1]
     stretch, end = _stretch(points, positions), positions[-1]

@@ -64,3 +64,6 @@ def test_with_a_stride_the_window_is_the_one_merge_takes(tmp_path):
     assert [s.name for s in merged] == ["snapshot-7000", "snapshot-9000"] and choice.count == 2
     assert [report.gram.names[i] for i in report.window.indices] == [s.name for s in merged]
     assert report.origin == choice.describe() and report.every == 2
+    for bad in (None, 0, True, 2.0):
+        with pytest.raises(ValueError, match="^every must be a positive integer"):
+            diagnose_window(run, progress=False, every=bad)

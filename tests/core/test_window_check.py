@@ -16,7 +16,7 @@ from hf_pma.core.window_check import (
     pick_window,
     split_for_selection,
 )
-from hf_pma.core.window_choice import RunPoint, WindowChoice, widest_window
+from hf_pma.core.window_choice import RunPoint, WindowChoice, choose_window, widest_window
 
 
 def test_every_fourth_document_selects_and_the_others_report():
@@ -80,6 +80,57 @@ def test_the_widest_window_keeps_to_the_stretch_and_the_share():
     assert widest_window([], 1.0) == 0
     with pytest.raises(ValueError, match="max_share"):
         widest_window(stable, 0)
+
+
+def test_an_unknown_newest_rate_or_phase_never_widens_across_a_change():
+    """The newest snapshot's learning rate or phase unreadable (records are untrusted): the nearest
+    known one stands for it, so neither the rule nor a wider candidate reaches across a change."""
+    points = [RunPoint(tokens=1000 * i, lr=2e-3 if i <= 6 else 1e-3, loss=3.0, phase="stable") for i in range(1, 11)]
+    assert widest_window(points, WIDEST_SHARE) == 4  # snapshots 7 to 10: one learning rate
+    for unknown in (None, "0.001", float("nan")):
+        blind = [*points[:-1], RunPoint(tokens=10_000, lr=unknown, loss=3.0, phase="stable")]
+        assert widest_window(blind, WIDEST_SHARE) == 4
+        assert widest_window(blind, 1.0) == 4
+    late = [RunPoint(tokens=1000 * i, lr=2e-3 if i <= 8 else 1e-3, loss=3.0, phase="stable") for i in range(1, 11)]
+    late[-1] = RunPoint(tokens=10_000, lr=None, loss=3.0, phase="stable")
+    assert choose_window(late).count == 2  # the rule too: never the 2e-3 snapshots
+    warm = [RunPoint(tokens=1000 * i, lr=1e-4 * i, loss=3.0, phase="warmup") for i in range(1, 6)]
+    unknown = [RunPoint(tokens=1000 * i, loss=3.0) for i in range(6, 11)]
+    assert widest_window(warm + unknown, 1.0) == 5  # every unknown phase, no warmup snapshot
+    stable_then_unknown = [*points[6:-1], RunPoint(tokens=10_000, loss=3.0)]
+    assert widest_window(warm[:3] + stable_then_unknown, 1.0) == 4
+
+
+def test_a_run_still_in_warmup_has_no_wider_window():
+    warm = [RunPoint(tokens=1000 * i, lr=1e-4 * i, loss=3.0, phase="warmup") for i in range(1, 11)]
+    assert widest_window(warm, WIDEST_SHARE) == 1 and choose_window(warm).count == 1
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda: widest_window(None, 0.5),
+        lambda: candidate_windows(4, 0),
+        lambda: pick_window({2: [5.0], 1: [5.0]}, prefer=[2]),
+        lambda: pick_window({2: [None], 1: [5.0]}),
+        lambda: pick_window({2: ["a"], 1: [5.0]}),
+    ],
+)
+def test_bad_inputs_to_the_check_are_one_line_value_errors(call):
+    with pytest.raises(ValueError) as err:
+        call()
+    assert "\n" not in str(err.value)
+
+
+def test_extreme_losses_and_counts_stay_exact():
+    assert candidate_windows(10**400, 10**401)[:3] == [2 * 10**400, 3 * 10**400 // 2, 10**400]
+    assert pick_window({2: [math.inf], 1: [math.inf]}) == 2  # nothing strictly lower: the rule's
+    assert pick_window({2: [1e308, 1e308], 1: [1.0, 1.0]}) == 1  # no overflow in the mean
+    rule = WindowChoice(2, "cap", "...", share=0.2)
+    odd = checked_choice(rule, {4: [4.8], 3: [4.9], 2: [5.0], 1: [5.1]}, [1000, 2000, 3000, 4000, None])
+    assert odd.count == 4 and odd.share is None and "% of the run" not in odd.reason.split(";")[0]
+    back = checked_choice(rule, {4: [4.8], 2: [5.0], 1: [5.1]}, [1000, 2000, 3000, 4000, 500])
+    assert back.share is None
 
 
 def test_a_wider_window_is_taken_only_when_strictly_lower_than_the_rules():
