@@ -419,6 +419,80 @@ def test_the_window_choice_page_quotes_the_benchmarks_results():
     assert example in written
 
 
+def _pct(value):
+    return f"{100 * value:.0f}%"
+
+
+def _words(count):
+    return ["no", "one", "two", "three", "four", "five", "six", "seven", "eight"][count]
+
+
+def test_the_window_page_quotes_the_ceiling_and_the_unseen_runs():
+    """The best merge in hindsight (window_ceiling.py) and the runs the benchmark never saw
+    (window_choice.py on other seeds): every number docs/choosing-window.md gives of them is the
+    committed results', and so is the one run the check's wider candidates changed."""
+    results = REPO_ROOT / "benchmarks" / "results" / "window_choice"
+    page = (REPO_ROOT / "docs" / "choosing-window.md").read_text()
+    ceiling_text = " ".join(page.split("<!-- window-ceiling-summary", 1)[1].split("**Runs the benchmark never saw", 1)[0].split())
+    unseen_text = " ".join(page.split("<!-- window-unseen-summary", 1)[1].split("\n## ", 1)[0].split())
+
+    rows = json.loads((results / "ceiling.json").read_text())["rows"]
+    counted = [r for r in rows if r["gain_counts"]]
+    short = [r for r in counted if r["best"]["gain_share"] < 0.9]
+    assert {r["run"].split("-")[1] for r in short} == {"lr0.012"}
+    assert all(int(r["run"].split("-")[0][1:]) >= 1000 for r in short)
+    assert {r["run"] for r in short} == {r["run"] for r in counted if "lr0.012" in r["run"] and not r["run"].startswith("n300-")}
+    shares = sorted(r["best"]["gain_share"] for r in short)
+    last_mae = sum(abs(r["last"] - r["annealed"]) for r in rows) / len(rows)
+    least = sum(r["least_error"] for r in rows) / len(rows)
+
+    def spans(steps):
+        values = sorted(r["best"]["share_of_run"] for r in rows if int(r["run"].split("-")[0][1:]) in steps)
+        return f"{_pct(values[0])} to {_pct(values[-1])}"
+
+    for phrase in (
+        f"In {len(short)} of the {len(counted)} runs where annealing gains at least 3 SE",
+        f"every run of 1,000 steps or more at 1.2e-2 ({_pct(shares[0])} to {_pct(shares[-1])}), in "
+        f"{sum(x < 0.85 for x in shares)} less than 85%",
+        f"nor the rule alone's 85% in those {sum(x < 0.85 for x in shares)}",
+        f"The best merge is WMA in {sum(r['best']['strategy'] == 'wma' for r in rows)} of the {len(rows)} runs",
+        f"reaches is {least:.4f} (1/{last_mae / least:.1f} of the last snapshot's)",
+        f"span {spans({1000})} of the run at 1,000 steps and {spans({3000, 6000})} at 3,000 and 6,000 steps",
+    ):
+        assert phrase in ceiling_text, phrase
+
+    unseen = json.loads((results / "unseen" / "results.json").read_text())["summary"]
+    auto, rule, eight, last = unseen["auto"], unseen["rule"], unseen["8"], unseen["last"]
+    unseen_rows = json.loads((results / "unseen" / "ceiling.json").read_text())["rows"]
+    unseen_short = sorted(r["best"]["gain_share"] for r in unseen_rows if r["gain_counts"] and r["best"]["gain_share"] < 0.9)
+    assert all("lr0.012" in r["run"] for r in unseen_rows if r["gain_counts"] and r["best"]["gain_share"] < 0.9)
+    for phrase in (
+        f"none worse than its last snapshot beyond one SE (the rule alone: {_words(rule['runs_worse_than_last_beyond_1se']).replace('no', 'none')}; "
+        f"N=8: {_words(eight['runs_worse_than_last_beyond_1se']).replace('no', 'none')})",
+        f"at least 90% of the annealing gain in {auto['runs_recovering_90pct']} of {auto['runs_where_annealing_gains_3se']}, the lowest "
+        f"{_pct(auto['min_gain_share_where_annealing_gains_3se'])} (the rule alone: {rule['runs_recovering_90pct']} of "
+        f"{rule['runs_where_annealing_gains_3se']}, the lowest {_pct(rule['min_gain_share_where_annealing_gains_3se'])})",
+        f"falls short of 90% in {len(unseen_short)} of them ({_pct(unseen_short[0])} to {_pct(unseen_short[-1])}, all at 1.2e-2)",
+        f"tau = 1 in {auto['separated_groups_tau_1']} of the {auto['separated_groups']} separated groups",
+        f"{auto['mae']:.4f} (1/{last['mae'] / auto['mae']:.1f} of the last snapshot's; the rule alone: {rule['mae']:.4f}, "
+        f"1/{last['mae'] / rule['mae']:.1f})",
+    ):
+        assert phrase in unseen_text, phrase
+    assert auto["runs_worse_than_last_beyond_1se"] == 0 and auto["runs"] == 8 and "Eight more runs" in page
+
+    # The one window the wider candidates changed, against the check with halvings only.
+    now = json.loads((results / "results.json").read_text())["rows"]
+    before = json.loads((results / "halvings-only" / "results.json").read_text())["rows"]
+    changed = [(b, a) for b, a in zip(before, now) if b["window"] == "auto" and b["n"] != a["n"]]
+    assert [b["run"] for b, _ in changed] == ["n6000-lr0.012-s0"]
+    (b, a), = changed
+    text = " ".join(page.split())
+    assert (
+        f"took {a['n']} snapshots instead of {b['n']}, {_pct(a['gain_share'])} of its gain instead of {_pct(b['gain_share'])}"
+        in text
+    )
+
+
 def test_the_window_checks_cost_is_the_committed_measurement():
     """choosing-window.md's wall times of compare with and without the check are the medians of
     benchmarks/results/window_check_cost/results.md."""
@@ -427,6 +501,8 @@ def test_the_window_checks_cost_is_the_committed_measurement():
     page = " ".join((REPO_ROOT / "docs" / "choosing-window.md").read_text().split())
     checked, unchecked = medians["checked (default)"], medians["--no-window-check"]
     assert f"a median of {checked} s with the check and {unchecked} s without" in page
+    halvings = dict(re.findall(r"^\| (checked, halvings only|unchecked) \| ([\d.]+) \|", results, re.M))
+    assert f"with the halvings alone it took {halvings['checked, halvings only']} s against {halvings['unchecked']} s" in page
 
 
 def _record_rows(record: dict) -> dict[str, tuple[str, ...]]:
