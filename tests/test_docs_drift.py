@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import inspect
 import json
+import math
 import re
+import statistics
 
 import pytest
 import yaml
 
+from hf_pma.core.window_choice import MAX_SHARE, TREND_LIMIT, TREND_STRATEGY
 from tests.helpers.repo import REPO_ROOT, load_pretrain_script, load_script
 
 CONFIG = yaml.safe_load((REPO_ROOT / "scripts" / "configs" / "tiny.yaml").read_text())
@@ -479,6 +482,38 @@ def test_the_window_page_quotes_the_ceiling_and_the_unseen_runs():
     ):
         assert phrase in unseen_text, phrase
     assert auto["runs_worse_than_last_beyond_1se"] == 0 and auto["runs"] == 8 and "Eight more runs" in page
+
+    # How the constants were chosen: window_tuning.py's evaluation on the tuning documents.
+    tuning = json.loads((results / "tuning.json").read_text())
+    tuning_text = " ".join(page.split("<!-- window-tuning-summary", 1)[1].split("The report documents were looked at", 1)[0].split())
+    run = next(r for r in tuning["runs"] if r["run"] == "n1000-lr0.006-s0")
+
+    def doc_mean(values):
+        return statistics.fmean(v for v in values if not math.isnan(v))
+
+    def share(key):
+        last = doc_mean(run["merges"]["sma:1"])
+        return (doc_mean(run["merges"][key]) - last) / (doc_mean(run["annealed"]) - last)
+
+    wma = [share(f"wma:{k}") for k in range(5, 13)]
+    grid = tuning["grid"]
+    best = max(g["min_share"] for g in grid if g["strategy"] == "wma")
+    at_best = [g for g in grid if g["strategy"] == "wma" and _pct(g["min_share"]) == _pct(best)]
+    check = tuning["check"]
+    for phrase in (
+        f"SMA falls from {_pct(share('sma:5'))} at 5 snapshots to {_pct(share('sma:11'))} at 11, WMA stays within "
+        f"{_pct(min(wma))} to {_pct(max(wma))} from 5 to 12",
+        f"the highest lowest share of the annealing gain on those documents ({_pct(best)}, no run worse",
+        f"came with caps of {_pct(min(g['cap'] for g in at_best))} to {_pct(max(g['cap'] for g in at_best))} and limits of "
+        f"{min(g['limit'] for g in at_best):g} to {max(g['limit'] for g in at_best):g} (with SMA at best "
+        f"{_pct(max(g['min_share'] for g in grid if g['strategy'] == 'sma'))})",
+        f"with the wider candidates its lowest share is {_pct(check['wider']['min_share'])}, with the halvings alone "
+        f"{_pct(check['halvings']['min_share'])}; the wider candidates change the window of "
+        f"{_words(len(check['changed_by_wider']))} run, the 6,000-step run at 1.2e-2",
+    ):
+        assert phrase in tuning_text, phrase
+    assert all(g["worse"] == 0 for g in at_best) and check["changed_by_wider"] == ["n6000-lr0.012-s0"]
+    assert (MAX_SHARE, TREND_LIMIT, TREND_STRATEGY) in {(g["cap"], g["limit"], g["strategy"]) for g in at_best}
 
     # The one window the wider candidates changed, against the check with halvings only.
     now = json.loads((results / "results.json").read_text())["rows"]
