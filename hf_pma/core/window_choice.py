@@ -4,8 +4,9 @@ chosen from what the run recorded at each snapshot (tokens, learning rate, phase
 Pure Python: no torch, no files. The rule, in three steps:
 
 1. **The stretch.** Walk back from the newest snapshot while the phase is the newest's and, in a
-   constant-LR phase, the learning rate is the same: a merge never mixes warmup weights, or
-   weights from before an LR change, into a constant-LR window. A run whose newest snapshot is
+   constant-LR phase, the learning rate is the same (where the newest's is not recorded, the
+   nearest recorded one's): a merge never mixes warmup weights, or weights from before an LR
+   change, into a constant-LR window. A run whose newest snapshot is
    still in warmup is too early for a merge: the last snapshot is the answer.
 2. **The cap.** The window spans at most :data:`MAX_SHARE` of the tokens trained at the newest
    snapshot (steps when tokens are unknown). Averaging a span that long lags the run by half of it.
