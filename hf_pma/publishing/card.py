@@ -33,6 +33,7 @@ from transformers.utils import logging
 
 from hf_pma.core.manifest import CARD_MARK, CARD_NAME, PLOT_NAME, PMA_SUBDIR
 from hf_pma.core.outputs import bears_mark
+from hf_pma.io.guarded import UnsafeFileError, read_bytes
 from hf_pma.publishing.records import FolderRecords, label_rank, load_records, sanitize_text
 from hf_pma.utils.formatting import format_metric, format_number, metric_label
 from hf_pma.utils.fs import atomic_write_text, check_output_file, hold_claim
@@ -50,6 +51,8 @@ __all__ = [
     "TEMPLATE_NAME",
     "PAPER_URL",
     "template_path",
+    "template_text",
+    "MAX_TEMPLATE_BYTES",
     "eval_table",
     "eval_results_for",
     "comparison_table",
@@ -59,6 +62,8 @@ __all__ = [
 
 TEMPLATE_NAME = "pma_model_card.md"
 PAPER_URL = "https://arxiv.org/abs/2505.12082"
+# The largest card template read (the packaged one is a few KB).
+MAX_TEMPLATE_BYTES = 1 << 20
 _MISSING = "–"
 
 # How the card names a strategy; the EMA's alpha is appended (a record value is never a template).
@@ -628,13 +633,31 @@ def build_model_card(
         "merge_code": merge_code,
         "merge_code_fence": _fence(merge_code),
     }
-    path = Path(template) if template is not None else template_path()
-    card = ModelCard.from_template(card_data, template_path=str(path), **template_vars)
+    card = ModelCard.from_template(card_data, template_str=template_text(template), **template_vars)
     # Tidy the blank lines that Jinja blocks leave behind, and sanitize the whole text once more;
     # no line holds a control character (each value was escaped: this keeps a custom template's too).
     content = re.sub(r"\n{3,}", "\n\n", sanitize_text(card.content)).rstrip() + "\n"
     content = "\n".join(escape(line) for line in content.split("\n"))
     return ModelCard(content)
+
+
+def template_text(template: str | os.PathLike[str] | None = None) -> str:
+    """The text of a card template (``None``: the packaged one), read the guarded way: a regular
+    file after its links (never a FIFO or a device, which would hang or act), at most
+    :data:`MAX_TEMPLATE_BYTES`, UTF-8; else a one-line error naming it."""
+    path = Path(template) if template is not None else template_path()
+    # A template the user names is theirs to place: its links are followed (the filesystem root
+    # confines nothing); it must still be a regular file, small, and UTF-8.
+    try:
+        data = read_bytes(path, Path(path.absolute().anchor), max_bytes=MAX_TEMPLATE_BYTES)
+    except FileNotFoundError as err:
+        raise FileNotFoundError(f"card template {err}") from None
+    except (UnsafeFileError, PermissionError) as err:
+        raise type(err)(f"card template {err}") from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"card template {escape(path)} is not UTF-8 text") from None
 
 
 def write_model_card(

@@ -258,6 +258,42 @@ def test_cli_card(merged, tmp_path, capsys):
     assert "invalid repo id 'not a repo'" in capsys.readouterr().err
 
 
+def test_a_bad_template_is_one_line_naming_it_and_nothing_is_written(merged, tmp_path, capsys):
+    """``--template`` is read the guarded way: a missing file, a folder, a FIFO (which would hang a
+    plain read), text that is not UTF-8 or too large each stop in one line naming the template,
+    before any byte of the card; a link to a real template is the user's and is followed."""
+    import os
+
+    from hf_pma.publishing.card import MAX_TEMPLATE_BYTES
+
+    fifo = tmp_path / "fifo.md"
+    os.mkfifo(fifo)
+    (tmp_path / "latin1.md").write_bytes(b"caf\xe9 {{ card_data }}")
+    (tmp_path / "big.md").write_text("x" * (MAX_TEMPLATE_BYTES + 1))
+    (tmp_path / "folder.md").mkdir()
+    cases = {
+        "missing.md": "does not exist",
+        "folder.md": "is not a regular file (a folder)",
+        "fifo.md": "is not a regular file (a FIFO)",
+        "latin1.md": "is not UTF-8 text",
+        "big.md": f"is larger than {MAX_TEMPLATE_BYTES:,} bytes",
+    }
+    for name, why in cases.items():
+        assert main(["card", str(merged), "--no-plot", "--template", str(tmp_path / name)]) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("hf-pma card: error: card template ") and why in err and "\n" not in err, err
+        assert not (merged / "README.md").exists()
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "card.md").write_text("# {{ model_name }} by link\n{{ card_data }}\n")
+    links = tmp_path / "links"
+    links.mkdir()
+    (links / "card.md").symlink_to(elsewhere / "card.md")
+    assert main(["card", str(merged), "--no-plot", "--template", str(links / "card.md")]) == 0
+    assert "by link" in (merged / "README.md").read_text()
+
+
 def test_template_is_packaged_with_hf_pma():
     path = template_path()
     assert path.name == "pma_model_card.md" and path.parent.name == "model_cards"
