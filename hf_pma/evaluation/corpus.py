@@ -17,8 +17,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+from hf_pma.io.guarded import check_file
 from hf_pma.utils.logs import get_logger
 from hf_pma.utils.names import is_hub_id
+from hf_pma.utils.text import escape
 
 logger = get_logger(__name__)
 
@@ -223,6 +225,9 @@ def load_documents(
                 if _is_saved_dataset(path)
                 else _read_folder(path)
             )
+        elif os.path.lexists(path):  # there, but no file or folder: a FIFO (a read would hang), a device, a dangling link
+            check_file(path, Path(path.absolute().anchor))  # raises, in one line naming it and what it is
+            raise ValueError(f"document source {escape(item)} is not a regular file")
         elif _looks_like_dataset_name(str(item)):
             docs.extend(_read_hub_dataset(str(item), text_column, split))
         else:

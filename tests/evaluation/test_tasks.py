@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import random
+import re
 
 import pytest
 
@@ -145,6 +147,26 @@ def test_make_tasks_cli(tmp_path, capsys):
 
 
 # ---------------------------------------------------------------- reading documents
+
+
+@pytest.mark.parametrize(
+    "make, said",
+    [
+        (lambda p: os.mkfifo(p), "is not a regular file (a FIFO)"),  # a plain read would hang
+        (lambda p: p.symlink_to(p.parent / "nowhere"), "is a symbolic link to nothing (a dangling link)"),
+    ],
+    ids=["fifo", "dangling-link"],
+)
+def test_a_document_source_that_is_no_file_says_what_it_is(tmp_path, make, said):
+    """A source that exists but is neither a file nor a folder is refused in one line saying what
+    it is (it used to be called missing, or tried as a dataset name), and never read."""
+    for name in ("heldout.jsonl", "heldout"):  # the second looks like a dataset name
+        source = tmp_path / name
+        make(source)
+        with pytest.raises(ValueError, match=re.escape(said)) as err:
+            load_documents(source)
+        assert name in str(err.value) and "\n" not in str(err.value)
+        source.unlink()
 
 
 def test_load_documents_from_files(tmp_path):
