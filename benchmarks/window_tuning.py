@@ -34,6 +34,8 @@ from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from window_ceiling import paired  # the paired difference over documents, as the ceiling takes it
+
 HERE = Path(__file__).resolve()
 CAPS = (0.15, 0.2, 0.25, 0.3, 0.35, 0.4)
 LIMITS = (2.0, 3.0, 4.0, 5.0, 6.0)
@@ -103,11 +105,6 @@ def evaluate_run(job: tuple[Path, str, list[str]]) -> dict[str, Any]:
 
 def mean(values: list[float]) -> float:
     return statistics.fmean(v for v in values if not math.isnan(v))
-
-
-def paired(a: list[float], b: list[float]) -> tuple[float, float]:
-    diffs = [x - y for x, y in zip(a, b) if not (math.isnan(x) or math.isnan(y))]
-    return statistics.fmean(diffs), statistics.stdev(diffs) / math.sqrt(len(diffs))
 
 
 def nearest(run: dict[str, Any], strategy: str, k: int) -> list[float]:

@@ -353,7 +353,8 @@ class PMASnapshots:
 
         Raises ``ValueError`` when there is nothing to swap in yet.
         """
-        from hf_pma.core.strategies import resolve_strategy
+        from hf_pma.core.strategies import AUTO_STRATEGY
+        from hf_pma.core.window_choice import merge_strategy
         from hf_pma.merging.engine import merge_state_dict
         from hf_pma.merging.swap import backup_weights, load_weights, restore_weights
         from hf_pma.merging.windows import apply_window
@@ -386,12 +387,13 @@ class PMASnapshots:
             self.accelerator.wait_for_everyone()  # every process sees the main process's manifest
         snapshots = taker.snapshots()  # every process reads the manifest
         chosen, choice = apply_window(snapshots, last=last, fewer=True)
+        strategy, choice = merge_strategy(AUTO_STRATEGY, choice, len(chosen))
         if choice is not None:
             logger.info(f"PMASnapshots.swapped(): {choice.describe()}")
         listed = [folder for _, folder in chosen]
         if not listed:
             raise ValueError(f"PMASnapshots.swapped(): no snapshot in {escape(taker.pma_dir)} yet")
-        merged = merge_state_dict(listed, strategy=resolve_strategy("auto", choice, len(listed)))
+        merged = merge_state_dict(listed, strategy=strategy)
         target = unwrap_model(model)
         backup = backup_weights(target)
         try:

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
-from hf_pma.core.strategies import AUTO_STRATEGY, resolve_strategy, validate_strategy
+from hf_pma.core.strategies import AUTO_STRATEGY, validate_strategy
 from hf_pma.core.window_choice import check_window_count, merge_strategy
 from hf_pma.merging.engine import merge_state_dict
 from hf_pma.merging.sources import resolve_sources
@@ -224,6 +224,7 @@ def recover_from_spike(
         taker.exclude_snapshots(during, reason=f"loss spike at step {step}")
     all_ranks_checked(lambda: None, "waiting for the main process")
     usable, choice = apply_window(taker.snapshots(), last=last, fewer=True)
+    strategy, choice = merge_strategy(AUTO_STRATEGY, choice, len(usable))
     if choice is not None:
         logger.warning(f"loss-spike recovery at step {step}: {choice.describe()}")
     if not usable:
@@ -231,7 +232,6 @@ def recover_from_spike(
         raise LossSpikeError(
             f"loss spike at step {step}{said} but no snapshot was taken before it to recover from; {hint}"
         )
-    strategy = resolve_strategy("auto", choice, len(usable))
     load_weights(
         model,
         merge_state_dict([path for _, path in usable], strategy=strategy),
